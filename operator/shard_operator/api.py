@@ -1,0 +1,310 @@
+"""The ShardedModel API (`sharding.dev/v1alpha1`): spec and status as pydantic models.
+
+These models are the single source of the CRD (`crd.py` generates `crds/shardedmodels.yaml` from
+them) and of validation messages. Field names are the Kubernetes ones (camelCase) on the wire and
+snake_case in Python.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
+from pydantic.alias_generators import to_camel
+
+GROUP = "sharding.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "ShardedModel"
+PLURAL = "shardedmodels"
+SINGULAR = "shardedmodel"
+SHORT_NAMES = ["sm"]
+
+PHASES = ("Pending", "Planning", "Loading", "Ready", "Rebalancing", "Degraded", "Failed")
+Phase = Literal["Pending", "Planning", "Loading", "Ready", "Rebalancing", "Degraded", "Failed"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Auto = Literal["auto"]
+# Kubernetes int-or-string: a positive integer, or "auto" to let the planner choose.
+Degree = Annotated[int, Field(ge=1)] | Auto
+
+
+class ApiModel(BaseModel):
+    """Kubernetes conventions: camelCase on the wire, unknown fields rejected."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
+                              validate_default=True)
+
+    def dump(self) -> dict[str, Any]:
+        """The wire form: camelCase keys, unset optional fields left out."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# ---------------------------------------------------------------- spec
+class PvcSource(ApiModel):
+    claim_name: str = Field(min_length=1, description="Name of a PersistentVolumeClaim in the model's namespace.")
+
+
+class HostPathSource(ApiModel):
+    path: str = Field(min_length=1, description="Directory on every node of the pool.")
+
+
+class ImageSource(ApiModel):
+    reference: str = Field(min_length=1, description="OCI image holding the model files (image volume).")
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+
+
+class ModelVolume(ApiModel):
+    """Where the checkpoint lives. Exactly one source; mounted read-only at /models in workers."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": "[has(self.pvc), has(self.hostPath), has(self.image)].filter(x, x).size() == 1",
+        "message": "give exactly one of pvc, hostPath or image"}]})
+
+    pvc: PvcSource | None = None
+    host_path: HostPathSource | None = None
+    image: ImageSource | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "ModelVolume":
+        given = [name for name in ("pvc", "hostPath", "image")
+                 if getattr(self, to_snake(name)) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of pvc, hostPath or image (got {given or 'none'})")
+        return self
+
+
+class ModelSpec(ApiModel):
+    path: str = Field(min_length=1, description=(
+        "Model directory (config.json + safetensors). Relative to the volume's root when a volume "
+        "is given; otherwise a path on the node, or relative to the YAML file for `shardctl`."))
+    volume: ModelVolume | None = None
+    dtype: Dtype = Field("auto", description="Runtime dtype; auto keeps the checkpoint's.")
+    max_model_len: int | None = Field(None, ge=1, description=(
+        "Longest sequence (prompt + generated) served; sizes the KV cache. Default: the model's "
+        "max_position_embeddings, at most 4096."))
+    max_batch_size: int = Field(1, ge=1, description="Sequences decoded together; sizes the KV cache.")
+
+
+class Parallelism(ApiModel):
+    tensor: Degree = Field("auto", description="Tensor-parallel degree, or auto.")
+    pipeline: Degree = Field("auto", description="Pipeline stages, or auto.")
+    layer_partition: list[Annotated[int, Field(ge=1)]] | None = Field(None, description=(
+        "Decoder layers per pipeline stage, first to last. Checked against memory, not trusted."))
+
+    @model_validator(mode="after")
+    def _partition_matches_pipeline(self) -> "Parallelism":
+        if self.layer_partition is not None and isinstance(self.pipeline, int) \
+                and len(self.layer_partition) != self.pipeline:
+            raise ValueError(f"layerPartition has {len(self.layer_partition)} stages but "
+                             f"pipeline is {self.pipeline}")
+        return self
+
+
+class Toleration(ApiModel):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class Topology(ApiModel):
+    spread_replicas: bool = Field(True, description="Prefer different nodes for different replicas.")
+
+
+class Placement(ApiModel):
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Labels that define the node pool.")
+    tolerations: list[Toleration] = Field(default_factory=list)
+    gpu_resource: str = Field("nvidia.com/gpu", min_length=1, description="Extended resource of one GPU.")
+    memory_headroom: float = Field(0.1, ge=0.0, lt=1.0, description=(
+        "Fraction of every device's memory kept free (allocator fragmentation, spikes)."))
+    topology: Topology = Field(default_factory=Topology)
+
+
+class Rollout(ApiModel):
+    max_surge: int = Field(1, ge=0, description="Extra groups allowed during a rebalance.")
+    max_unavailable: int = Field(0, ge=0, description="Groups that may be down during a rebalance.")
+
+
+class EnvVar(ApiModel):
+    name: str = Field(min_length=1)
+    value: str = ""
+
+
+class Resources(ApiModel):
+    requests: dict[str, str] = Field(default_factory=dict)
+    limits: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("requests", "limits", mode="before")
+    @classmethod
+    def _quantities_as_strings(cls, value: Any) -> Any:
+        # Kubernetes quantities are int-or-string; keep them as the strings Kubernetes prints.
+        if isinstance(value, dict):
+            return {k: str(v) for k, v in value.items()}
+        return value
+
+
+class WorkerSpec(ApiModel):
+    image: str | None = Field(None, description="Worker image; default: the operator's setting.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    resources: Resources = Field(default_factory=Resources, description="CPU/memory for each rank's pod; the GPU is added.")
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment, e.g. NCCL_SOCKET_IFNAME.")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port of the API and /metrics.")
+    rendezvous_port: int = Field(29500, ge=1, le=65535, description="torch.distributed MASTER_PORT.")
+    rendezvous_timeout_seconds: int = Field(600, ge=1)
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL on GPUs, gloo on CPUs.")
+
+
+class ShardedModelSpec(ApiModel):
+    model: ModelSpec
+    parallelism: Parallelism = Field(default_factory=Parallelism)
+    replicas: int = Field(1, ge=0, description="Data-parallel copies of the whole sharded group.")
+    placement: Placement = Field(default_factory=Placement)
+    rollout: Rollout = Field(default_factory=Rollout)
+    worker: WorkerSpec = Field(default_factory=WorkerSpec)
+
+
+# ---------------------------------------------------------------- status
+class StageStatus(ApiModel):
+    stage: int
+    layers: list[int] = Field(description="[start, stop) of the decoder layers of this stage.")
+
+
+class PlanSummary(ApiModel):
+    tensor_parallel: int
+    pipeline_parallel: int
+    stages: list[StageStatus] = Field(default_factory=list)
+    imbalance: float = 0.0
+    hash: str = ""
+    reason: str = ""
+    max_predicted_bytes: int = 0
+
+
+class ShardStatus(ApiModel):
+    group: int
+    rank: int
+    pod: str
+    node: str = ""
+    device: str = ""
+    stage: int = 0
+    tp_rank: int = 0
+    layers: list[int] = Field(default_factory=list)
+    predicted_bytes: int = 0
+    resident_bytes: int | None = None
+    state: str = "Pending"
+
+
+class Condition(ApiModel):
+    type: Literal["Available", "Progressing", "Degraded"]
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class ShardedModelStatus(ApiModel):
+    phase: Phase = "Pending"
+    observed_generation: int | None = None
+    replicas: int = 0
+    ready_replicas: int = 0
+    selector: str = Field("", description="Label selector of the leader pods (scale subresource).")
+    plan: PlanSummary | None = None
+    shards: list[ShardStatus] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list)
+
+
+class ObjectMeta(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1)
+    namespace: str | None = None
+
+
+class ShardedModel(ApiModel):
+    api_version: Literal["sharding.dev/v1alpha1"] = API_VERSION
+    kind: Literal["ShardedModel"] = KIND
+    metadata: ObjectMeta
+    spec: ShardedModelSpec
+    status: ShardedModelStatus | None = None
+
+
+# ---------------------------------------------------------------- helpers
+def to_snake(name: str) -> str:
+    return "".join("_" + c.lower() if c.isupper() else c for c in name)
+
+
+class SpecError(ValueError):
+    """A ShardedModel that cannot be accepted; the message names every offending field."""
+
+
+def _field_path(loc: tuple[Any, ...], root: str) -> str:
+    # pydantic adds union members to the location ("constrained-int", "literal['auto']"): drop them.
+    parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p.startswith("constrained-")
+                                                                   or p in ("int", "str", "float")))]
+    return ".".join(p for p in [root, *parts] if p)
+
+
+def explain(err: ValidationError, root: str = "") -> str:
+    """One line per offending field, named as a Kubernetes user writes it."""
+    lines: dict[str, str] = {}
+    for error in err.errors():
+        path = _field_path(error["loc"], root)
+        given = error.get("input")
+        if any(isinstance(p, str) and p == "literal['auto']" for p in error["loc"]):
+            lines[path] = f"{path}: must be a positive integer or \"auto\" (got {given!r})"
+        elif error["type"] == "extra_forbidden":
+            lines[path] = f"{path}: unknown field (check its spelling and indentation)"
+        elif error["type"] == "missing":
+            lines[path] = f"{path}: required"
+        elif error["type"] == "value_error":
+            lines.setdefault(path, f"{path or 'spec'}: {error['msg'].removeprefix('Value error, ')}")
+        else:
+            message = error["msg"].removeprefix("Input should be ").removeprefix("Value error, ")
+            lines.setdefault(path, f"{path}: should be {message} (got {given!r})")
+    return "\n".join(lines.values())
+
+
+def parse_sharded_model(obj: dict[str, Any]) -> ShardedModel:
+    """Validate a whole ShardedModel object (as read from YAML or the API)."""
+    if not isinstance(obj, dict):
+        raise SpecError(f"expected a ShardedModel object, got {type(obj).__name__}")
+    try:
+        return ShardedModel.model_validate(obj)
+    except ValidationError as err:
+        name = (obj.get("metadata") or {}).get("name", "?") if isinstance(obj.get("metadata"), dict) else "?"
+        raise SpecError(f"ShardedModel {name} is invalid:\n{explain(err)}") from None
+
+
+def parse_spec(spec: dict[str, Any]) -> ShardedModelSpec:
+    """Validate just the spec (what the operator receives)."""
+    try:
+        return ShardedModelSpec.model_validate(spec or {})
+    except ValidationError as err:
+        raise SpecError(explain(err, root="spec")) from None
+
+
+def load_sharded_models(path: str | os.PathLike[str]) -> list[ShardedModel]:
+    """Every ShardedModel in a YAML file (other kinds in a multi-document file are skipped)."""
+    text = Path(path).read_text()
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d]
+    except yaml.YAMLError as err:
+        raise SpecError(f"{path}: not valid YAML: {err}") from None
+    models = [parse_sharded_model(d) for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
+    if not models:
+        raise SpecError(f"{path}: no object of kind {KIND} found")
+    return models
+
+
+def resolve_model_dir(model: ModelSpec, base: str | os.PathLike[str] | None = None) -> Path:
+    """The local directory of the model, when it can be known without a cluster."""
+    if model.volume is not None and model.volume.host_path is not None:
+        return Path(model.volume.host_path.path) / model.path
+    if model.volume is not None:
+        raise SpecError("spec.model.volume is a PVC or image volume: pass --model-dir to use it locally")
+    path = Path(model.path)
+    return path if path.is_absolute() or base is None else Path(base) / path

@@ -1,0 +1,249 @@
+"""Devices the planner may use: from Kubernetes Nodes, a compact string, or the local machine.
+
+A device is one GPU (or one CPU rank budget on a laptop). Its `speed` is its memory bandwidth in
+TB/s, because decoding reads every weight once per token: a device twice as fast streams its layers
+in half the time. Known GPU products get their datasheet bandwidth; anything else gets 1.0 unless
+the node says otherwise (label `sharding.dev/gpu-speed`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+import yaml
+from pydantic import BaseModel, Field
+
+from .api import Placement, Toleration
+from .units import MiB, parse_bytes
+
+SPEED_LABEL = "sharding.dev/gpu-speed"
+MEMORY_LABEL = "nvidia.com/gpu.memory"  # MiB, from GPU feature discovery
+PRODUCT_LABEL = "nvidia.com/gpu.product"
+COUNT_LABEL = "nvidia.com/gpu.count"
+CPU_SPEED = 0.015  # TB/s: one core streaming decode-shaped matmuls (measured, ~15 GB/s)
+
+# HBM bandwidth in TB/s from the vendors' datasheets (NVIDIA), matched as substrings of the GFD
+# product label, most specific first.
+KNOWN_BANDWIDTH: tuple[tuple[str, float], ...] = (
+    ("GB200", 8.0), ("B200", 8.0), ("H200", 4.8), ("H100-NVL", 3.9), ("H100-PCIE", 2.0),
+    ("H100", 3.35), ("H800", 3.35), ("A100-SXM4-80GB", 2.039), ("A100-PCIE-80GB", 1.935),
+    ("A100", 1.555), ("A800", 2.039), ("L40S", 0.864), ("L40", 0.864), ("A40", 0.696),
+    ("A10G", 0.6), ("A10", 0.6), ("L4", 0.3), ("T4", 0.32), ("V100", 0.9), ("RTX-4090", 1.008),
+    ("RTX-6000-ADA", 0.96),
+)
+
+
+class Device(BaseModel):
+    node: str
+    index: int = Field(description="Index of the device on its node.")
+    kind: Literal["gpu", "cpu"] = "gpu"
+    product: str = ""
+    memory_bytes: int = Field(gt=0)
+    speed: float = Field(1.0, gt=0, description="Memory bandwidth in TB/s (relative speed).")
+    zone: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{'cuda' if self.kind == 'gpu' else 'cpu'}:{self.index}"
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.node, self.index)
+
+
+class SkippedNode(BaseModel):
+    node: str
+    reason: str
+
+
+class Inventory(BaseModel):
+    devices: list[Device] = Field(default_factory=list)
+    skipped: list[SkippedNode] = Field(default_factory=list)
+
+    def nodes(self) -> list[str]:
+        return sorted({d.node for d in self.devices})
+
+    def describe(self) -> str:
+        """One line per kind of device, e.g. '4 x 80.0 GiB (H100) on node-a'."""
+        groups: dict[tuple, list[Device]] = {}
+        for d in self.devices:
+            groups.setdefault((d.memory_bytes, d.product, d.speed), []).append(d)
+        parts = []
+        for (memory, product, _), devs in sorted(groups.items(), key=lambda kv: -kv[0][0]):
+            nodes = sorted({d.node for d in devs})
+            where = nodes[0] if len(nodes) == 1 else f"{len(nodes)} nodes"
+            label = f" ({product})" if product else ""
+            parts.append(f"{len(devs)} x {memory / 2**30:.1f} GiB{label} on {where}")
+        return "; ".join(parts) or "no devices"
+
+
+def bandwidth_of(product: str) -> float:
+    normalized = product.upper().replace(" ", "-").replace("_", "-")
+    for needle, tbps in KNOWN_BANDWIDTH:
+        if needle in normalized:
+            return tbps
+    return 1.0
+
+
+# ---------------------------------------------------------------- Kubernetes nodes
+def _tolerates(tolerations: list[Toleration], taint: dict[str, Any]) -> bool:
+    for t in tolerations:
+        if t.effect is not None and t.effect != taint.get("effect"):
+            continue
+        if t.key is None and t.operator == "Exists":
+            return True
+        if t.key != taint.get("key"):
+            continue
+        if t.operator == "Exists" or (t.value or "") == (taint.get("value") or ""):
+            return True
+    return False
+
+
+def _skip_reason(node: dict[str, Any], placement: Placement) -> str | None:
+    meta, spec, status = node.get("metadata", {}), node.get("spec") or {}, node.get("status") or {}
+    labels = meta.get("labels") or {}
+    for key, value in placement.node_selector.items():
+        if labels.get(key) != value:
+            return f"not in the node pool ({key}={labels.get(key, '<unset>')}, want {value})"
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+    if ready is None or ready.get("status") != "True":
+        return "NotReady"
+    if spec.get("unschedulable"):
+        return "cordoned"
+    for taint in spec.get("taints") or []:
+        if taint.get("effect") in ("NoSchedule", "NoExecute") and not _tolerates(placement.tolerations, taint):
+            return f"tainted {taint.get('key')}={taint.get('value', '')}:{taint.get('effect')} (not tolerated)"
+    allocatable = (status.get("allocatable") or {}).get(placement.gpu_resource)
+    if allocatable in (None, "0", 0):
+        return f"no allocatable {placement.gpu_resource}"
+    if MEMORY_LABEL not in labels:
+        return f"no {MEMORY_LABEL} label (GPU feature discovery not running?)"
+    return None
+
+
+def devices_from_node(node: dict[str, Any], placement: Placement) -> list[Device]:
+    """The GPUs one Node offers to this model (empty when skipped; see `_skip_reason`)."""
+    if _skip_reason(node, placement) is not None:
+        return []
+    meta, status = node["metadata"], node.get("status") or {}
+    labels = meta.get("labels") or {}
+    count = int(str(status["allocatable"][placement.gpu_resource]))
+    product = labels.get(PRODUCT_LABEL, "")
+    speed = float(labels[SPEED_LABEL]) if SPEED_LABEL in labels else bandwidth_of(product)
+    memory = int(labels[MEMORY_LABEL]) * MiB
+    zone = labels.get("topology.kubernetes.io/zone", "")
+    return [Device(node=meta["name"], index=i, kind="gpu", product=product, memory_bytes=memory,
+                   speed=speed, zone=zone) for i in range(count)]
+
+
+def inventory_from_nodes(nodes: Iterable[dict[str, Any]], placement: Placement | None = None) -> Inventory:
+    placement = placement or Placement()
+    inventory = Inventory()
+    for node in sorted(nodes, key=lambda n: n["metadata"]["name"]):
+        reason = _skip_reason(node, placement)
+        if reason is not None:
+            inventory.skipped.append(SkippedNode(node=node["metadata"]["name"], reason=reason))
+        else:
+            inventory.devices.extend(devices_from_node(node, placement))
+    return inventory
+
+
+def load_nodes(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Nodes from `kubectl get nodes -o yaml` (a List) or a multi-document YAML of Nodes."""
+    docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
+    nodes: list[dict[str, Any]] = []
+    for doc in docs:
+        if doc.get("kind") in ("List", "NodeList"):
+            nodes.extend(item for item in doc.get("items") or [] if item.get("kind", "Node") == "Node")
+        elif doc.get("kind") == "Node":
+            nodes.append(doc)
+    if not nodes:
+        raise ValueError(f"{path}: no Node objects (write it with `kubectl get nodes -o yaml`)")
+    return nodes
+
+
+# ---------------------------------------------------------------- compact string
+_DEVICE_SPEC = re.compile(r"^(?P<node>[A-Za-z0-9._-]+):(?P<mem>[0-9.]+[A-Za-z]*)"
+                          r"(?:\*(?P<count>\d+))?(?:@(?P<speed>[0-9.]+))?(?::(?P<product>[A-Za-z0-9._-]+))?$")
+
+
+def parse_devices(text: str, kind: Literal["gpu", "cpu"] = "gpu") -> Inventory:
+    """Devices from "node-a:80GiB*4,node-b:24GiB*2@0.5": NODE:MEMORY[*COUNT][@SPEED][:PRODUCT].
+
+    SPEED is relative memory bandwidth (TB/s for GPUs); PRODUCT sets it from the known table.
+    """
+    devices: list[Device] = []
+    next_index: dict[str, int] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        match = _DEVICE_SPEC.match(item)
+        if not match:
+            raise ValueError(f"device spec {item!r}: write NODE:MEMORY[*COUNT][@SPEED][:PRODUCT], "
+                             "e.g. node-a:80GiB*4 or node-b:24GiB*2@0.3")
+        memory = parse_bytes(match["mem"])
+        if memory <= 0:
+            raise ValueError(f"device spec {item!r}: memory must be positive")
+        product = match["product"] or ""
+        default_speed = CPU_SPEED if kind == "cpu" else (bandwidth_of(product) if product else 1.0)
+        speed = float(match["speed"]) if match["speed"] else default_speed
+        if speed <= 0:
+            raise ValueError(f"device spec {item!r}: speed must be positive")
+        node = match["node"]
+        for _ in range(int(match["count"] or 1)):
+            index = next_index.get(node, 0)
+            next_index[node] = index + 1
+            devices.append(Device(node=node, index=index, kind=kind, product=product,
+                                  memory_bytes=memory, speed=speed))
+    if not devices:
+        raise ValueError("no devices given")
+    return Inventory(devices=devices)
+
+
+# ---------------------------------------------------------------- this machine
+def _available_memory() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _cuda_devices(node: str) -> list[Device]:
+    """CUDA devices through nvidia-smi, so the control plane needs no torch."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total,name", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (subprocess.SubprocessError, OSError):
+        return []
+    devices = []
+    for index, line in enumerate(l for l in out.splitlines() if l.strip()):
+        memory, name = (part.strip() for part in line.split(",", 1))
+        devices.append(Device(node=node, index=index, kind="gpu", product=name,
+                              memory_bytes=int(float(memory)) * MiB, speed=bandwidth_of(name)))
+    return devices
+
+
+def local_inventory(ranks: int | None = None, budget_bytes: int | None = None,
+                    node: str = "localhost") -> Inventory:
+    """This machine: its CUDA devices when present, else `ranks` CPU devices sharing its memory.
+
+    A CPU device is a rank's memory budget; by default the available memory split over one rank
+    per core (at least two), keeping a quarter for everything else.
+    """
+    gpus = _cuda_devices(node)
+    if gpus:
+        return Inventory(devices=gpus)
+    ranks = ranks or max(2, os.cpu_count() or 2)
+    budget = budget_bytes or int(_available_memory() * 0.75 / ranks)
+    return Inventory(devices=[Device(node=node, index=i, kind="cpu", product="cpu", memory_bytes=budget,
+                                     speed=CPU_SPEED) for i in range(ranks)])

@@ -1,0 +1,127 @@
+"""The Plan: the one contract between the control plane and the workers.
+
+Torch-free and JSON-serialisable. The operator mounts it in every pod (ConfigMap), `shardctl`
+hands it to local ranks, and each worker reads its own `RankPlan` from it: which layers, which TP
+rank, which device, and how many bytes it is predicted to hold.
+
+Ranks are numbered within a group with the tensor-parallel rank innermost:
+`rank = stage * tensor_parallel + tp_rank` (as Megatron and vLLM do), so TP peers are adjacent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class PredictedBytes(BaseModel):
+    weights: int
+    kv_cache: int
+    activations: int
+    overhead: int
+    total: int = 0
+
+    def model_post_init(self, _context: object) -> None:
+        self.total = self.weights + self.kv_cache + self.activations + self.overhead
+
+
+class RankPlan(BaseModel):
+    replica: int
+    rank: int = Field(description="Rank within the group (torch.distributed RANK).")
+    stage: int
+    tp_rank: int
+    node: str
+    device: str = Field(description="cuda:N or cpu:N on that node.")
+    device_index: int
+    kind: Literal["gpu", "cpu"]
+    product: str = ""
+    layers: tuple[int, int] = Field(description="[start, stop) of the decoder layers.")
+    embeds: bool = Field(description="Holds the token embeddings (first stage).")
+    has_lm_head: bool = Field(description="Holds the final norm and LM head (last stage).")
+    capacity_bytes: int
+    usable_bytes: int = Field(description="capacity minus the headroom.")
+    predicted_bytes: PredictedBytes
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
+class StagePlan(BaseModel):
+    stage: int
+    layers: tuple[int, int]
+    seconds_per_token: float = Field(description="Estimated decode time of this stage per token.")
+
+
+class GroupPlan(BaseModel):
+    replica: int
+    stages: list[StagePlan]
+    imbalance: float = Field(description="slowest stage / mean stage - 1; 0 is perfectly balanced.")
+    critical_path_seconds: float = Field(description="Estimated time of one decode step through all stages.")
+
+
+class Plan(BaseModel):
+    model: str
+    architecture: str
+    profile_digest: str = ""
+    dtype: str = Field(description="Runtime dtype of the weights and KV cache.")
+    num_layers: int
+    tensor_parallel: int
+    pipeline_parallel: int
+    replicas: int
+    max_model_len: int
+    max_batch_size: int
+    memory_headroom: float
+    groups: list[GroupPlan]
+    ranks: list[RankPlan]
+    reason: str = Field("", description="Why this TP x PP was chosen.")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
+
+    @property
+    def stages(self) -> list[StagePlan]:
+        return self.groups[0].stages if self.groups else []
+
+    @property
+    def imbalance(self) -> float:
+        return max((g.imbalance for g in self.groups), default=0.0)
+
+    def group(self, replica: int) -> list[RankPlan]:
+        return [r for r in self.ranks if r.replica == replica]
+
+    def rank_plan(self, replica: int, rank: int) -> RankPlan:
+        for r in self.ranks:
+            if r.replica == replica and r.rank == rank:
+                return r
+        raise KeyError(f"plan has no rank {rank} in replica {replica}")
+
+    def group_hash(self, replica: int) -> str:
+        """Identity of one group's placement: changes exactly when its pods must be replaced."""
+        placement = [(r.rank, r.node, r.device, r.layers, r.tp_rank, r.stage) for r in self.group(replica)]
+        key = json.dumps([self.model, self.profile_digest, self.dtype, self.tensor_parallel,
+                          self.pipeline_parallel, self.max_model_len, self.max_batch_size, placement])
+        return hashlib.sha256(key.encode()).hexdigest()[:10]
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256("".join(self.group_hash(g.replica) for g in self.groups).encode()).hexdigest()[:10]
+
+    def to_json_dict(self) -> dict:
+        """The documented JSON form (docs/planner.md)."""
+        data = self.model_dump(mode="json")
+        data["stages"] = [s.model_dump(mode="json") for s in self.stages]
+        data["imbalance"] = self.imbalance
+        data["hash"] = self.hash
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_json_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.model_validate_json(text)

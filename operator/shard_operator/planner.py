@@ -1,0 +1,490 @@
+"""The planner: profile + devices + spec -> Plan. Pure and deterministic.
+
+How it decides, in order:
+1. Candidate tensor degrees divide the attention heads, the MLP width and (either way) the KV heads,
+   and fit in one node (a TP group never crosses a node: its all-reduces run every layer).
+2. Each node's devices, largest first, are cut into TP blocks; a block is as big and as fast as its
+   smallest device. For every (TP, PP) each replica takes PP blocks (fastest, roomiest, or all of
+   one kind -- whichever gives the shortest decode step) and arranges them into stages.
+3. Layers go to stages one at a time, each to the stage that would finish it soonest and still has
+   memory for it. Layers are identical work, so this greedy minimises the slowest stage (the
+   pipeline's throughput) while every rank fits: a device twice as big and fast gets about twice
+   the layers.
+4. Among feasible layouts: the shortest critical path (one decode step through every stage,
+   collectives and hops included); layouts within `tolerance` of it count as ties and the one
+   with fewer devices wins.
+When nothing fits, `PlanError` says how much is needed, what the pool has, and what would fit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from .api import ShardedModelSpec
+from .inventory import Device, Inventory
+from .plan import GroupPlan, Plan, PredictedBytes, RankPlan, StagePlan
+from .profile import ModelProfile
+from .sizing import (ALLREDUCE_SECONDS, HOP_ACROSS_NODES_SECONDS, HOP_SECONDS, RUNTIME_OVERHEAD,
+                     Shard, activation_bytes, kv_cache_bytes, layer_weight_numel, stage_seconds,
+                     tp_problem, valid_tensor_degrees, weight_bytes)
+from .units import gib
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+class PlanError(ValueError):
+    """No layout fits. `reason` is a condition reason; the message says what would help."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    runtime_overhead: dict[str, int] = field(default_factory=lambda: dict(RUNTIME_OVERHEAD))
+    tolerance: float = 0.10  # critical paths this close count as equal; fewer devices wins
+
+
+@dataclass(frozen=True)
+class Block:
+    """A tensor-parallel group's devices: all on one node, as big and fast as the smallest."""
+
+    node: str
+    devices: tuple[Device, ...]
+    memory: int
+    speed: float
+    kind: str
+
+    @classmethod
+    def of(cls, node: str, devices: tuple[Device, ...]) -> "Block":
+        return cls(node=node, devices=devices, memory=min(d.memory_bytes for d in devices),
+                   speed=min(d.speed for d in devices), kind=devices[0].kind)
+
+    @property
+    def shape(self) -> tuple:
+        """Blocks with equal shape are interchangeable."""
+        return (self.memory, self.speed, self.kind)
+
+    @property
+    def order(self) -> tuple:
+        return (self.node, self.devices[0].index)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the spec asks for, resolved against the profile."""
+
+    dtype: str
+    max_len: int
+    batch: int
+    replicas: int
+    headroom: float
+    spread_replicas: bool
+
+
+@dataclass
+class GroupLayout:
+    blocks: list[Block]
+    counts: list[int]
+    stage_seconds: list[float]
+    critical_path: float
+
+    @property
+    def bottleneck(self) -> float:
+        return max(self.stage_seconds)
+
+
+@dataclass
+class Candidate:
+    tp: int
+    pp: int
+    groups: list[GroupLayout]
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp * len(self.groups)
+
+    @property
+    def critical_path(self) -> float:
+        return max(g.critical_path for g in self.groups)
+
+
+# ---------------------------------------------------------------- entry point
+def plan(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
+         options: PlannerOptions | None = None) -> Plan:
+    options = options or PlannerOptions()
+    request = _resolve_request(profile, spec)
+    if not inventory.devices:
+        skipped = "; ".join(f"{s.node}: {s.reason}" for s in inventory.skipped) or "no nodes"
+        raise PlanError("NoDevices", f"no usable devices in the node pool ({skipped})")
+    tps = _tensor_candidates(profile, spec, inventory)
+    pps = _pipeline_candidates(profile, spec)
+    partition = spec.parallelism.layer_partition
+    if partition is not None and sum(partition) != profile.num_layers:
+        raise PlanError("InvalidParallelism", f"spec.parallelism.layerPartition {partition} places "
+                        f"{sum(partition)} layers; the model has {profile.num_layers}")
+    wanted = max(request.replicas, 1)
+    costs = Costs(profile, request, options)
+    found: list[Candidate] = []
+    for tp in tps:
+        blocks = make_blocks(inventory.devices, tp)
+        previous: float | None = None
+        for pp in pps:
+            if len(blocks) < pp * wanted:
+                break
+            candidate = _place_replicas(costs, blocks, tp, pp, wanted, partition)
+            if candidate is None:
+                continue
+            found.append(candidate)
+            # More stages only add hops and slower devices once a layout fits: stop when worse.
+            if previous is not None and candidate.critical_path >= previous:
+                break
+            previous = candidate.critical_path
+    if not found:
+        raise PlanError("InsufficientCapacity", explain_infeasible(profile, spec, request, inventory, tps, options))
+    best = _choose(found, options.tolerance)
+    return _to_plan(profile, spec, request, options, best, found)
+
+
+def _resolve_request(profile: ModelProfile, spec: ShardedModelSpec) -> Request:
+    dtype = profile.dtype if spec.model.dtype == "auto" else spec.model.dtype
+    max_len = spec.model.max_model_len or min(profile.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    if max_len > profile.max_position_embeddings:
+        raise PlanError("InvalidSpec", f"spec.model.maxModelLen {max_len} exceeds the model's "
+                        f"max_position_embeddings {profile.max_position_embeddings}")
+    return Request(dtype=dtype, max_len=max_len, batch=spec.model.max_batch_size,
+                   replicas=spec.replicas, headroom=spec.placement.memory_headroom,
+                   spread_replicas=spec.placement.topology.spread_replicas)
+
+
+def _tensor_candidates(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory) -> list[int]:
+    per_node: dict[str, int] = {}
+    for d in inventory.devices:
+        per_node[d.node] = per_node.get(d.node, 0) + 1
+    widest = max(per_node.values())
+    tensor = spec.parallelism.tensor
+    if tensor == "auto":
+        return valid_tensor_degrees(profile, widest)
+    problem = tp_problem(profile, tensor)
+    if problem:
+        valid = ", ".join(map(str, valid_tensor_degrees(profile, max(8, widest))))
+        raise PlanError("InvalidParallelism", f"spec.parallelism.tensor: {problem}; valid: {valid}")
+    if tensor > widest:
+        raise PlanError("InsufficientCapacity", f"spec.parallelism.tensor={tensor} needs {tensor} devices "
+                        f"on one node; the largest node in the pool has {widest}")
+    return [tensor]
+
+
+def _pipeline_candidates(profile: ModelProfile, spec: ShardedModelSpec) -> list[int]:
+    pipeline, partition = spec.parallelism.pipeline, spec.parallelism.layer_partition
+    if partition is not None:
+        return [len(partition)]
+    if pipeline == "auto":
+        return list(range(1, profile.num_layers + 1))
+    if pipeline > profile.num_layers:
+        raise PlanError("InvalidParallelism", f"spec.parallelism.pipeline={pipeline} exceeds the "
+                        f"{profile.num_layers} decoder layers")
+    return [pipeline]
+
+
+# ---------------------------------------------------------------- blocks
+def make_blocks(devices: Iterable[Device], tp: int) -> list[Block]:
+    """Cut each node's devices into TP groups, largest and fastest first, so small and big
+    devices are not mixed in one group when the node has enough of each."""
+    by_node: dict[str, list[Device]] = {}
+    for d in devices:
+        by_node.setdefault(d.node, []).append(d)
+    blocks = []
+    for node in sorted(by_node):
+        devs = sorted(by_node[node], key=lambda d: (-d.memory_bytes, -d.speed, d.index))
+        for start in range(0, len(devs) - tp + 1, tp):
+            blocks.append(Block.of(node, tuple(devs[start:start + tp])))
+    return blocks
+
+
+# ---------------------------------------------------------------- one stage's cost
+@dataclass(frozen=True)
+class StageModel:
+    """Memory and time of a stage as a linear function of its number of layers."""
+
+    fixed_bytes: int
+    layer_bytes: int
+    fixed_seconds: float
+    layer_seconds: float
+    usable: int
+
+    def capacity(self) -> int:
+        """Most layers this stage can hold."""
+        if self.fixed_bytes > self.usable:
+            return -1
+        return (self.usable - self.fixed_bytes) // self.layer_bytes if self.layer_bytes else 10**9
+
+    def seconds(self, n: int) -> float:
+        return self.fixed_seconds + n * self.layer_seconds
+
+
+class Costs:
+    """Stage models of one planning run, memoised: blocks of one shape cost the same."""
+
+    def __init__(self, profile: ModelProfile, request: Request, options: PlannerOptions):
+        self.profile, self.request, self.options = profile, request, options
+        self._cache: dict[tuple, StageModel] = {}
+        self._layer_numel: dict[int, int] = {}
+
+    def layer_numel(self, tp: int) -> int:
+        if tp not in self._layer_numel:  # layers are alike in these families; take the largest
+            self._layer_numel[tp] = max(layer_weight_numel(self.profile, i, tp) for i in range(self.profile.num_layers))
+        return self._layer_numel[tp]
+
+    def stage(self, block: Block, tp: int, embeds: bool, has_lm_head: bool) -> StageModel:
+        key = (block.shape, tp, embeds, has_lm_head)
+        if key not in self._cache:
+            self._cache[key] = self._stage(block, tp, embeds, has_lm_head)
+        return self._cache[key]
+
+    def _stage(self, block: Block, tp: int, embeds: bool, has_lm_head: bool) -> StageModel:
+        profile, request = self.profile, self.request
+        empty = Shard(tp=tp, layers=(0, 0), embeds=embeds, has_lm_head=has_lm_head)
+        one = Shard(tp=tp, layers=(0, 1), embeds=False, has_lm_head=False)
+        layer_bytes = self.layer_numel(tp) * profile.dtype_bytes(request.dtype)
+        fixed = (weight_bytes(profile, empty, request.dtype)
+                 + activation_bytes(profile, empty, request.max_len, request.batch, request.dtype)
+                 + self.options.runtime_overhead[block.kind])
+        bandwidth = block.speed * 1e12
+        collective = ALLREDUCE_SECONDS[block.kind] if tp > 1 else 0.0
+        return StageModel(
+            fixed_bytes=fixed,
+            layer_bytes=layer_bytes + kv_cache_bytes(profile, one, request.max_len, request.batch, request.dtype),
+            fixed_seconds=weight_bytes(profile, empty, request.dtype) / bandwidth + (embeds + has_lm_head) * collective,
+            layer_seconds=layer_bytes / bandwidth + 2 * collective,
+            usable=int(block.memory * (1 - request.headroom)),
+        )
+
+
+def partition_layers(stages: list[StageModel], num_layers: int) -> list[int] | None:
+    """Layers per stage minimising the slowest stage, within memory; None when they do not fit.
+
+    Every stage gets one layer, then each further layer goes to the stage that would be done with
+    it soonest (ties: the earlier stage). For identical layers this is optimal for the slowest
+    stage (uniform jobs on machines of different speeds).
+    """
+    caps = [s.capacity() for s in stages]
+    if min(caps) < 1 or sum(min(c, num_layers) for c in caps) < num_layers:
+        return None
+    counts = [1] * len(stages)
+    heap = [(s.seconds(2), i) for i, s in enumerate(stages) if caps[i] >= 2]
+    heapq.heapify(heap)
+    for _ in range(num_layers - len(stages)):
+        _, i = heapq.heappop(heap)
+        counts[i] += 1
+        if counts[i] < caps[i]:
+            heapq.heappush(heap, (stages[i].seconds(counts[i] + 1), i))
+    return counts
+
+
+def _hop_seconds(a: Block, b: Block) -> float:
+    return HOP_SECONDS[a.kind] if a.node == b.node else HOP_ACROSS_NODES_SECONDS + HOP_SECONDS[a.kind]
+
+
+def _layout(costs: Costs, blocks: list[Block], tp: int, partition: list[int] | None) -> GroupLayout | None:
+    last = len(blocks) - 1
+    stages = [costs.stage(b, tp, i == 0, i == last) for i, b in enumerate(blocks)]
+    if partition is not None:
+        fits = all(1 <= n <= s.capacity() for n, s in zip(partition, stages))
+        counts = list(partition) if fits else None
+    else:
+        counts = partition_layers(stages, costs.profile.num_layers)
+    if counts is None:
+        return None
+    seconds = [s.seconds(n) for s, n in zip(stages, counts)]
+    hops = sum(_hop_seconds(a, b) for a, b in zip(blocks, blocks[1:]))
+    return GroupLayout(blocks=blocks, counts=counts, stage_seconds=seconds, critical_path=sum(seconds) + hops)
+
+
+def _arrangements(chosen: list[Block]) -> Iterable[list[Block]]:
+    """Stage orders worth trying: every choice of block shape for the first and the last stage
+    (they also hold the embeddings and the LM head), the rest fastest first."""
+    if len(chosen) == 1:
+        yield chosen
+        return
+    shapes = sorted({b.shape for b in chosen}, key=lambda s: (-s[0], -s[1]))
+    for first, last in itertools.product(shapes, repeat=2):
+        rest = list(chosen)
+        head = next((b for b in rest if b.shape == first), None)
+        if head is None:
+            continue
+        rest.remove(head)
+        tail = next((b for b in reversed(rest) if b.shape == last), None)
+        if tail is None:
+            continue
+        rest.remove(tail)
+        rest.sort(key=lambda b: (-b.speed, -b.memory, b.order))
+        yield [head, *rest, tail]
+
+
+def _selections(available: list[Block], pp: int, used_nodes: set[str]) -> Iterable[list[Block]]:
+    """Sets of `pp` blocks worth trying for one group."""
+    def spread(b: Block) -> int:
+        return int(b.node in used_nodes)
+    orders = [
+        sorted(available, key=lambda b: (-b.speed, -b.memory, spread(b), b.order)),   # fastest
+        sorted(available, key=lambda b: (-b.memory, -b.speed, spread(b), b.order)),   # roomiest
+    ]
+    for shape in sorted({b.shape for b in available}, key=lambda s: (-s[1], -s[0])):  # one kind
+        same = [b for b in available if b.shape == shape]
+        if len(same) >= pp:
+            orders.append(sorted(same, key=lambda b: (spread(b), b.order)))
+    seen = set()
+    for order in orders:
+        chosen = order[:pp]
+        key = tuple(sorted(b.order for b in chosen))
+        if len(chosen) == pp and key not in seen:
+            seen.add(key)
+            yield chosen
+
+
+def _place_replicas(costs: Costs, blocks: list[Block], tp: int, pp: int, replicas: int,
+                    partition: list[int] | None) -> Candidate | None:
+    request = costs.request
+    available = list(blocks)
+    used_nodes: set[str] = set()
+    groups = []
+    for _ in range(replicas):
+        best: GroupLayout | None = None
+        for chosen in _selections(available, pp, used_nodes if request.spread_replicas else set()):
+            for arranged in _arrangements(chosen):
+                layout = _layout(costs, arranged, tp, partition)
+                if layout and (best is None or (layout.critical_path, layout.bottleneck) < (best.critical_path, best.bottleneck)):
+                    best = layout
+        if best is None:
+            return None
+        groups.append(best)
+        for b in best.blocks:
+            available.remove(b)
+            used_nodes.add(b.node)
+    return Candidate(tp=tp, pp=pp, groups=groups)
+
+
+def _choose(found: list[Candidate], tolerance: float) -> Candidate:
+    fastest = min(c.critical_path for c in found)
+    close = [c for c in found if c.critical_path <= fastest * (1 + tolerance)]
+    return min(close, key=lambda c: (c.devices, c.critical_path, c.tp))
+
+
+# ---------------------------------------------------------------- the Plan
+def _to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, options: PlannerOptions,
+             best: Candidate, found: list[Candidate]) -> Plan:
+    tp, pp = best.tp, best.pp
+    groups, ranks = [], []
+    for replica, layout in enumerate(best.groups if request.replicas else []):
+        starts = list(itertools.accumulate([0, *layout.counts]))
+        stages = []
+        for stage, block in enumerate(layout.blocks):
+            layers = (starts[stage], starts[stage + 1])
+            stages.append(StagePlan(stage=stage, layers=layers, seconds_per_token=layout.stage_seconds[stage]))
+            shard = Shard(tp=tp, layers=layers, embeds=stage == 0, has_lm_head=stage == pp - 1)
+            predicted = PredictedBytes(
+                weights=weight_bytes(profile, shard, request.dtype),
+                kv_cache=kv_cache_bytes(profile, shard, request.max_len, request.batch, request.dtype),
+                activations=activation_bytes(profile, shard, request.max_len, request.batch, request.dtype),
+                overhead=options.runtime_overhead[block.kind])
+            for tp_rank, device in enumerate(block.devices):
+                ranks.append(RankPlan(
+                    replica=replica, rank=stage * tp + tp_rank, stage=stage, tp_rank=tp_rank,
+                    node=device.node, device=device.name, device_index=device.index, kind=device.kind,
+                    product=device.product, layers=layers, embeds=shard.embeds,
+                    has_lm_head=shard.has_lm_head, capacity_bytes=device.memory_bytes,
+                    usable_bytes=int(device.memory_bytes * (1 - request.headroom)),
+                    predicted_bytes=predicted))
+        mean = sum(layout.stage_seconds) / pp
+        groups.append(GroupPlan(replica=replica, stages=stages, imbalance=layout.bottleneck / mean - 1,
+                                critical_path_seconds=layout.critical_path))
+    return Plan(
+        model=profile.name, architecture=profile.architecture, profile_digest=profile.digest,
+        dtype=request.dtype, num_layers=profile.num_layers, tensor_parallel=tp, pipeline_parallel=pp,
+        replicas=request.replicas, max_model_len=request.max_len, max_batch_size=request.batch,
+        memory_headroom=request.headroom, groups=groups, ranks=ranks,
+        reason=_reason(spec, best, found))
+
+
+def _reason(spec: ShardedModelSpec, best: Candidate, found: list[Candidate]) -> str:
+    given_tp, given_pp = spec.parallelism.tensor != "auto", spec.parallelism.pipeline != "auto" \
+        or spec.parallelism.layer_partition is not None
+    ms = best.critical_path * 1e3
+    if given_tp and given_pp:
+        return f"tensor={best.tp} x pipeline={best.pp} as given; it fits (est. {ms:.2f} ms per decode step)"
+    fastest = min(found, key=lambda c: c.critical_path)
+    text = (f"tensor={best.tp} x pipeline={best.pp} on {best.tp * best.pp} devices per replica: "
+            f"est. {ms:.2f} ms per decode step, the fastest of {len(found)} layouts that fit")
+    if fastest is not best:
+        text = (f"tensor={best.tp} x pipeline={best.pp} on {best.tp * best.pp} devices per replica: "
+                f"est. {ms:.2f} ms per decode step, within {round((best.critical_path / fastest.critical_path - 1) * 100)}% "
+                f"of the fastest ({fastest.tp}x{fastest.pp}, {fastest.critical_path * 1e3:.2f} ms) with fewer devices")
+    if best.pp > 1:
+        smaller = [c for c in found if c.tp == best.tp and c.pp < best.pp]
+        if not smaller:
+            text += f"; fewer than {best.pp} stages do not fit at tensor={best.tp}"
+    return text
+
+
+# ---------------------------------------------------------------- when nothing fits
+def _replicas_phrase(replicas: int) -> str:
+    return "one replica needs" if replicas == 1 else f"{replicas} replicas need"
+
+
+def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: Request, inventory: Inventory,
+                       tps: list[int], options: PlannerOptions) -> str:
+    whole = Shard(tp=1, layers=(0, profile.num_layers), embeds=True, has_lm_head=True)
+    weights = weight_bytes(profile, whole, request.dtype)
+    kv = kv_cache_bytes(profile, whole, request.max_len, request.batch, request.dtype)
+    per_device = options.runtime_overhead[inventory.devices[0].kind] + \
+        activation_bytes(profile, Shard(tp=max(tps), layers=(0, 0), embeds=False, has_lm_head=False),
+                         request.max_len, request.batch, request.dtype)
+    usable = [int(d.memory_bytes * (1 - request.headroom)) for d in inventory.devices]
+    replicas = max(request.replicas, 1)
+    need = replicas * (weights + kv) + len(usable) * per_device
+    lines = [
+        f"{profile.name} does not fit: {_replicas_phrase(replicas)} at least {gib(need)} GiB across "
+        f"{len(usable)} devices ({gib(weights)} GiB of {request.dtype} weights and {gib(kv)} GiB of KV cache "
+        f"for {request.max_len} tokens x {request.batch} sequences per replica, plus ~{gib(per_device)} GiB "
+        f"per device for runtime and activations); the pool has {gib(sum(usable))} GiB usable "
+        f"({inventory.describe()}, {request.headroom:.0%} headroom).",
+    ]
+    if inventory.skipped:
+        lines.append("Skipped nodes: " + "; ".join(f"{s.node} ({s.reason})" for s in inventory.skipped) + ".")
+    per_node: dict[str, int] = {}
+    for d in inventory.devices:
+        per_node[d.node] = per_node.get(d.node, 0) + 1
+    tps_possible = valid_tensor_degrees(profile, max(per_node.values()))
+    options_: list[str] = []
+    largest = max(usable) - per_device
+    deficit = need - sum(usable)
+    if deficit > 0 and largest > 0:
+        more = math.ceil(deficit / largest)
+        options_.append(f"add about {more} more device{'s' if more > 1 else ''} like the largest "
+                        f"({gib(max(d.memory_bytes for d in inventory.devices))} GiB)")
+    else:
+        options_.append("add a device, or bigger ones: the total would do, but no split of the layers fits the devices")
+    if spec.parallelism.tensor != "auto":
+        larger = [t for t in tps_possible if t > spec.parallelism.tensor]
+        if larger:
+            options_.append(f"allow a larger tensor degree (tensor={larger[0]} or auto)")
+    if spec.parallelism.pipeline != "auto" or spec.parallelism.layer_partition is not None:
+        options_.append("allow pipeline=auto (more stages)")
+    if kv > 0.1 * (weights + kv):
+        options_.append(f"lower maxModelLen or maxBatchSize (the KV cache is {gib(kv)} GiB at "
+                        f"{request.max_len} tokens x {request.batch}; {request.max_len // 2} tokens halves it)")
+    if request.dtype == "float32":
+        options_.append(f"use dtype bfloat16 (weights {gib(weights / 2)} GiB)")
+    options_.append(f"quantized 8-bit weights would need about {gib(weights * 1 / profile.dtype_bytes(request.dtype))} GiB "
+                    "(not supported by this runtime yet)")
+    if request.replicas > 1:
+        options_.append("lower spec.replicas")
+    lines.append("To make it fit: " + "; ".join(options_) + ".")
+    return "\n".join(lines)

@@ -1,0 +1,128 @@
+"""Bytes one rank holds, and seconds one stage takes: the arithmetic the planner and workers share.
+
+The worker allocates exactly these shapes (its tests compare measured bytes with these numbers), so
+this module is the single place where "how a Llama shards" is written down for the control plane:
+
+* Column/row-parallel projections: 1/TP of the rows/columns per rank.
+* K/V projections and the KV cache: ceil(kv_heads / TP) heads per rank -- when TP exceeds the KV
+  heads, each rank keeps a replica of one head (two 12 GB GPUs are not one 24 GB GPU).
+* Embeddings and the LM head: vocabulary-parallel, ceil(vocab / TP) rows per rank (the last rank's
+  tail is padding). The first stage embeds; the last stage holds the final norm and the LM head.
+  Tied embeddings are stored once when one stage does both, twice when they are different stages.
+* Norms and row-parallel biases: replicated on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .profile import ModelProfile
+from .units import MiB
+
+# Tokens of one prefill forward pass: longer prompts are prefilled in chunks of this many tokens,
+# so activation memory does not grow with maxModelLen.
+PREFILL_CHUNK = 512
+
+# What a rank needs beyond weights, KV cache and activations. On a GPU: the CUDA context, cuBLAS
+# workspaces and NCCL's communication buffers. On a CPU: the process's share above a bare
+# `import torch` (gloo buffers, allocator slack).
+RUNTIME_OVERHEAD = {"gpu": 1024 * MiB, "cpu": 64 * MiB}
+
+# Cost model of one collective call and one pipeline hop, in seconds (the latency floor, which
+# dominates for decode-sized messages). CPU figures measured with gloo on loopback.
+ALLREDUCE_SECONDS = {"gpu": 15e-6, "cpu": 300e-6}
+HOP_SECONDS = {"gpu": 30e-6, "cpu": 200e-6}
+HOP_ACROSS_NODES_SECONDS = 60e-6
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def tp_problem(profile: ModelProfile, tp: int) -> str | None:
+    """Why this model cannot be split over `tp` ranks, or None when it can."""
+    if profile.num_heads % tp:
+        return f"tensor={tp} does not divide the {profile.num_heads} attention heads"
+    if profile.num_kv_heads % tp and tp % profile.num_kv_heads:
+        return (f"tensor={tp} and the {profile.num_kv_heads} KV heads do not divide one another")
+    if profile.intermediate_size % tp:
+        return f"tensor={tp} does not divide the MLP width {profile.intermediate_size}"
+    return None
+
+
+def valid_tensor_degrees(profile: ModelProfile, limit: int) -> list[int]:
+    return [tp for tp in range(1, limit + 1) if tp_problem(profile, tp) is None]
+
+
+def kv_heads_per_rank(profile: ModelProfile, tp: int) -> int:
+    return ceil_div(profile.num_kv_heads, tp)
+
+
+def vocab_rows_per_rank(profile: ModelProfile, tp: int) -> int:
+    return ceil_div(profile.vocab_size, tp)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One rank's part of the model: what the sizing functions take."""
+
+    tp: int
+    layers: tuple[int, int]
+    embeds: bool
+    has_lm_head: bool
+
+
+def layer_weight_numel(profile: ModelProfile, layer: int, tp: int) -> int:
+    lp = profile.layers[layer]
+    kv_share = kv_heads_per_rank(profile, tp) / profile.num_kv_heads
+    return lp.column // tp + round(lp.kv * kv_share) + lp.row // tp + lp.replicated
+
+
+def weight_numel(profile: ModelProfile, shard: Shard) -> int:
+    numel = sum(layer_weight_numel(profile, i, shard.tp) for i in range(*shard.layers))
+    vocab_part = vocab_rows_per_rank(profile, shard.tp) * profile.hidden_size
+    if shard.embeds:
+        numel += vocab_part
+    if shard.has_lm_head:
+        numel += profile.final_norm_numel
+        if not (profile.tie_word_embeddings and shard.embeds):
+            numel += vocab_part
+    return numel + profile.other_numel
+
+
+def weight_bytes(profile: ModelProfile, shard: Shard, dtype: str = "auto") -> int:
+    return weight_numel(profile, shard) * profile.dtype_bytes(dtype)
+
+
+def kv_cache_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: int, dtype: str = "auto") -> int:
+    """Keys and values for every layer of the shard, its KV heads, `max_len` tokens, `batch` rows."""
+    n_layers = shard.layers[1] - shard.layers[0]
+    per_token_layer = 2 * kv_heads_per_rank(profile, shard.tp) * profile.head_dim * profile.dtype_bytes(dtype)
+    return n_layers * per_token_layer * max_len * batch
+
+
+def activation_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: int, dtype: str = "auto") -> int:
+    """Workspace of the largest forward pass: one prefill chunk of the whole batch through a layer.
+
+    Live at once: the residual stream and a normalised copy, the local q/k/v and attention output,
+    the local gate/up/product of the MLP, the float32 attention scores of the chunk against the
+    whole context, and on the last stage the gathered float32 logits of the batch's last tokens.
+    """
+    tp, act = shard.tp, profile.dtype_bytes(dtype)
+    tokens = batch * min(max_len, PREFILL_CHUNK)
+    q_local = profile.num_heads // tp * profile.head_dim
+    kv_local = kv_heads_per_rank(profile, tp) * profile.head_dim
+    per_token = (3 * profile.hidden_size + 2 * q_local + 2 * kv_local
+                 + 3 * profile.intermediate_size // tp) * act
+    scores = batch * (profile.num_heads // tp) * min(max_len, PREFILL_CHUNK) * max_len * 4
+    logits = batch * profile.vocab_size * 4 * 2 if shard.has_lm_head else 0
+    return tokens * per_token + scores + logits
+
+
+def stage_seconds(profile: ModelProfile, shard: Shard, kind: str, speed_tbps: float,
+                  dtype: str = "auto") -> float:
+    """Decode time of one stage per token: stream its weights once, plus two all-reduces a layer."""
+    stream = weight_bytes(profile, shard, dtype) / (speed_tbps * 1e12)
+    n_layers = shard.layers[1] - shard.layers[0]
+    collectives = (2 * n_layers + shard.embeds + shard.has_lm_head) * ALLREDUCE_SECONDS[kind] if shard.tp > 1 else 0.0
+    return stream + collectives

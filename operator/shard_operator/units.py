@@ -1,0 +1,40 @@
+"""Byte quantities as people write them ("80GiB", "24G", "512Mi") and as tables show them."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "ki": 2**10, "kib": 2**10,
+    "m": 10**6, "mb": 10**6, "mi": 2**20, "mib": 2**20,
+    "g": 10**9, "gb": 10**9, "gi": 2**30, "gib": 2**30,
+    "t": 10**12, "tb": 10**12, "ti": 2**40, "tib": 2**40,
+}
+_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+GiB = 2**30
+MiB = 2**20
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """Parse "80GiB", "24G", "512Mi" or a plain number of bytes."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    match = _QUANTITY.match(text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a memory size; write it like 80GiB, 24GB or 512MiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def gib(n_bytes: int | float) -> str:
+    """Format bytes as GiB with two decimals (the unit of every table)."""
+    return f"{n_bytes / GiB:.2f}"
+
+
+def human(n_bytes: int | float) -> str:
+    """Format bytes with the largest binary unit that keeps the number readable."""
+    for unit, size in (("TiB", 2**40), ("GiB", GiB), ("MiB", MiB), ("KiB", 2**10)):
+        if abs(n_bytes) >= size:
+            return f"{n_bytes / size:.1f} {unit}"
+    return f"{int(n_bytes)} B"

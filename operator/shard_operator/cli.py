@@ -7,6 +7,7 @@ exit status is 0 on success, 1 on bad input, 2 when the model does not fit.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -100,9 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # `shardctl plan --json | head`: the reader left, nothing to report
+        sys.stdout = open(os.devnull, "w")
+        return 0
     except PlanError as err:
         print(f"shardctl: {err.reason}: {err.message}", file=sys.stderr)
-        return EXIT_INFEASIBLE
+        return EXIT_INFEASIBLE if err.reason in ("InsufficientCapacity", "NoDevices") else EXIT_BAD_INPUT
     except (SpecError, ProfileError, ValueError, OSError) as err:
         print(f"shardctl: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -74,7 +74,7 @@ class Inventory(BaseModel):
         for d in self.devices:
             groups.setdefault((d.memory_bytes, d.product, d.speed), []).append(d)
         parts = []
-        for (memory, product, _), devs in sorted(groups.items(), key=lambda kv: -kv[0][0]):
+        for (memory, product, _), devs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1], -kv[0][2])):
             nodes = sorted({d.node for d in devs})
             where = nodes[0] if len(nodes) == 1 else f"{len(nodes)} nodes"
             label = f" ({product})" if product else ""

@@ -51,29 +51,28 @@ class PlannerOptions:
     tolerance: float = 0.10  # critical paths this close count as equal; fewer devices wins
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Block:
-    """A tensor-parallel group's devices: all on one node, as big and fast as the smallest."""
+    """A tensor-parallel group's devices: all on one node, as big and fast as the smallest.
+
+    Compared by identity: a block is one physical set of devices."""
 
     node: str
     devices: tuple[Device, ...]
     memory: int
     speed: float
     kind: str
+    order: tuple  # (node, first device index): the stable tie-breaker
 
     @classmethod
     def of(cls, node: str, devices: tuple[Device, ...]) -> "Block":
         return cls(node=node, devices=devices, memory=min(d.memory_bytes for d in devices),
-                   speed=min(d.speed for d in devices), kind=devices[0].kind)
+                   speed=min(d.speed for d in devices), kind=devices[0].kind, order=(node, devices[0].index))
 
     @property
     def shape(self) -> tuple:
         """Blocks with equal shape are interchangeable."""
         return (self.memory, self.speed, self.kind)
-
-    @property
-    def order(self) -> tuple:
-        return (self.node, self.devices[0].index)
 
 
 @dataclass(frozen=True)
@@ -235,6 +234,7 @@ class Costs:
     def __init__(self, profile: ModelProfile, request: Request, options: PlannerOptions):
         self.profile, self.request, self.options = profile, request, options
         self._cache: dict[tuple, StageModel] = {}
+        self._partitions: dict[tuple, list[int] | None] = {}
         self._layer_numel: dict[int, int] = {}
 
     def layer_numel(self, tp: int) -> int:
@@ -242,28 +242,46 @@ class Costs:
             self._layer_numel[tp] = max(layer_weight_numel(self.profile, i, tp) for i in range(self.profile.num_layers))
         return self._layer_numel[tp]
 
+    def partition(self, shapes: tuple[tuple, ...], tp: int, given: list[int] | None) -> list[int] | None:
+        """Layers per stage for stages of these block shapes (memoised: replicas repeat shapes)."""
+        key = (shapes, tp, tuple(given) if given else None)
+        if key not in self._partitions:
+            last = len(shapes) - 1
+            stages = [self._stage_of(shape, tp, i == 0, i == last) for i, shape in enumerate(shapes)]
+            if given is not None:
+                fits = all(1 <= n <= s.capacity() for n, s in zip(given, stages))
+                self._partitions[key] = list(given) if fits else None
+            else:
+                self._partitions[key] = partition_layers(stages, self.profile.num_layers)
+        counts = self._partitions[key]
+        return None if counts is None else list(counts)
+
     def stage(self, block: Block, tp: int, embeds: bool, has_lm_head: bool) -> StageModel:
-        key = (block.shape, tp, embeds, has_lm_head)
+        return self._stage_of(block.shape, tp, embeds, has_lm_head)
+
+    def _stage_of(self, shape: tuple, tp: int, embeds: bool, has_lm_head: bool) -> StageModel:
+        key = (shape, tp, embeds, has_lm_head)
         if key not in self._cache:
-            self._cache[key] = self._stage(block, tp, embeds, has_lm_head)
+            self._cache[key] = self._stage(shape, tp, embeds, has_lm_head)
         return self._cache[key]
 
-    def _stage(self, block: Block, tp: int, embeds: bool, has_lm_head: bool) -> StageModel:
+    def _stage(self, shape: tuple, tp: int, embeds: bool, has_lm_head: bool) -> StageModel:
+        memory, speed, kind = shape
         profile, request = self.profile, self.request
         empty = Shard(tp=tp, layers=(0, 0), embeds=embeds, has_lm_head=has_lm_head)
         one = Shard(tp=tp, layers=(0, 1), embeds=False, has_lm_head=False)
         layer_bytes = self.layer_numel(tp) * profile.dtype_bytes(request.dtype)
         fixed = (weight_bytes(profile, empty, request.dtype)
                  + activation_bytes(profile, empty, request.max_len, request.batch, request.dtype)
-                 + self.options.runtime_overhead[block.kind])
-        bandwidth = block.speed * 1e12
-        collective = ALLREDUCE_SECONDS[block.kind] if tp > 1 else 0.0
+                 + self.options.runtime_overhead[kind])
+        bandwidth = speed * 1e12
+        collective = ALLREDUCE_SECONDS[kind] if tp > 1 else 0.0
         return StageModel(
             fixed_bytes=fixed,
             layer_bytes=layer_bytes + kv_cache_bytes(profile, one, request.max_len, request.batch, request.dtype),
             fixed_seconds=weight_bytes(profile, empty, request.dtype) / bandwidth + (embeds + has_lm_head) * collective,
             layer_seconds=layer_bytes / bandwidth + 2 * collective,
-            usable=int(block.memory * (1 - request.headroom)),
+            usable=int(memory * (1 - request.headroom)),
         )
 
 
@@ -293,16 +311,11 @@ def _hop_seconds(a: Block, b: Block) -> float:
 
 
 def _layout(costs: Costs, blocks: list[Block], tp: int, partition: list[int] | None) -> GroupLayout | None:
-    last = len(blocks) - 1
-    stages = [costs.stage(b, tp, i == 0, i == last) for i, b in enumerate(blocks)]
-    if partition is not None:
-        fits = all(1 <= n <= s.capacity() for n, s in zip(partition, stages))
-        counts = list(partition) if fits else None
-    else:
-        counts = partition_layers(stages, costs.profile.num_layers)
+    counts = costs.partition(tuple(b.shape for b in blocks), tp, partition)
     if counts is None:
         return None
-    seconds = [s.seconds(n) for s, n in zip(stages, counts)]
+    last = len(blocks) - 1
+    seconds = [costs.stage(b, tp, i == 0, i == last).seconds(n) for i, (b, n) in enumerate(zip(blocks, counts))]
     hops = sum(_hop_seconds(a, b) for a, b in zip(blocks, blocks[1:]))
     return GroupLayout(blocks=blocks, counts=counts, stage_seconds=seconds, critical_path=sum(seconds) + hops)
 
@@ -328,36 +341,52 @@ def _arrangements(chosen: list[Block]) -> Iterable[list[Block]]:
         yield [head, *rest, tail]
 
 
-def _selections(available: list[Block], pp: int, used_nodes: set[str]) -> Iterable[list[Block]]:
-    """Sets of `pp` blocks worth trying for one group."""
-    def spread(b: Block) -> int:
-        return int(b.node in used_nodes)
-    orders = [
-        sorted(available, key=lambda b: (-b.speed, -b.memory, spread(b), b.order)),   # fastest
-        sorted(available, key=lambda b: (-b.memory, -b.speed, spread(b), b.order)),   # roomiest
-    ]
-    for shape in sorted({b.shape for b in available}, key=lambda s: (-s[1], -s[0])):  # one kind
-        same = [b for b in available if b.shape == shape]
-        if len(same) >= pp:
-            orders.append(sorted(same, key=lambda b: (spread(b), b.order)))
-    seen = set()
-    for order in orders:
-        chosen = order[:pp]
-        key = tuple(sorted(b.order for b in chosen))
-        if len(chosen) == pp and key not in seen:
-            seen.add(key)
-            yield chosen
+class BlockPool:
+    """The blocks of one TP degree, grouped by shape, with the ones already taken by a replica."""
+
+    def __init__(self, blocks: list[Block]):
+        self.by_shape: dict[tuple, list[Block]] = {}
+        for b in sorted(blocks, key=lambda b: b.order):
+            self.by_shape.setdefault(b.shape, []).append(b)
+        self.fastest = sorted(self.by_shape, key=lambda s: (-s[1], -s[0]))
+        self.roomiest = sorted(self.by_shape, key=lambda s: (-s[0], -s[1]))
+        self.taken: set[int] = set()
+
+    def take(self, shapes: list[tuple], count: int, used_nodes: set[str]) -> list[Block] | None:
+        """The first `count` free blocks in this shape order; within a shape, nodes no other
+        replica uses come first (replicas spread), then node order."""
+        chosen: list[Block] = []
+        for shape in shapes:
+            free = [b for b in self.by_shape[shape] if id(b) not in self.taken]
+            free.sort(key=lambda b: b.node in used_nodes)  # stable: keeps node order
+            chosen.extend(free[:count - len(chosen)])
+            if len(chosen) == count:
+                return chosen
+        return None
+
+    def selections(self, count: int, used_nodes: set[str]) -> Iterable[list[Block]]:
+        """Sets of `count` blocks worth trying for one group: the fastest, the roomiest, and all
+        of one shape (a homogeneous group) for every shape."""
+        candidates = [self.take(self.fastest, count, used_nodes), self.take(self.roomiest, count, used_nodes)]
+        candidates += [self.take([shape], count, used_nodes) for shape in self.fastest]
+        seen = set()
+        for chosen in candidates:
+            if chosen is None:
+                continue
+            key = tuple(sorted(b.order for b in chosen))
+            if key not in seen:
+                seen.add(key)
+                yield chosen
 
 
 def _place_replicas(costs: Costs, blocks: list[Block], tp: int, pp: int, replicas: int,
                     partition: list[int] | None) -> Candidate | None:
-    request = costs.request
-    available = list(blocks)
+    pool = BlockPool(blocks)
     used_nodes: set[str] = set()
     groups = []
     for _ in range(replicas):
         best: GroupLayout | None = None
-        for chosen in _selections(available, pp, used_nodes if request.spread_replicas else set()):
+        for chosen in pool.selections(pp, used_nodes if costs.request.spread_replicas else set()):
             for arranged in _arrangements(chosen):
                 layout = _layout(costs, arranged, tp, partition)
                 if layout and (best is None or (layout.critical_path, layout.bottleneck) < (best.critical_path, best.bottleneck)):
@@ -365,9 +394,8 @@ def _place_replicas(costs: Costs, blocks: list[Block], tp: int, pp: int, replica
         if best is None:
             return None
         groups.append(best)
-        for b in best.blocks:
-            available.remove(b)
-            used_nodes.add(b.node)
+        pool.taken.update(id(b) for b in best.blocks)
+        used_nodes.update(b.node for b in best.blocks)
     return Candidate(tp=tp, pp=pp, groups=groups)
 
 
@@ -456,6 +484,19 @@ def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: R
         f"per device for runtime and activations); the pool has {gib(sum(usable))} GiB usable "
         f"({inventory.describe()}, {request.headroom:.0%} headroom).",
     ]
+    partition = spec.parallelism.layer_partition
+    if partition is not None:
+        tp = tps[0]
+        starts = list(itertools.accumulate([0, *partition]))
+        needs = [sum((weight_bytes(profile, shard, request.dtype),
+                      kv_cache_bytes(profile, shard, request.max_len, request.batch, request.dtype),
+                      activation_bytes(profile, shard, request.max_len, request.batch, request.dtype),
+                      options.runtime_overhead[inventory.devices[0].kind]))
+                 for shard in (Shard(tp=tp, layers=(starts[i], starts[i + 1]), embeds=i == 0,
+                                     has_lm_head=i == len(partition) - 1) for i in range(len(partition)))]
+        worst = max(range(len(needs)), key=lambda i: needs[i])
+        lines.append(f"layerPartition {partition} at tensor={tp}: stage {worst} needs {gib(needs[worst])} GiB "
+                     f"per rank; the largest device offers {gib(max(usable))} GiB usable.")
     if inventory.skipped:
         lines.append("Skipped nodes: " + "; ".join(f"{s.node} ({s.reason})" for s in inventory.skipped) + ".")
     per_node: dict[str, int] = {}
@@ -475,7 +516,9 @@ def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: R
         larger = [t for t in tps_possible if t > spec.parallelism.tensor]
         if larger:
             options_.append(f"allow a larger tensor degree (tensor={larger[0]} or auto)")
-    if spec.parallelism.pipeline != "auto" or spec.parallelism.layer_partition is not None:
+    if spec.parallelism.layer_partition is not None:
+        options_.append("drop layerPartition so the planner splits the layers by memory and speed")
+    elif spec.parallelism.pipeline != "auto":
         options_.append("allow pipeline=auto (more stages)")
     if kv > 0.1 * (weights + kv):
         options_.append(f"lower maxModelLen or maxBatchSize (the KV cache is {gib(kv)} GiB at "

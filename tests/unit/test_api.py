@@ -1,0 +1,144 @@
+"""The ShardedModel API: validation messages, the generated CRD, and every example."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from shard_operator import api
+from shard_operator.crd import build_crd, render
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.yaml"))
+
+
+def sharded_model_docs() -> list:
+    return [pytest.param(doc, id=f"{path.name}:{doc['metadata']['name']}")
+            for path in EXAMPLES for doc in yaml.safe_load_all(path.read_text())
+            if doc and doc.get("kind") == api.KIND]
+
+
+def crd_schema() -> dict:
+    return build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+# ---------------------------------------------------------------- examples
+def test_there_are_examples():
+    assert len(sharded_model_docs()) >= 3
+
+
+@pytest.mark.parametrize("doc", sharded_model_docs())
+def test_examples_validate_with_the_models(doc):
+    model = api.parse_sharded_model(doc)
+    assert model.spec.model.path
+
+
+@pytest.mark.parametrize("doc", sharded_model_docs())
+def test_examples_validate_against_the_crd_schema(doc):
+    jsonschema.Draft4Validator(crd_schema()).validate(doc)
+
+
+# ---------------------------------------------------------------- the CRD
+def test_committed_crd_is_up_to_date():
+    committed = (ROOT / "crds" / "shardedmodels.yaml").read_text()
+    assert committed == render(), "crds/shardedmodels.yaml is stale: run `make crd`"
+
+
+def _walk(schema: dict, path: str = ""):
+    yield path, schema
+    for name, sub in (schema.get("properties") or {}).items():
+        yield from _walk(sub, f"{path}.{name}")
+    if isinstance(schema.get("items"), dict):
+        yield from _walk(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from _walk(schema["additionalProperties"], f"{path}{{}}")
+
+
+def test_crd_schema_is_structural():
+    for path, node in _walk(crd_schema()):
+        assert "$ref" not in node and "nullable" not in node, path
+        assert node.get("additionalProperties") is not False, path
+        if node.get("x-kubernetes-int-or-string"):
+            assert "type" not in node, path
+            assert node["anyOf"] == [{"type": "integer"}, {"type": "string"}], path
+        else:
+            assert node.get("type") in {"object", "array", "string", "integer", "number", "boolean"}, path
+            assert "anyOf" not in node and "oneOf" not in node, path
+        if "default" in node and node.get("type") != "object":
+            jsonschema.Draft4Validator(node).validate(node["default"])
+
+
+def test_crd_has_subresources_columns_and_short_name():
+    crd = build_crd()
+    version = crd["spec"]["versions"][0]
+    assert crd["metadata"]["name"] == "shardedmodels.sharding.dev"
+    assert crd["spec"]["names"]["shortNames"] == ["sm"]
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector"}
+    assert version["subresources"]["status"] == {}
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Phase", "TP", "PP", "Ready", "Replicas", "Age"]
+
+
+def test_crd_carries_defaults_bounds_and_enums():
+    spec = crd_schema()["properties"]["spec"]["properties"]
+    assert spec["replicas"] == {"description": spec["replicas"]["description"], "minimum": 0,
+                                "type": "integer", "default": 1}
+    assert spec["placement"]["default"] == {}  # so nested defaults apply when placement is omitted
+    assert spec["placement"]["properties"]["memoryHeadroom"]["exclusiveMaximum"] is True
+    assert spec["model"]["properties"]["dtype"]["enum"] == ["auto", "float32", "bfloat16", "float16"]
+    status = crd_schema()["properties"]["status"]["properties"]
+    assert status["phase"]["enum"] == list(api.PHASES)
+
+
+# ---------------------------------------------------------------- validation messages
+@pytest.mark.parametrize("spec, message", [
+    ({"model": {"path": "m"}, "parallelism": {"tensor": 0}},
+     'spec.parallelism.tensor: must be a positive integer or "auto" (got 0)'),
+    ({"model": {"path": "m"}, "parallelism": {"pipeline": "many"}},
+     'spec.parallelism.pipeline: must be a positive integer or "auto" (got \'many\')'),
+    ({"model": {"pth": "m"}}, "spec.model.pth: unknown field"),
+    ({"model": {}}, "spec.model.path: required"),
+    ({}, "spec.model: required"),
+    ({"model": {"path": "m", "volume": {}}}, "spec.model.volume: give exactly one of pvc, hostPath or image"),
+    ({"model": {"path": "m", "volume": {"pvc": {"claimName": "a"}, "hostPath": {"path": "/b"}}}},
+     "spec.model.volume: give exactly one of pvc, hostPath or image (got ['pvc', 'hostPath'])"),
+    ({"model": {"path": "m"}, "placement": {"memoryHeadroom": 1.5}},
+     "spec.placement.memoryHeadroom: should be less than 1 (got 1.5)"),
+    ({"model": {"path": "m"}, "replicas": -1}, "spec.replicas: should be greater than or equal to 0 (got -1)"),
+    ({"model": {"path": "m", "dtype": "int4"}}, "spec.model.dtype: should be 'auto', 'float32', 'bfloat16' or 'float16' (got 'int4')"),
+    ({"model": {"path": "m"}, "parallelism": {"pipeline": 2, "layerPartition": [1, 2, 3]}},
+     "spec.parallelism: layerPartition has 3 stages but pipeline is 2"),
+    ({"model": {"path": "m"}, "worker": {"port": 70000}}, "spec.worker.port: should be less than or equal to 65535"),
+])
+def test_validation_errors_name_the_field(spec, message):
+    with pytest.raises(api.SpecError) as err:
+        api.parse_spec(spec)
+    assert message in str(err.value)
+
+
+def test_defaults_and_int_or_auto():
+    spec = api.parse_spec({"model": {"path": "m"}, "parallelism": {"tensor": 4}})
+    assert spec.parallelism.tensor == 4 and spec.parallelism.pipeline == "auto"
+    assert spec.replicas == 1 and spec.placement.gpu_resource == "nvidia.com/gpu"
+    assert spec.placement.memory_headroom == 0.1 and spec.rollout.max_surge == 1
+    assert spec.dump()["parallelism"] == {"tensor": 4, "pipeline": "auto"}
+
+
+def test_whole_object_error_names_the_object():
+    with pytest.raises(api.SpecError, match=r"ShardedModel broken is invalid:\nspec.replicas"):
+        api.parse_sharded_model({"apiVersion": api.API_VERSION, "kind": api.KIND,
+                                 "metadata": {"name": "broken"}, "spec": {"model": {"path": "m"}, "replicas": "x"}})
+
+
+def test_load_sharded_models_rejects_files_without_one(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("kind: ConfigMap\nmetadata: {name: x}\n")
+    with pytest.raises(api.SpecError, match="no object of kind ShardedModel"):
+        api.load_sharded_models(path)
+    path.write_text("spec: [unclosed\n")
+    with pytest.raises(api.SpecError, match="not valid YAML"):
+        api.load_sharded_models(path)

@@ -1,0 +1,102 @@
+"""Device inventory: Kubernetes Nodes, the compact string, and this machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shard_operator.api import Placement, Toleration
+from shard_operator.inventory import (CPU_SPEED, bandwidth_of, inventory_from_nodes, load_nodes,
+                                      local_inventory, parse_devices)
+from shard_operator.units import GiB, MiB, parse_bytes
+
+NODES = Path(__file__).resolve().parents[2] / "examples" / "nodes.yaml"
+
+
+def pool(**kwargs) -> Placement:
+    return Placement(node_selector={"sharding.dev/pool": "inference"}, **kwargs)
+
+
+def test_nodes_file_skips_what_cannot_host_the_model():
+    inventory = inventory_from_nodes(load_nodes(NODES), pool())
+    skipped = {s.node: s.reason for s in inventory.skipped}
+    assert skipped == {
+        "gpu-a100-a": "NotReady",
+        "gpu-batch-a": "not in the node pool (sharding.dev/pool=batch, want inference)",
+        "gpu-h100-b": "tainted nvidia.com/gpu=present:NoSchedule (not tolerated)",
+        "gpu-l40s-b": "cordoned",
+        "gpu-train-a": "tainted dedicated=training:NoSchedule (not tolerated)",
+    }
+    assert inventory.nodes() == ["gpu-h100-a", "gpu-l40s-a"]
+    h100 = [d for d in inventory.devices if d.node == "gpu-h100-a"]
+    assert [d.index for d in h100] == list(range(8))
+    assert h100[0].memory_bytes == 81559 * MiB and h100[0].speed == 3.35
+    assert h100[0].product == "NVIDIA-H100-80GB-HBM3" and h100[0].name == "cuda:0"
+
+
+def test_tolerations_admit_tainted_nodes():
+    exists = Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
+    inventory = inventory_from_nodes(load_nodes(NODES), pool(tolerations=[exists]))
+    assert "gpu-h100-b" in inventory.nodes() and "gpu-train-a" not in inventory.nodes()
+    equal = Toleration(key="dedicated", operator="Equal", value="training")
+    assert "gpu-train-a" in inventory_from_nodes(load_nodes(NODES), pool(tolerations=[equal])).nodes()
+    wrong_value = Toleration(key="dedicated", operator="Equal", value="serving")
+    assert "gpu-train-a" not in inventory_from_nodes(load_nodes(NODES), pool(tolerations=[wrong_value])).nodes()
+    everything = Toleration(operator="Exists")
+    assert len(inventory_from_nodes(load_nodes(NODES), pool(tolerations=[everything])).nodes()) == 4
+
+
+def test_other_gpu_resource_and_missing_labels():
+    nodes = load_nodes(NODES)
+    inventory = inventory_from_nodes(nodes, Placement(gpu_resource="amd.com/gpu"))
+    assert not inventory.devices
+    assert all("no allocatable amd.com/gpu" in s.reason for s in inventory.skipped
+               if s.reason not in ("NotReady", "cordoned") and not s.reason.startswith("tainted"))
+    bare = {"kind": "Node", "metadata": {"name": "bare", "labels": {}},
+            "status": {"allocatable": {"nvidia.com/gpu": "2"}, "conditions": [{"type": "Ready", "status": "True"}]}}
+    assert inventory_from_nodes([bare]).skipped[0].reason.startswith("no nvidia.com/gpu.memory label")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("a:80GiB*4", [("a", 0, 80 * GiB, 1.0)] + [("a", i, 80 * GiB, 1.0) for i in range(1, 4)]),
+    ("a:24GB*2@0.3", [("a", 0, 24 * 10**9, 0.3), ("a", 1, 24 * 10**9, 0.3)]),
+    ("a:1GiB,a:2GiB", [("a", 0, GiB, 1.0), ("a", 1, 2 * GiB, 1.0)]),
+    ("a:80GiB:H100", [("a", 0, 80 * GiB, 3.35)]),
+    (" x:512MiB*1 , y:1.5GiB ", [("x", 0, 512 * MiB, 1.0), ("y", 0, int(1.5 * GiB), 1.0)]),
+])
+def test_parse_devices(text, expected):
+    devices = parse_devices(text).devices
+    assert [(d.node, d.index, d.memory_bytes, d.speed) for d in devices] == expected
+
+
+@pytest.mark.parametrize("text", ["", "a", "a:lots", "a:80GiB*x", ":80GiB", "a:0GiB", "a:1GiB@0"])
+def test_parse_devices_rejects_nonsense(text):
+    with pytest.raises(ValueError):
+        parse_devices(text)
+
+
+def test_cpu_devices_get_cpu_speed():
+    devices = parse_devices("local:2GiB*2", kind="cpu").devices
+    assert {d.kind for d in devices} == {"cpu"} and devices[0].speed == CPU_SPEED and devices[1].name == "cpu:1"
+
+
+def test_local_inventory_splits_memory_over_ranks():
+    inventory = local_inventory(ranks=3, budget_bytes=GiB)
+    if inventory.devices[0].kind == "cpu":
+        assert [d.memory_bytes for d in inventory.devices] == [GiB] * 3
+    default = local_inventory()
+    assert default.devices and all(d.memory_bytes > 0 for d in default.devices)
+
+
+@pytest.mark.parametrize("product, tbps", [("NVIDIA-H100-80GB-HBM3", 3.35), ("NVIDIA-H100-PCIe", 2.0),
+                                           ("NVIDIA-A100-SXM4-40GB", 1.555), ("NVIDIA-L4", 0.3),
+                                           ("NVIDIA L40S", 0.864), ("Mystery-GPU", 1.0)])
+def test_known_bandwidths(product, tbps):
+    assert bandwidth_of(product) == tbps
+
+
+@pytest.mark.parametrize("text, value", [("80GiB", 80 * GiB), ("24G", 24 * 10**9), ("512Mi", 512 * MiB),
+                                         ("1.5TiB", int(1.5 * 2**40)), ("1000", 1000)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value

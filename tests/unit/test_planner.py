@@ -1,0 +1,294 @@
+"""The planner: tables for the decisions, hypothesis for the invariants, exhaustive search for
+completeness on small cases."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shard_operator.api import parse_spec
+from shard_operator.inventory import Device, Inventory, parse_devices
+from shard_operator.planner import PlanError, PlannerOptions, plan
+from shard_operator.profile import ModelProfile, profile_from_config
+from shard_operator.sizing import (Shard, activation_bytes, kv_cache_bytes, valid_tensor_degrees,
+                                   weight_bytes)
+from shard_operator.units import GiB
+
+LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
+             "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+             "vocab_size": 128256, "max_position_embeddings": 131072, "torch_dtype": "bfloat16"}
+LLAMA_8B = {**LLAMA_70B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32}
+
+
+def spec(**fields):
+    return parse_spec({"model": {"path": "m", **fields.pop("model", {})}, **fields})
+
+
+def layer_ranges(result, replica=0):
+    return [s.layers for s in result.groups[replica].stages]
+
+
+# ---------------------------------------------------------------- decisions (tables)
+@pytest.mark.parametrize("config, devices, fields, tp, pp", [
+    # 70B in bf16 (131 GiB) fits 8 x 80 GiB with TP inside the node: the fastest layout.
+    (LLAMA_70B, "a:80GiB*8:H100", {}, 8, 1),
+    # Two nodes of four: TP stays in a node, so 4 x 2 stages across nodes.
+    (LLAMA_70B, "a:32GiB*4,b:32GiB*4", {}, 4, 2),
+    # Given degrees are honoured when they fit.
+    (LLAMA_70B, "a:80GiB*8", {"parallelism": {"tensor": 4, "pipeline": 2}}, 4, 2),
+    # An 8B model fits one 24 GiB device.
+    (LLAMA_8B, "a:24GiB", {}, 1, 1),
+    # ... but not at maxModelLen 131072 with a batch of 4 (KV cache 64 GiB): it takes more devices.
+    (LLAMA_8B, "a:24GiB*4,b:24GiB*4", {"model": {"maxModelLen": 131072, "maxBatchSize": 4}}, 4, 2),
+])
+def test_chosen_layout(config, devices, fields, tp, pp):
+    result = plan(profile_from_config(config), spec(**fields), parse_devices(devices))
+    assert (result.tensor_parallel, result.pipeline_parallel) == (tp, pp)
+    assert result.reason
+
+
+def test_fewer_devices_win_within_the_tolerance():
+    profile = profile_from_config(LLAMA_8B)
+    # On H100s TP=2 is ~30% faster than TP=1 (its all-reduces eat part of the gain).
+    pool = parse_devices("a:80GiB*2:H100")
+    assert plan(profile, spec(), pool, PlannerOptions(tolerance=0.1)).world_size == 2
+    relaxed = plan(profile, spec(), pool, PlannerOptions(tolerance=0.5))
+    assert relaxed.world_size == 1 and "with fewer devices" in relaxed.reason
+
+
+def test_heterogeneous_devices_get_layers_by_speed_and_memory():
+    profile = profile_from_config(LLAMA_8B)
+    # One device twice as big and twice as fast as each of the others.
+    result = plan(profile, spec(parallelism={"tensor": 1}, placement={"memoryHeadroom": 0.05}),
+                  parse_devices("big:12GiB@2,small1:6GiB@1,small2:6GiB@1"))
+    counts = {r.node: r.num_layers for r in result.ranks}
+    assert sum(counts.values()) == 32
+    assert 1.6 <= counts["big"] / counts["small1"] <= 2.5
+    assert 1.6 <= counts["big"] / counts["small2"] <= 2.5
+
+
+def test_capacity_ordered_layer_counts():
+    profile = profile_from_config(LLAMA_70B)
+    devices = parse_devices("a:80GiB@2,b:40GiB@1,c:60GiB@1.5,d:20GiB@0.5")
+    result = plan(profile, spec(parallelism={"tensor": 1}, placement={"memoryHeadroom": 0.0}), devices)
+    by_capacity = sorted(result.ranks, key=lambda r: -r.capacity_bytes)
+    counts = [r.num_layers for r in by_capacity]
+    assert counts == sorted(counts, reverse=True), counts
+    assert counts[0] > counts[-1]
+
+
+def test_replicas_use_disjoint_devices_and_spread_over_nodes():
+    profile = profile_from_config(LLAMA_8B)
+    result = plan(profile, spec(replicas=3, parallelism={"tensor": 2, "pipeline": 1}),
+                  parse_devices("a:24GiB*4,b:24GiB*2,c:24GiB*2"))
+    devices = [(r.node, r.device) for r in result.ranks]
+    assert len(devices) == len(set(devices)) == 6
+    assert {r.node for r in result.group(0)} != {r.node for r in result.group(1)} or \
+        {r.node for r in result.group(1)} != {r.node for r in result.group(2)}
+    assert sorted({r.node for r in result.ranks}) == ["a", "b", "c"]
+
+
+def test_zero_replicas_plans_no_ranks():
+    result = plan(profile_from_config(LLAMA_8B), spec(replicas=0), parse_devices("a:24GiB"))
+    assert result.ranks == [] and result.groups == [] and result.tensor_parallel == 1
+
+
+def test_explicit_partition_is_checked_not_trusted():
+    profile = profile_from_config(LLAMA_70B)
+    ok = plan(profile, spec(parallelism={"tensor": 4, "pipeline": 2, "layerPartition": [44, 36]}),
+              parse_devices("a:48GiB*4,b:48GiB*4"))
+    assert layer_ranges(ok) == [(0, 44), (44, 80)]
+    with pytest.raises(PlanError, match=r"layerPartition \[40, 41\] places 81 layers; the model has 80"):
+        plan(profile, spec(parallelism={"pipeline": 2, "layerPartition": [40, 41]}), parse_devices("a:48GiB*8"))
+    with pytest.raises(PlanError) as err:  # 70 layers on one 4 x 32 GiB stage cannot fit
+        plan(profile, spec(parallelism={"tensor": 4, "pipeline": 2, "layerPartition": [70, 10]}),
+             parse_devices("a:32GiB*4,b:32GiB*4"))
+    assert err.value.reason == "InsufficientCapacity"
+    assert "layerPartition [70, 10] at tensor=4: stage 0 needs 29.83 GiB per rank; the largest device " \
+           "offers 28.80 GiB usable" in str(err.value)
+
+
+@pytest.mark.parametrize("parallelism, match", [
+    ({"tensor": 3}, r"tensor=3 does not divide the 64 attention heads; valid: 1, 2, 4, 8"),
+    ({"tensor": 16}, r"tensor=16 needs 16 devices on one node; the largest node in the pool has 8"),
+    ({"pipeline": 81}, r"pipeline=81 exceeds the 80 decoder layers"),
+])
+def test_invalid_parallelism_is_explained(parallelism, match):
+    with pytest.raises(PlanError, match=match):
+        plan(profile_from_config(LLAMA_70B), spec(parallelism=parallelism), parse_devices("a:80GiB*8"))
+
+
+def test_kv_heads_fewer_than_tp_are_replicated():
+    profile = profile_from_config({**LLAMA_8B, "num_key_value_heads": 2})
+    result = plan(profile, spec(parallelism={"tensor": 8, "pipeline": 1}), parse_devices("a:80GiB*8"))
+    rank = result.ranks[0]
+    # 8 ranks share 2 KV heads: each rank holds one whole head (a replica), not a quarter of one.
+    one_head = 2 * 32 * 128 * 4096 * 2  # K+V x layers x head_dim x tokens x bf16
+    assert rank.predicted_bytes.kv_cache == one_head
+
+
+def test_infeasible_says_what_is_needed_and_what_would_help():
+    profile = profile_from_config({**LLAMA_70B, "torch_dtype": "float32"})
+    with pytest.raises(PlanError) as err:
+        plan(profile, spec(parallelism={"tensor": 2}), parse_devices("a:24GiB*4,b:24GiB*2"))
+    message = str(err.value)
+    assert err.value.reason == "InsufficientCapacity"
+    assert "does not fit: one replica needs at least" in message
+    assert "262.83 GiB of float32 weights" in message
+    assert "the pool has 129.60 GiB usable (6 x 24.0 GiB on 2 nodes, 10% headroom)" in message
+    assert "add about 8 more devices like the largest (24.00 GiB)" in message
+    assert "allow a larger tensor degree (tensor=4 or auto)" in message
+    assert "use dtype bfloat16" in message and "quantized 8-bit weights would need" in message
+
+
+def test_no_devices_reports_the_skipped_nodes():
+    with pytest.raises(PlanError, match=r"no usable devices in the node pool \(n1: cordoned\)") as err:
+        from shard_operator.inventory import SkippedNode
+        plan(profile_from_config(LLAMA_8B), spec(), Inventory(skipped=[SkippedNode(node="n1", reason="cordoned")]))
+    assert err.value.reason == "NoDevices"
+
+
+def test_plan_round_trips_through_json():
+    from shard_operator.plan import Plan
+    result = plan(profile_from_config(LLAMA_70B), spec(replicas=2), parse_devices("a:80GiB*8,b:80GiB*8"))
+    again = Plan.from_json(result.to_json())
+    assert again == result and again.hash == result.hash
+    assert again.group_hash(0) != again.group_hash(1)
+
+
+# ---------------------------------------------------------------- invariants (hypothesis)
+OPTIONS = PlannerOptions(runtime_overhead={"gpu": 4096, "cpu": 4096})
+
+
+@st.composite
+def small_profiles(draw) -> ModelProfile:
+    heads = draw(st.sampled_from([1, 2, 4]))
+    kv_heads = draw(st.sampled_from([k for k in (1, 2, 4) if heads % k == 0]))
+    head_dim = draw(st.sampled_from([8, 16]))
+    config = {"architectures": [draw(st.sampled_from(["LlamaForCausalLM", "Qwen2ForCausalLM"]))],
+              "hidden_size": heads * head_dim, "intermediate_size": draw(st.sampled_from([32, 48, 64])),
+              "num_hidden_layers": draw(st.integers(1, 5)), "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "vocab_size": draw(st.sampled_from([40, 64, 100])),
+              "max_position_embeddings": 64, "tie_word_embeddings": draw(st.booleans()),
+              "torch_dtype": "float32"}
+    return profile_from_config(config)
+
+
+def _rank_total(profile: ModelProfile, tp: int, layers: tuple[int, int], first: bool, last: bool,
+                max_len: int) -> int:
+    shard = Shard(tp=tp, layers=layers, embeds=first, has_lm_head=last)
+    return (weight_bytes(profile, shard) + kv_cache_bytes(profile, shard, max_len, 1)
+            + activation_bytes(profile, shard, max_len, 1) + OPTIONS.runtime_overhead["gpu"])
+
+
+@st.composite
+def pools(draw, profile: ModelProfile) -> Inventory:
+    whole = _rank_total(profile, 1, (0, profile.num_layers), True, True, 16)
+    devices = []
+    for node in range(draw(st.integers(1, 3))):
+        for index in range(draw(st.integers(1, 2))):
+            memory = draw(st.integers(max(whole // 4, 1), whole * 6 // 5))
+            speed = draw(st.sampled_from([0.5, 1.0, 2.0]))
+            devices.append(Device(node=f"n{node}", index=index, memory_bytes=memory, speed=speed))
+    return Inventory(devices=devices[:4])
+
+
+def small_spec(tensor="auto", pipeline="auto", replicas=1):
+    return spec(model={"maxModelLen": 16}, parallelism={"tensor": tensor, "pipeline": pipeline},
+                replicas=replicas, placement={"memoryHeadroom": 0.0})
+
+
+def _compositions(total: int, parts: int):
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        yield [b - a for a, b in zip((0, *cuts), (*cuts, total))]
+
+
+def exhaustive_fits(profile: ModelProfile, inventory: Inventory, tensor="auto") -> bool:
+    """Any TP group on one node, any stage order, any layer split: does something fit?"""
+    per_node: dict[str, list[Device]] = {}
+    for d in inventory.devices:
+        per_node.setdefault(d.node, []).append(d)
+    widest = max(len(v) for v in per_node.values())
+    for tp in valid_tensor_degrees(profile, widest):
+        if tensor != "auto" and tp != tensor:
+            continue
+        groups = [c for devs in per_node.values() for c in itertools.combinations(devs, tp)]
+        for pp in range(1, min(profile.num_layers, len(groups)) + 1):
+            for chain in itertools.permutations(groups, pp):
+                if len({d.key for g in chain for d in g}) != tp * pp:
+                    continue
+                for counts in _compositions(profile.num_layers, pp):
+                    starts = list(itertools.accumulate([0, *counts]))
+                    if all(_rank_total(profile, tp, (starts[s], starts[s + 1]), s == 0, s == pp - 1, 16)
+                           <= d.memory_bytes for s, g in enumerate(chain) for d in g):
+                        return True
+    return False
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_planner_finds_a_layout_whenever_exhaustive_search_does(data):
+    profile = data.draw(small_profiles())
+    inventory = data.draw(pools(profile))
+    tensor = data.draw(st.sampled_from(["auto", "auto", 2]))
+    expected = exhaustive_fits(profile, inventory, tensor)
+    try:
+        plan(profile, small_spec(tensor=tensor), inventory, OPTIONS)
+        found = True
+    except PlanError as err:
+        assert err.reason in ("InsufficientCapacity", "InvalidParallelism"), err
+        found = False
+    assert found == expected
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_plan_places_each_layer_once_in_order_and_fits(data):
+    profile = data.draw(small_profiles())
+    inventory = data.draw(pools(profile))
+    replicas = data.draw(st.integers(1, 2))
+    tensor = data.draw(st.sampled_from(["auto", 1, 2]))
+    try:
+        result = plan(profile, small_spec(tensor=tensor, replicas=replicas), inventory, OPTIONS)
+    except PlanError:
+        return
+    tp, pp = result.tensor_parallel, result.pipeline_parallel
+    assert len(result.groups) == replicas and len(result.ranks) == replicas * tp * pp
+    for group in result.groups:
+        ranges = [s.layers for s in group.stages]
+        assert ranges[0][0] == 0 and ranges[-1][1] == profile.num_layers
+        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(ranges, ranges[1:] + [(ranges[-1][1], None)]))
+        ranks = result.group(group.replica)
+        assert sorted(r.rank for r in ranks) == list(range(tp * pp))
+        for r in ranks:
+            assert r.rank == r.stage * tp + r.tp_rank
+            assert r.layers == ranges[r.stage]
+            assert r.embeds == (r.stage == 0) and r.has_lm_head == (r.stage == pp - 1)
+            assert r.predicted_bytes.total <= r.usable_bytes
+            assert r.predicted_bytes.total == _rank_total(profile, tp, r.layers, r.embeds, r.has_lm_head, 16)
+        for stage in range(pp):
+            assert len({r.node for r in ranks if r.stage == stage}) == 1  # a TP group is one node
+    used = [(r.node, r.device_index) for r in result.ranks]
+    assert len(used) == len(set(used))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_plans_are_deterministic(data):
+    profile = data.draw(small_profiles())
+    inventory = data.draw(pools(profile))
+    shuffled = list(inventory.devices)
+    random.Random(data.draw(st.integers(0, 99))).shuffle(shuffled)
+    try:
+        first = plan(profile, small_spec(), inventory, OPTIONS)
+    except PlanError as err:
+        with pytest.raises(PlanError) as again:
+            plan(profile, small_spec(), Inventory(devices=shuffled), OPTIONS)
+        assert str(again.value) == str(err)
+        return
+    assert plan(profile, small_spec(), Inventory(devices=shuffled), OPTIONS) == first

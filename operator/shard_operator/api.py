@@ -207,6 +207,19 @@ class Condition(ApiModel):
     observed_generation: int | None = None
 
 
+class GroupStatus(ApiModel):
+    """One data-parallel group (a replica's set of ranks) as the operator sees it."""
+
+    replica: int
+    revision: str = Field(description="Identity of the group's pods: its placement and pod template.")
+    plan_hash: str = Field("", description="Plan.group_hash of the group's placement.")
+    state: str = Field("Pending", description="Starting, Ready, Failed, Lost, Terminating or Empty.")
+    ready_ranks: int = 0
+    ranks: int = 0
+    restarts: int = Field(0, description="Times the operator recreated this revision after a rank failed.")
+    message: str = ""
+
+
 class ShardedModelStatus(ApiModel):
     phase: Phase = "Pending"
     observed_generation: int | None = None
@@ -215,6 +228,7 @@ class ShardedModelStatus(ApiModel):
     selector: str = Field("", description="Label selector of the leader pods (scale subresource).")
     plan: PlanSummary | None = None
     shards: list[ShardStatus] = Field(default_factory=list)
+    groups: list[GroupStatus] = Field(default_factory=list)
     conditions: list[Condition] = Field(default_factory=list)
 
 

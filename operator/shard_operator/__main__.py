@@ -1,0 +1,35 @@
+"""`python -m shard_operator` (or `shard-operator`): run the ShardedModel operator.
+
+Connects like every Kubernetes tool (in-cluster service account, else KUBECONFIG or
+~/.kube/config) and reads its settings from SHARD_OPERATOR_* environment variables (settings.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import kopf
+
+from .handlers import Controller, build_registry, kopf_settings
+from .kube import Kube, load_client
+from .settings import Settings
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = Settings.from_env()
+    except ValueError as err:
+        print(f"shard-operator: {err}", file=sys.stderr)
+        return 1
+    controller = Controller(settings, Kube(load_client()))
+    kopf.run(registry=build_registry(controller), settings=kopf_settings(settings),
+             standalone=settings.standalone, clusterwide=not settings.namespaces,
+             namespaces=list(settings.namespaces),
+             liveness_endpoint=f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port else None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

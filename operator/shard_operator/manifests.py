@@ -1,0 +1,393 @@
+"""The Kubernetes objects of a ShardedModel, built from its spec and Plan. Pure: no API calls.
+
+Per model: a ClusterIP Service selecting the ready leaders (the inference endpoint), a headless
+Service over every rank (metrics scraping) and the plan record (a ConfigMap with the current Plan).
+Per group (replica): a headless Service that gives each rank a DNS name, a ConfigMap with the
+group's plan, and one Pod per rank running `python -m shard_worker`, configured only by the
+environment of `workerenv.WorkerEnv` and the mounted plan.
+
+A group is identified by its replica index and its *revision*: a digest of its placement
+(`Plan.group_hash`) and of everything in the pod template. Any change to either gives new pod
+names, so a replacement group can run beside the old one while it loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .api import API_VERSION, KIND, ShardedModelSpec, SpecError
+from .plan import Plan
+from .workerenv import ENV_NAMES, MODEL_MOUNT, PLAN_MOUNT, WorkerEnv
+
+MODEL_LABEL = "sharding.dev/model"
+GROUP_LABEL = "sharding.dev/group"
+RANK_LABEL = "sharding.dev/rank"
+ROLE_LABEL = "sharding.dev/role"
+PLAN_LABEL = "sharding.dev/plan"
+REVISION_LABEL = "sharding.dev/revision"
+COMPONENT_LABEL = "sharding.dev/component"
+NODE_ANNOTATION = "sharding.dev/node"
+DEVICE_ANNOTATION = "sharding.dev/device"
+SOURCE_ANNOTATION = "sharding.dev/model-source"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "shard-operator"}
+
+PLAN_KEY = "plan.json"
+PROFILE_KEY = "profile.json"
+WORKER_COMMAND = ["python", "-m", "shard_worker"]
+PROFILER_COMMAND = ["python", "-m", "shard_operator.profilejob"]
+CONTAINER = "worker"
+RUN_AS = 1000
+# A rank loads its weights only after the whole group has met; a 70B checkpoint can take many
+# minutes to read, so the startup probe allows the rendezvous timeout plus this long.
+LOAD_ALLOWANCE_SECONDS = 3600
+BASE_MAX = 40  # room in a 63-character DNS label for "-<replica>-<revision>-<rank>"
+
+
+# ---------------------------------------------------------------- names
+def _digest(*parts: Any, n: int = 6) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:n]
+
+
+def base_name(model: str) -> str:
+    """A DNS-1035 label prefix for the model's objects: lowercase, no dots, starts with a letter."""
+    name = "".join(c if c.isalnum() else "-" for c in model.lower()).strip("-") or "model"
+    if not name[0].isalpha():
+        name = "m-" + name
+    if name != model or len(name) > BASE_MAX:  # keep altered names apart: "a.b" is not "a-b"
+        name = name[:BASE_MAX - 7].rstrip("-") + "-" + _digest(model)
+    return name
+
+
+def model_label(model: str) -> str:
+    """The model's name as a label value (at most 63 characters)."""
+    return model if len(model) <= 63 else model[:56].rstrip("-.") + "-" + _digest(model)
+
+
+def group_name(model: str, replica: int, revision: str) -> str:
+    return f"{base_name(model)}-{replica}-{revision}"
+
+
+def pod_name(model: str, replica: int, revision: str, rank: int) -> str:
+    return f"{group_name(model, replica, revision)}-{rank}"
+
+
+def endpoint_name(model: str) -> str:
+    return base_name(model)
+
+
+def metrics_name(model: str) -> str:
+    return f"{base_name(model)}-metrics"
+
+
+def plan_record_name(model: str) -> str:
+    return f"{base_name(model)}-plan"
+
+
+def profile_name(model: str) -> str:
+    return f"{base_name(model)}-profile"
+
+
+# ---------------------------------------------------------------- inputs
+@dataclass(frozen=True)
+class Owner:
+    """The ShardedModel every object belongs to. uid "" leaves ownerReferences out (shardctl)."""
+
+    name: str
+    namespace: str
+    uid: str = ""
+
+    @classmethod
+    def of(cls, body: Any) -> "Owner":
+        meta = body["metadata"]
+        return cls(name=meta["name"], namespace=meta.get("namespace") or "default", uid=meta.get("uid") or "")
+
+    def meta(self, name: str, labels: dict[str, str], annotations: dict[str, str] | None = None) -> dict[str, Any]:
+        meta: dict[str, Any] = {"name": name, "namespace": self.namespace,
+                                "labels": {**MANAGED_BY, MODEL_LABEL: model_label(self.name), **labels}}
+        if annotations:
+            meta["annotations"] = annotations
+        if self.uid:
+            meta["ownerReferences"] = [{"apiVersion": API_VERSION, "kind": KIND, "name": self.name,
+                                        "uid": self.uid, "controller": True, "blockOwnerDeletion": True}]
+        return meta
+
+
+@dataclass(frozen=True)
+class Context:
+    """Everything the builders need besides the plan."""
+
+    owner: Owner
+    spec: ShardedModelSpec
+    default_image: str
+
+    @property
+    def image(self) -> str:
+        return self.spec.worker.image or self.default_image
+
+
+def model_source(spec: ShardedModelSpec) -> str:
+    """Where the checkpoint lives, as one string (the profile cache key)."""
+    return json.dumps({"path": spec.model.path,
+                       "volume": spec.model.volume.dump() if spec.model.volume else None}, sort_keys=True)
+
+
+def template_digest(ctx: Context) -> str:
+    """Everything that shapes a group's pods apart from its placement."""
+    spec = ctx.spec
+    return _digest(ctx.owner.name, ctx.image, spec.worker.dump(), spec.model.dump(),
+                   [t.dump() for t in spec.placement.tolerations], spec.placement.gpu_resource, n=16)
+
+
+def group_revision(ctx: Context, plan: Plan, replica: int) -> str:
+    return _digest(plan.group_hash(replica), template_digest(ctx))
+
+
+def group_plan(plan: Plan, replica: int) -> Plan:
+    """The Plan a group's pods mount: only that group, so it changes exactly with the group."""
+    return plan.model_copy(update={
+        "groups": [g for g in plan.groups if g.replica == replica],
+        "ranks": plan.group(replica)})
+
+
+# ---------------------------------------------------------------- per model
+def model_objects(ctx: Context, plan: Plan) -> list[dict[str, Any]]:
+    """The endpoint Service, the metrics Service and the plan record."""
+    owner, port = ctx.owner, ctx.spec.worker.port
+    endpoint = {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": owner.meta(endpoint_name(owner.name), {COMPONENT_LABEL: "endpoint"}),
+        "spec": {"type": "ClusterIP",
+                 # Only ready leaders get traffic: a replacement group takes over when it is ready.
+                 "selector": {MODEL_LABEL: model_label(owner.name), ROLE_LABEL: "leader"},
+                 "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}]},
+    }
+    metrics = {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": owner.meta(metrics_name(owner.name), {COMPONENT_LABEL: "metrics"}),
+        "spec": {"clusterIP": "None", "selector": {MODEL_LABEL: model_label(owner.name)},
+                 "ports": [{"name": "metrics", "port": port, "targetPort": "http", "protocol": "TCP"}]},
+    }
+    return [endpoint, metrics, plan_record(ctx.owner, plan)]
+
+
+def plan_record(owner: Owner, plan: Plan) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": owner.meta(plan_record_name(owner.name), {COMPONENT_LABEL: "plan"}),
+            "data": {PLAN_KEY: plan.to_json()}}
+
+
+# ---------------------------------------------------------------- per group
+def group_labels(plan: Plan, replica: int, revision: str) -> dict[str, str]:
+    return {GROUP_LABEL: str(replica), REVISION_LABEL: revision, PLAN_LABEL: plan.group_hash(replica)}
+
+
+def group_objects(ctx: Context, plan: Plan, replica: int) -> list[dict[str, Any]]:
+    """The headless Service, the plan ConfigMap and the pods of one group, in creation order."""
+    owner, worker = ctx.owner, ctx.spec.worker
+    revision = group_revision(ctx, plan, replica)
+    name = group_name(owner.name, replica, revision)
+    labels = group_labels(plan, replica, revision)
+    service = {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": owner.meta(name, {**labels, COMPONENT_LABEL: "group"}),
+        "spec": {"clusterIP": "None",
+                 # Ranks must resolve each other before any is ready: readiness needs the group.
+                 "publishNotReadyAddresses": True,
+                 "selector": {MODEL_LABEL: model_label(owner.name), GROUP_LABEL: str(replica),
+                              REVISION_LABEL: revision},
+                 "ports": [{"name": "rendezvous", "port": worker.rendezvous_port, "targetPort": "rendezvous",
+                            "protocol": "TCP"},
+                           {"name": "http", "port": worker.port, "targetPort": "http", "protocol": "TCP"}]},
+    }
+    config = {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": owner.meta(name, {**labels, COMPONENT_LABEL: "group"}),
+        "data": {PLAN_KEY: group_plan(plan, replica).to_json()},
+    }
+    pods = [rank_pod(ctx, plan, replica, rank.rank, revision) for rank in plan.group(replica)]
+    return [service, config, *pods]
+
+
+def _model_volume(spec: ShardedModelSpec) -> tuple[dict[str, Any], str]:
+    """The pod volume holding the checkpoint, and the model directory inside the pod."""
+    model = spec.model
+    volume = model.volume
+    if volume is None:
+        if not model.path.startswith("/"):
+            raise SpecError(f"spec.model.path {model.path!r}: without spec.model.volume the path must be "
+                            "absolute (a directory on every node of the pool)")
+        return {"name": "model", "hostPath": {"path": model.path, "type": "Directory"}}, MODEL_MOUNT
+    inside = f"{MODEL_MOUNT}/{model.path.strip('/')}"
+    if volume.pvc is not None:
+        return {"name": "model", "persistentVolumeClaim": {"claimName": volume.pvc.claim_name,
+                                                           "readOnly": True}}, inside
+    if volume.host_path is not None:
+        return {"name": "model", "hostPath": {"path": volume.host_path.path, "type": "Directory"}}, inside
+    assert volume.image is not None
+    return {"name": "model", "image": {"reference": volume.image.reference,
+                                       "pullPolicy": volume.image.pull_policy}}, inside
+
+
+def _security() -> tuple[dict[str, Any], dict[str, Any]]:
+    pod = {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+           "seccompProfile": {"type": "RuntimeDefault"}}
+    container = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                 "capabilities": {"drop": ["ALL"]}}
+    return pod, container
+
+
+def _user_env(spec: ShardedModelSpec) -> list[dict[str, str]]:
+    ours = set(ENV_NAMES.values())
+    clash = sorted(e.name for e in spec.worker.env if e.name in ours)
+    if clash:
+        raise SpecError(f"spec.worker.env: {', '.join(clash)} set by the operator for every rank; remove "
+                        f"{'it' if len(clash) == 1 else 'them'}")
+    return [{"name": e.name, "value": e.value} for e in spec.worker.env]
+
+
+def rank_pod(ctx: Context, plan: Plan, replica: int, rank: int, revision: str) -> dict[str, Any]:
+    owner, spec, worker = ctx.owner, ctx.spec, ctx.spec.worker
+    rp = plan.rank_plan(replica, rank)
+    group = group_name(owner.name, replica, revision)
+    leader = pod_name(owner.name, replica, revision, 0)
+    name = pod_name(owner.name, replica, revision, rank)
+    volume, model_dir = _model_volume(spec)
+    env = WorkerEnv(
+        rank=rank, world_size=plan.world_size,
+        # One GPU per pod: the container sees it as device 0 whatever its index on the node.
+        local_rank=0,
+        master_addr=f"{leader}.{group}.{owner.namespace}.svc", master_port=worker.rendezvous_port,
+        tp_size=plan.tensor_parallel, pp_size=plan.pipeline_parallel, replica=replica,
+        plan_file=PLAN_MOUNT, model_dir=model_dir, model_name=owner.name, port=worker.port,
+        backend=worker.backend, rendezvous_timeout=worker.rendezvous_timeout_seconds,
+    ).to_env()
+    gpu = {spec.placement.gpu_resource: "1"}
+    pod_security, container_security = _security()
+    plan_dir = PLAN_MOUNT.rsplit("/", 1)[0]
+    http = {"path": "/health", "port": "http"}
+    labels = {**group_labels(plan, replica, revision), COMPONENT_LABEL: "rank",
+              RANK_LABEL: str(rank), ROLE_LABEL: "leader" if rank == 0 else "worker"}
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": owner.meta(name, labels, {NODE_ANNOTATION: rp.node, DEVICE_ANNOTATION: rp.device}),
+        "spec": {
+            "hostname": name,
+            "subdomain": group,
+            # A broken communicator cannot heal: a failed rank fails its pod, and the operator
+            # recreates the whole group.
+            "restartPolicy": "Never",
+            "enableServiceLinks": False,
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchFields": [
+                    {"key": "metadata.name", "operator": "In", "values": [rp.node]}]}]}}},
+            "tolerations": [t.dump() for t in spec.placement.tolerations],
+            "securityContext": pod_security,
+            "containers": [{
+                "name": CONTAINER,
+                "image": ctx.image,
+                "imagePullPolicy": worker.image_pull_policy,
+                "command": list(WORKER_COMMAND),
+                "env": [{"name": k, "value": v} for k, v in env.items()] + _user_env(spec),
+                "ports": [{"name": "http", "containerPort": worker.port, "protocol": "TCP"},
+                          {"name": "rendezvous", "containerPort": worker.rendezvous_port, "protocol": "TCP"}],
+                "resources": {"requests": {**worker.resources.requests, **gpu},
+                              "limits": {**worker.resources.limits, **gpu}},
+                "startupProbe": {"httpGet": http, "periodSeconds": 10, "failureThreshold": math.ceil(
+                    (worker.rendezvous_timeout_seconds + LOAD_ALLOWANCE_SECONDS) / 10)},
+                "livenessProbe": {"httpGet": http, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
+                "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5,
+                                   "timeoutSeconds": 5, "failureThreshold": 3},
+                "securityContext": container_security,
+                "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True},
+                                 {"name": "plan", "mountPath": plan_dir, "readOnly": True},
+                                 {"name": "dshm", "mountPath": "/dev/shm"},
+                                 {"name": "tmp", "mountPath": "/tmp"}],
+            }],
+            "volumes": [volume,
+                        {"name": "plan", "configMap": {"name": group, "items": [{"key": PLAN_KEY, "path": PLAN_KEY}]}},
+                        # NCCL and the pipeline's shared-memory transport need more than 64 MiB.
+                        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+                        {"name": "tmp", "emptyDir": {}}],
+        },
+    }
+
+
+def desired_objects(ctx: Context, plan: Plan) -> list[dict[str, Any]]:
+    """Every object of a model whose groups all run `plan` (what `shardctl manifests` prints)."""
+    objects = model_objects(ctx, plan)
+    for group in plan.groups:
+        objects.extend(group_objects(ctx, plan, group.replica))
+    return objects
+
+
+# ---------------------------------------------------------------- profiling
+def profiling_pod(ctx: Context, timeout_seconds: int) -> dict[str, Any]:
+    """A short pod that prints the model's profile (config.json + safetensors headers) as JSON."""
+    owner, spec = ctx.owner, ctx.spec
+    volume, model_dir = _model_volume(spec)
+    pod_security, container_security = _security()
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": owner.meta(profile_name(owner.name), {COMPONENT_LABEL: "profiler"},
+                               {SOURCE_ANNOTATION: model_source(spec)}),
+        "spec": {
+            "restartPolicy": "Never",
+            "activeDeadlineSeconds": int(timeout_seconds),
+            "enableServiceLinks": False,
+            "tolerations": [t.dump() for t in spec.placement.tolerations],
+            "nodeSelector": dict(spec.placement.node_selector),
+            "securityContext": pod_security,
+            "containers": [{
+                "name": "profiler", "image": ctx.image, "imagePullPolicy": spec.worker.image_pull_policy,
+                "command": [*PROFILER_COMMAND, model_dir],
+                "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+                "securityContext": container_security,
+                "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}],
+            }],
+            "volumes": [volume],
+        },
+    }
+
+
+def profile_record(owner: Owner, source: str, profile_json: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": owner.meta(profile_name(owner.name), {COMPONENT_LABEL: "profile"},
+                                   {SOURCE_ANNOTATION: source}),
+            "data": {PROFILE_KEY: profile_json}}
+
+
+# ---------------------------------------------------------------- drift
+def _covers(actual: Any, desired: Any) -> bool:
+    """Does `actual` hold everything `desired` says? Extra server-set fields are fine."""
+    if isinstance(desired, dict):
+        return isinstance(actual, dict) and all(_covers(actual.get(k), v) for k, v in desired.items())
+    if isinstance(desired, list):
+        return isinstance(actual, list) and len(actual) == len(desired) and \
+            all(_covers(a, d) for a, d in zip(actual, desired))
+    return actual == desired
+
+
+def drift_patch(desired: dict[str, Any], actual: dict[str, Any]) -> dict[str, Any] | None:
+    """A merge patch that brings `actual` back to `desired`, or None when nothing we own differs.
+
+    Pods are never patched: anything that shapes them is in their revision, hence in their name.
+    """
+    patch: dict[str, Any] = {}
+    for key in ("labels", "annotations"):
+        want = desired["metadata"].get(key) or {}
+        if not _covers(actual["metadata"].get(key) or {}, want):
+            patch.setdefault("metadata", {})[key] = want
+    for key in ("spec", "data"):
+        if key in desired and not _covers(actual.get(key), desired[key]):
+            patch[key] = desired[key]
+    return patch or None
+
+
+def check(ctx: Context) -> None:
+    """Raise SpecError for a spec no pod could be built from (before anything is created)."""
+    _model_volume(ctx.spec)
+    _user_env(ctx.spec)

@@ -1,0 +1,127 @@
+"""Where a model's profile comes from: its own files, read by the operator or by a profiling Pod.
+
+When the operator can see the checkpoint (a hostPath under `host_path_prefix`, a PVC under
+`pvc_root`), it reads config.json and the safetensors headers itself, cached per directory until a
+file changes. Otherwise it starts a short Pod (worker image, the model's volume mounted read-only)
+that prints the profile; the operator stores it in a ConfigMap owned by the ShardedModel, keyed by
+the model's source (volume + path) and recording the checkpoint digest, and deletes the Pod. A
+failed profiling Pod is kept (for `kubectl logs`) until the model's source changes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from .api import ShardedModelSpec
+from .kube import Kube
+from .manifests import (COMPONENT_LABEL, PROFILE_KEY, SOURCE_ANNOTATION, Context, model_source,
+                        profile_name, profile_record, profiling_pod)
+from .profile import ModelProfile, ProfileError, profile_model
+from .settings import Settings
+
+
+def local_model_dir(spec: ShardedModelSpec, settings: Settings) -> Path | None:
+    """The model directory as the operator sees it, or None when it cannot see that volume."""
+    model, volume = spec.model, spec.model.volume
+    if volume is None or volume.host_path is not None:
+        if settings.host_path_prefix is None:
+            return None
+        root = volume.host_path.path if volume is not None else ""
+        inside = os.path.join(root, model.path) if root else model.path
+        return Path(settings.host_path_prefix + inside)
+    if volume.pvc is not None and settings.pvc_root is not None:
+        return Path(settings.pvc_root) / volume.pvc.claim_name / model.path
+    return None
+
+
+def _signature(model_dir: Path) -> tuple:
+    """Changes whenever config.json or a checkpoint file is replaced or rewritten."""
+    entries = []
+    for path in sorted(model_dir.iterdir()):
+        if path.name == "config.json" or path.suffix == ".safetensors" or path.name.endswith(".index.json"):
+            stat = path.stat()
+            entries.append((path.name, stat.st_size, stat.st_mtime_ns))
+    return tuple(entries)
+
+
+class LocalProfiles:
+    """Profiles read from files the operator can see, cached per directory and file signature."""
+
+    def __init__(self) -> None:
+        self._cache: dict[Path, tuple[tuple, ModelProfile]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, model_dir: Path) -> ModelProfile:
+        if not model_dir.is_dir():
+            raise ProfileError(f"model directory {model_dir} does not exist")
+        signature = _signature(model_dir)
+        with self._lock:
+            cached = self._cache.get(model_dir)
+        if cached is not None and cached[0] == signature:
+            return cached[1]
+        profile = profile_model(model_dir)
+        with self._lock:
+            self._cache[model_dir] = (signature, profile)
+        return profile
+
+
+def _last_json_line(log: str) -> dict[str, Any] | None:
+    for line in reversed(log.strip().splitlines()):
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(data, dict):
+            return data
+    return None
+
+
+def remote_profile(ctx: Context, kube: Kube, pods: list[dict[str, Any]], configmaps: list[dict[str, Any]],
+                   timeout_seconds: float) -> ModelProfile | None:
+    """The profile from the cache ConfigMap or a profiling Pod; None while the Pod is running.
+
+    Raises ProfileError when the Pod failed (its log says why).
+    """
+    owner, source = ctx.owner, model_source(ctx.spec)
+    name = profile_name(owner.name)
+    record = next((c for c in configmaps if c["metadata"]["name"] == name), None)
+    if record is not None and (record["metadata"].get("annotations") or {}).get(SOURCE_ANNOTATION) == source:
+        try:
+            return ModelProfile.model_validate_json((record.get("data") or {}).get(PROFILE_KEY, ""))
+        except ValidationError:
+            pass  # written by another version: profile again
+    pod = next((p for p in pods if p["metadata"]["name"] == name
+                and (p["metadata"].get("labels") or {}).get(COMPONENT_LABEL) == "profiler"), None)
+    if pod is not None and (pod["metadata"].get("annotations") or {}).get(SOURCE_ANNOTATION) != source:
+        kube.delete("Pod", owner.namespace, name)  # profiling an old path
+        return None
+    if pod is None:
+        kube.create(profiling_pod(ctx, int(timeout_seconds)))
+        return None
+    if pod["metadata"].get("deletionTimestamp"):
+        return None
+    phase = (pod.get("status") or {}).get("phase")
+    if phase == "Failed":
+        tail = kube.pod_log(owner.namespace, name, tail_lines=5).strip() or (pod.get("status") or {}).get("message", "")
+        raise ProfileError(f"profiling pod {name} failed: {tail or 'no output'}")
+    if phase != "Succeeded":
+        return None
+    data = _last_json_line(kube.pod_log(owner.namespace, name))
+    try:
+        profile = ModelProfile.model_validate(data)
+    except ValidationError as err:
+        raise ProfileError(f"profiling pod {name} printed no profile ({err.error_count()} problems)") from None
+    wanted = profile_record(owner, source, profile.model_dump_json())
+    if record is None:
+        kube.create(wanted)
+    else:
+        kube.patch("ConfigMap", owner.namespace, name, {"metadata": {"annotations": wanted["metadata"]["annotations"]},
+                                                        "data": wanted["data"]})
+    kube.delete("Pod", owner.namespace, name)
+    return profile

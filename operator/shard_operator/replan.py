@@ -1,0 +1,173 @@
+"""When to plan again, and how little to move. Pure.
+
+The current plan is kept while it is valid: the spec and checkpoint still ask for it, and every
+group's devices are still in the pool. Scaling adds or drops whole groups and leaves the others
+where they are. A group whose devices left the pool is re-planned on what the others leave, with
+the same tensor and pipeline degrees; only if that fails are all groups planned afresh. A pool that
+merely grew replaces running groups only when the decode step gets clearly faster.
+
+Inventory-driven changes wait until the inventory has settled (the caller's settle window), so a
+flapping node causes no churn.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from .api import Parallelism, ShardedModelSpec
+from .inventory import Device, Inventory
+from .plan import Plan
+from .planner import PlanError, PlannerOptions, _resolve_request, plan
+from .profile import ModelProfile
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    plan: Plan
+    kind: str  # initial | unchanged | respec | scaled | repaired | improved | replanned
+    message: str = ""
+    waiting: bool = False  # an inventory change is seen but not acted on yet (settle window)
+
+    @property
+    def changed(self) -> bool:
+        return self.kind not in ("unchanged",)
+
+
+def critical_path(p: Plan) -> float:
+    return max((g.critical_path_seconds for g in p.groups), default=0.0)
+
+
+def without_devices(inventory: Inventory, taken: dict[str, int]) -> Inventory:
+    """The pool minus `taken[node]` devices per node (highest indices first)."""
+    left = Counter(taken)
+    devices: list[Device] = []
+    for d in sorted(inventory.devices, key=lambda d: (d.node, -d.index)):
+        if left[d.node] > 0:
+            left[d.node] -= 1
+        else:
+            devices.append(d)
+    return Inventory(devices=sorted(devices, key=lambda d: (d.node, d.index)), skipped=inventory.skipped)
+
+
+def incompatibility(current: Plan, profile: ModelProfile, spec: ShardedModelSpec) -> str | None:
+    """Why the spec or checkpoint no longer allows the current plan (None: it still does)."""
+    if current.profile_digest != profile.digest or current.model != profile.name:
+        return "the checkpoint changed"
+    request = _resolve_request(profile, spec)
+    for what, old, new in (("dtype", current.dtype, request.dtype),
+                           ("maxModelLen", current.max_model_len, request.max_len),
+                           ("maxBatchSize", current.max_batch_size, request.batch),
+                           ("memoryHeadroom", current.memory_headroom, request.headroom)):
+        if old != new:
+            return f"{what} changed from {old} to {new}"
+    par = spec.parallelism
+    if par.tensor != "auto" and par.tensor != current.tensor_parallel:
+        return f"tensor changed from {current.tensor_parallel} to {par.tensor}"
+    if par.pipeline != "auto" and par.pipeline != current.pipeline_parallel:
+        return f"pipeline changed from {current.pipeline_parallel} to {par.pipeline}"
+    if par.layer_partition is not None:
+        for g in current.groups:
+            counts = [s.layers[1] - s.layers[0] for s in g.stages]
+            if counts != list(par.layer_partition):
+                return f"layerPartition changed to {par.layer_partition}"
+    return None
+
+
+def _group_needs(p: Plan, replica: int) -> Counter:
+    return Counter((r.node, r.capacity_bytes) for r in p.group(replica))
+
+
+def _fits(needs: Counter, inventory: Inventory, used: Counter) -> bool:
+    have = Counter((d.node, d.memory_bytes) for d in inventory.devices)
+    return all(have[k] - used[k] >= n for k, n in needs.items())
+
+
+def _subset(current: Plan, keep: list[int], replicas: int) -> Plan:
+    kept = set(keep)
+    return current.model_copy(update={
+        "replicas": replicas,
+        "groups": [g for g in current.groups if g.replica in kept],
+        "ranks": [r for r in current.ranks if r.replica in kept]})
+
+
+def _merge(base: Plan, extra: Plan, slots: list[int], replicas: int) -> Plan:
+    """`base` plus the groups of `extra`, renumbered into the free replica `slots`."""
+    renumber = {g.replica: slot for g, slot in zip(extra.groups, slots)}
+    groups = base.groups + [g.model_copy(update={"replica": renumber[g.replica]}) for g in extra.groups]
+    ranks = base.ranks + [r.model_copy(update={"replica": renumber[r.replica]}) for r in extra.ranks]
+    return base.model_copy(update={"replicas": replicas, "groups": sorted(groups, key=lambda g: g.replica),
+                                   "ranks": sorted(ranks, key=lambda r: (r.replica, r.rank))})
+
+
+def choose_plan(current: Plan | None, profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory, *,
+                settled: bool = True, reconsider: bool = False, improvement: float = 0.10,
+                options: PlannerOptions | None = None) -> PlanChoice:
+    """The plan to run now. Raises PlanError when nothing fits.
+
+    settled: inventory-driven changes may be acted on. reconsider: look for a clearly faster plan
+    on the current pool (the caller asks once per settled inventory).
+    """
+    if current is None:
+        fresh = plan(profile, spec, inventory, options)
+        return PlanChoice(fresh, "initial", f"planned {_shape(fresh)}: {fresh.reason}")
+    why = incompatibility(current, profile, spec)
+    if why is not None:
+        fresh = plan(profile, spec, inventory, options)
+        return PlanChoice(fresh, "respec", f"re-planned because {why}: {_shape(fresh)}")
+
+    replicas = spec.replicas
+    used: Counter = Counter()
+    keep, lost = [], []
+    for g in current.groups:
+        if g.replica >= replicas:
+            continue
+        needs = _group_needs(current, g.replica)
+        if _fits(needs, inventory, used):
+            keep.append(g.replica)
+            used.update(needs)
+        else:
+            lost.append(g.replica)
+    waiting = bool(lost) and not settled
+    if waiting:
+        keep = sorted(keep + lost)
+        lost = []
+    missing = [r for r in range(replicas) if r not in keep]
+    kept = _subset(current, keep, replicas)
+
+    if not missing:
+        if reconsider and settled:
+            try:
+                fresh = plan(profile, spec, inventory, options)
+            except PlanError:
+                fresh = None
+            if fresh is not None and critical_path(fresh) < critical_path(kept) * (1 - improvement):
+                return PlanChoice(fresh, "improved", f"the pool changed: {_shape(fresh)} takes "
+                                  f"{critical_path(fresh) * 1e3:.2f} ms per decode step instead of "
+                                  f"{critical_path(kept) * 1e3:.2f} ms")
+        if replicas != current.replicas:
+            return PlanChoice(kept, "scaled", f"scaled from {current.replicas} to {replicas} groups", waiting)
+        return PlanChoice(kept, "unchanged", "", waiting)
+
+    taken = Counter()
+    for (node, _), n in used.items():
+        taken[node] += n
+    pinned = spec.model_copy(update={"replicas": len(missing), "parallelism": Parallelism(
+        tensor=current.tensor_parallel, pipeline=current.pipeline_parallel,
+        layer_partition=spec.parallelism.layer_partition)})
+    what = (f"group {', '.join(map(str, lost))} lost {'its' if len(lost) == 1 else 'their'} devices"
+            if lost else f"scaled from {current.replicas} to {replicas} groups")
+    try:
+        extra = plan(profile, pinned, without_devices(inventory, taken), options)
+    except PlanError:
+        fresh = plan(profile, spec, inventory, options)
+        return PlanChoice(fresh, "replanned", f"{what}; they do not fit beside the others, so every "
+                          f"group was planned again: {_shape(fresh)}")
+    merged = _merge(kept, extra, missing, replicas)
+    placed = "; ".join(f"group {r} on {', '.join(sorted({x.node for x in merged.group(r)}))}" for r in missing)
+    return PlanChoice(merged, "repaired" if lost else "scaled", f"{what}: {placed}")
+
+
+def _shape(p: Plan) -> str:
+    return (f"tensor={p.tensor_parallel} x pipeline={p.pipeline_parallel}, {p.replicas} "
+            f"group{'s' if p.replicas != 1 else ''}")

@@ -1,0 +1,80 @@
+"""The operator's settings: read once from the environment, passed everywhere explicitly.
+
+Every interval is a setting so tests can run the real operator with millisecond timings, and a
+production operator polls gently.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+PREFIX = "SHARD_OPERATOR_"
+
+
+@dataclass(frozen=True)
+class Settings:
+    # Namespaces to watch; empty: the whole cluster.
+    namespaces: tuple[str, ...] = ()
+    # Worker image when spec.worker.image is unset.
+    worker_image: str = "ghcr.io/shard-operator/worker:0.1.0"
+    # Seconds between two reconciles of a model when nothing happens (a safety net: events wake
+    # the reconcile sooner).
+    resync_seconds: float = 30.0
+    # Seconds to wait after an event before reconciling, so a burst of pod events is one reconcile.
+    debounce_seconds: float = 0.2
+    # Seconds between two polls of each leader's GET /v1/shards (measured memory); 0 disables.
+    status_poll_seconds: float = 30.0
+    # Timeout of one leader poll.
+    poll_timeout_seconds: float = 2.0
+    # How a leader is reached: a URL template with {pod_ip}, {port}, {pod}, {namespace}.
+    leader_url: str = "http://{pod_ip}:{port}"
+    # Inventory changes (node added, removed, NotReady, cordoned) take effect only after the
+    # inventory has stayed the same this long: flapping nodes cause no churn.
+    settle_seconds: float = 30.0
+    # A node-driven re-plan replaces running groups only when it shortens the decode step by at
+    # least this fraction.
+    improvement_threshold: float = 0.10
+    # Times a group is recreated after a rank fails before the operator gives up on it.
+    restart_budget: int = 3
+    # Where the operator finds model files itself (read-only mounts): hostPath volumes under this
+    # prefix (e.g. "/host" when the node's filesystem is mounted there; "" reads them in place),
+    # PVCs at <pvc_root>/<claimName>. Unset: a profiling Pod reads them.
+    host_path_prefix: str | None = None
+    pvc_root: str | None = None
+    # Profiling pods that have not finished after this long are deleted and retried.
+    profile_timeout_seconds: float = 600.0
+    # kopf: standalone (no peering); a single operator replica.
+    standalone: bool = True
+    # Port of the liveness endpoint (GET /healthz); 0 disables it.
+    health_port: int = 8080
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        """SHARD_OPERATOR_<FIELD> for every field, e.g. SHARD_OPERATOR_NAMESPACES=a,b."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = environ.get(PREFIX + f.name.upper())
+            if raw is None:
+                continue
+            values[f.name] = _convert(f.name, raw, f.default)
+        return cls(**values)
+
+
+def _convert(name: str, raw: str, default: object) -> object:
+    try:
+        if isinstance(default, bool):
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+        if isinstance(default, tuple):
+            return tuple(part.strip() for part in raw.split(",") if part.strip())
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"{PREFIX}{name.upper()}={raw!r}: expected a {type(default).__name__}") from None
+    return raw

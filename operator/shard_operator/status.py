@@ -1,0 +1,211 @@
+"""The ShardedModel's status, computed from what the reconcile saw and decided. Pure.
+
+The status is a function of the observed state: the same world gives the same status, so a
+steady state writes nothing. Conditions keep their lastTransitionTime until their status flips,
+and measured memory is reported again only when it moves by more than `MEASURE_TOLERANCE`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .api import (Condition, GroupStatus, PlanSummary, ShardStatus, ShardedModelSpec,
+                  ShardedModelStatus, StageStatus)
+from .manifests import MODEL_LABEL, ROLE_LABEL, model_label
+from .plan import Plan
+from .rollout import Decision, GroupKey, ObservedGroup, Want, group_state
+
+MEASURE_TOLERANCE = 0.01  # resident bytes within 1% of the reported value are not re-reported
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why the model cannot run as asked: a condition reason and a message for people."""
+
+    reason: str
+    message: str
+    fatal: bool = True  # nothing can run until the spec or the pool changes
+
+
+@dataclass
+class Observation:
+    """Everything the status is computed from."""
+
+    name: str
+    generation: int
+    spec: ShardedModelSpec | None
+    plan: Plan | None = None
+    problem: Problem | None = None
+    planning: str = ""  # non-empty while the profile or plan is being worked out
+    wants: list[Want] = field(default_factory=list)
+    groups: list[ObservedGroup] = field(default_factory=list)
+    group_plans: dict[GroupKey, Plan] = field(default_factory=dict)
+    decision: Decision | None = None
+    restarts: dict[GroupKey, int] = field(default_factory=dict)
+    measured: dict[str, int] = field(default_factory=dict)  # pod -> resident bytes
+
+
+def plan_summary(plan: Plan) -> PlanSummary:
+    return PlanSummary(
+        tensor_parallel=plan.tensor_parallel, pipeline_parallel=plan.pipeline_parallel,
+        stages=[StageStatus(stage=s.stage, layers=list(s.layers)) for s in plan.stages],
+        imbalance=round(plan.imbalance, 4), hash=plan.hash, reason=plan.reason,
+        max_predicted_bytes=max((r.predicted_bytes.total for r in plan.ranks), default=0))
+
+
+def _stable(previous: int | None, measured: int | None) -> int | None:
+    if measured is None:
+        return previous
+    if previous is not None and abs(measured - previous) <= MEASURE_TOLERANCE * previous:
+        return previous
+    return measured
+
+
+def _shards(obs: Observation, previous: dict[str, Any]) -> list[ShardStatus]:
+    before = {s.get("pod"): s.get("residentBytes") for s in previous.get("shards") or []}
+    observed = {g.key: g for g in obs.groups}
+    keys = sorted(set(observed) | {w.key for w in obs.wants})
+    shards = []
+    for key in keys:
+        plan = obs.group_plans.get(key)
+        ranks = {r.rank: r for r in observed[key].ranks} if key in observed else {}
+        planned = {r.rank: r for r in plan.group(key[0])} if plan else {}
+        for rank in sorted(set(ranks) | set(planned)):
+            rs, rp = ranks.get(rank), planned.get(rank)
+            pod = rs.pod if rs else ""
+            shards.append(ShardStatus(
+                group=key[0], rank=rank, pod=pod, node=(rs.node if rs and rs.node else rp.node if rp else ""),
+                device=rp.device if rp else "", stage=rp.stage if rp else 0, tp_rank=rp.tp_rank if rp else 0,
+                layers=list(rp.layers) if rp else [], predicted_bytes=rp.predicted_bytes.total if rp else 0,
+                resident_bytes=_stable(before.get(pod), obs.measured.get(pod)) if pod else None,
+                state=rs.state if rs else "Missing"))
+    return shards
+
+
+def _groups(obs: Observation) -> list[GroupStatus]:
+    observed = {g.key: g for g in obs.groups}
+    out = []
+    for key in sorted(set(observed) | {w.key for w in obs.wants}):
+        g = observed.get(key)
+        state, message = group_state(g)
+        plan = obs.group_plans.get(key)
+        world = plan.world_size if plan else (g.world_size if g else 0)
+        if obs.decision and key[0] in obs.decision.exhausted and any(w.key == key for w in obs.wants):
+            state, message = "Failed", obs.decision.exhausted[key[0]]
+        out.append(GroupStatus(
+            replica=key[0], revision=key[1], plan_hash=(plan.group_hash(key[0]) if plan else g.plan_hash if g else ""),
+            state=state, ready_ranks=sum(1 for r in (g.ranks if g else ()) if r.state == "Ready"),
+            ranks=world, restarts=obs.restarts.get(key, 0), message=message))
+    return out
+
+
+def _condition(type_: str, ok: bool, reason: str, message: str, generation: int,
+               previous: dict[str, Any], now: str) -> Condition:
+    status = "True" if ok else "False"
+    old = next((c for c in previous.get("conditions") or [] if c.get("type") == type_), None)
+    since = old.get("lastTransitionTime") if old and old.get("status") == status else now
+    return Condition(type=type_, status=status, reason=reason, message=message,
+                     last_transition_time=since, observed_generation=generation)
+
+
+def build_status(obs: Observation, previous: dict[str, Any] | None, now: str) -> dict[str, Any]:
+    """The whole status as it goes on the wire (camelCase)."""
+    previous = previous or {}
+    spec, decision = obs.spec, obs.decision or Decision()
+    wanted = {w.replica: w for w in obs.wants}
+    states = {g.key: group_state(g)[0] for g in obs.groups}
+    replicas = spec.replicas if spec else 0
+    serving = {g.replica for g in obs.groups if states[g.key] == "Ready" and g.replica < replicas}
+    current_ready = sum(1 for w in obs.wants if states.get(w.key) == "Ready")
+    replacing = [g for g in obs.groups if g.replica in wanted and g.revision != wanted[g.replica].revision]
+    extra = [g for g in obs.groups if g.replica not in wanted]
+    broken = sorted({g.replica for g in obs.groups if g.replica in wanted and g.revision == wanted[g.replica].revision
+                     and states[g.key] in ("Failed", "Lost")})
+    ready = len(serving)
+
+    # ---- degraded
+    if obs.problem is not None:
+        degraded = (True, obs.problem.reason, obs.problem.message)
+    elif decision.exhausted:
+        degraded = (True, "RestartBudgetExhausted", " ".join(decision.exhausted[r] for r in sorted(decision.exhausted)))
+    elif broken:
+        lost = any(states.get(wanted[r].key) == "Lost" for r in broken)
+        degraded = (True, "NodeLost" if lost else "GroupFailed",
+                    f"group {', '.join(map(str, broken))} is {'lost' if lost else 'failing'}; "
+                    f"{'waiting for the node or a new plan' if lost else 'recreating it'}")
+    else:
+        degraded = (False, "AsExpected", "")
+
+    # ---- progressing
+    if obs.planning:
+        progressing = (True, "Planning", obs.planning)
+    elif decision.exhausted:
+        progressing = (False, "Failed", "a group is over its restart budget")
+    elif decision.waiting:
+        progressing = (False, "Blocked", " ".join(decision.waiting))
+    elif replacing:
+        progressing = (True, "Rebalancing", f"replacing group {', '.join(sorted({str(g.replica) for g in replacing}))}")
+    elif extra:
+        progressing = (True, "Scaling", f"removing group {', '.join(str(g.replica) for g in extra)}")
+    elif decision.restart:
+        progressing = (True, "Recreating", f"recreating group {', '.join(str(k[0]) for k in decision.restart)}")
+    elif obs.plan is not None and current_ready < len(obs.wants):
+        progressing = (True, "Creating", f"{current_ready} of {len(obs.wants)} groups ready")
+    elif obs.problem is not None:
+        progressing = (False, obs.problem.reason, obs.problem.message)
+    else:
+        progressing = (False, "Complete", f"{ready} of {replicas} groups ready")
+
+    # ---- available
+    need = max(1, replicas - (spec.rollout.max_unavailable if spec else 0))
+    if replicas == 0:
+        available = (False, "ScaledToZero", "spec.replicas is 0")
+    elif ready >= need:
+        available = (True, "MinimumGroupsReady", f"{ready} of {replicas} groups ready")
+    else:
+        available = (False, "TooFewGroupsReady", f"{ready} of {replicas} groups ready, {need} needed")
+
+    # ---- phase
+    if obs.problem is not None and (obs.problem.fatal or not ready):
+        phase = "Failed" if obs.problem.fatal and not ready else "Degraded"
+    elif obs.planning:
+        phase = "Planning"
+    elif decision.exhausted:
+        phase = "Failed" if not ready else "Degraded"
+    elif obs.problem is not None or broken:
+        phase = "Degraded"
+    elif replacing:
+        phase = "Rebalancing"
+    elif obs.plan is not None and current_ready == len(obs.wants) and not extra:
+        phase = "Ready"
+    elif obs.plan is not None:
+        phase = "Loading"
+    else:
+        phase = "Pending"
+
+    gen = obs.generation
+    status = ShardedModelStatus(
+        phase=phase, observed_generation=gen,
+        replicas=len({g.replica for g in obs.groups if g.ranks}), ready_replicas=ready,
+        selector=f"{MODEL_LABEL}={model_label(obs.name)},{ROLE_LABEL}=leader",
+        plan=plan_summary(obs.plan) if obs.plan is not None else None,
+        shards=_shards(obs, previous), groups=_groups(obs),
+        conditions=[_condition("Available", *available, gen, previous, now),
+                    _condition("Progressing", *progressing, gen, previous, now),
+                    _condition("Degraded", *degraded, gen, previous, now)])
+    wire = status.model_dump(by_alias=True, mode="json", exclude_none=True)
+    wire.setdefault("plan", None)  # a merge patch must clear a plan that no longer exists
+    return wire
+
+
+def status_patch(previous: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any] | None:
+    """The merge patch from `previous` to `new`, or None when nothing changed."""
+    previous = previous or {}
+    patch = {k: v for k, v in new.items() if previous.get(k) != v}
+    if patch.get("plan", 0) is None and "plan" not in previous:
+        patch.pop("plan")
+    for key in previous:
+        if key not in new:
+            patch[key] = None  # e.g. fields kopf or an older operator left behind
+    return patch or None

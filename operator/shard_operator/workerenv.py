@@ -20,6 +20,8 @@ from typing import Literal, Mapping
 
 from pydantic import BaseModel, Field, ValidationError
 
+from .plan import PredictedBytes
+
 # field -> environment variable
 ENV_NAMES = {
     "rank": "RANK",
@@ -81,3 +83,77 @@ class WorkerEnv(BaseModel):
         if env.rank >= env.world_size:
             raise WorkerEnvError(f"RANK={env.rank} is outside WORLD_SIZE={env.world_size}")
         return env
+
+
+# ---------------------------------------------------------------- one-shot generation and reports
+# `shardctl generate` hands the leader a task file and reads its result file: the group runs the
+# task and exits. Without SHARD_TASK the leader serves HTTP instead.
+TASK_ENV = "SHARD_TASK"  # path of a GenerateTask JSON file
+RESULT_ENV = "SHARD_RESULT"  # where the leader writes the GenerateResult JSON
+
+
+class GenerateRequest(BaseModel):
+    """One sequence to continue. temperature 0 is greedy; a seed makes sampling repeatable."""
+
+    prompt_ids: list[int] = Field(min_length=1)
+    max_new_tokens: int = Field(16, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int = 0
+    stop: list[str] = Field(default_factory=list, description="Stop strings (need tokenizer.json).")
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class GenerateTask(BaseModel):
+    requests: list[GenerateRequest] = Field(min_length=1)
+
+
+class Completion(BaseModel):
+    token_ids: list[int] = Field(description="Generated tokens only (an EOS that ended it included).")
+    text: str | None = Field(None, description="Decoded, cut before a stop string; None without a tokenizer.")
+    finish_reason: Literal["stop", "length"]
+
+
+class ResidentBytes(BaseModel):
+    """Measured after load. On a CPU, weights and kv_cache are the growth of anonymous resident
+    memory while they were allocated and filled; on a GPU, of CUDA's allocated bytes."""
+
+    weights: int
+    kv_cache: int
+    rss_anon: int
+    cuda_allocated: int = 0
+    total: int = Field(description="What this rank holds above a bare `import torch` (GPU: reserved).")
+    peak: int = Field(0, description="Peak resident set above a bare `import torch` so far.")
+
+
+class RankReport(BaseModel):
+    """One rank's line in `GET /v1/shards` and in `shardctl generate --json`."""
+
+    rank: int
+    stage: int
+    tp_rank: int
+    layers: tuple[int, int]
+    node: str = ""
+    device: str = ""
+    predicted_bytes: PredictedBytes
+    resident_bytes: ResidentBytes
+    allocated_bytes: dict[str, int] = Field(default_factory=dict,
+                                            description="Bytes of the tensors themselves: weights, kv_cache.")
+    load_seconds: float
+    comm_seconds: float
+    compute_seconds: float
+    idle_seconds: float
+    comm_bytes: dict[str, int] = Field(default_factory=dict, description="By operation.")
+    last_generate: dict[str, float] = Field(default_factory=dict,
+                                            description="seconds, comm_seconds, compute_seconds, idle_seconds "
+                                                        "of the latest generate call")
+    alive: bool = True
+
+
+class GenerateResult(BaseModel):
+    completions: list[Completion]
+    ranks: list[RankReport]
+    prefill_seconds: float = Field(description="Task start to the first tokens.")
+    decode_seconds: float
+    decode_steps: int

@@ -1,0 +1,190 @@
+"""One group of worker ranks as local processes: the laptop twin of a group of pods.
+
+Each rank is `python -m shard_worker`, configured exactly as in a pod: a `WorkerEnv` in its
+environment and the Plan in a file. `LocalGroup` starts the ranks on free ports, watches them, and
+stops every process it started on every way out (return, exception, Ctrl-C, SIGTERM; and if this
+process is killed outright, the kernel kills the ranks: PR_SET_PDEATHSIG). Torch-free.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Mapping
+
+from .api import ModelSpec, Parallelism, ShardedModelSpec
+from .inventory import local_inventory, parse_devices
+from .plan import Plan
+from .planner import plan as make_plan
+from .profile import profile_model
+from .workerenv import RESULT_ENV, TASK_ENV, GenerateResult, GenerateTask, WorkerEnv
+
+POLL_SECONDS = 0.05
+STOP_GRACE_SECONDS = 5.0
+
+
+class LaunchError(RuntimeError):
+    """A rank failed or the group did not finish in time; the message carries the rank's log tail."""
+
+
+def plan_local(model_dir: str | os.PathLike[str], tp: int, pp: int, *, dtype: str = "auto",
+               max_model_len: int | None = None, max_batch_size: int = 1, devices: str | None = None,
+               device_kind: str = "cpu", layer_partition: list[int] | None = None) -> Plan:
+    """Plan `model_dir` over TP x PP ranks of this machine (or the `devices` spec)."""
+    profile = profile_model(model_dir)
+    spec = ShardedModelSpec(
+        model=ModelSpec(path=str(model_dir), dtype=dtype, max_model_len=max_model_len,
+                        max_batch_size=max_batch_size),
+        parallelism=Parallelism(tensor=tp, pipeline=pp, layer_partition=layer_partition))
+    inventory = parse_devices(devices, kind=device_kind) if devices else local_inventory(ranks=tp * pp)
+    return make_plan(profile, spec, inventory)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: the kernel kills it when the launcher dies (Linux only)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    process: subprocess.Popen
+    log: Path
+
+    def tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+class LocalGroup:
+    """The ranks of one replica of `plan`, started by `start()` (or `with`), stopped by `stop()`."""
+
+    def __init__(self, plan: Plan, model_dir: str | os.PathLike[str], workdir: str | os.PathLike[str], *,
+                 replica: int = 0, extra_env: Mapping[str, str] | None = None,
+                 threads_per_rank: int | None = None, rendezvous_timeout: int = 120,
+                 python: str = sys.executable):
+        self.plan, self.model_dir, self.workdir = plan, Path(model_dir), Path(workdir)
+        self.replica, self.extra_env = replica, dict(extra_env or {})
+        self.threads = threads_per_rank or max(1, (os.cpu_count() or 1) // plan.world_size)
+        self.rendezvous_timeout, self.python = rendezvous_timeout, python
+        self.ranks: list[RankProcess] = []
+
+    def __enter__(self) -> "LocalGroup":
+        self.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+    def rank_env(self, rank: int, master_port: int, plan_file: Path) -> dict[str, str]:
+        rank_plan = self.plan.rank_plan(self.replica, rank)
+        env = WorkerEnv(rank=rank, world_size=self.plan.world_size, local_rank=rank_plan.device_index,
+                        master_addr="127.0.0.1", master_port=master_port, tp_size=self.plan.tensor_parallel,
+                        pp_size=self.plan.pipeline_parallel, replica=self.replica, plan_file=str(plan_file),
+                        model_dir=str(self.model_dir.resolve()), model_name=self.plan.model, port=free_port(),
+                        backend="auto", rendezvous_timeout=self.rendezvous_timeout)
+        threads = str(self.threads)
+        return {**os.environ, **env.to_env(), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+                "PYTHONUNBUFFERED": "1", **self.extra_env}
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        plan_file = self.workdir / "plan.json"
+        plan_file.write_text(self.plan.to_json())
+        master_port = free_port()
+        try:
+            for rank in range(self.plan.world_size):
+                log = self.workdir / f"rank-{rank}.log"
+                with open(log, "wb") as out:
+                    proc = subprocess.Popen([self.python, "-m", "shard_worker"], env=self.rank_env(rank, master_port, plan_file),
+                                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                self.ranks.append(RankProcess(rank, proc, log))
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [r.process.pid for r in self.ranks]
+
+    def wait(self, timeout: float) -> None:
+        """Until every rank exits 0. A failing rank or the deadline raises `LaunchError`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            codes = [r.process.poll() for r in self.ranks]
+            failed = [r for r, code in zip(self.ranks, codes) if code not in (None, 0)]
+            if failed:
+                first = failed[0]
+                others = ", ".join(f"rank {r.rank}" for r in failed[1:])
+                raise LaunchError(f"rank {first.rank} exited with status {first.process.returncode}"
+                                  f"{f' (also failed: {others})' if others else ''}; its log ends:\n{first.tail()}")
+            if all(code == 0 for code in codes):
+                return
+            if time.monotonic() > deadline:
+                running = [r.rank for r, code in zip(self.ranks, codes) if code is None]
+                raise LaunchError(f"ranks {running} still running after {timeout:.0f}s; rank {running[0]}'s log ends:\n"
+                                  f"{self.ranks[running[0]].tail()}")
+            time.sleep(POLL_SECONDS)
+
+    def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
+        """Terminate every rank still running; kill those that outlive `grace` seconds."""
+        live = [r.process for r in self.ranks if r.process.poll() is None]
+        for proc in live:
+            proc.terminate()
+        deadline = time.monotonic() + grace
+        for proc in live:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Turn SIGTERM into SystemExit while inside, so `finally` and `with` blocks still run."""
+    def handler(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_generate(plan: Plan, model_dir: str | os.PathLike[str], task: GenerateTask, *, timeout: float = 600,
+                 threads_per_rank: int | None = None) -> GenerateResult:
+    """Start the group, run one generation task on it, and return the leader's result."""
+    with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="shardctl-") as tmp:
+        workdir = Path(tmp)
+        (workdir / "task.json").write_text(task.model_dump_json())
+        env = {TASK_ENV: str(workdir / "task.json"), RESULT_ENV: str(workdir / "result.json")}
+        with LocalGroup(plan, model_dir, workdir, extra_env=env, threads_per_rank=threads_per_rank) as group:
+            group.wait(timeout)
+        return GenerateResult.model_validate_json((workdir / "result.json").read_text())

@@ -1,0 +1,73 @@
+"""`python -m shard_worker`: one rank of a sharded group, configured only by its environment
+(`shard_operator.workerenv.WorkerEnv`) and the Plan file it names. The same entry point runs in a
+pod and as a local process of `shardctl`.
+
+The leader (rank 0) runs the one-shot task named by SHARD_TASK and writes the result to
+SHARD_RESULT; every other rank follows the leader's commands until it says shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from shard_operator.plan import Plan
+from shard_operator.workerenv import RESULT_ENV, TASK_ENV, GenerateResult, GenerateTask, WorkerEnv, WorkerEnvError
+
+from .accounting import MemorySample
+from .runtime import Worker
+
+
+def log(worker_rank: int, message: str) -> None:
+    print(f"[shard_worker rank {worker_rank}] {message}", file=sys.stderr, flush=True)
+
+
+def run_task(worker: Worker, task_path: str, result_path: str) -> None:
+    """The leader's one-shot job: generate, gather every rank's report, write the result."""
+    task = GenerateTask.model_validate_json(Path(task_path).read_text())
+    out = worker.engine.generate(task.requests)
+    result = GenerateResult(completions=out.completions, ranks=worker.engine.reports(),
+                            prefill_seconds=out.prefill_seconds, decode_seconds=out.decode_seconds,
+                            decode_steps=out.decode_steps)
+    partial = Path(result_path + ".partial")
+    partial.write_text(result.model_dump_json(indent=2))
+    partial.replace(result_path)  # the launcher never reads half a file
+
+
+def main() -> int:
+    baseline = MemorySample.take()  # the bare process: interpreter, torch, this package
+    try:
+        env = WorkerEnv.from_env()
+        plan = Plan.from_json(Path(env.plan_file).read_text())
+    except (WorkerEnvError, OSError, ValueError) as err:
+        print(f"shard_worker: {err}", file=sys.stderr)
+        return 1
+    start = time.perf_counter()
+    worker = Worker.start(env, plan, baseline)
+    r = worker.resident
+    log(env.rank, f"stage {worker.rank_plan.stage} tp {worker.rank_plan.tp_rank} layers {list(worker.rank_plan.layers)}: "
+                  f"loaded in {worker.load_seconds:.2f}s (ready in {time.perf_counter() - start:.2f}s); "
+                  f"weights {r.weights / 2**20:.1f} MiB, KV cache {r.kv_cache / 2**20:.1f} MiB resident")
+    try:
+        if not worker.topo.is_leader:
+            worker.engine.follow()
+            return 0
+        task_path = os.environ.get(TASK_ENV)
+        if not task_path:
+            log(env.rank, f"no {TASK_ENV} given and this build has no HTTP server yet; shutting the group down")
+            worker.engine.shutdown()
+            return 1
+        try:
+            run_task(worker, task_path, os.environ[RESULT_ENV])
+        finally:
+            worker.engine.shutdown()
+        return 0
+    finally:
+        worker.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

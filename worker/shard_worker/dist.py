@@ -1,0 +1,222 @@
+"""Process groups of one sharded group, and the few collectives the model calls.
+
+Ranks follow the Plan: `rank = stage * tp + tp_rank`. Each stage's TP ranks form a tensor-parallel
+group (all-reduce, all-gather); activations move between stages point to point, TP rank j of one
+stage to TP rank j of the next (every TP rank holds the same activations after its all-reduce, so
+the pairs run side by side). Control messages (the leader's commands, reports) go over the whole
+group, on gloo even when the tensors use NCCL.
+
+Every collective is timed and counted in the rank's `Accounting`: the model's forward calls these
+methods explicitly, never through hooks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shard_operator.workerenv import WorkerEnv
+
+from .accounting import Accounting
+
+FORWARD_TAG, RETURN_TAG = 1, 2  # activations downstream; tokens back to the first stage
+
+
+class RendezvousError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Who this rank is in its group and who its neighbours are. Pure."""
+
+    rank: int
+    tp: int
+    pp: int
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    def rank_of(self, stage: int, tp_rank: int) -> int:
+        return stage * self.tp + tp_rank
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.pp - 1
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def next(self) -> int | None:
+        return None if self.is_last else self.rank_of(self.stage + 1, self.tp_rank)
+
+    @property
+    def prev(self) -> int | None:
+        return None if self.is_first else self.rank_of(self.stage - 1, self.tp_rank)
+
+    @property
+    def first(self) -> int:
+        """This rank's partner on the first stage (where sampled tokens return)."""
+        return self.rank_of(0, self.tp_rank)
+
+    @property
+    def last(self) -> int:
+        return self.rank_of(self.pp - 1, self.tp_rank)
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        return [self.rank_of(stage, j) for j in range(self.tp)]
+
+
+class Comm:
+    """The collectives of one rank, timed. `tp_group` None means the whole world (PP = 1)."""
+
+    def __init__(self, topo: Topology, acct: Accounting, tp_group: Any = None, control_group: Any = None):
+        self.topo, self.acct = topo, acct
+        self.tp_group, self.control_group = tp_group, control_group
+
+    # ------------------------------------------------------------ tensor parallel
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """Sum `t` in place over this stage's TP ranks."""
+        if self.topo.tp == 1:
+            return
+        start = time.perf_counter()
+        dist.all_reduce(t, group=self.tp_group)
+        self.acct.comm("all_reduce", t.numel() * t.element_size(), time.perf_counter() - start)
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate every TP rank's `t` along the last dimension, in TP rank order."""
+        if self.topo.tp == 1:
+            return t
+        start = time.perf_counter()
+        parts = [torch.empty_like(t) for _ in range(self.topo.tp)]
+        dist.all_gather(parts, t.contiguous(), group=self.tp_group)
+        out = torch.cat(parts, dim=-1)
+        self.acct.comm("all_gather", t.numel() * t.element_size() * self.topo.tp, time.perf_counter() - start)
+        return out
+
+    # ------------------------------------------------------------ pipeline
+    def isend(self, t: torch.Tensor, dst: int, tag: int) -> "Pending":
+        start = time.perf_counter()
+        work = dist.isend(t, dst, tag=tag)
+        self.acct.comm("send", t.numel() * t.element_size(), time.perf_counter() - start)
+        return Pending(self, work, t)
+
+    def recv(self, t: torch.Tensor, src: int, tag: int) -> torch.Tensor:
+        """Blocking receive; the wait counts as idle (it is the upstream stage's compute)."""
+        start = time.perf_counter()
+        dist.recv(t, src, tag=tag)
+        self.acct.idle(time.perf_counter() - start)
+        self.acct.comm("recv", t.numel() * t.element_size(), 0.0)
+        return t
+
+    # ------------------------------------------------------------ control (leader -> all)
+    def broadcast_json(self, obj: Any = None) -> Any:
+        """The leader's `obj` on every rank (others pass None). JSON bytes, never pickle."""
+        start = time.perf_counter()
+        data = json.dumps(obj).encode() if self.topo.is_leader else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.control_group)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.topo.is_leader \
+            else torch.empty(int(size.item()), dtype=torch.uint8)
+        if buf.numel():
+            dist.broadcast(buf, src=0, group=self.control_group)
+        self.acct.comm("broadcast", buf.numel() + 8, time.perf_counter() - start)
+        return json.loads(bytes(buf.numpy())) if buf.numel() else None
+
+    def gather_json(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj`, in rank order, on the leader (None elsewhere)."""
+        start = time.perf_counter()
+        world = self.topo.world
+        data = json.dumps(obj).encode()
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(sizes, size, group=self.control_group)
+        longest = max(int(s.item()) for s in sizes)
+        buf = torch.zeros(longest, dtype=torch.uint8)
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)] if self.topo.is_leader else None
+        dist.gather(buf, bufs, dst=0, group=self.control_group)
+        self.acct.comm("gather", longest, time.perf_counter() - start)
+        if bufs is None:
+            return None
+        return [json.loads(bytes(b[:int(s.item())].numpy())) for b, s in zip(bufs, sizes)]
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.control_group)
+
+
+class Pending:
+    """An outstanding isend: its tensor stays alive until `wait`."""
+
+    def __init__(self, comm: Comm, work: Any, tensor: torch.Tensor):
+        self.comm, self.work, self.tensor = comm, work, tensor
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        start = time.perf_counter()
+        self.work.wait()
+        self.comm.acct.comm("send", 0, time.perf_counter() - start)
+        self.work = self.tensor = None
+
+
+def backend_for(env: WorkerEnv, device: torch.device) -> str:
+    if env.backend != "auto":
+        return env.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_comm(env: WorkerEnv, topo: Topology, device: torch.device, acct: Accounting) -> Comm:
+    """Join the group at MASTER_ADDR:MASTER_PORT and build the TP and control groups.
+
+    Fails with `RendezvousError` naming the address when the group does not assemble within
+    SHARD_RENDEZVOUS_TIMEOUT seconds. The same timeout bounds every later collective, so a leader
+    with nothing to do must keep its followers busy (the engine's `heartbeat` command).
+    """
+    backend = backend_for(env, device)
+    timeout = timedelta(seconds=env.rendezvous_timeout)
+    where = f"{env.master_addr}:{env.master_port}"
+    try:
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0,
+                              timeout=timeout, wait_for_workers=True)
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
+                                timeout=timeout, device_id=device if device.type == "cuda" else None)
+    except (RuntimeError, TimeoutError, OSError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RendezvousError(
+            f"rank {env.rank} of {env.world_size}: the group did not assemble at {where} "
+            f"(MASTER_ADDR:MASTER_PORT) within {env.rendezvous_timeout}s: {first_line}") from None
+    tp_group = None
+    if topo.pp > 1 and topo.tp > 1:
+        for stage in range(topo.pp):  # every rank creates every group, in the same order
+            group = dist.new_group(topo.stage_ranks(stage))
+            if stage == topo.stage:
+                tp_group = group
+    control = dist.new_group(list(range(topo.world)), backend="gloo") if backend != "gloo" else None
+    return Comm(topo, acct, tp_group=tp_group, control_group=control)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

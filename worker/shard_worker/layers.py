@@ -1,0 +1,97 @@
+"""Tensor-parallel building blocks. Each allocates only this rank's shard, uninitialised (the
+loader fills it), and keeps weights in `nn.Linear`'s [out, in] layout for `F.linear` (on CPU,
+bf16 decode is about twice as fast that way as `x @ W` on a transposed copy).
+
+Plain classes rather than `nn.Module`: no hooks, no per-call dispatch, and the collective each
+layer needs is the one line you see in its `__call__`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .dist import Comm
+
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+class ColumnParallelLinear:
+    """y_r = x W_r^T + b_r with W_r this rank's rows (output features). No communication: the
+    output stays split, ready for a row-parallel layer."""
+
+    def __init__(self, in_features: int, out_local: int, bias: bool, dtype: torch.dtype, device: torch.device):
+        self.weight = _empty(out_local, in_features, dtype=dtype, device=device)
+        self.bias = _empty(out_local, dtype=dtype, device=device) if bias else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear:
+    """y = sum_r x_r W_r^T + b with W_r this rank's columns (input features): one all-reduce,
+    and the bias added once, after it."""
+
+    def __init__(self, in_local: int, out_features: int, bias: bool, comm: Comm, dtype: torch.dtype,
+                 device: torch.device):
+        self.comm = comm
+        self.weight = _empty(out_features, in_local, dtype=dtype, device=device)
+        self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        self.comm.all_reduce(y)
+        if self.bias is not None:
+            y += self.bias
+        return y
+
+
+class VocabParallelEmbedding:
+    """Rows [start, start + rows) of the embedding table (the last rank's tail is padding).
+
+    Every rank looks up the ids it owns, writes zeros for the rest, and an all-reduce sums the
+    partial results: each id is owned by exactly one rank.
+    """
+
+    def __init__(self, start: int, rows: int, hidden: int, comm: Comm, dtype: torch.dtype, device: torch.device):
+        self.start, self.rows, self.comm = start, rows, comm
+        self.weight = _empty(rows, hidden, dtype=dtype, device=device)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.comm.topo.tp == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        self.comm.all_reduce(out)
+        return out
+
+
+class ParallelLMHead:
+    """Logits of this rank's vocabulary rows, gathered over the TP group into the full vocabulary
+    (float32, padding columns dropped) so every TP rank samples from identical logits."""
+
+    def __init__(self, rows: int, hidden: int, vocab_size: int, comm: Comm, dtype: torch.dtype,
+                 device: torch.device, weight: torch.Tensor | None = None):
+        self.vocab_size, self.comm = vocab_size, comm
+        self.weight = weight if weight is not None else _empty(rows, hidden, dtype=dtype, device=device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        local = F.linear(x, self.weight)
+        return self.comm.all_gather(local)[..., :self.vocab_size].float()
+
+
+class RMSNorm:
+    """Replicated on every rank. Normalises in float32, like HF, then scales in the model dtype."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device):
+        self.eps = eps
+        self.weight = _empty(hidden, dtype=dtype, device=device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype) * self.weight

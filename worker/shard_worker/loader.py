@@ -1,0 +1,223 @@
+"""Read this rank's slices of a safetensors checkpoint straight into its tensors.
+
+For each destination tensor the model's name-mapping table (`Stage.pieces()`) lists checkpoint
+slices; the file that holds each tensor comes from `model.safetensors.index.json` (or the single
+`model.safetensors`), so how the checkpoint is split into files does not matter.
+
+Bytes are read with `os.preadv` at exact offsets into the destination tensor's memory, after
+`posix_fadvise(RANDOM)` so the kernel reads no more than asked. No file is memory-mapped: slicing a
+mapped file faults whole readahead windows in and inflates resident memory while loading. Row
+slices are one contiguous range. A column slice (row-parallel weights) is one range per row; many
+rows go into one `preadv` (other ranks' columns land in a small scratch buffer), because one
+syscall per row is several times slower. When the checkpoint dtype differs from the runtime dtype
+(or the tensor lives on a GPU) a bounded chunk is read into a staging buffer and converted.
+
+Only safetensors: pickle checkpoints (`.bin`, `.pt`) are refused, because unpickling runs code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shard_operator.profile import DTYPE_BYTES, ProfileError, checkpoint_files, read_safetensors_header
+
+from .config import ModelConfig
+from .model import Piece, Stage
+
+TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+STAGING_BYTES = 16 * 2**20  # the most memory a converting read holds beside its destination
+DIRECT_CHUNK_BYTES = 256 * 2**20  # Linux returns at most ~2 GiB per read call; stay well below
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+class CheckpointError(ValueError):
+    """A checkpoint this rank cannot load; the message names the file and the tensor."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    path: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the tensor's data in its file
+
+
+@dataclass
+class LoadStats:
+    seconds: float = 0.0
+    bytes_read: int = 0  # landed in this rank's tensors
+    scratch_bytes: int = 0  # other ranks' columns read past in column slices
+    files: int = 0
+
+
+class Checkpoint:
+    """Where every tensor lives, from the index and the safetensors headers (no tensor data)."""
+
+    def __init__(self, model_dir: str | Path, config: ModelConfig):
+        self.dir, self.config = Path(model_dir), config
+        try:
+            weight_map = checkpoint_files(self.dir)
+        except ProfileError as err:
+            raise CheckpointError(str(err)) from None
+        if weight_map is None:
+            raise CheckpointError(f"{self.dir}: no model.safetensors or model.safetensors.index.json")
+        self.weight_map = weight_map
+        self._headers: dict[str, dict] = {}
+
+    def _header(self, file: str) -> tuple[dict, int]:
+        if file not in self._headers:
+            path = self.dir / file
+            if not path.is_file():
+                first = next(n for n, f in sorted(self.weight_map.items()) if f == file)
+                raise CheckpointError(f"{path}: missing (the index maps tensor {first} to it)")
+            try:
+                header = read_safetensors_header(path)
+            except ProfileError as err:
+                raise CheckpointError(str(err)) from None
+            with open(path, "rb") as fh:
+                data_start = 8 + int.from_bytes(fh.read(8), "little")
+            self._headers[file] = (header, data_start)
+        return self._headers[file]
+
+    def entry(self, name: str) -> Entry:
+        """The checked location of tensor `name`: present, with the shape config.json implies
+        and a floating-point dtype."""
+        file = self.weight_map.get(name)
+        if file is None:
+            files = ", ".join(sorted(set(self.weight_map.values())))
+            raise CheckpointError(f"{self.dir}: tensor {name} is missing from the checkpoint ({files})")
+        header, data_start = self._header(file)
+        path = self.dir / file
+        info = header.get(name)
+        if info is None:
+            raise CheckpointError(f"{path}: tensor {name} is listed in the index but absent from the file")
+        expected = self.config.tensor_shapes.get(name)
+        if expected is not None and list(info["shape"]) != list(expected):
+            raise CheckpointError(f"{path}: tensor {name} has shape {info['shape']}, config.json implies {expected}")
+        if info["dtype"] not in TORCH_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}; "
+                                  f"expected a float dtype ({', '.join(TORCH_DTYPES)})")
+        return Entry(name, path, info["dtype"], tuple(info["shape"]), data_start + info["data_offsets"][0])
+
+
+def load_stage(stage: Stage, model_dir: str | Path) -> LoadStats:
+    """Fill every tensor of `stage` from the checkpoint in `model_dir`."""
+    start = time.perf_counter()
+    checkpoint = Checkpoint(model_dir, stage.config)
+    table, tensors = stage.pieces(), stage.tensors()
+    assert table.keys() == tensors.keys(), "the name-mapping table must cover every tensor exactly"
+    entries = {p.tensor: checkpoint.entry(p.tensor) for pieces in table.values() for p in pieces}
+    stats = LoadStats()
+    with SliceReader(stats) as reader:
+        for name, pieces in table.items():
+            dst = tensors[name]
+            covered = 0
+            for piece in pieces:
+                covered = max(covered, reader.read(entries[piece.tensor], piece, dst))
+            if covered < dst.shape[0]:
+                dst[covered:].zero_()  # vocabulary padding of the last rank
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _memory(t: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU tensor's bytes (works for bf16, unlike .numpy())."""
+    nbytes = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+class SliceReader:
+    def __init__(self, stats: LoadStats):
+        self.stats = stats
+        self._fds: dict[Path, int] = {}
+        self._scratch: bytearray = bytearray()
+
+    def __enter__(self) -> "SliceReader":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def _fd(self, path: Path) -> int:
+        if path not in self._fds:
+            fd = os.open(path, os.O_RDONLY)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead beyond our ranges
+            self._fds[path] = fd
+            self.stats.files += 1
+        return self._fds[path]
+
+    def read(self, entry: Entry, piece: Piece, dst: torch.Tensor) -> int:
+        """Copy `piece` of `entry` into `dst` from row `piece.offset`; returns the row after it."""
+        rows_total = entry.shape[0]
+        cols = entry.shape[1] if len(entry.shape) == 2 else 1
+        if piece.dim == 0:
+            out_rows, width = piece.stop - piece.start, cols
+        else:
+            out_rows, width = rows_total, piece.stop - piece.start
+        region = dst[piece.offset:piece.offset + out_rows]
+        if region.numel() != out_rows * width or (dst.dim() == 2 and dst.shape[1] != width):
+            raise CheckpointError(f"{entry.path}: tensor {entry.name}: slice {piece} does not fit the "
+                                  f"destination of shape {list(dst.shape)}")
+        region = region.view(out_rows, width)
+        src_dtype = TORCH_DTYPES[entry.dtype]
+        item = DTYPE_BYTES[entry.dtype]
+        direct = region.device.type == "cpu" and region.dtype == src_dtype and region.is_contiguous()
+        limit = DIRECT_CHUNK_BYTES if direct else STAGING_BYTES
+        chunk = max(1, limit // max(1, width * item))
+        if piece.dim == 1:
+            chunk = min(chunk, (IOV_MAX + 1) // 2)
+        fd = self._fd(entry.path)
+        for a in range(0, out_rows, chunk):
+            b = min(out_rows, a + chunk)
+            target = region[a:b] if direct else torch.empty(b - a, width, dtype=src_dtype)
+            self._read_rows(fd, entry, piece, a, b, cols, item, target)
+            if not direct:
+                region[a:b].copy_(target)
+        return piece.offset + out_rows
+
+    def _read_rows(self, fd: int, entry: Entry, piece: Piece, a: int, b: int, cols: int, item: int,
+                   target: torch.Tensor) -> None:
+        """Output rows [a, b) of the piece into `target` ([b - a, width], checkpoint dtype)."""
+        mem = _memory(target)
+        if piece.dim == 0:
+            offset = entry.offset + (piece.start + a) * cols * item
+            buffers = [mem]
+        else:
+            width = (piece.stop - piece.start) * item
+            gap = cols * item - width
+            if len(self._scratch) < gap:
+                self._scratch = bytearray(gap)
+            scratch = memoryview(self._scratch)[:gap]
+            offset = entry.offset + (a * cols + piece.start) * item
+            buffers = []
+            for i in range(b - a):
+                buffers.append(mem[i * width:(i + 1) * width])
+                if i < b - a - 1 and gap:
+                    buffers.append(scratch)
+            self.stats.scratch_bytes += gap * (b - a - 1)
+        _read_exact(fd, buffers, offset, entry)
+        self.stats.bytes_read += mem.nbytes
+
+
+def _read_exact(fd: int, buffers: list[memoryview], offset: int, entry: Entry) -> None:
+    while buffers:
+        got = os.preadv(fd, buffers, offset)
+        if got == 0:
+            raise CheckpointError(f"{entry.path}: tensor {entry.name}: truncated file "
+                                  f"(no data at byte {offset})")
+        offset += got
+        while buffers and got >= len(buffers[0]):  # drop what is filled, keep the rest
+            got -= len(buffers[0])
+            buffers.pop(0)
+        if got:
+            buffers[0] = buffers[0][got:]

@@ -1,0 +1,334 @@
+"""One pipeline stage of a Llama-family decoder, tensor-parallel within the stage.
+
+The stage holds only its layer range; the first stage embeds, the last applies the final norm and
+the LM head. Per rank, q/k/v are one column-parallel matrix and gate/up another (two matmuls where
+HF does five), o and down are row-parallel: two all-reduces a layer, written where they happen.
+
+`Layout` says which slices of each checkpoint tensor this rank holds (the rules of
+`shard_operator.sizing`), and `Stage.pieces()` turns that into the name-mapping table the loader
+follows: destination tensor -> checkpoint tensors, slice, and destination row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .dist import Comm
+from .layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RowParallelLinear,
+                     VocabParallelEmbedding)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------- which slices
+@dataclass(frozen=True)
+class Layout:
+    config: ModelConfig
+    tp: int
+    tp_rank: int
+    layers: tuple[int, int]
+    embeds: bool
+    has_lm_head: bool
+
+    @property
+    def heads(self) -> int:
+        return self.config.num_heads // self.tp
+
+    @property
+    def kv_heads(self) -> int:
+        """ceil(kv / TP): with more ranks than KV heads each rank keeps a copy of one head."""
+        return ceil_div(self.config.num_kv_heads, self.tp)
+
+    @property
+    def kv_head_start(self) -> int:
+        return self.tp_rank * self.config.num_kv_heads // self.tp
+
+    @property
+    def intermediate(self) -> int:
+        return self.config.intermediate_size // self.tp
+
+    @property
+    def vocab_rows(self) -> int:
+        return ceil_div(self.config.vocab_size, self.tp)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.tp_rank * self.vocab_rows
+
+    @property
+    def vocab_valid(self) -> int:
+        """Rows of real vocabulary (the rest of the last rank's block is zero padding)."""
+        return max(0, min(self.vocab_rows, self.config.vocab_size - self.vocab_start))
+
+    @property
+    def shares_embedding(self) -> bool:
+        """Tied embeddings stored once: this stage both embeds and projects."""
+        return self.config.tie_word_embeddings and self.embeds and self.has_lm_head
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows (dim 0) or columns (dim 1) [start, stop) of checkpoint `tensor`, written into the
+    destination from row `offset` on."""
+
+    tensor: str
+    dim: int
+    start: int
+    stop: int
+    offset: int = 0
+
+
+def check_tp(config: ModelConfig, tp: int) -> None:
+    if config.num_heads % tp or config.intermediate_size % tp or \
+            (config.num_kv_heads % tp and tp % config.num_kv_heads):
+        raise ValueError(f"tensor parallel {tp} does not divide this model (heads {config.num_heads}, "
+                         f"KV heads {config.num_kv_heads}, MLP width {config.intermediate_size})")
+
+
+# ---------------------------------------------------------------- RoPE
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, with `linear` or `llama3` scaling."""
+    rope, dim = config.rope, config.head_dim
+    inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope["rope_type"] == "linear":
+        return inv_freq / rope["factor"]
+    if rope["rope_type"] == "llama3":
+        # Long wavelengths are stretched by `factor`, short ones kept, the band between blended.
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old_len = rope["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        between = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(between, blended, scaled)
+    return inv_freq
+
+
+class Rotary:
+    """cos/sin of every position up to `max_len`, computed once in float32."""
+
+    def __init__(self, config: ModelConfig, max_len: int, device: torch.device):
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(config))
+        angles = torch.cat([angles, angles], dim=-1)
+        self.cos, self.sin = angles.cos().to(device), angles.sin().to(device)
+
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, 1, S, head_dim] tables for positions [N, S], broadcast over heads."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+# ---------------------------------------------------------------- one forward pass's context
+def attention_mask(pads: torch.Tensor, c0: int, c1: int, window: int | None) -> torch.Tensor | None:
+    """Which cache columns [0, c1) each query column [c0, c1) of each row may attend to.
+
+    Rows are left-padded: row b's tokens start at column pads[b]. A padding query attends to
+    itself only, so it stays finite (its output is never used). None when nothing is masked.
+    """
+    queries = torch.arange(c0, c1).unsqueeze(1)
+    keys = torch.arange(c1).unsqueeze(0)
+    windowed = window is not None and c1 > window
+    if c1 - c0 == 1 and not windowed and not bool(pads.any()):
+        return None
+    allowed = (keys <= queries).unsqueeze(0) & ((keys >= pads.view(-1, 1, 1)) | (keys == queries))
+    if windowed:
+        allowed &= (queries - keys) < window
+    return allowed.unsqueeze(1)  # [N, 1, S, c1]
+
+
+@dataclass
+class Step:
+    """Rows [r0, r1) of the batch, cache columns [c0, c1): one forward pass through a stage."""
+
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    masks: dict[int | None, torch.Tensor | None]
+
+    @classmethod
+    def build(cls, r0: int, r1: int, c0: int, c1: int, pads: torch.Tensor, rotary: Rotary,
+              windows: set[int | None], dtype: torch.dtype, device: torch.device) -> "Step":
+        rows = pads[r0:r1]
+        positions = (torch.arange(c0, c1).unsqueeze(0) - rows.unsqueeze(1)).clamp(min=0)
+        cos, sin = rotary.at(positions.to(device), dtype)
+        masks = {}
+        for w in windows:
+            mask = attention_mask(rows, c0, c1, w)
+            masks[w] = None if mask is None else mask.to(device)
+        return cls(r0, r1, c0, c1, cos, sin, masks)
+
+
+class KVCache:
+    """Keys and values of this rank's layers and KV heads for `batch` rows and `max_len` columns,
+    allocated (and zeroed, so resident) once."""
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (layers, batch, kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.batch, self.max_len = batch, max_len
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def update(self, layer: int, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the step's keys/values; return everything cached for its rows up to c1."""
+        kc, vc = self.k[layer, step.r0:step.r1], self.v[layer, step.r0:step.r1]
+        kc[:, :, step.c0:step.c1] = k
+        vc[:, :, step.c0:step.c1] = v
+        return kc[:, :, :step.c1], vc[:, :, :step.c1]
+
+
+# ---------------------------------------------------------------- layers
+class Attention:
+    def __init__(self, layout: Layout, window: int | None, comm: Comm, dtype: torch.dtype, device: torch.device):
+        c = layout.config
+        self.heads, self.kv_heads, self.head_dim, self.window = layout.heads, layout.kv_heads, c.head_dim, window
+        self.q_size, self.kv_size = self.heads * c.head_dim, self.kv_heads * c.head_dim
+        self.qkv = ColumnParallelLinear(c.hidden_size, self.q_size + 2 * self.kv_size, c.qkv_bias, dtype, device)
+        self.o = RowParallelLinear(self.q_size, c.hidden_size, c.o_bias, comm, dtype, device)
+
+    def __call__(self, x: torch.Tensor, step: Step, cache: KVCache, layer: int) -> torch.Tensor:
+        n, s, _ = x.shape
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(n, s, self.heads, self.head_dim).transpose(1, 2), step.cos, step.sin)
+        k = apply_rope(k.view(n, s, self.kv_heads, self.head_dim).transpose(1, 2), step.cos, step.sin)
+        v = v.view(n, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        keys, values = cache.update(layer, step, k, v)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.masks[self.window],
+                                             enable_gqa=self.heads != self.kv_heads)
+        return self.o(out.transpose(1, 2).reshape(n, s, self.q_size))
+
+
+class MLP:
+    def __init__(self, layout: Layout, comm: Comm, dtype: torch.dtype, device: torch.device):
+        c = layout.config
+        self.gate_up = ColumnParallelLinear(c.hidden_size, 2 * layout.intermediate, c.mlp_bias, dtype, device)
+        self.down = RowParallelLinear(layout.intermediate, c.hidden_size, c.mlp_bias, comm, dtype, device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer:
+    def __init__(self, layout: Layout, index: int, comm: Comm, dtype: torch.dtype, device: torch.device):
+        c = layout.config
+        self.index = index
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.attn = Attention(layout, c.sliding_windows[index], comm, dtype, device)
+        self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.mlp = MLP(layout, comm, dtype, device)
+
+    def __call__(self, x: torch.Tensor, step: Step, cache: KVCache, slot: int) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), step, cache, slot)
+        return x + self.mlp(self.post_norm(x))
+
+
+# ---------------------------------------------------------------- the stage
+class Stage:
+    def __init__(self, layout: Layout, comm: Comm, dtype: torch.dtype, device: torch.device):
+        check_tp(layout.config, layout.tp)
+        c = layout.config
+        self.layout, self.config, self.dtype, self.device = layout, c, dtype, device
+        self.embed = VocabParallelEmbedding(layout.vocab_start, layout.vocab_rows, c.hidden_size, comm, dtype,
+                                            device) if layout.embeds else None
+        self.layers = [DecoderLayer(layout, i, comm, dtype, device) for i in range(*layout.layers)]
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device) if layout.has_lm_head else None
+        self.lm_head = None
+        if layout.has_lm_head:
+            shared = self.embed.weight if layout.shares_embedding else None
+            self.lm_head = ParallelLMHead(layout.vocab_rows, c.hidden_size, c.vocab_size, comm, dtype, device,
+                                          weight=shared)
+        self.windows = {c.sliding_windows[i] for i in range(*layout.layers)}
+
+    def forward(self, x: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
+        """Token ids [N, S] (first stage) or hidden states [N, S, H] -> hidden states [N, S, H]."""
+        if self.embed is not None:
+            x = self.embed(x)
+        for slot, layer in enumerate(self.layers):
+            x = layer(x, step, cache, slot)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states [N, H] -> float32 logits [N, vocab] (last stage)."""
+        return self.lm_head(self.norm(hidden))
+
+    # ------------------------------------------------------------ what the loader fills
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor this rank holds, by our name (tied embeddings appear once)."""
+        out: dict[str, torch.Tensor] = {}
+        if self.embed is not None:
+            out["embed.weight"] = self.embed.weight
+        for layer in self.layers:
+            p = f"layers.{layer.index}."
+            for name, module in (("input_norm", layer.input_norm), ("post_norm", layer.post_norm),
+                                 ("qkv", layer.attn.qkv), ("o", layer.attn.o),
+                                 ("gate_up", layer.mlp.gate_up), ("down", layer.mlp.down)):
+                out[p + name + ".weight"] = module.weight
+                if getattr(module, "bias", None) is not None:
+                    out[p + name + ".bias"] = module.bias
+        if self.norm is not None:
+            out["norm.weight"] = self.norm.weight
+            if not self.layout.shares_embedding:
+                out["lm_head.weight"] = self.lm_head.weight
+        return out
+
+    def pieces(self) -> dict[str, list[Piece]]:
+        """The name-mapping table: for each of our tensors, the checkpoint slices that fill it."""
+        lay, c = self.layout, self.config
+        hd, r = c.head_dim, lay.tp_rank
+        q = (r * lay.heads * hd, (r + 1) * lay.heads * hd)
+        kv = (lay.kv_head_start * hd, (lay.kv_head_start + lay.kv_heads) * hd)
+        mlp = (r * lay.intermediate, (r + 1) * lay.intermediate)
+        q_local, kv_local = q[1] - q[0], kv[1] - kv[0]
+        table: dict[str, list[Piece]] = {}
+        vocab = (lay.vocab_start, lay.vocab_start + lay.vocab_valid)
+        if lay.embeds:
+            table["embed.weight"] = [Piece("model.embed_tokens.weight", 0, *vocab)]
+        for i in range(*lay.layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            for kind in (("weight", "bias") if c.qkv_bias else ("weight",)):
+                table[dst + f"qkv.{kind}"] = [
+                    Piece(src + f"self_attn.q_proj.{kind}", 0, *q),
+                    Piece(src + f"self_attn.k_proj.{kind}", 0, *kv, offset=q_local),
+                    Piece(src + f"self_attn.v_proj.{kind}", 0, *kv, offset=q_local + kv_local)]
+            table[dst + "o.weight"] = [Piece(src + "self_attn.o_proj.weight", 1, *q)]
+            for kind in (("weight", "bias") if c.mlp_bias else ("weight",)):
+                table[dst + f"gate_up.{kind}"] = [
+                    Piece(src + f"mlp.gate_proj.{kind}", 0, *mlp),
+                    Piece(src + f"mlp.up_proj.{kind}", 0, *mlp, offset=lay.intermediate)]
+            table[dst + "down.weight"] = [Piece(src + "mlp.down_proj.weight", 1, *mlp)]
+            replicated = {"input_norm.weight": "input_layernorm.weight",
+                          "post_norm.weight": "post_attention_layernorm.weight"}
+            if c.o_bias:
+                replicated["o.bias"] = "self_attn.o_proj.bias"
+            if c.mlp_bias:
+                replicated["down.bias"] = "mlp.down_proj.bias"
+            for ours, theirs in replicated.items():
+                size = c.tensor_shapes[src + theirs][0]
+                table[dst + ours] = [Piece(src + theirs, 0, 0, size)]
+        if lay.has_lm_head:
+            table["norm.weight"] = [Piece("model.norm.weight", 0, 0, c.hidden_size)]
+            if not lay.shares_embedding:
+                source = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+                table["lm_head.weight"] = [Piece(source, 0, *vocab)]
+        return table

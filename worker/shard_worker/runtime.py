@@ -1,0 +1,121 @@
+"""One rank, assembled from its environment and the Plan: join the group, build and load this
+rank's stage, allocate its KV cache, and measure what that costs in memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shard_operator.plan import Plan, RankPlan
+from shard_operator.workerenv import RankReport, ResidentBytes, WorkerEnv
+
+from . import dist as dist_mod
+from .accounting import Accounting, MemorySample
+from .config import ModelConfig
+from .dist import Comm, Topology
+from .engine import Engine
+from .loader import load_stage
+from .model import KVCache, Layout, Rotary, Stage
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class PlanMismatch(ValueError):
+    pass
+
+
+def device_for(rank_plan: RankPlan, env: WorkerEnv) -> torch.device:
+    if rank_plan.kind == "gpu":
+        if not torch.cuda.is_available():
+            raise PlanMismatch(f"the plan puts rank {rank_plan.rank} on {rank_plan.device}, "
+                               "but CUDA is not available in this process")
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+def check_env(env: WorkerEnv, plan: Plan) -> RankPlan:
+    if (env.tp_size, env.pp_size) != (plan.tensor_parallel, plan.pipeline_parallel):
+        raise PlanMismatch(f"TP_SIZE={env.tp_size} PP_SIZE={env.pp_size} disagree with the plan "
+                           f"(tensor {plan.tensor_parallel}, pipeline {plan.pipeline_parallel})")
+    return plan.rank_plan(env.replica, env.rank)
+
+
+@dataclass
+class Worker:
+    env: WorkerEnv
+    plan: Plan
+    rank_plan: RankPlan
+    comm: Comm
+    stage: Stage
+    cache: KVCache
+    rotary: Rotary
+    acct: Accounting
+    baseline: MemorySample
+    resident: ResidentBytes
+    allocated: dict[str, int]
+    load_seconds: float
+    engine: Engine = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.engine = Engine(self.stage, self.cache, self.comm, self.rotary, self.acct, self.env.model_dir,
+                             self.plan.max_model_len, report=self.report)
+
+    @property
+    def topo(self) -> Topology:
+        return self.comm.topo
+
+    @classmethod
+    def start(cls, env: WorkerEnv, plan: Plan, baseline: MemorySample | None = None) -> "Worker":
+        """Join the group and load this rank's slices. `baseline`: memory of the bare process."""
+        rank_plan = check_env(env, plan)
+        device = device_for(rank_plan, env)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        baseline = baseline or MemorySample.take(device)
+        config = ModelConfig.from_dir(env.model_dir)
+        topo = Topology(rank=env.rank, tp=env.tp_size, pp=env.pp_size)
+        acct = Accounting()
+        comm = dist_mod.init_comm(env, topo, device, acct)
+        dtype = DTYPES[plan.dtype]
+        layout = Layout(config, tp=topo.tp, tp_rank=topo.tp_rank, layers=tuple(rank_plan.layers),
+                        embeds=rank_plan.embeds, has_lm_head=rank_plan.has_lm_head)
+        on_cuda = device.type == "cuda"
+
+        try:
+            before = MemorySample.take(device)
+            stage = Stage(layout, comm, dtype, device)
+            stats = load_stage(stage, env.model_dir)
+            loaded = MemorySample.take(device)
+            cache = KVCache(layout.layers[1] - layout.layers[0], plan.max_batch_size, layout.kv_heads,
+                            plan.max_model_len, config.head_dim, dtype, device)
+            cached = MemorySample.take(device)
+            rotary = Rotary(config, plan.max_model_len, device)
+
+            resident = ResidentBytes(
+                weights=loaded.held(on_cuda) - before.held(on_cuda),
+                kv_cache=cached.held(on_cuda) - loaded.held(on_cuda),
+                rss_anon=cached.rss_anon, cuda_allocated=cached.cuda_allocated,
+                total=cached.cuda_reserved if on_cuda else cached.rss_anon - baseline.rss_anon,
+                peak=cached.peak_rss - baseline.rss)
+            allocated = {"weights": sum(t.numel() * t.element_size() for t in stage.tensors().values()),
+                         "kv_cache": cache.nbytes}
+        except BaseException:
+            dist_mod.shutdown()  # leave no half-built group behind
+            raise
+        return cls(env=env, plan=plan, rank_plan=rank_plan, comm=comm, stage=stage, cache=cache, rotary=rotary,
+                   acct=acct, baseline=baseline, resident=resident, allocated=allocated, load_seconds=stats.seconds)
+
+    def report(self) -> dict:
+        now = MemorySample.take(self.stage.device)
+        resident = self.resident.model_copy(update={"peak": now.peak_rss - self.baseline.rss})
+        c, rp = self.acct.counters, self.rank_plan
+        return RankReport(
+            rank=rp.rank, stage=rp.stage, tp_rank=rp.tp_rank, layers=rp.layers, node=rp.node, device=rp.device,
+            predicted_bytes=rp.predicted_bytes, resident_bytes=resident, allocated_bytes=self.allocated,
+            load_seconds=self.load_seconds, comm_seconds=c.comm_total, compute_seconds=c.compute_seconds,
+            idle_seconds=c.idle_seconds, comm_bytes=dict(c.comm_bytes), last_generate=self.engine.last_generate,
+        ).model_dump(mode="json")
+
+    def close(self) -> None:
+        dist_mod.shutdown()

@@ -55,7 +55,9 @@ def used_per_node(uses: Iterable[GpuUse], resource: str, exclude: tuple[str, str
     for use in uses:
         if exclude is not None and (use.namespace, use.model) == exclude:
             continue
-        out[use.node] += dict(use.resources).get(resource, 0)
+        n = dict(use.resources).get(resource, 0)
+        if n:
+            out[use.node] += n
     return dict(out)
 
 

@@ -205,7 +205,4 @@ def status_patch(previous: dict[str, Any] | None, new: dict[str, Any]) -> dict[s
     patch = {k: v for k, v in new.items() if previous.get(k) != v}
     if patch.get("plan", 0) is None and "plan" not in previous:
         patch.pop("plan")
-    for key in previous:
-        if key not in new:
-            patch[key] = None  # e.g. fields kopf or an older operator left behind
     return patch or None

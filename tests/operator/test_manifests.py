@@ -1,0 +1,205 @@
+"""The pure builders: the objects the operator creates for given plans."""
+
+from __future__ import annotations
+
+import re
+
+import kubernetes_validate
+import pytest
+
+from shard_operator.api import SpecError
+from shard_operator.manifests import (GROUP_LABEL, MODEL_LABEL, PLAN_LABEL, RANK_LABEL, REVISION_LABEL,
+                                      ROLE_LABEL, Context, Owner, base_name, check, desired_objects,
+                                      drift_patch, group_objects, group_revision, model_objects, pod_name,
+                                      profiling_pod)
+from shard_operator.plan import Plan
+from shard_operator.workerenv import MODEL_MOUNT, PLAN_MOUNT, WorkerEnv
+
+from .conftest import make_plan, make_spec
+
+OWNER = Owner(name="llama", namespace="serving", uid="uid-1")
+DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def ctx_for(owner=OWNER, **spec):
+    return Context(owner=owner, spec=make_spec(**spec), default_image="img:1")
+
+
+def env_of(pod) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+
+
+def pods(objects):
+    return [o for o in objects if o["kind"] == "Pod"]
+
+
+@pytest.mark.parametrize("tensor,pipeline,replicas,devices", [
+    (1, 1, 1, "a:24GiB*1"),
+    (2, 1, 2, "a:24GiB*2,b:24GiB*2"),
+    (2, 2, 1, "a:24GiB*2,b:24GiB*2"),
+    (1, 4, 2, "a:24GiB*4,b:24GiB*4"),
+])
+def test_one_pod_per_rank_with_the_worker_environment(tensor, pipeline, replicas, devices):
+    spec = dict(parallelism={"tensor": tensor, "pipeline": pipeline}, replicas=replicas)
+    plan = make_plan(devices, **spec)
+    ctx = ctx_for(**spec)
+    objects = desired_objects(ctx, plan)
+    world = tensor * pipeline
+    assert len(pods(objects)) == world * replicas
+    assert len(objects) == 3 + replicas * (2 + world)  # endpoint, metrics, plan record; svc + cm + pods
+    for pod in pods(objects):
+        labels = pod["metadata"]["labels"]
+        replica, rank = int(labels[GROUP_LABEL]), int(labels[RANK_LABEL])
+        rank_plan = plan.rank_plan(replica, rank)
+        env = WorkerEnv.from_env(env_of(pod))  # the worker's own parser accepts it
+        leader = pod_name("llama", replica, labels[REVISION_LABEL], 0)
+        assert (env.rank, env.world_size, env.local_rank) == (rank, world, 0)
+        assert (env.tp_size, env.pp_size, env.replica) == (tensor, pipeline, replica)
+        assert env.master_addr == f"{leader}.{pod['spec']['subdomain']}.serving.svc"
+        assert env.master_port == 29500 and env.port == 8000
+        assert env.plan_file == PLAN_MOUNT and env.model_dir == f"{MODEL_MOUNT}/tiny"
+        assert env.model_name == "llama"
+        assert pod["spec"]["hostname"] == pod["metadata"]["name"]
+        terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert terms["nodeSelectorTerms"][0]["matchFields"][0]["values"] == [rank_plan.node]
+        assert labels[ROLE_LABEL] == ("leader" if rank == 0 else "worker")
+        assert labels[PLAN_LABEL] == plan.group_hash(replica)
+        assert labels[MODEL_LABEL] == "llama"
+        assert pod["metadata"]["ownerReferences"] == [{
+            "apiVersion": "sharding.dev/v1alpha1", "kind": "ShardedModel", "name": "llama", "uid": "uid-1",
+            "controller": True, "blockOwnerDeletion": True}]
+        assert pod["spec"]["containers"][0]["command"] == ["python", "-m", "shard_worker"]
+
+
+def test_tensor_parallel_peers_share_a_node_and_groups_spread():
+    plan = make_plan("a:24GiB*2,b:24GiB*2", replicas=2)
+    nodes = {}
+    for pod in pods(desired_objects(ctx_for(replicas=2), plan)):
+        node = pod["metadata"]["annotations"]["sharding.dev/node"]
+        nodes.setdefault(pod["metadata"]["labels"][GROUP_LABEL], set()).add(node)
+    assert all(len(n) == 1 for n in nodes.values())  # TP peers on one node
+    assert nodes["0"] != nodes["1"]  # replicas spread
+
+
+def test_pod_resources_probes_security_and_volumes():
+    spec = dict(worker={"resources": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "16Gi"}},
+                        "env": [{"name": "NCCL_SOCKET_IFNAME", "value": "eth0"}], "port": 9000},
+                placement={"gpuResource": "amd.com/gpu", "tolerations": [{"key": "gpu", "operator": "Exists"}]})
+    ctx = ctx_for(**spec)
+    pod = pods(desired_objects(ctx, make_plan(**spec)))[0]
+    c = pod["spec"]["containers"][0]
+    assert c["resources"] == {"requests": {"cpu": "4", "memory": "16Gi", "amd.com/gpu": "1"},
+                              "limits": {"memory": "16Gi", "amd.com/gpu": "1"}}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert {"name": "http", "containerPort": 9000, "protocol": "TCP"} in c["ports"]
+    assert env_of(pod)["NCCL_SOCKET_IFNAME"] == "eth0" and env_of(pod)["SHARD_PORT"] == "9000"
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+    assert pod["spec"]["restartPolicy"] == "Never"
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["model"] == {"name": "model", "hostPath": {"path": "/models", "type": "Directory"}}
+    assert volumes["plan"]["configMap"]["name"] == pod["spec"]["subdomain"]
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert mounts["model"]["readOnly"] and mounts["plan"]["mountPath"] + "/plan.json" == PLAN_MOUNT
+
+
+@pytest.mark.parametrize("model,volume,expected_dir", [
+    ({"path": "llama"}, {"pvc": {"claimName": "weights"}},
+     {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}),
+    ({"path": "llama"}, {"image": {"reference": "reg/llama:1"}},
+     {"name": "model", "image": {"reference": "reg/llama:1", "pullPolicy": "IfNotPresent"}}),
+    ({"path": "/data/llama"}, None, {"name": "model", "hostPath": {"path": "/data/llama", "type": "Directory"}}),
+])
+def test_model_volumes(model, volume, expected_dir):
+    m = {**model, **({"volume": volume} if volume else {"volume": None})}
+    spec = make_spec(model=m)
+    ctx = Context(owner=OWNER, spec=spec, default_image="img")
+    pod = pods(desired_objects(ctx, make_plan()))[0]
+    assert pod["spec"]["volumes"][0] == expected_dir
+    assert env_of(pod)["SHARD_MODEL_DIR"] == ("/models" if volume is None else "/models/llama")
+
+
+@pytest.mark.parametrize("spec,message", [
+    ({"model": {"path": "relative/dir", "volume": None}}, "must be absolute"),
+    ({"worker": {"env": [{"name": "RANK", "value": "3"}]}}, "RANK set by the operator"),
+])
+def test_specs_no_pod_can_be_built_from(spec, message):
+    with pytest.raises(SpecError, match=message):
+        check(Context(owner=OWNER, spec=make_spec(**spec), default_image="img"))
+
+
+def test_group_configmap_holds_only_its_group():
+    plan = make_plan("a:24GiB*2,b:24GiB*2", replicas=2)
+    ctx = ctx_for(replicas=2)
+    for replica in (0, 1):
+        cm = [o for o in group_objects(ctx, plan, replica) if o["kind"] == "ConfigMap"][0]
+        mounted = Plan.from_json(cm["data"]["plan.json"])
+        assert {r.replica for r in mounted.ranks} == {replica}
+        assert mounted.group_hash(replica) == plan.group_hash(replica)
+        assert mounted.rank_plan(replica, 1) == plan.rank_plan(replica, 1)
+
+
+def test_services_select_ready_leaders_and_name_every_rank():
+    plan = make_plan()
+    ctx = ctx_for()
+    endpoint, metrics, record = model_objects(ctx, plan)
+    assert endpoint["spec"]["selector"] == {MODEL_LABEL: "llama", ROLE_LABEL: "leader"}
+    assert metrics["spec"]["clusterIP"] == "None" and metrics["spec"]["selector"] == {MODEL_LABEL: "llama"}
+    assert Plan.from_json(record["data"]["plan.json"]).hash == plan.hash
+    service = group_objects(ctx, plan, 0)[0]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["metadata"]["name"] == group_objects(ctx, plan, 0)[2]["spec"]["subdomain"]
+
+
+def test_revision_follows_placement_and_pod_template_only():
+    plan = make_plan("a:24GiB*2,b:24GiB*2", replicas=2)
+    moved = make_plan("a:24GiB*2,c:24GiB*2", replicas=2)  # group 1 moves to c
+    ctx = ctx_for(replicas=2)
+    assert group_revision(ctx, plan, 0) == group_revision(ctx, moved, 0)
+    assert group_revision(ctx, plan, 1) != group_revision(ctx, moved, 1)
+    assert group_revision(ctx, plan, 0) == group_revision(ctx_for(replicas=2), plan, 0)  # stable
+    new_image = Context(owner=OWNER, spec=make_spec(replicas=2, worker={"image": "img:2"}), default_image="img:1")
+    assert group_revision(new_image, plan, 0) != group_revision(ctx, plan, 0)
+    scaled = ctx_for(replicas=5)  # replicas are not part of a group's pods
+    assert group_revision(scaled, plan, 0) == group_revision(ctx, plan, 0)
+
+
+@pytest.mark.parametrize("name", ["llama", "Llama.3.70b", "7b", "a" * 63, "very-long-model-name-" * 10])
+def test_names_are_dns_labels(name):
+    meta_name = name.lower() if len(name) <= 253 else name
+    ctx = Context(owner=Owner(name=meta_name, namespace="ns", uid="u"), spec=make_spec(), default_image="i")
+    for obj in desired_objects(ctx, make_plan()):
+        if obj["kind"] in ("Pod", "Service"):
+            assert len(obj["metadata"]["name"]) <= 63 and DNS_LABEL.match(obj["metadata"]["name"]), obj["metadata"]["name"]
+        assert len(obj["metadata"]["labels"][MODEL_LABEL]) <= 63
+    assert base_name("a.b") != base_name("a-b")
+
+
+def test_manifests_without_an_owner_uid_have_no_owner_references():
+    ctx = Context(owner=Owner(name="m", namespace="default"), spec=make_spec(), default_image="i")
+    assert all("ownerReferences" not in o["metadata"] for o in desired_objects(ctx, make_plan()))
+
+
+def test_objects_pass_the_kubernetes_schemas():
+    spec = dict(parallelism={"tensor": 2, "pipeline": 2}, replicas=1,
+                worker={"resources": {"requests": {"cpu": "2"}}})
+    ctx = ctx_for(**spec)
+    objects = desired_objects(ctx, make_plan(**spec)) + [profiling_pod(ctx, 600)]
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.33", strict=True)
+
+
+def test_drift_patch_ignores_server_defaults_and_restores_what_we_own():
+    service = model_objects(ctx_for(), make_plan())[0]
+    served = {**service, "metadata": {**service["metadata"], "uid": "x", "resourceVersion": "7"},
+              "spec": {**service["spec"], "clusterIP": "10.0.0.7", "sessionAffinity": "None"}}
+    assert drift_patch(service, served) is None
+    edited = {**served, "spec": {**served["spec"], "selector": {"app": "other"}}}
+    assert drift_patch(service, edited) == {"spec": service["spec"]}
+    relabelled = {**served, "metadata": {**served["metadata"], "labels": {"x": "y"}}}
+    assert drift_patch(service, relabelled) == {"metadata": {"labels": service["metadata"]["labels"]}}
+    record = model_objects(ctx_for(), make_plan())[2]
+    stale = {**record, "data": {"plan.json": "{}"}}
+    assert drift_patch(record, stale) == {"data": record["data"]}

@@ -1,0 +1,117 @@
+"""Plan reuse: what moves (and what does not) when the spec or the node pool changes."""
+
+from __future__ import annotations
+
+import pytest
+
+from shard_operator.inventory import parse_devices
+from shard_operator.planner import PlanError
+from shard_operator.replan import choose_plan, critical_path, incompatibility, without_devices
+
+from .conftest import make_spec, tiny_profile
+
+POOL = "a:24GiB*2,b:24GiB*2,c:24GiB*2"
+SEVEN_B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=32000, torch_dtype="bfloat16")
+
+
+def placements(plan):
+    return {g.replica: plan.group_hash(g.replica) for g in plan.groups}
+
+
+def nodes_of(plan, replica):
+    return {r.node for r in plan.group(replica)}
+
+
+@pytest.fixture
+def two_groups(profile):
+    spec = make_spec(replicas=2)
+    return choose_plan(None, profile, spec, parse_devices(POOL)).plan
+
+
+def test_first_plan(profile):
+    choice = choose_plan(None, profile, make_spec(replicas=2), parse_devices(POOL))
+    assert choice.kind == "initial" and choice.plan.replicas == 2 and "tensor=2 x pipeline=1" in choice.message
+
+
+def test_nothing_changes_while_the_plan_is_valid(profile, two_groups):
+    choice = choose_plan(two_groups, profile, make_spec(replicas=2), parse_devices(POOL), reconsider=True)
+    assert choice.kind == "unchanged" and choice.plan.hash == two_groups.hash
+
+
+def test_scaling_up_and_down_leaves_other_groups_in_place(profile, two_groups):
+    up = choose_plan(two_groups, profile, make_spec(replicas=3), parse_devices(POOL))
+    assert up.kind == "scaled" and up.plan.replicas == 3
+    assert {r: h for r, h in placements(up.plan).items() if r < 2} == placements(two_groups)
+    assert nodes_of(up.plan, 2) == {"c"}  # the free devices
+    down = choose_plan(up.plan, profile, make_spec(replicas=1), parse_devices(POOL))
+    assert down.kind == "scaled" and placements(down.plan) == {0: placements(two_groups)[0]}
+    zero = choose_plan(two_groups, profile, make_spec(replicas=0), parse_devices(POOL))
+    assert zero.plan.replicas == 0 and zero.plan.groups == []
+
+
+def test_a_lost_node_moves_only_its_group_once_settled(profile, two_groups):
+    lost = sorted(nodes_of(two_groups, 0))[0]
+    pool = ",".join(p for p in POOL.split(",") if not p.startswith(lost + ":"))
+    waiting = choose_plan(two_groups, profile, make_spec(replicas=2), parse_devices(pool), settled=False)
+    assert waiting.waiting and waiting.plan.hash == two_groups.hash
+    moved = choose_plan(two_groups, profile, make_spec(replicas=2), parse_devices(pool), settled=True)
+    assert moved.kind == "repaired" and "group 0 lost its devices" in moved.message
+    assert placements(moved.plan)[1] == placements(two_groups)[1]
+    assert lost not in nodes_of(moved.plan, 0)
+
+
+def test_no_room_for_a_lost_group_raises_with_the_numbers(profile, two_groups):
+    with pytest.raises(PlanError) as err:
+        choose_plan(two_groups, profile, make_spec(replicas=2), parse_devices("c:24GiB*2"), settled=True)
+    assert err.value.reason == "InsufficientCapacity"
+
+
+def test_a_grown_pool_replaces_groups_only_when_clearly_faster():
+    # A model big enough that streaming its weights, not collective latency, sets the pace.
+    profile = tiny_profile(**SEVEN_B)
+    spec = make_spec(replicas=1)
+    slow = choose_plan(None, profile, spec, parse_devices("a:24GiB*2@0.3")).plan
+    same = choose_plan(slow, profile, spec, parse_devices("a:24GiB*2@0.3,b:24GiB*2@0.3"), reconsider=True)
+    assert same.kind == "unchanged"
+    faster = parse_devices("a:24GiB*2@0.3,h:80GiB*2@3.35")
+    assert choose_plan(slow, profile, spec, faster, reconsider=False).kind == "unchanged"
+    better = choose_plan(slow, profile, spec, faster, reconsider=True)
+    assert better.kind == "improved" and nodes_of(better.plan, 0) == {"h"}
+    assert critical_path(better.plan) < critical_path(slow)
+    waiting = choose_plan(slow, profile, spec, faster, reconsider=True, settled=False)
+    assert waiting.kind == "unchanged"
+
+
+@pytest.mark.parametrize("change,why", [
+    (dict(parallelism={"tensor": 1}), "tensor changed from 2 to 1"),
+    (dict(model={"maxModelLen": 128}), "maxModelLen changed from 256 to 128"),
+    (dict(model={"dtype": "bfloat16"}), "dtype changed"),
+    (dict(placement={"memoryHeadroom": 0.2}), "memoryHeadroom changed"),
+])
+def test_spec_changes_replan(profile, two_groups, change, why):
+    spec = make_spec(replicas=2, **change)
+    assert why in incompatibility(two_groups, profile, spec)
+    choice = choose_plan(two_groups, profile, spec, parse_devices(POOL))
+    assert choice.kind == "respec" and why in choice.message
+
+
+def test_a_new_checkpoint_replans(two_groups):
+    other = tiny_profile(intermediate_size=256)
+    assert incompatibility(two_groups, other, make_spec(replicas=2)) == "the checkpoint changed"
+
+
+def test_repair_that_does_not_fit_beside_the_others_replans_everything():
+    profile = tiny_profile(**SEVEN_B)  # ~15 GiB a rank at tensor=1, ~8 GiB at tensor=2
+    spec = make_spec(replicas=2, parallelism={"tensor": "auto", "pipeline": "auto"})
+    current = choose_plan(None, profile, spec, parse_devices("a:24GiB*1,b:24GiB*1")).plan
+    assert current.tensor_parallel == 1
+    # b is gone; the new nodes' 12 GiB GPUs hold a group only at tensor=2, so group 0 moves too.
+    choice = choose_plan(current, profile, spec, parse_devices("a:24GiB*1,c:12GiB*2,d:12GiB*2"))
+    assert choice.kind == "replanned" and "planned again" in choice.message
+    assert choice.plan.tensor_parallel == 2 and {r.node for r in choice.plan.ranks} == {"c", "d"}
+
+
+def test_without_devices_takes_the_highest_indices():
+    inv = without_devices(parse_devices("a:24GiB*4,b:24GiB*2"), {"a": 3})
+    assert [(d.node, d.index) for d in inv.devices] == [("a", 0), ("b", 0), ("b", 1)]

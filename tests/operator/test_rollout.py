@@ -1,0 +1,158 @@
+"""Rollout decisions: which groups to create, keep, recreate or delete for an observed state."""
+
+from __future__ import annotations
+
+import pytest
+
+from shard_operator.api import Rollout
+from shard_operator.rollout import (ObservedGroup, RankState, Want, decide, group_state, observe_groups,
+                                    rank_state)
+
+
+def pod(name="m-0-r1-0", rank=0, phase="Running", ready=True, node="a", **extra):
+    status = {"phase": phase, "podIP": "10.0.0.5",
+              "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+              "containerStatuses": extra.pop("containerStatuses", [])}
+    meta = {"name": name, "labels": {"sharding.dev/group": "0", "sharding.dev/revision": "r1",
+                                     "sharding.dev/rank": str(rank), "sharding.dev/plan": "h1"},
+            "annotations": {"sharding.dev/node": node}}
+    meta.update(extra.pop("metadata", {}))
+    return {"metadata": meta, "spec": {"containers": [{"env": [{"name": "WORLD_SIZE", "value": "2"}]}]},
+            "status": status}
+
+
+@pytest.mark.parametrize("p,healthy,state,message", [
+    (pod(), None, "Ready", ""),
+    (pod(ready=False), None, "Running", ""),
+    (pod(phase="Pending", ready=False), None, "Pending", ""),
+    (pod(phase="Failed", containerStatuses=[{"state": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}]),
+     None, "Failed", "Failed: OOMKilled (exit code 137)"),
+    (pod(phase="Succeeded"), None, "Failed", "Succeeded"),
+    (pod(containerStatuses=[{"restartCount": 2, "state": {"waiting": {"reason": "CrashLoopBackOff"}}}]),
+     None, "Failed", "restarted 2 times (CrashLoopBackOff)"),
+    (pod(metadata={"deletionTimestamp": "2026-01-01T00:00:00Z"}), None, "Terminating", ""),
+    (pod(node="gone"), {"a"}, "Lost", "node gone is gone or NotReady"),
+    (pod(node="a"), {"a"}, "Ready", ""),
+    (pod(phase="Pending", ready=False, containerStatuses=[{"state": {"waiting": {"reason": "ImagePullBackOff",
+                                                                                "message": "no such image"}}}]),
+     None, "Pending", "ImagePullBackOff: no such image"),
+])
+def test_rank_state(p, healthy, state, message):
+    rs = rank_state(p, healthy)
+    assert rs.state == state
+    assert message in rs.message
+
+
+def group(states, replica=0, revision="r1", world=2, started=True):
+    return ObservedGroup(replica=replica, revision=revision, plan_hash="h", world_size=world, ranks=tuple(
+        RankState(rank=i, pod=f"p{replica}{revision}{i}", state=s, started=started and s != "Pending")
+        for i, s in enumerate(states) if s is not None))
+
+
+@pytest.mark.parametrize("g,state", [
+    (None, "Empty"),
+    (group([]), "Empty"),
+    (group(["Ready", "Ready"]), "Ready"),
+    (group(["Ready", "Running"]), "Starting"),
+    (group(["Pending", None], started=False), "Starting"),  # still being created
+    (group(["Ready", None]), "Failed"),  # a rank was deleted while the group ran
+    (group(["Ready", "Failed"]), "Failed"),
+    (group(["Ready", "Lost"]), "Lost"),
+    (group(["Terminating", "Failed"]), "Terminating"),
+])
+def test_group_state(g, state):
+    assert group_state(g)[0] == state
+
+
+def test_observe_groups_from_pods_and_leftover_services():
+    pods = [pod("m-0-r1-0", 0), pod("m-0-r1-1", 1, ready=False)]
+    leftover = {"metadata": {"name": "m-1-r9", "labels": {"sharding.dev/group": "1", "sharding.dev/revision": "r9",
+                                                          "sharding.dev/plan": "h9"}}}
+    groups = observe_groups(pods, [leftover])
+    assert [(g.replica, g.revision, g.world_size, len(g.ranks)) for g in groups] == [(0, "r1", 2, 2), (1, "r9", 0, 0)]
+    assert [group_state(g)[0] for g in groups] == ["Starting", "Empty"]
+
+
+SURGE = Rollout(max_surge=1, max_unavailable=0)
+
+
+def test_new_groups_are_created():
+    d = decide([Want(0, "a"), Want(1, "b")], [], SURGE, {}, 3)
+    assert d.keep == {(0, "a"): True, (1, "b"): True} and not d.delete
+
+
+def test_steady_state_changes_nothing():
+    d = decide([Want(0, "a"), Want(1, "b")], [group(["Ready"] * 2, 0, "a"), group(["Ready"] * 2, 1, "b")], SURGE, {}, 3)
+    assert d.keep == {(0, "a"): False, (1, "b"): False}
+    assert not d.delete and not d.restart and not d.waiting
+
+
+def test_scaling_down_deletes_whole_groups_only():
+    observed = [group(["Ready"] * 2, r, "x") for r in range(3)]
+    d = decide([Want(0, "x"), Want(1, "x")], observed, SURGE, {}, 3)
+    assert d.delete == {(2, "x"): "scaled down"}
+    assert d.keep == {(0, "x"): False, (1, "x"): False}
+
+
+def test_surge_then_switch_then_delete_the_old_group():
+    old = group(["Ready"] * 2, 0, "old")
+    d = decide([Want(0, "new")], [old], SURGE, {}, 3)
+    assert d.keep == {(0, "new"): True} and not d.delete  # the new group starts beside the old
+    d = decide([Want(0, "new")], [old, group(["Ready", "Running"], 0, "new")], SURGE, {}, 3)
+    assert not d.delete  # the old one serves until the new one is ready
+    d = decide([Want(0, "new")], [old, group(["Ready"] * 2, 0, "new")], SURGE, {}, 3)
+    assert list(d.delete) == [(0, "old")]
+
+
+def test_max_surge_limits_concurrent_replacements():
+    observed = [group(["Ready"] * 2, r, "old") for r in range(3)]
+    d = decide([Want(r, "new") for r in range(3)], observed, SURGE, {}, 3)
+    assert [k for k, create in d.keep.items() if create] == [(0, "new")]
+    observed.append(group(["Running"] * 2, 0, "new"))
+    d = decide([Want(r, "new") for r in range(3)], observed, SURGE, {}, 3)
+    assert not [k for k, create in d.keep.items() if create and k != (0, "new")]
+    assert d.waiting and "1 of maxSurge=1" in d.waiting[0]
+
+
+def test_max_unavailable_replaces_in_place():
+    old = group(["Ready"] * 2, 0, "old")
+    d = decide([Want(0, "new")], [old], Rollout(max_surge=0, max_unavailable=1), {}, 3)
+    assert list(d.delete) == [(0, "old")] and not any(d.keep.values())
+    d = decide([Want(0, "new")], [], Rollout(max_surge=0, max_unavailable=1), {}, 3)
+    assert d.keep == {(0, "new"): True}
+
+
+def test_no_room_to_surge_is_said_not_forced():
+    old = group(["Ready"] * 2, 0, "old")
+    d = decide([Want(0, "new", {"a": 2})], [old], SURGE, {}, 3, free_gpus={"a": 0, "b": 4})
+    assert not d.delete and not any(d.keep.values())
+    assert "no room to surge" in d.waiting[0] and "a needs 2 GPUs, 0 free" in d.waiting[0]
+    d = decide([Want(0, "new", {"b": 2})], [old], SURGE, {}, 3, free_gpus={"a": 0, "b": 4})
+    assert d.keep == {(0, "new"): True}
+    d = decide([Want(0, "new")], [old], Rollout(max_surge=0, max_unavailable=0), {}, 3)
+    assert "both 0" in d.waiting[0]
+
+
+def test_failed_group_is_recreated_within_budget_then_given_up():
+    failed = group(["Ready", "Failed"], 0, "a")
+    d = decide([Want(0, "a")], [failed], SURGE, {(0, "a"): 1}, 3)
+    assert d.restart == [(0, "a")] and not d.exhausted
+    d = decide([Want(0, "a")], [failed], SURGE, {(0, "a"): 3}, 3)
+    assert d.restart == [] and "over the restart budget of 3" in d.exhausted[0]
+
+
+def test_lost_groups_wait_for_a_new_plan_instead_of_restarting():
+    d = decide([Want(0, "a")], [group(["Ready", "Lost"], 0, "a")], SURGE, {}, 3)
+    assert not d.restart and d.keep == {(0, "a"): False}
+
+
+def test_interrupted_creation_is_completed():
+    d = decide([Want(0, "a")], [group(["Pending", None], 0, "a", started=False)], SURGE, {}, 3)
+    assert d.keep == {(0, "a"): True} and not d.restart
+
+
+def test_broken_old_groups_go_at_once_and_terminating_ones_are_left_alone():
+    d = decide([Want(0, "new")], [group(["Failed", "Ready"], 0, "old")], SURGE, {}, 3)
+    assert list(d.delete) == [(0, "old")] and d.keep == {(0, "new"): True}
+    d = decide([Want(0, "new")], [group(["Terminating", "Ready"], 0, "old")], SURGE, {}, 3)
+    assert not d.delete and d.keep == {(0, "new"): True}

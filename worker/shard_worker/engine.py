@@ -83,6 +83,7 @@ class Engine:
         self.model_dir, self.max_len, self.report = Path(model_dir), max_len, report
         self.link = Link(comm, self.config.hidden_size, stage.dtype, stage.device)
         self.last_generate: dict[str, float] = {}
+        self.last_output: Output | None = None  # on first-stage ranks: what the latest generate produced
         self._tokenizer: Any = None
 
     @property
@@ -162,6 +163,7 @@ class Engine:
             self.link.flush()
         spent = self.acct.counters.minus(before).summary()
         self.last_generate = {"seconds": time.perf_counter() - start, **spent}
+        self.last_output = out
         return out
 
     def _forward(self, unit: Unit, x: torch.Tensor, pads: torch.Tensor) -> torch.Tensor:

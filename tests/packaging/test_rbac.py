@@ -1,0 +1,71 @@
+"""The chart grants exactly the permissions the operator uses (operator/shard_operator/permissions.py)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from shard_operator.permissions import PERMISSIONS
+
+from .chart import CUSTOM_VALUES, NAMESPACE, find, one
+
+# Resources of PERMISSIONS that are not namespaced: they can only be granted by a ClusterRole.
+CLUSTER_SCOPED = {("", "nodes"), ("", "namespaces"), ("apiextensions.k8s.io", "customresourcedefinitions")}
+
+
+def granted(roles) -> dict[tuple[str, str], set[str]]:
+    """(apiGroup, resource) -> verbs, over every rule of the given roles."""
+    grants: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for role in roles:
+        for rule in role["rules"]:
+            assert "resourceNames" not in rule and "nonResourceURLs" not in rule
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    grants[(group, resource)].update(rule["verbs"])
+    return dict(grants)
+
+
+def expected(scope: set[tuple[str, str]] | None = None) -> dict[tuple[str, str], set[str]]:
+    return {key: set(verbs) for key, verbs in PERMISSIONS.items() if scope is None or key in scope}
+
+
+def test_no_wildcards_anywhere(rendered):
+    _, objects = rendered
+    for role in find(objects, "ClusterRole") + find(objects, "Role"):
+        for rule in role["rules"]:
+            assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], role["metadata"]["name"]
+
+
+def test_cluster_wide_grants_exactly_the_permission_table(default_objects):
+    role = one(default_objects, "ClusterRole")
+    assert granted([role]) == expected()
+    assert not find(default_objects, "Role")
+
+
+def test_watched_namespaces_get_the_namespaced_permissions_only_there(custom_objects):
+    namespaced = set(PERMISSIONS) - CLUSTER_SCOPED
+    assert granted(find(custom_objects, "ClusterRole")) == expected(CLUSTER_SCOPED)
+    roles = find(custom_objects, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == sorted(CUSTOM_VALUES["watchNamespaces"])
+    for role in roles:
+        assert granted([role]) == expected(namespaced)
+
+
+def test_bindings_tie_the_roles_to_the_operator_account(rendered):
+    _, objects = rendered
+    account = one(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"]
+    assert one(objects, "ServiceAccount")["metadata"]["name"] == account
+    roles = {(r["kind"], r["metadata"].get("namespace"), r["metadata"]["name"])
+             for r in find(objects, "ClusterRole") + find(objects, "Role")}
+    bindings = find(objects, "ClusterRoleBinding") + find(objects, "RoleBinding")
+    assert len(bindings) == len(roles)
+    for binding in bindings:
+        ref = binding["roleRef"]
+        namespace = binding["metadata"].get("namespace") if ref["kind"] == "Role" else None
+        assert (ref["kind"], namespace, ref["name"]) in roles
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
+
+
+def test_only_the_operator_pod_mounts_a_token(rendered):
+    _, objects = rendered
+    assert one(objects, "ServiceAccount")["automountServiceAccountToken"] is False
+    assert one(objects, "Deployment")["spec"]["template"]["spec"]["automountServiceAccountToken"] is True

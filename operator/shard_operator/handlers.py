@@ -55,6 +55,9 @@ class Memory:
     last_poll: float = float("-inf")
     measured: dict[str, int] = field(default_factory=dict)
     wake_in: float = 0.0         # seconds until the next reconcile is due anyway
+    # The status this loop last wrote: kopf's copy of the object may not show it yet, and a stale
+    # status would undo restart counts and transition times.
+    status: dict[str, Any] | None = None
 
 
 @dataclass
@@ -119,7 +122,7 @@ class Controller:
         self.reconciles += 1
         settings, kube = self.settings, self.kube
         owner = Owner.of(body)
-        previous = body.get("status") or {}
+        previous = memory.status if memory.status is not None else body.get("status") or {}
         selector = f"{MODEL_LABEL}={model_label(owner.name)}"
         listing = {kind: kube.list(kind, owner.namespace, selector) for kind in KINDS}
         pods = listing["Pod"]
@@ -179,6 +182,7 @@ class Controller:
         patch = status_patch(previous, status)
         if patch is not None:
             kube.patch_status(owner.namespace, owner.name, patch)
+        memory.status = status
         if any(state in ("Starting", "Terminating") for state, _ in map(group_state, obs.groups)):
             memory.wake_in = min(memory.wake_in, 5.0)  # pods change without other events at times
 

@@ -361,10 +361,15 @@ def profile_record(owner: Owner, source: str, profile_json: str) -> dict[str, An
 
 
 # ---------------------------------------------------------------- drift
+EXACT = ("selector",)  # maps where an extra key changes the meaning (a selector matching less)
+
+
 def _covers(actual: Any, desired: Any) -> bool:
     """Does `actual` hold everything `desired` says? Extra server-set fields are fine."""
     if isinstance(desired, dict):
-        return isinstance(actual, dict) and all(_covers(actual.get(k), v) for k, v in desired.items())
+        if not isinstance(actual, dict):
+            return False
+        return all(_covers(actual.get(k), v) if k not in EXACT else actual.get(k) == v for k, v in desired.items())
     if isinstance(desired, list):
         return isinstance(actual, list) and len(actual) == len(desired) and \
             all(_covers(a, d) for a, d in zip(actual, desired))
@@ -383,7 +388,11 @@ def drift_patch(desired: dict[str, Any], actual: dict[str, Any]) -> dict[str, An
             patch.setdefault("metadata", {})[key] = want
     for key in ("spec", "data"):
         if key in desired and not _covers(actual.get(key), desired[key]):
-            patch[key] = desired[key]
+            patch[key] = dict(desired[key])
+            for exact in EXACT:  # a merge patch must remove extra keys explicitly
+                extra = set((actual.get(key) or {}).get(exact) or {}) - set(desired[key].get(exact) or {})
+                if exact in desired[key] and extra:
+                    patch[key][exact] = {**{k: None for k in sorted(extra)}, **desired[key][exact]}
     return patch or None
 
 

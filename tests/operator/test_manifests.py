@@ -196,8 +196,11 @@ def test_drift_patch_ignores_server_defaults_and_restores_what_we_own():
     served = {**service, "metadata": {**service["metadata"], "uid": "x", "resourceVersion": "7"},
               "spec": {**service["spec"], "clusterIP": "10.0.0.7", "sessionAffinity": "None"}}
     assert drift_patch(service, served) is None
-    edited = {**served, "spec": {**served["spec"], "selector": {"app": "other"}}}
+    edited = {**served, "spec": {**served["spec"], "selector": {"sharding.dev/model": "other"}}}
     assert drift_patch(service, edited) == {"spec": service["spec"]}
+    widened = {**served, "spec": {**served["spec"], "selector": {**service["spec"]["selector"], "app": "x"}}}
+    assert drift_patch(service, widened) == {"spec": {**service["spec"], "selector": {
+        "app": None, **service["spec"]["selector"]}}}
     relabelled = {**served, "metadata": {**served["metadata"], "labels": {"x": "y"}}}
     assert drift_patch(service, relabelled) == {"metadata": {"labels": service["metadata"]["labels"]}}
     record = model_objects(ctx_for(), make_plan())[2]

@@ -3,7 +3,7 @@
 * A new pod whose required node (spec.nodeName, or a `metadata.name` node-affinity term) is not a
   Node object stays Pending with PodScheduled=False/Unschedulable, as the scheduler would leave it.
 * run_processes=False: every other new pod becomes Running and Ready (`ready` decides, per pod).
-* run_processes=True: the first container's command+args runs as a local process ("python" is
+* run_processes=True (or a predicate of the pod): the first container's command+args runs as a local process ("python" is
   this interpreter; env `value`s and `mounts` honoured: a container path under a mount is mapped
   to the local directory); the pod is Running, then Succeeded/Failed with the exit code. The
   output goes to the emulator's pods/log. Deleting the pod terminates the process.
@@ -43,7 +43,7 @@ def required_node(pod: dict) -> str | None:
 
 
 class FakeKubelet:
-    def __init__(self, emu, *, run_processes: bool = False, pod_ip: str = '127.0.0.1',
+    def __init__(self, emu, *, run_processes: bool | Callable[[dict], bool] = False, pod_ip: str = '127.0.0.1',
                  mounts: dict[str, str] | None = None, ready: Callable[[dict], bool] = lambda pod: True,
                  extra_env: dict[str, str] | None = None):
         self.emu = emu
@@ -146,7 +146,8 @@ class FakeKubelet:
             return
         c = (spec.get('containers') or [{}])[0]
         base = {'hostIP': '10.0.0.1', 'podIP': self.pod_ip, 'startTime': _now()}
-        if not self.run_processes:
+        run = self.run_processes(pod) if callable(self.run_processes) else self.run_processes
+        if not run:
             ready = bool(self.ready(pod))
             await self._set_status(ns, name, {**base, 'phase': 'Running', 'conditions': [
                 {'type': 'PodScheduled', 'status': 'True'}, {'type': 'Ready', 'status': str(ready)},

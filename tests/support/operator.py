@@ -30,10 +30,14 @@ def fast_settings(**overrides: Any) -> Settings:
 
 @contextlib.asynccontextmanager
 async def running_operator(api_url: str, settings: Settings = FAST,
-                           fetch: Callable[[str, float], dict | None] | None = None) -> AsyncIterator[Controller]:
+                           fetch: Callable[[str, float], dict | None] | None = None,
+                           clock: Callable[[], float] | None = None) -> AsyncIterator[Controller]:
     """The operator, logged into `api_url`, until the block ends."""
     kube = Kube(client_for(kubernetes.client.Configuration(host=api_url)))
-    controller = Controller(settings, kube, **({"fetch": fetch} if fetch else {}))
+    extra: dict[str, Any] = {"fetch": fetch} if fetch else {}
+    if clock is not None:
+        extra["clock"] = clock
+    controller = Controller(settings, kube, **extra)
 
     def login(**_: Any) -> kopf.ConnectionInfo:
         return kopf.ConnectionInfo(server=api_url, insecure=True)
@@ -66,6 +70,19 @@ async def running_operator(api_url: str, settings: Settings = FAST,
         raise errors[0]
     if thread.is_alive():
         raise RuntimeError("the operator did not stop within 20 s")
+
+
+class ManualClock:
+    """A clock that moves only when the test says so (settle windows without sleeping)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 async def eventually(check: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:

@@ -1,0 +1,350 @@
+"""The real kopf operator against the emulated API server, with a simulated kubelet and fake leaders.
+
+Every test also checks (in the `world` fixture) that the operator made no API request outside the
+RBAC table in permissions.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shard_operator.workerenv import WorkerEnv
+
+from tests.support.apiserver import SM
+from tests.support.cluster import gpu_node, sharded_model, write_model
+from tests.support.operator import eventually
+
+from .conftest import RESIDENT
+
+SEVEN_B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=32000, torch_dtype="bfloat16")
+
+
+def uids(pods):
+    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods}
+
+
+def groups_of(pods):
+    out = {}
+    for p in pods:
+        labels = p["metadata"]["labels"]
+        out.setdefault(int(labels["sharding.dev/group"]), set()).add(p["metadata"]["annotations"]["sharding.dev/node"])
+    return out
+
+
+async def test_create_wires_every_rank_and_reports_ready(world):
+    for n in ("a", "b"):
+        await world.add_node(gpu_node(n))
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator():
+        created = await world.create(sharded_model("m1", model_dir, replicas=2, tensor=2,
+                                                   worker={"env": [{"name": "NCCL_DEBUG", "value": "INFO"}]}))
+        status = await world.wait_phase("m1", "Ready")
+        async def measured():
+            s = await world.status("m1")
+            return s if all("residentBytes" in shard for shard in s["shards"]) else None
+        status = await eventually(measured)
+
+    pods = await world.pods("m1")
+    assert len(pods) == 4 and groups_of(pods) in ({0: {"a"}, 1: {"b"}}, {0: {"b"}, 1: {"a"}})
+    uid = created["metadata"]["uid"]
+    for pod in pods:
+        labels = pod["metadata"]["labels"]
+        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+        worker = WorkerEnv.from_env(env)
+        assert (worker.world_size, worker.tp_size, worker.pp_size) == (2, 2, 1)
+        assert str(worker.rank) == labels["sharding.dev/rank"] and str(worker.replica) == labels["sharding.dev/group"]
+        assert worker.master_addr.startswith(pod["metadata"]["name"][:-1] + "0.")
+        assert env["NCCL_DEBUG"] == "INFO"
+        assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert [r["uid"] for r in pod["metadata"]["ownerReferences"]] == [uid]
+        assert set(labels) >= {"sharding.dev/model", "sharding.dev/group", "sharding.dev/rank",
+                               "sharding.dev/role", "sharding.dev/plan"}
+    services = {s["metadata"]["name"]: s for s in await world.objects("v1/services", "m1")}
+    assert services["m1"]["spec"]["selector"] == {"sharding.dev/model": "m1", "sharding.dev/role": "leader"}
+    assert {p["spec"]["subdomain"] for p in pods} < set(services)
+    for kind in ("v1/services", "v1/configmaps"):
+        assert all(o["metadata"]["ownerReferences"][0]["uid"] == uid for o in await world.objects(kind, "m1"))
+
+    assert (status["replicas"], status["readyReplicas"]) == (2, 2)
+    assert (status["plan"]["tensorParallel"], status["plan"]["pipelineParallel"]) == (2, 1)
+    assert {(s["group"], s["rank"], s["state"]) for s in status["shards"]} == {(g, r, "Ready") for g in (0, 1) for r in (0, 1)}
+    assert {s["residentBytes"] for s in status["shards"]} == {RESIDENT, RESIDENT + 2**20}
+    assert all(s["predictedBytes"] > 0 for s in status["shards"])
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Available"]["status"] == "True" and conditions["Degraded"]["status"] == "False"
+    reasons = [e[1] for e in await world.events("m1")]
+    assert "Planned" in reasons and reasons.count("CreatingGroup") == 2
+
+
+async def test_scaling_adds_and_removes_whole_groups(world):
+    for n in ("a", "b", "c"):
+        await world.add_node(gpu_node(n))
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator():
+        await world.create(sharded_model("m1", model_dir, replicas=1))
+        await world.wait_phase("m1", "Ready")
+        first = uids(await world.pods("m1"))
+
+        await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"replicas": 3}}, subresource="scale")
+        await eventually(lambda: _ready_replicas(world, "m1", 3))
+        pods = await world.pods("m1")
+        assert len(pods) == 6 and set(first.items()) < set(uids(pods).items())  # group 0 untouched
+        assert sorted(len(n) for n in groups_of(pods).values()) == [1, 1, 1]
+
+        await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"replicas": 2}}, subresource="scale")
+        await eventually(lambda: _pod_count(world, "m1", 4))
+        status = await world.wait_phase("m1", "Ready")
+        kept = await world.pods("m1")
+        assert set(uids(kept).items()) < set(uids(pods).items())  # groups 0 and 1 untouched
+        assert set(groups_of(kept)) == {0, 1} and (status["replicas"], status["readyReplicas"]) == (2, 2)
+        scale = await world.emu.k8s_get(SM, "default", "m1")
+        assert scale["spec"]["replicas"] == 2
+    assert not [o for o in await world.objects("v1/services", "m1") if o["metadata"]["labels"].get("sharding.dev/group") == "2"]
+
+
+async def _ready_replicas(world, name, n):
+    return (await world.status(name)).get("readyReplicas") == n
+
+
+async def _pod_count(world, name, n):
+    return len(await world.pods(name)) == n
+
+
+async def test_a_removed_node_moves_its_group_while_the_other_keeps_serving(world):
+    for n in ("a", "b", "c"):
+        await world.add_node(gpu_node(n))
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator() as op:
+        await world.create(sharded_model("m1", model_dir, replicas=2))
+        await world.wait_phase("m1", "Ready")
+        before = await world.pods("m1")
+        placement = groups_of(before)
+        lost = next(iter(placement[0]))
+        other = {n: u for n, u in uids(before).items() if "-1-" in n}
+
+        await world.emu.k8s_delete("v1/nodes", None, lost)
+        await eventually(lambda: _phase_in(world, "m1", {"Degraded"}))  # its pods are lost
+        seen = op.reconciles
+        await eventually(lambda: op.reconciles >= seen + 3)
+        assert uids(await world.pods("m1")) == uids(before)  # nothing moves inside the settle window
+
+        world.clock.advance(1.0)
+        await eventually(lambda: _placed_elsewhere(world, "m1", lost))
+        status = await world.wait_phase("m1", "Ready")
+        after = await world.pods("m1")
+        assert {n: u for n, u in uids(after).items() if "-1-" in n} == other  # group 1 never restarted
+        assert lost not in set().union(*groups_of(after).values())
+        assert status["readyReplicas"] == 2
+    reasons = [e[1] for e in await world.events("m1")]
+    assert "Rebalancing" in reasons and "NodeLost" in reasons
+
+
+async def _phase_in(world, name, phases):
+    return (await world.status(name)).get("phase") in phases
+
+
+async def _placed_elsewhere(world, name, node):
+    pods = await world.pods(name)
+    return len(pods) == 4 and node not in set().union(*groups_of(pods).values())
+
+
+async def test_an_added_node_rebalances_only_when_the_plan_improves(world):
+    await world.add_node(gpu_node("l4-a", memory_mib=23034, product="NVIDIA-L4"))
+    model_dir = write_model(world.tmp / "models" / "seven", **SEVEN_B)
+    async with world.operator() as op:
+        await world.create(sharded_model("m1", model_dir, replicas=1, tensor=2))
+        await world.wait_phase("m1", "Ready")
+        before = uids(await world.pods("m1"))
+
+        await world.add_node(gpu_node("l4-b", memory_mib=23034, product="NVIDIA-L4"))
+        seen = op.reconciles
+        world.clock.advance(1.0)
+        await eventually(lambda: op.reconciles >= seen + 3)
+        assert uids(await world.pods("m1")) == before  # no faster plan: no churn
+
+        await world.add_node(gpu_node("h100", memory_mib=81559, product="NVIDIA-H100-80GB-HBM3"))
+        seen = op.reconciles
+        await eventually(lambda: op.reconciles >= seen + 2)
+        assert uids(await world.pods("m1")) == before  # not before the pool settles
+        world.clock.advance(1.0)
+        await eventually(lambda: _on_nodes(world, "m1", {"h100"}))
+        await world.wait_phase("m1", "Ready")
+    reasons = [e[1] for e in await world.events("m1")]
+    assert reasons.count("Rebalancing") == 1 and "DeletingGroup" in reasons
+
+
+async def _on_nodes(world, name, nodes):
+    pods = await world.pods(name)
+    return pods and set().union(*groups_of(pods).values()) == nodes and len(pods) == 2
+
+
+async def test_a_flapping_node_causes_no_churn(world):
+    for n in ("a", "b"):
+        await world.add_node(gpu_node(n))
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator() as op:
+        await world.create(sharded_model("m1", model_dir, replicas=1))
+        await world.wait_phase("m1", "Ready")
+        before = uids(await world.pods("m1"))
+        node = next(iter(groups_of(await world.pods("m1"))[0]))
+        for ready in ("False", "True", "False", "True"):
+            await world.emu.k8s_patch("v1/nodes", None, node, {"status": {"conditions": [
+                {"type": "Ready", "status": ready}]}}, subresource="status")
+            seen = op.reconciles
+            await eventually(lambda: op.reconciles >= seen + 1)
+        world.clock.advance(1.0)
+        seen = op.reconciles
+        await eventually(lambda: op.reconciles >= seen + 2)
+        assert uids(await world.pods("m1")) == before
+        await world.wait_phase("m1", "Ready")
+    assert "Rebalancing" not in [e[1] for e in await world.events("m1")]
+
+
+async def test_a_failed_rank_recreates_its_group_until_the_budget_is_spent(world):
+    await world.add_node(gpu_node("a"))
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator(restart_budget=2):
+        await world.create(sharded_model("m1", model_dir, replicas=1))
+        await world.wait_phase("m1", "Ready")
+        for attempt in (1, 2):
+            before = uids(await world.pods("m1"))
+            if attempt == 1:
+                await world.kubelet.fail("default", sorted(before)[1], exit_code=137, reason="OOMKilled")
+            else:  # a deleted rank breaks the group just the same
+                await world.emu.k8s_delete("v1/pods", "default", sorted(before)[0])
+            await eventually(lambda: _recreated(world, "m1", before))
+            status = await world.wait_phase("m1", "Ready")
+            assert status["groups"][0]["restarts"] == attempt
+
+        await world.kubelet.fail("default", sorted(uids(await world.pods("m1")))[0], exit_code=1)
+        status = await world.wait_phase("m1", "Failed")
+        degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+        assert degraded["reason"] == "RestartBudgetExhausted" and "exit code 1" in degraded["message"]
+        assert len(await world.pods("m1")) == 2  # kept for `kubectl logs`
+    reasons = [e[1] for e in await world.events("m1")]
+    assert reasons.count("RecreatingGroup") == 2 and "RestartBudgetExhausted" in reasons
+
+
+async def _recreated(world, name, before):
+    pods = await world.pods(name)
+    return len(pods) == 2 and not set(uids(pods).values()) & set(before.values())
+
+
+@pytest.mark.parametrize("change,reason,words", [
+    (dict(tensor=3), "InvalidParallelism", "does not divide the 4 attention heads"),
+    (dict(placement={"nodeSelector": {"pool": "nowhere"}}), "NoDevices", "not in the node pool"),
+    (dict(rollout={"maxSurge": -1}), "InvalidSpec", "spec.rollout.maxSurge"),
+    (dict(missing=True), "ModelNotFound", "does not exist"),
+])
+async def test_an_invalid_spec_creates_nothing_and_says_why_once(world, change, reason, words):
+    await world.add_node(gpu_node("a"))
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    if change.pop("missing", False):
+        model_dir = world.tmp / "models" / "absent"
+    async with world.operator() as op:
+        await world.create(sharded_model("bad", model_dir, **change))
+        status = await world.wait_phase("bad", "Failed")
+        seen = op.reconciles
+        await eventually(lambda: op.reconciles >= seen + 3)  # it keeps reconciling, quietly
+        assert op.failures == 0
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == reason and words in degraded["message"]
+    assert await world.objects("v1/pods", "bad") == [] and await world.objects("v1/services", "bad") == []
+    assert [e for e in await world.events("bad") if e[0] == "Warning"] == [("Warning", reason, degraded["message"])]
+
+
+async def test_a_restarted_operator_resumes_without_duplicates_or_writes(world):
+    for n in ("a", "b"):
+        await world.add_node(gpu_node(n))
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator():
+        await world.create(sharded_model("m1", model_dir, replicas=2))
+        await world.wait_phase("m1", "Ready")
+        async def measured():
+            return all("residentBytes" in s for s in (await world.status("m1"))["shards"])
+        await eventually(measured)
+    before = {kind: uids(await world.objects(kind, "m1")) for kind in ("v1/pods", "v1/services", "v1/configmaps")}
+    status = await world.status("m1")
+    async with world.operator() as op:
+        await eventually(lambda: op.reconciles >= 3)
+        assert op.kube.writes == 0 and op.failures == 0
+    after = {kind: uids(await world.objects(kind, "m1")) for kind in ("v1/pods", "v1/services", "v1/configmaps")}
+    assert after == before
+    assert await world.status("m1") == status
+
+
+async def test_deleting_the_model_removes_everything(world):
+    await world.add_node(gpu_node("a"))
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator():
+        await world.create(sharded_model("m1", model_dir))
+        await world.wait_phase("m1", "Ready")
+        assert await world.objects("v1/configmaps", "m1")
+        await world.emu.k8s_delete(SM, "default", "m1")
+        await eventually(lambda: _gone(world, "m1"))
+
+
+async def _gone(world, name):
+    if await world.model(name) is not None:
+        return False
+    for kind in ("v1/pods", "v1/services", "v1/configmaps"):
+        if await world.objects(kind, name):
+            return False
+    return True
+
+
+async def test_a_replacement_without_room_to_surge_waits_and_says_so(world):
+    await world.add_node(gpu_node("a", gpus=2))
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator():
+        await world.create(sharded_model("m1", model_dir))
+        await world.wait_phase("m1", "Ready")
+        before = uids(await world.pods("m1"))
+        await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"worker": {"image": "example.com/worker:2"}}})
+        async def blocked():
+            progressing = next(c for c in (await world.status("m1"))["conditions"] if c["type"] == "Progressing")
+            return progressing if progressing["reason"] == "Blocked" else None
+        progressing = await eventually(blocked)
+        assert "no room to surge" in progressing["message"] and "a needs 2 GPUs, 0 free" in progressing["message"]
+        assert uids(await world.pods("m1")) == before  # still serving
+
+        await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"rollout": {"maxUnavailable": 1}}})
+        await eventually(lambda: _recreated(world, "m1", before))
+        await world.wait_phase("m1", "Ready")
+        images = {p["spec"]["containers"][0]["image"] for p in await world.pods("m1")}
+        assert images == {"example.com/worker:2"}
+
+
+async def test_a_profiling_pod_reads_a_volume_the_operator_cannot(world):
+    await world.add_node(gpu_node("a"))
+    write_model(world.tmp / "pvc" / "tiny")  # the kubelet mounts <tmp>/pvc at /models
+    body = sharded_model("m1", world.tmp / "unused" / "tiny")
+    body["spec"]["model"] = {"path": "tiny", "volume": {"pvc": {"claimName": "weights"}}, "maxModelLen": 256}
+    async with world.operator():
+        await world.create(body)
+        status = await world.wait_phase("m1", "Ready")
+        assert status["plan"]["tensorParallel"] == 2
+    configmaps = {c["metadata"]["name"]: c for c in await world.objects("v1/configmaps", "m1")}
+    assert '"num_layers":4' in configmaps["m1-profile"]["data"]["profile.json"]
+    assert not [p for p in await world.objects("v1/pods", "m1")
+                if p["metadata"]["labels"]["sharding.dev/component"] == "profiler"]  # cleaned up
+    assert "Planned" in [e[1] for e in await world.events("m1")]
+
+
+async def test_edited_objects_are_put_back(world):
+    await world.add_node(gpu_node("a"))
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator():
+        await world.create(sharded_model("m1", model_dir))
+        await world.wait_phase("m1", "Ready")
+        await world.emu.k8s_patch("v1/services", "default", "m1", {"spec": {"selector": {"app": "hijacked"}}})
+        record = "m1-plan"
+        await world.emu.k8s_patch("v1/configmaps", "default", record, {"data": {"plan.json": "{}"}})
+
+        async def restored():
+            service = await world.emu.k8s_get("v1/services", "default", "m1")
+            cm = await world.emu.k8s_get("v1/configmaps", "default", record)
+            return service["spec"]["selector"] == {"sharding.dev/model": "m1", "sharding.dev/role": "leader"} \
+                and cm["data"]["plan.json"] != "{}"
+        await eventually(restored)

@@ -1,0 +1,142 @@
+"""The worker's pure pieces: config reading, RoPE, masks, the prefill schedule, sampling, stopping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shard_operator.workerenv import GenerateRequest
+from shard_worker.config import ConfigError, ModelConfig
+from shard_worker.dist import Topology
+from shard_worker.engine import SequenceState
+from shard_worker.model import attention_mask, rope_inv_freq
+from shard_worker.pipeline import prefill_units, split
+from shard_worker.sampling import choose, generators, top_p_probs
+
+from tests.support.checkpoints import LLAMA3_ROPE, hf_config
+
+BASE = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}
+
+
+# ---------------------------------------------------------------- config
+def test_rope_spellings_agree():
+    """transformers 5 writes rope_parameters; released checkpoints write rope_theta + rope_scaling."""
+    scaling = {k: v for k, v in LLAMA3_ROPE.items()}
+    new = ModelConfig.from_hf({**BASE, "rope_parameters": {**scaling, "rope_theta": 500000.0}})
+    old = ModelConfig.from_hf({**BASE, "rope_theta": 500000.0, "rope_scaling": scaling})
+    assert new.rope == old.rope and new.rope["rope_type"] == "llama3"
+    plain = ModelConfig.from_hf(BASE)
+    assert plain.rope == {"rope_type": "default", "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize("rope,message", [
+    ({"rope_type": "yarn", "factor": 4.0}, "rope type 'yarn' is not supported"),
+    ({"rope_type": "llama3", "factor": 8.0}, "needs low_freq_factor, high_freq_factor"),
+])
+def test_unsupported_rope_is_named(rope, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf({**BASE, "rope_scaling": rope}, source="m/config.json")
+
+
+def test_biases_and_windows_per_family():
+    qwen = ModelConfig.from_hf({**BASE, "architectures": ["Qwen2ForCausalLM"]})
+    assert (qwen.qkv_bias, qwen.o_bias, qwen.mlp_bias) == (True, False, False)
+    assert qwen.sliding_windows == (None, None)
+    mistral = ModelConfig.from_hf({**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 8})
+    assert mistral.sliding_windows == (8, 8) and not mistral.qkv_bias
+    layered = ModelConfig.from_hf({**BASE, "sliding_window": 8, "layer_types": ["full_attention", "sliding_attention"]})
+    assert layered.sliding_windows == (None, 8)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "default"}, {"rope_type": "linear", "factor": 4.0}, LLAMA3_ROPE])
+def test_inverse_frequencies_equal_hf(rope):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = hf_config("llama", rope_scaling=rope, hidden_size=128, num_heads=4)  # head_dim 32: every band
+    ours = rope_inv_freq(ModelConfig.from_hf({**hf.to_dict(), "architectures": ["LlamaForCausalLM"]}))
+    if rope["rope_type"] == "default":
+        expected = 1.0 / (10000.0 ** (torch.arange(0, 32, 2).float() / 32))
+    else:
+        expected, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, "cpu")
+    torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- masks and schedule
+@given(pads=st.lists(st.integers(0, 5), min_size=1, max_size=3), c0=st.integers(0, 8), width=st.integers(1, 4),
+       window=st.one_of(st.none(), st.integers(1, 6)))
+def test_attention_mask_brute_force(pads, c0, width, window):
+    c1 = c0 + width
+    mask = attention_mask(torch.tensor(pads), c0, c1, window)
+    for b, pad in enumerate(pads):
+        for qi, q in enumerate(range(c0, c1)):
+            for k in range(c1):
+                visible = k <= q and (k >= pad or k == q) and (window is None or q - k < window)
+                got = True if mask is None else bool(mask[b, 0, qi, k])
+                assert got == visible, (b, q, k)
+
+
+@given(batch=st.integers(1, 7), cols=st.integers(1, 40), stages=st.integers(1, 4), chunk=st.integers(1, 16))
+def test_prefill_units_cover_each_cell_once_in_order(batch, cols, stages, chunk):
+    units = prefill_units(batch, cols, stages, chunk)
+    seen = {}
+    for i, u in enumerate(units):
+        assert u.cols <= chunk
+        for r in range(u.r0, u.r1):
+            for c in range(u.c0, u.c1):
+                assert (r, c) not in seen
+                seen[(r, c)] = i
+    assert len(seen) == batch * cols
+    for r in range(batch):  # each row's columns are processed left to right
+        order = [seen[(r, c)] for c in range(cols)]
+        assert order == sorted(order)
+    assert len(units) >= min(stages, batch * cols)
+    assert sum(u.emits(cols) for u in units) == len(split(batch, stages))
+
+
+def test_topology_neighbours():
+    t = Topology(rank=5, tp=2, pp=3)  # stage 2, tp_rank 1
+    assert (t.stage, t.tp_rank, t.is_last, t.prev, t.next, t.first, t.last) == (2, 1, True, 3, None, 1, 5)
+    assert Topology(rank=0, tp=2, pp=3).stage_ranks(1) == [2, 3]
+
+
+# ---------------------------------------------------------------- sampling and stopping
+def test_top_p_keeps_the_smallest_head_reaching_the_mass():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    probs = top_p_probs(logits, 1.0, 0.7)
+    torch.testing.assert_close(probs, torch.tensor([0.5, 0.3, 0.0, 0.0]) / 0.8)
+    assert top_p_probs(logits, 1.0, 0.01).tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_seeded_sampling_repeats_and_greedy_ignores_seed():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    reqs = [GenerateRequest(prompt_ids=[1], temperature=1.0, seed=s) for s in (1, 1, 2)]
+    draws = [choose(logits, reqs, generators(reqs)).tolist() for _ in range(2)]
+    assert draws[0] == draws[1]
+    greedy = [GenerateRequest(prompt_ids=[1])] * 3
+    assert choose(logits, greedy, generators(greedy)).tolist() == logits.argmax(-1).tolist()
+
+
+class WordTokenizer:
+    def decode(self, ids):
+        return " ".join(f"w{i}" for i in ids)
+
+
+@pytest.mark.parametrize("request_args,tokens,kept,reason,text", [
+    ({"max_new_tokens": 3}, [5, 6, 7, 8], [5, 6, 7], "length", "w5 w6 w7"),
+    ({"max_new_tokens": 9}, [5, 2, 7], [5, 2], "stop", "w5 w2"),  # EOS (2) kept, then stop
+    ({"max_new_tokens": 9, "ignore_eos": True}, [5, 2, 7], [5, 2, 7], "length", "w5 w2 w7"),
+    ({"max_new_tokens": 9, "stop_token_ids": [6]}, [5, 6, 7], [5, 6], "stop", "w5 w6"),
+    ({"max_new_tokens": 9, "stop": ["w6 w7"]}, [5, 6, 7, 8], [5, 6, 7], "stop", "w5 "),
+])
+def test_sequence_stops(request_args, tokens, kept, reason, text):
+    seq = SequenceState(GenerateRequest(prompt_ids=[1], **request_args), eos_ids=(2,))
+    for t in tokens:
+        seq.add(t, WordTokenizer())
+    done = seq.completion(WordTokenizer())
+    if reason == "length" and len(kept) < request_args["max_new_tokens"]:
+        assert seq.finish_reason is None  # still running
+    else:
+        assert (done.token_ids, done.finish_reason, done.text) == (kept, reason, text)

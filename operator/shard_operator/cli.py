@@ -1,25 +1,31 @@
 """`shardctl`: plan, inspect and run sharded models from the command line.
 
 Every subcommand lives in a function `cmd_<name>(args) -> int` registered in `build_parser`; the
-exit status is 0 on success, 1 on bad input, 2 when the model does not fit.
+exit status is 0 on success, 1 on bad input, 2 when the model does not fit, 3 when worker ranks
+fail (`generate`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
 
 from .api import SpecError, ShardedModel, load_sharded_models, resolve_model_dir
 from .crd import render as render_crd
+from .generate import parse_ids, render_result, result_json, tokenize
 from .inventory import Inventory, inventory_from_nodes, load_nodes, local_inventory, parse_devices
+from .local import LaunchError, plan_local, run_generate
 from .planner import PlanError, plan
 from .profile import ProfileError, profile_model
 from .report import render_plan
+from .workerenv import GenerateRequest, GenerateTask
 
 EXIT_BAD_INPUT = 1
 EXIT_INFEASIBLE = 2
+EXIT_RANKS_FAILED = 3
 
 
 def _pick_model(path: str, name: str | None) -> ShardedModel:
@@ -69,6 +75,26 @@ def cmd_crd(_: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- generate
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Plan the model over TP x PP local ranks, run them as processes, print what they generate."""
+    prompt = parse_ids(args.prompt_ids) if args.prompt_ids is not None else tokenize(args.model, args.prompt)
+    partition = parse_ids(args.layer_partition) if args.layer_partition else None
+    result_plan = plan_local(args.model, args.tp, args.pp, dtype=args.dtype,
+                             max_model_len=len(prompt) + args.max_new_tokens, devices=args.devices,
+                             device_kind=args.device_kind, layer_partition=partition)
+    request = GenerateRequest(prompt_ids=prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_p=args.top_p, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos)
+    try:
+        result = run_generate(result_plan, args.model, GenerateTask(requests=[request]), timeout=args.timeout,
+                              threads_per_rank=args.threads)
+    except LaunchError as err:
+        print(f"shardctl: {err}", file=sys.stderr)
+        return EXIT_RANKS_FAILED
+    print(json.dumps(result_json(result), indent=2) if args.json else render_result(result))
+    return 0
+
+
 # ---------------------------------------------------------------- wiring
 def _add_inventory_args(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
@@ -94,6 +120,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("crd", help="print the ShardedModel CustomResourceDefinition")
     p.set_defaults(func=cmd_crd)
+
+    p = sub.add_parser("generate", help="run a model sharded over local processes and generate from a prompt")
+    p.add_argument("--model", required=True, help="model directory (config.json + safetensors)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (needs tokenizer.json in the model directory)")
+    prompt.add_argument("--prompt-ids", help="prompt token ids, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="runtime dtype (default: the checkpoint's)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate max-new-tokens even past EOS")
+    p.add_argument("--layer-partition", help="decoder layers per stage, e.g. 2,1,1")
+    p.add_argument("--devices", metavar="SPEC", help="devices to plan on, e.g. local:8GiB*4 (default: this machine)")
+    p.add_argument("--device-kind", choices=("gpu", "cpu"), default="cpu", help="what --devices describes (default cpu)")
+    p.add_argument("--threads", type=int, help="threads per rank (default: cores / ranks)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are stopped")
+    p.add_argument("--json", action="store_true", help="print token_ids, text and the per-rank table as JSON")
+    p.set_defaults(func=cmd_generate)
     return parser
 
 

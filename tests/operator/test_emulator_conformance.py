@@ -1,0 +1,268 @@
+"""Conformance of the emulated API server: raw HTTP probes of the API-server behaviour that kopf,
+the `kubernetes` client and kubectl rely on (see tests/support/emulator.py for the list)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+
+from tests.support.apiserver import serve
+
+NS = "default"
+PODS = f"/api/v1/namespaces/{NS}/pods"
+SMS = f"/apis/sharding.dev/v1alpha1/namespaces/{NS}/shardedmodels"
+MERGE = {"Content-Type": "application/merge-patch+json"}
+JSON_PATCH = {"Content-Type": "application/json-patch+json"}
+SMP = {"Content-Type": "application/strategic-merge-patch+json"}
+
+
+def pod(name, labels=None, **meta):
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels or {}, **meta},
+            "spec": {"containers": [{"name": "c", "image": "busybox"}]}}
+
+
+def sm(name="m1", replicas=2):
+    return {"apiVersion": "sharding.dev/v1alpha1", "kind": "ShardedModel", "metadata": {"name": name},
+            "spec": {"model": {"path": "x"}, "replicas": replicas}, "status": {"phase": "Bogus"}}
+
+
+class Api:
+    def __init__(self, session: aiohttp.ClientSession):
+        self.s = session
+
+    async def __call__(self, method, url, **kw):
+        async with self.s.request(method, url, **kw) as r:
+            text = await r.text()
+            try:
+                return r.status, json.loads(text)
+            except ValueError:
+                return r.status, text
+
+    async def watch(self, url, seconds=0.4):
+        events = []
+        try:
+            async with self.s.get(url, timeout=aiohttp.ClientTimeout(total=seconds)) as r:
+                async for line in r.content:
+                    if line.strip():
+                        e = json.loads(line)
+                        events.append((e["type"], e["object"].get("metadata", {}).get("name"), e["object"]))
+        except (asyncio.TimeoutError, aiohttp.ClientPayloadError):
+            pass
+        return events
+
+
+@pytest.fixture
+async def api():
+    async with serve(bookmark_interval=0.1, check_namespaces=True) as (emu, url):
+        async with aiohttp.ClientSession(base_url=url) as session:
+            yield Api(session)
+
+
+def names(items):
+    return sorted(i["metadata"]["name"] for i in items)
+
+
+async def test_create_populates_metadata_and_rejects_duplicates(api):
+    st, b = await api("POST", PODS, json=pod("p1"))
+    assert st == 201
+    assert {"uid", "resourceVersion", "creationTimestamp", "namespace"} <= set(b["metadata"])
+    st, b = await api("POST", PODS, json=pod("", generateName="gen-"))
+    assert st == 201 and b["metadata"]["name"].startswith("gen-") and len(b["metadata"]["name"]) > 4
+    st, b = await api("POST", PODS, json=pod("p1"))
+    assert (st, b["reason"]) == (409, "AlreadyExists")
+
+
+async def test_label_and_field_selectors_on_list_and_watch(api):
+    for name, labels in (("p1", {"app": "a", "tier": "x"}), ("p2", {"app": "b"}), ("p3", {"app": "a", "tier": "y"})):
+        await api("POST", PODS, json=pod(name, labels))
+    for sel, expected in [("app=a", ["p1", "p3"]), ("app!=a", ["p2"]), ("app in (a,b),tier=x", ["p1"]),
+                          ("tier", ["p1", "p3"]), ("!tier", ["p2"])]:
+        st, b = await api("GET", PODS, params={"labelSelector": sel})
+        assert names(b["items"]) == expected, sel
+    st, b = await api("GET", PODS, params={"fieldSelector": "metadata.name=p2"})
+    assert names(b["items"]) == ["p2"]
+    events = await api.watch(f"{PODS}?watch=true&labelSelector=app%3Db")
+    assert {n for _, n, _ in events} == {"p2"}
+
+
+async def test_lists_carry_kind_version_and_pages(api):
+    for name in ("p1", "p2"):
+        await api("POST", PODS, json=pod(name))
+    st, b = await api("GET", PODS)
+    assert b["kind"] == "PodList" and b["metadata"]["resourceVersion"]
+    st, b = await api("GET", PODS, params={"limit": "1"})
+    assert len(b["items"]) == 1 and b["metadata"]["continue"]
+    st, b2 = await api("GET", PODS, params={"limit": "1", "continue": b["metadata"]["continue"]})
+    assert names(b["items"] + b2["items"]) == ["p1", "p2"]
+
+
+async def test_resource_versions_and_optimistic_concurrency(api):
+    st, b = await api("POST", PODS, json=pod("p1"))
+    rv0 = b["metadata"]["resourceVersion"]
+    st, b = await api("PATCH", f"{PODS}/p1", json={"metadata": {"labels": {"x": "1"}}}, headers=MERGE)
+    assert b["metadata"]["resourceVersion"] != rv0
+    st, _ = await api("PATCH", f"{PODS}/p1", json={"metadata": {"resourceVersion": rv0, "labels": {"y": "1"}}},
+                      headers=MERGE)
+    assert st == 409
+    st, current = await api("GET", f"{PODS}/p1")
+    stale = {**current, "metadata": {**current["metadata"], "resourceVersion": "1"}}
+    st, _ = await api("PUT", f"{PODS}/p1", json=stale)
+    assert st == 409
+    fresh = {**current, "metadata": {**current["metadata"], "labels": {"replaced": "yes"}}}
+    st, b = await api("PUT", f"{PODS}/p1", json=fresh)
+    assert st == 200 and b["metadata"]["labels"] == {"replaced": "yes"}
+
+
+async def test_patch_flavours(api):
+    await api("POST", PODS, json=pod("p1", {"app": "a"}))
+    st, b = await api("PATCH", f"{PODS}/p1", json={"metadata": {"labels": {"app": None, "new": "n"}}}, headers=MERGE)
+    assert b["metadata"]["labels"] == {"new": "n"}
+    st, b = await api("PATCH", f"{PODS}/p1", json={"spec": {"containers": [{"name": "sidecar", "image": "x"}]}},
+                      headers=SMP)
+    assert sorted(c["name"] for c in b["spec"]["containers"]) == ["c", "sidecar"]
+    st, b = await api("PATCH", f"{PODS}/p1", json=[{"op": "add", "path": "/metadata/annotations", "value": {"a": "b"}}],
+                      headers=JSON_PATCH)
+    assert st == 200 and b["metadata"]["annotations"] == {"a": "b"}
+    st, _ = await api("PATCH", f"{PODS}/p1", json=[{"op": "test", "path": "/metadata/resourceVersion", "value": "no"}],
+                      headers=JSON_PATCH)
+    assert st == 422  # kopf's finalizer patches start with this test
+    st, _ = await api("PATCH", f"{PODS}/absent", json={"metadata": {}}, headers=MERGE)
+    assert st == 404
+    st, b = await api("PATCH", f"/api/v1/namespaces/{NS}/configmaps/cm?fieldManager=t&force=true",
+                      data="apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: cm\ndata:\n  k: v\n",
+                      headers={"Content-Type": "application/apply-patch+yaml"})
+    assert st in (200, 201) and b["data"] == {"k": "v"}
+    await api("POST", SMS, json=sm())
+    st, _ = await api("PATCH", f"{SMS}/m1", json={"spec": {"replicas": 1}}, headers=SMP)
+    assert st == 415  # strategic merge is for built-in kinds only
+
+
+async def test_custom_resource_generation_status_and_scale(api):
+    st, b = await api("POST", SMS, json=sm())
+    assert st == 201 and b.get("status") != {"phase": "Bogus"}  # status subresource: ignored on create
+    g0 = b["metadata"]["generation"]
+    st, b = await api("PATCH", f"{SMS}/m1", json={"spec": {"replicas": 3}}, headers=MERGE)
+    g1 = b["metadata"]["generation"]
+    st, b = await api("PATCH", f"{SMS}/m1", json={"metadata": {"labels": {"l": "1"}}}, headers=MERGE)
+    assert (g0, g1, b["metadata"]["generation"]) == (1, 2, 2)
+    st, b = await api("PATCH", f"{SMS}/m1/status", json={"spec": {"replicas": 99}, "status": {"phase": "Ready"}},
+                      headers=MERGE)
+    assert b["spec"]["replicas"] == 3 and b["status"]["phase"] == "Ready"
+    st, b = await api("PATCH", f"{SMS}/m1", json={"status": {"phase": "Hacked"}}, headers=MERGE)
+    assert b["status"]["phase"] == "Ready"
+    st, b = await api("GET", f"{SMS}/m1/status")
+    assert st == 200 and b["kind"] == "ShardedModel"
+    st, b = await api("GET", f"{SMS}/m1/scale")
+    assert b["kind"] == "Scale" and b["spec"]["replicas"] == 3
+    st, b = await api("PATCH", f"{SMS}/m1/scale", json={"spec": {"replicas": 5}}, headers=MERGE)
+    assert b["kind"] == "Scale"
+    st, b = await api("GET", f"{SMS}/m1")
+    assert b["spec"]["replicas"] == 5 and b["metadata"]["generation"] == 3
+
+
+async def test_finalizers_and_deletion(api):
+    await api("POST", PODS, json=pod("pf", finalizers=["x/y"]))
+    await api("DELETE", f"{PODS}/pf")
+    st, b = await api("GET", f"{PODS}/pf")
+    assert st == 200 and b["metadata"]["deletionTimestamp"]
+    st, _ = await api("PATCH", f"{PODS}/pf", json={"metadata": {"finalizers": ["x/y", "new/one"]}}, headers=MERGE)
+    assert st == 422  # no new finalizers while deleting
+    await api("PATCH", f"{PODS}/pf", json={"metadata": {"finalizers": None}}, headers=MERGE)
+    st, _ = await api("GET", f"{PODS}/pf")
+    assert st == 404
+    await api("POST", PODS, json=pod("pf3"))
+    await api("PATCH", f"{PODS}/pf3", json={"metadata": {"deletionTimestamp": "2020-01-01T00:00:00Z"}}, headers=MERGE)
+    st, b = await api("GET", f"{PODS}/pf3")
+    assert st == 200 and "deletionTimestamp" not in b["metadata"]  # clients cannot set it
+    st, _ = await api("DELETE", PODS)
+    assert st == 200
+    st, b = await api("GET", PODS)
+    assert b["items"] == []
+
+
+async def test_owner_references_are_garbage_collected(api):
+    st, owner = await api("POST", SMS, json=sm())
+    ref = {"apiVersion": "sharding.dev/v1alpha1", "kind": "ShardedModel", "name": "m1",
+           "uid": owner["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
+    await api("POST", PODS, json=pod("child", ownerReferences=[ref]))
+    await api("DELETE", f"{SMS}/m1")
+    for _ in range(100):
+        st, _ = await api("GET", f"{PODS}/child")
+        if st == 404:
+            break
+        await asyncio.sleep(0.01)
+    assert st == 404
+
+
+async def test_watch_resumes_bookmarks_times_out_and_follows_selectors(api):
+    st, b = await api("GET", PODS)
+    events = await api.watch(f"{PODS}?watch=true&resourceVersion={b['metadata']['resourceVersion']}"
+                             f"&allowWatchBookmarks=true", 0.3)
+    assert [t for t, _, _ in events if t != "BOOKMARK"] == [] and any(t == "BOOKMARK" for t, _, _ in events)
+    start = time.monotonic()
+    async with api.s.get(f"{PODS}?watch=true&timeoutSeconds=1", timeout=aiohttp.ClientTimeout(total=5)) as r:
+        async for _ in r.content:
+            pass
+    assert time.monotonic() - start < 4.5  # the server closed it
+
+    async def live(url, seconds):
+        return asyncio.create_task(api.watch(url, seconds))
+    task = await live(f"{PODS}?watch=true", 0.8)
+    await asyncio.sleep(0.2)
+    await api("POST", PODS, json=pod("w1"))
+    await api("PATCH", f"{PODS}/w1", json={"metadata": {"labels": {"q": "1"}}}, headers=MERGE)
+    await api("DELETE", f"{PODS}/w1")
+    events = await task
+    assert [t for t, n, _ in events if n == "w1"] == ["ADDED", "MODIFIED", "DELETED"]
+    assert all(o["metadata"]["resourceVersion"] for _, n, o in events if n == "w1")
+
+    st, b = await api("GET", PODS)
+    await api("POST", PODS, json=pod("missed"))
+    events = await api.watch(f"{PODS}?watch=true&resourceVersion={b['metadata']['resourceVersion']}", 0.3)
+    assert [(t, n) for t, n, _ in events] == [("ADDED", "missed")]
+
+    task = await live(f"{PODS}?watch=true&labelSelector=sel%3Dyes", 0.8)
+    await asyncio.sleep(0.2)
+    await api("POST", PODS, json=pod("relabel", {"sel": "yes"}))
+    await api("PATCH", f"{PODS}/relabel", json={"metadata": {"labels": {"sel": "no"}}}, headers=MERGE)
+    assert [(t, n) for t, n, _ in await task] == [("ADDED", "relabel"), ("DELETED", "relabel")]
+
+
+async def test_scopes_namespaces_and_errors(api):
+    st, b = await api("POST", "/api/v1/nodes", json={"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n1"},
+                                                      "status": {"allocatable": {"cpu": "1"}}})
+    assert st == 201 and "namespace" not in b["metadata"] and b["status"]["allocatable"] == {"cpu": "1"}
+    st, _ = await api("GET", f"/api/v1/namespaces/{NS}/nodes")
+    assert st == 404
+    st, _ = await api("POST", "/api/v1/pods", json=pod("nons"))
+    assert st >= 400
+    st, _ = await api("POST", "/api/v1/namespaces/nonexistent/pods", json=pod("ghost"))
+    assert st == 404
+    st, b = await api("GET", "/api/v1/namespaces")
+    assert st == 200 and "default" in names(b["items"])
+    await api("POST", "/api/v1/namespaces", json={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ns2"}})
+    st, b = await api("GET", "/api/v1/namespaces/ns2")
+    assert st == 200 and b["metadata"]["name"] == "ns2"
+    st, b = await api("GET", "/apis/nope.example.io/v1/widgets")
+    assert st == 404 and b["kind"] == "Status"
+    st, b = await api("GET", f"{PODS}/nonexistent")
+    assert (st, b["reason"]) == (404, "NotFound")
+    st, b = await api("GET", "/api/v1")
+    assert b["groupVersion"] == "v1"
+
+
+async def test_tables_for_kubectl_and_pod_logs(api):
+    await api("POST", SMS, json=sm())
+    await api("PATCH", f"{SMS}/m1/status", json={"status": {"phase": "Ready", "readyReplicas": 2}}, headers=MERGE)
+    st, b = await api("GET", SMS, headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io,application/json"})
+    assert b["kind"] == "Table"
+    columns = [c["name"] for c in b["columnDefinitions"]]
+    assert columns == ["Name", "Phase", "TP", "PP", "Ready", "Replicas", "Age"]
+    assert b["rows"][0]["cells"][:6] == ["m1", "Ready", None, None, 2, 2]
+    await api("POST", PODS, json=pod("p1"))
+    st, text = await api("GET", f"{PODS}/p1/log")
+    assert st == 200 and text == ""

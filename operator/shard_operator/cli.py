@@ -13,14 +13,18 @@ import os
 import sys
 from pathlib import Path
 
+import yaml
+
 from .api import SpecError, ShardedModel, load_sharded_models, resolve_model_dir
 from .crd import render as render_crd
 from .generate import parse_ids, render_result, result_json, tokenize
 from .inventory import Inventory, inventory_from_nodes, load_nodes, local_inventory, parse_devices
 from .local import LaunchError, plan_local, run_generate
+from .manifests import Context, Owner, check, desired_objects
 from .planner import PlanError, plan
 from .profile import ProfileError, profile_model
 from .report import render_plan
+from .settings import Settings
 from .workerenv import GenerateRequest, GenerateTask
 
 EXIT_BAD_INPUT = 1
@@ -75,6 +79,19 @@ def cmd_crd(_: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- manifests
+def cmd_manifests(args: argparse.Namespace) -> int:
+    """Print the objects the operator would create, built by the operator's own pure builders."""
+    model = _pick_model(args.file, args.name)
+    ctx = Context(owner=Owner(name=model.metadata.name, namespace=model.metadata.namespace or args.namespace),
+                  spec=model.spec, default_image=args.image)
+    check(ctx)
+    profile = profile_model(model_dir_for(args, model))
+    result = plan(profile, model.spec, inventory_for(args, model))
+    sys.stdout.write(yaml.safe_dump_all(desired_objects(ctx, result), sort_keys=False))
+    return 0
+
+
 # ---------------------------------------------------------------- generate
 def cmd_generate(args: argparse.Namespace) -> int:
     """Plan the model over TP x PP local ranks, run them as processes, print what they generate."""
@@ -120,6 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("crd", help="print the ShardedModel CustomResourceDefinition")
     p.set_defaults(func=cmd_crd)
+
+    p = sub.add_parser("manifests", help="print the Kubernetes objects the operator would create")
+    p.add_argument("-f", "--file", required=True, help="ShardedModel YAML")
+    p.add_argument("--name", help="which ShardedModel, when the file holds several")
+    p.add_argument("--model-dir", help="model directory to profile (default: from spec.model)")
+    p.add_argument("--namespace", default="default", help="when the ShardedModel names none (default: default)")
+    p.add_argument("--image", default=Settings().worker_image, help="worker image when spec.worker.image is unset")
+    _add_inventory_args(p)
+    p.set_defaults(func=cmd_manifests)
 
     p = sub.add_parser("generate", help="run a model sharded over local processes and generate from a prompt")
     p.add_argument("--model", required=True, help="model directory (config.json + safetensors)")

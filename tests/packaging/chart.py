@@ -40,6 +40,8 @@ CUSTOM_VALUES: dict[str, Any] = {
                   "annotations": {"grafana_folder": "LLM"}},
 }
 MONITORING_API = ["monitoring.coreos.com/v1"]
+# docs/operations.md's sizing command; test_kubectl runs it against the emulated API.
+SIZING_COMMAND = "shardctl plan -f my-model.yaml --nodes <(kubectl get nodes -o yaml)"
 
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

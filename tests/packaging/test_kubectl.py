@@ -16,7 +16,7 @@ import yaml
 from tests.support.apiserver import serve
 from tests.support.k8s_binaries import binary
 
-from .chart import CHART, MONITORING_API, NAMESPACE, REPO, helm, template_args
+from .chart import CHART, MONITORING_API, NAMESPACE, REPO, SIZING_COMMAND, helm, template_args
 
 EXAMPLES = REPO / "examples"
 MONITORING = [("monitoring.coreos.com/v1/podmonitors", "PodMonitor")]
@@ -113,7 +113,7 @@ async def test_sizing_with_shardctl_and_kubectl_get_nodes(cluster, tmp_path):
     bindir.mkdir()
     (bindir / "kubectl").symlink_to(binary("kubectl"))
     (bindir / "shardctl").symlink_to(Path(sys.executable).with_name("shardctl"))
-    command = "shardctl plan -f examples/llama-70b.yaml --nodes <(kubectl get nodes -o yaml)"
+    command = SIZING_COMMAND.replace("my-model.yaml", "examples/llama-70b.yaml")
     proc = await asyncio.create_subprocess_exec(
         "bash", "-c", command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env={**kubectl.env, "PATH": f"{bindir}:{os.environ['PATH']}"})

@@ -28,6 +28,23 @@ def expected(scope: set[tuple[str, str]] | None = None) -> dict[tuple[str, str],
     return {key: set(verbs) for key, verbs in PERMISSIONS.items() if scope is None or key in scope}
 
 
+def rules_yaml(scope: set[tuple[str, str]]) -> str:
+    """The rules a template should hold for `scope`, grouped as _rbac.tpl writes them (for the failure message)."""
+    grouped: dict[tuple[str, tuple[str, ...]], list[str]] = defaultdict(list)
+    for (group, resource), verbs in PERMISSIONS.items():
+        if (group, resource) in scope:
+            grouped[(group, verbs)].append(resource)
+    return "\n".join(f'- apiGroups: ["{group}"]\n  resources: [{", ".join(resources)}]\n  verbs: [{", ".join(verbs)}]'
+                     for (group, verbs), resources in grouped.items())
+
+
+def assert_grants(roles, scope: set[tuple[str, str]]) -> None:
+    assert granted(roles) == expected(scope), (
+        "the chart's RBAC differs from operator/shard_operator/permissions.py; in "
+        "helm/shard-operator/templates/_rbac.tpl make\nclusterScopedRules:\n"
+        f"{rules_yaml(set(PERMISSIONS) & CLUSTER_SCOPED)}\nnamespacedRules:\n{rules_yaml(set(PERMISSIONS) - CLUSTER_SCOPED)}")
+
+
 def test_no_wildcards_anywhere(rendered):
     _, objects = rendered
     for role in find(objects, "ClusterRole") + find(objects, "Role"):
@@ -37,17 +54,17 @@ def test_no_wildcards_anywhere(rendered):
 
 def test_cluster_wide_grants_exactly_the_permission_table(default_objects):
     role = one(default_objects, "ClusterRole")
-    assert granted([role]) == expected()
+    assert_grants([role], set(PERMISSIONS))
     assert not find(default_objects, "Role")
 
 
 def test_watched_namespaces_get_the_namespaced_permissions_only_there(custom_objects):
     namespaced = set(PERMISSIONS) - CLUSTER_SCOPED
-    assert granted(find(custom_objects, "ClusterRole")) == expected(CLUSTER_SCOPED)
+    assert_grants(find(custom_objects, "ClusterRole"), set(PERMISSIONS) & CLUSTER_SCOPED)
     roles = find(custom_objects, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == sorted(CUSTOM_VALUES["watchNamespaces"])
     for role in roles:
-        assert granted([role]) == expected(namespaced)
+        assert_grants([role], namespaced)
 
 
 def test_bindings_tie_the_roles_to_the_operator_account(rendered):

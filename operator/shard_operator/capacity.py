@@ -21,6 +21,7 @@ class GpuUse(NamedTuple):
     namespace: str
     model: str  # the sharding.dev/model label, "" for other workloads
     resources: tuple[tuple[str, int], ...]  # extended resource -> count
+    scheduled: bool  # bound to the node; otherwise only pinned there by a plan
 
 
 def extended_requests(pod: dict[str, Any]) -> dict[str, int]:
@@ -38,22 +39,30 @@ def extended_requests(pod: dict[str, Any]) -> dict[str, int]:
 
 
 def gpu_use(pod: dict[str, Any], model_label: str) -> GpuUse | None:
-    """What a pod holds, or None when it holds nothing (finished, unplaced, no extended resources)."""
+    """What a pod holds or is about to hold, or None (finished, unplaced, no extended resources).
+
+    A rank pod counts on its planned node before the scheduler binds it.
+    """
     if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
         return None
     requests = extended_requests(pod)
+    scheduled = bool((pod.get("spec") or {}).get("nodeName"))
     node = pod_node(pod) if model_label else (pod.get("spec") or {}).get("nodeName", "")
     if not requests or not node:
         return None
     return GpuUse(node=node, namespace=pod["metadata"].get("namespace", ""), model=model_label,
-                  resources=tuple(sorted(requests.items())))
+                  resources=tuple(sorted(requests.items())), scheduled=scheduled)
 
 
 def used_per_node(uses: Iterable[GpuUse], resource: str, exclude: tuple[str, str] | None = None) -> dict[str, int]:
-    """GPUs of `resource` held on each node, leaving out the pods of model `exclude` (ns, label)."""
+    """GPUs of `resource` held on each node by workloads other than model `exclude` (ns, label).
+
+    With `exclude`, only bound pods count: when two models pin pods to the same GPUs, the
+    scheduler binds one and the other, seeing those GPUs taken, plans elsewhere.
+    """
     out: Counter = Counter()
     for use in uses:
-        if exclude is not None and (use.namespace, use.model) == exclude:
+        if exclude is not None and ((use.namespace, use.model) == exclude or not use.scheduled):
             continue
         n = dict(use.resources).get(resource, 0)
         if n:

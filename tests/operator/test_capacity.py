@@ -44,6 +44,10 @@ def test_free_and_foreign_gpus():
             gpu_use(pod(limits={"amd.com/gpu": "2"}, node="b"), "")]
     assert free_gpus(nodes, uses, "nvidia.com/gpu") == {"a": 1, "b": 2}
     assert used_per_node(uses, "nvidia.com/gpu", exclude=("ns", "m")) == {"a": 2}
+    pinned = gpu_use(pod(limits={"nvidia.com/gpu": "2"}, node="b", ours=True), "other-model")
+    assert not pinned.scheduled
+    assert used_per_node(uses + [pinned], "nvidia.com/gpu", exclude=("ns", "m")) == {"a": 2}  # not bound yet
+    assert free_gpus(nodes, uses + [pinned], "nvidia.com/gpu") == {"a": 1, "b": 0}  # but it will take them
 
 
 def test_healthy_nodes_and_slim_nodes():

@@ -348,3 +348,17 @@ async def test_edited_objects_are_put_back(world):
             return service["spec"]["selector"] == {"sharding.dev/model": "m1", "sharding.dev/role": "leader"} \
                 and cm["data"]["plan.json"] != "{}"
         await eventually(restored)
+
+
+async def test_gpus_held_by_other_workloads_are_planned_around(world):
+    for n in ("a", "b"):
+        await world.add_node(gpu_node(n))
+    await world.emu.k8s_create("v1/pods", "default", {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "training"},
+        "spec": {"nodeName": "a", "containers": [{"name": "t", "image": "x",
+                                                   "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}})
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator():
+        await world.create(sharded_model("m1", model_dir))
+        await world.wait_phase("m1", "Ready")
+    assert groups_of(await world.pods("m1")) == {0: {"b"}}

@@ -1,7 +1,8 @@
 """FakeKubelet: makes pods in a FidelityEmulator "run", standing in for the scheduler and kubelets.
 
 * A new pod whose required node (spec.nodeName, or a `metadata.name` node-affinity term) is not a
-  Node object stays Pending with PodScheduled=False/Unschedulable, as the scheduler would leave it.
+  Node object stays Pending with PodScheduled=False/Unschedulable, as the scheduler would leave it;
+  otherwise it is bound there (spec.nodeName). GPU capacity is not enforced.
 * run_processes=False: every other new pod becomes Running and Ready (`ready` decides, per pod).
 * run_processes=True (or a predicate of the pod): the first container's command+args runs as a local process ("python" is
   this interpreter; env `value`s and `mounts` honoured: a container path under a mount is mapped
@@ -144,6 +145,11 @@ class FakeKubelet:
                 'type': 'PodScheduled', 'status': 'False', 'reason': 'Unschedulable',
                 'message': f'0/1 nodes are available: node {node} does not exist'}]})
             return
+        if node is not None and not spec.get('nodeName'):  # the scheduler binds it
+            try:
+                await self.emu.k8s_patch(PODS, ns, name, {'spec': {'nodeName': node}})
+            except Exception:
+                return  # gone already
         c = (spec.get('containers') or [{}])[0]
         base = {'hostIP': '10.0.0.1', 'podIP': self.pod_ip, 'startTime': _now()}
         run = self.run_processes(pod) if callable(self.run_processes) else self.run_processes

@@ -1,39 +1,43 @@
 {{/*
-The operator's permissions, exactly operator/shard_operator/permissions.py (a test compares them).
-Split by scope so that watching a few namespaces grants the namespaced ones only there.
+The operator's permissions, exactly operator/shard_operator/permissions.py (a test compares them
+and prints these rules when the table changes). Split by scope so that watching a few namespaces
+grants the namespaced ones only there.
 */}}
 
 {{- define "shard-operator.clusterScopedRules" -}}
-# The device inventory: the GPU nodes of every pool.
+# The device inventory (the GPU nodes of every pool), and the namespaces kopf serves.
 - apiGroups: [""]
-  resources: [nodes]
-  verbs: [get, list, watch]
-# kopf discovers the namespaces it serves and the ShardedModel CRD.
-- apiGroups: [""]
-  resources: [namespaces]
-  verbs: [get, list, watch]
+  resources: [nodes, namespaces]
+  verbs: [list, watch]
+# kopf's resource discovery.
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
-  verbs: [get, list, watch]
+  verbs: [list, watch]
 {{- end }}
 
 {{- define "shard-operator.namespacedRules" -}}
-# The ShardedModels: kopf patches its finalizer and progress annotations; status is separate.
+# The ShardedModels: kopf keeps its finalizer on them; the operator writes their status.
 - apiGroups: [sharding.dev]
   resources: [shardedmodels]
-  verbs: [get, list, watch, patch]
+  verbs: [list, watch, patch]
 - apiGroups: [sharding.dev]
   resources: [shardedmodels/status]
-  verbs: [get, patch]
-# What it builds for every group: rank pods, headless and serving Services, the plan ConfigMaps.
+  verbs: [patch]
+# Rank pods and profiling pods; every pod is watched for GPU accounting.
 - apiGroups: [""]
-  resources: [pods, services, configmaps]
-  verbs: [get, list, watch, create, delete, patch]
-# Events on ShardedModels (plan decisions, rebalances, failures), through either API.
+  resources: [pods]
+  verbs: [list, watch, create, delete]
+# The profiling pod prints the model's profile to its log.
 - apiGroups: [""]
-  resources: [events]
-  verbs: [create]
-- apiGroups: [events.k8s.io]
+  resources: [pods/log]
+  verbs: [get]
+# Per group a headless Service and the plan ConfigMap; per model the endpoint and metrics
+# Services and the plan record.
+- apiGroups: [""]
+  resources: [services, configmaps]
+  verbs: [list, create, patch, delete]
+# Events on ShardedModels: plan decisions, rebalances, failures.
+- apiGroups: [""]
   resources: [events]
   verbs: [create]
 {{- end }}

@@ -8,7 +8,6 @@ SHARD_RESULT; every other rank follows the leader's commands until it says shutd
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -18,7 +17,14 @@ from shard_operator.plan import Plan
 from shard_operator.workerenv import RESULT_ENV, TASK_ENV, GenerateResult, GenerateTask, WorkerEnv, WorkerEnvError
 
 from .accounting import MemorySample
-from .runtime import Worker
+from .config import ConfigError
+from .dist import RendezvousError
+from .engine import RequestError
+from .loader import CheckpointError
+from .runtime import PlanMismatch, Worker
+
+# Errors whose message says it all: printed as one line, no traceback.
+KNOWN_ERRORS = (CheckpointError, ConfigError, RendezvousError, RequestError, PlanMismatch)
 
 
 def log(worker_rank: int, message: str) -> None:
@@ -46,7 +52,11 @@ def main() -> int:
         print(f"shard_worker: {err}", file=sys.stderr)
         return 1
     start = time.perf_counter()
-    worker = Worker.start(env, plan, baseline)
+    try:
+        worker = Worker.start(env, plan, baseline)
+    except KNOWN_ERRORS as err:
+        log(env.rank, f"{type(err).__name__}: {err}")
+        return 1
     r = worker.resident
     log(env.rank, f"stage {worker.rank_plan.stage} tp {worker.rank_plan.tp_rank} layers {list(worker.rank_plan.layers)}: "
                   f"loaded in {worker.load_seconds:.2f}s (ready in {time.perf_counter() - start:.2f}s); "
@@ -62,6 +72,9 @@ def main() -> int:
             return 1
         try:
             run_task(worker, task_path, os.environ[RESULT_ENV])
+        except RequestError as err:
+            log(env.rank, f"RequestError: {err}")
+            return 1
         finally:
             worker.engine.shutdown()
         return 0

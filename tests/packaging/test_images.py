@@ -81,6 +81,29 @@ def test_operator_image_has_no_torch():
     assert not [args for _, args in instructions("Dockerfile.operator") if "torch" in args]
 
 
+# What each image lacks, and the modules it runs. The profiling Pod runs the worker image with
+# `python -m shard_operator.profilejob`.
+IMAGE_IMPORTS = {  # image -> (packages it does not install, the package whose every module it runs)
+    "operator": (["torch", "safetensors", "tokenizers", "fastapi", "uvicorn", "transformers", "shard_worker"],
+                 "shard_operator"),
+    "worker": (["kopf", "kubernetes", "transformers"], "shard_worker"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("image", sorted(IMAGE_IMPORTS))
+def test_each_image_imports_what_it_runs_without_the_other_images_packages(image):
+    absent, package = IMAGE_IMPORTS[image]
+    extra = "import shard_operator.profilejob" if image == "worker" else ""
+    script = (f"import sys, pkgutil, importlib\n"
+              f"for name in {absent!r}: sys.modules[name] = None  # import raises ImportError\n"
+              f"import {package}\n"
+              f"for info in pkgutil.iter_modules({package}.__path__): importlib.import_module('{package}.' + info.name)\n"
+              f"{extra}\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_worker_torch_matches_the_tested_torch():
     makefile_pin = re.search(r"torch==([\d.]+)", (REPO / "Makefile").read_text())[1]
     steps = instructions("Dockerfile.worker")
@@ -125,7 +148,6 @@ def test_the_context_builds_a_wheel_with_both_packages(tmp_path):
         assert f"{package}/__init__.py" in names
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "Provides-Extra: operator" in metadata and "Provides-Extra: worker" in metadata
-    # The entry points of both images, once they exist in the tree, are in the wheel too.
+    # The images' entry points (`python -m shard_operator`, `python -m shard_worker`).
     for package in ("shard_operator", "shard_worker"):
-        if (REPO / ("operator" if package == "shard_operator" else "worker") / package / "__main__.py").exists():
-            assert f"{package}/__main__.py" in names
+        assert f"{package}/__main__.py" in names

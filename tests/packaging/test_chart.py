@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import tarfile
 
 import kubernetes_validate
 import pytest
@@ -23,6 +24,16 @@ def test_lint_default_and_custom_values(custom_values_file):
     for args in ([], ["--values", str(custom_values_file)]):
         result = helm("lint", "--strict", str(CHART), *args, check=False)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_packaged_chart_carries_crd_dashboard_and_schema(tmp_path):
+    helm("package", str(CHART), "--destination", str(tmp_path))
+    (archive,) = tmp_path.glob("shard-operator-*.tgz")
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    for path in ("crds/shardedmodels.yaml", "dashboards/shard-operator.json", "values.schema.json",
+                 "templates/NOTES.txt", "templates/rbac.yaml"):
+        assert f"shard-operator/{path}" in names, path
 
 
 def test_chart_crd_is_the_generated_crd():

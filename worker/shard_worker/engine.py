@@ -84,6 +84,7 @@ class Engine:
         self.link = Link(comm, self.config.hidden_size, stage.dtype, stage.device)
         self.last_generate: dict[str, float] = {}
         self.last_output: Output | None = None  # on first-stage ranks: what the latest generate produced
+        self._prompt_cols, self._decode_mark = 0, None
         self._tokenizer: Any = None
 
     @property
@@ -153,6 +154,7 @@ class Engine:
     def _generate(self, requests: list[GenerateRequest], return_logits: bool) -> Output | None:
         start, before = time.perf_counter(), self.acct.counters.copy()
         prompt_cols = max(len(r.prompt_ids) for r in requests)
+        self._prompt_cols, self._decode_mark = prompt_cols, None
         pads = torch.tensor([prompt_cols - len(r.prompt_ids) for r in requests], dtype=torch.int64)
         with torch.inference_mode():
             if self.topo.is_first:
@@ -161,12 +163,19 @@ class Engine:
                 self._relay(requests, pads, prompt_cols, return_logits)
                 out = None
             self.link.flush()
-        spent = self.acct.counters.minus(before).summary()
-        self.last_generate = {"seconds": time.perf_counter() - start, **spent}
+        end = time.perf_counter()
+        self.last_generate = {"seconds": end - start, **self.acct.counters.minus(before).summary()}
+        if self._decode_mark is not None:  # the same figures for the decode steps alone
+            mark_time, mark = self._decode_mark
+            decode = self.acct.counters.minus(mark).summary()
+            self.last_generate.update({"decode_seconds": end - mark_time,
+                                       **{f"decode_{k}": v for k, v in decode.items()}})
         self.last_output = out
         return out
 
     def _forward(self, unit: Unit, x: torch.Tensor, pads: torch.Tensor) -> torch.Tensor:
+        if self._decode_mark is None and unit.c0 >= self._prompt_cols:  # the first decode step
+            self._decode_mark = (time.perf_counter(), self.acct.counters.copy())
         with self.acct.computing():
             step = Step.build(unit.r0, unit.r1, unit.c0, unit.c1, pads, self.rotary, self.stage.windows,
                               self.stage.dtype, self.stage.device)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import pytest
 
-from .chart import NAMESPACE, find, operator_objects, selects
+from .chart import NAMESPACE, find, operator_objects, render, selects
 
 RENDEZVOUS, NCCL_EPHEMERAL, SERVING = 29500, 43117, 8000
 
@@ -110,6 +111,17 @@ def test_rank_pods_the_operator_builds_get_exactly_the_intended_access(default_o
             assert all(allowed(pols, source, target, port) for port in [*ports.values(), NCCL_EPHEMERAL])
         assert allowed(pols, stranger, target, ports["http"])
         assert not allowed(pols, stranger, target, ports["rendezvous"])
+
+
+def test_isolated_models_with_long_names_get_distinct_valid_policies():
+    long_a, long_b = "a" * 60 + "x", "a" * 60 + "y"
+    objects = render(sets=[f"networkPolicy.isolateModels={{{long_a},{long_b},llama-3.1-8b}}"])
+    names = [p["metadata"]["name"] for p in policies(objects)]
+    assert len(set(names)) == len(names) == 5  # workers, operator, three models
+    assert all(len(n) <= 63 and re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", n) for n in names), names
+    pols = policies(objects)
+    assert not allowed(pols, rank(long_b, NAMESPACE), rank(long_a, NAMESPACE), RENDEZVOUS)
+    assert allowed(pols, rank(long_a, NAMESPACE), rank(long_a, NAMESPACE), RENDEZVOUS)
 
 
 def test_policies_cover_the_namespaces_where_models_run(default_objects, custom_objects):

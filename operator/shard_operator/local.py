@@ -115,9 +115,10 @@ class LocalGroup:
         try:
             for rank in range(self.plan.world_size):
                 log = self.workdir / f"rank-{rank}.log"
+                env = self.rank_env(rank, master_port, plan_file)
                 with open(log, "wb") as out:
-                    proc = subprocess.Popen([self.python, "-m", "shard_worker"], env=self.rank_env(rank, master_port, plan_file),
-                                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    proc = subprocess.Popen([self.python, "-m", "shard_worker"], env=env, stdout=out,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
                 self.ranks.append(RankProcess(rank, proc, log))
         except BaseException:
@@ -137,14 +138,15 @@ class LocalGroup:
             if failed:
                 first = failed[0]
                 others = ", ".join(f"rank {r.rank}" for r in failed[1:])
-                raise LaunchError(f"rank {first.rank} exited with status {first.process.returncode}"
-                                  f"{f' (also failed: {others})' if others else ''}; its log ends:\n{first.tail()}")
+                also = f" (also failed: {others})" if others else ""
+                raise LaunchError(f"rank {first.rank} exited with status {first.process.returncode}{also}; "
+                                  f"its log ends:\n{first.tail()}")
             if all(code == 0 for code in codes):
                 return
             if time.monotonic() > deadline:
                 running = [r.rank for r, code in zip(self.ranks, codes) if code is None]
-                raise LaunchError(f"ranks {running} still running after {timeout:.0f}s; rank {running[0]}'s log ends:\n"
-                                  f"{self.ranks[running[0]].tail()}")
+                raise LaunchError(f"ranks {running} still running after {timeout:.0f}s; "
+                                  f"rank {running[0]}'s log ends:\n{self.ranks[running[0]].tail()}")
             time.sleep(POLL_SECONDS)
 
     def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:

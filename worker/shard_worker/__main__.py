@@ -57,10 +57,10 @@ def main() -> int:
     except KNOWN_ERRORS as err:
         log(env.rank, f"{type(err).__name__}: {err}")
         return 1
-    r = worker.resident
-    log(env.rank, f"stage {worker.rank_plan.stage} tp {worker.rank_plan.tp_rank} layers {list(worker.rank_plan.layers)}: "
-                  f"loaded in {worker.load_seconds:.2f}s (ready in {time.perf_counter() - start:.2f}s); "
-                  f"weights {r.weights / 2**20:.1f} MiB, KV cache {r.kv_cache / 2**20:.1f} MiB resident")
+    r, rp = worker.resident, worker.rank_plan
+    log(env.rank, f"stage {rp.stage} tp {rp.tp_rank} layers {list(rp.layers)}: loaded in {worker.load_seconds:.2f}s "
+                  f"(ready in {time.perf_counter() - start:.2f}s); weights {r.weights / 2**20:.1f} MiB, "
+                  f"KV cache {r.kv_cache / 2**20:.1f} MiB resident")
     try:
         if not worker.topo.is_leader:
             worker.engine.follow()

@@ -162,9 +162,6 @@ class Comm:
             return None
         return [json.loads(bytes(b[:int(s.item())].numpy())) for b, s in zip(bufs, sizes)]
 
-    def barrier(self) -> None:
-        dist.barrier(group=self.control_group)
-
 
 class Pending:
     """An outstanding isend: its tensor stays alive until `wait`."""

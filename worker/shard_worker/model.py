@@ -17,19 +17,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shard_operator.sizing import ceil_div
+
 from .config import ModelConfig
 from .dist import Comm
 from .layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RowParallelLinear,
                      VocabParallelEmbedding)
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 # ---------------------------------------------------------------- which slices
 @dataclass(frozen=True)
 class Layout:
+    """This rank's share, by the rules of `shard_operator.sizing` (the planner's byte counts):
+    1/TP of the heads and MLP columns, ceil(kv/TP) KV heads, ceil(V/TP) vocabulary rows."""
+
     config: ModelConfig
     tp: int
     tp_rank: int

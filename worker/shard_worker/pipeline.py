@@ -92,19 +92,21 @@ class Link:
             p.wait()
         self.pending.clear()
 
+    def _ints(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
     # ------------------------------------------------------------ downstream
     def send_unit(self, unit: Unit, hidden: torch.Tensor) -> None:
-        header = torch.tensor([RUN, unit.r0, unit.r1, unit.c0, unit.c1], dtype=torch.int64, device=self.device)
-        self._isend(header, self.topo.next, FORWARD_TAG)
+        self._isend(self._ints([RUN, unit.r0, unit.r1, unit.c0, unit.c1]), self.topo.next, FORWARD_TAG)
         self._isend(hidden.contiguous(), self.topo.next, FORWARD_TAG)
 
     def send_stop(self) -> None:
-        self._isend(torch.tensor([STOP, 0, 0, 0, 0], dtype=torch.int64, device=self.device), self.topo.next, FORWARD_TAG)
+        self._isend(self._ints([STOP, 0, 0, 0, 0]), self.topo.next, FORWARD_TAG)
         self.flush()
 
     def recv_unit(self) -> tuple[Unit, torch.Tensor] | None:
         """The next unit and its hidden states from the previous stage; None at STOP."""
-        header = self.comm.recv(torch.empty(HEADER_INTS, dtype=torch.int64, device=self.device), self.topo.prev, FORWARD_TAG)
+        header = self.comm.recv(self._ints([0] * HEADER_INTS), self.topo.prev, FORWARD_TAG)
         kind, r0, r1, c0, c1 = (int(v) for v in header.tolist())
         if kind == STOP:
             return None
@@ -119,8 +121,9 @@ class Link:
             self._isend(logits, self.topo.first, RETURN_TAG)
 
     def recv_tokens(self, rows: int, vocab: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        tokens = self.comm.recv(torch.empty(rows, dtype=torch.int64, device=self.device), self.topo.last, RETURN_TAG)
+        tokens = self.comm.recv(self._ints([0] * rows), self.topo.last, RETURN_TAG)
         logits = None
         if vocab is not None:
-            logits = self.comm.recv(torch.empty(rows, vocab, dtype=torch.float32, device=self.device), self.topo.last, RETURN_TAG)
+            logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)
+            self.comm.recv(logits, self.topo.last, RETURN_TAG)
         return tokens, logits

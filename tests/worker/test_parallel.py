@@ -74,6 +74,11 @@ def test_uneven_three_stages(pool, checkpoint, hf_model):
     assert [tuple(s.layers) for s in plan.stages] == [(0, 2), (2, 3), (3, 4)]
     results = run_greedy(pool, plan, model_dir, [PROMPT])
     assert_matches_hf(results, hf_model(model_dir), [PROMPT])
+    # what each stage sent, the next one received (and the last sent tokens back to the first)
+    sent = [r["comm_bytes"]["send"] for r in results[0]["reports"]]
+    received = [r["comm_bytes"]["recv"] for r in results[0]["reports"]]
+    assert sent == [received[1], received[2], received[0]] and min(sent) > 0
+    assert all(r["idle_seconds"] > 0 and r["compute_seconds"] > 0 for r in results[0]["reports"][1:])
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1)])

@@ -156,8 +156,7 @@ class Controller:
             obs.problem = Problem("ModelNotFound" if missing else "InvalidModel", str(err))
         except PlanError as err:
             obs.problem = Problem(err.reason, err.message, fatal=current is None)
-            if current is not None and obs.spec is not None and obs.spec.replicas == current.replicas:
-                plan = current  # nothing fits any more: keep serving with what still runs
+            plan = current  # nothing new fits: keep serving with what still runs
 
         decision = None
         if plan is not None and ctx is not None:
@@ -373,9 +372,8 @@ def build_registry(controller: Controller, login: Callable[..., Any] | None = No
     @kopf.daemon(GROUP, VERSION, PLURAL, id="model_loop", registry=registry, cancellation_timeout=10.0)
     async def model_loop(body: kopf.Body, stopped: kopf.DaemonStopped, nodes_index: kopf.Index,
                          gpu_index: kopf.Index, **_: Any) -> None:
-        def world() -> World:
-            return World(nodes=[copy.deepcopy(n) for n in nodes_index.get(None, [])],
-                         gpu_uses=list(gpu_index.get(None, [])))
+        def world() -> World:  # index values are replaced, never changed in place: no copies
+            return World(nodes=list(nodes_index.get(None, [])), gpu_uses=list(gpu_index.get(None, [])))
         await controller.run(body, stopped, world)
 
     return registry

@@ -40,7 +40,6 @@ PROFILE_KEY = "profile.json"
 WORKER_COMMAND = ["python", "-m", "shard_worker"]
 PROFILER_COMMAND = ["python", "-m", "shard_operator.profilejob"]
 CONTAINER = "worker"
-RUN_AS = 1000
 # A rank loads its weights only after the whole group has met; a 70B checkpoint can take many
 # minutes to read, so the startup probe allows the rendezvous timeout plus this long.
 LOAD_ALLOWANCE_SECONDS = 3600
@@ -233,8 +232,8 @@ def _model_volume(spec: ShardedModelSpec) -> tuple[dict[str, Any], str]:
 
 
 def _security() -> tuple[dict[str, Any], dict[str, Any]]:
-    pod = {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
-           "seccompProfile": {"type": "RuntimeDefault"}}
+    # The image's own (numeric, non-root) user runs the worker; root is refused.
+    pod = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
     container = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                  "capabilities": {"drop": ["ALL"]}}
     return pod, container

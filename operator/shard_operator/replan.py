@@ -29,10 +29,6 @@ class PlanChoice:
     message: str = ""
     waiting: bool = False  # an inventory change is seen but not acted on yet (settle window)
 
-    @property
-    def changed(self) -> bool:
-        return self.kind not in ("unchanged",)
-
 
 def critical_path(p: Plan) -> float:
     return max((g.critical_path_seconds for g in p.groups), default=0.0)

@@ -1,0 +1,43 @@
+"""`python -m shard_operator` as a process: KUBECONFIG, settings from the environment, clean stop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+import pytest
+
+from tests.support.apiserver import serve
+from tests.support.cluster import gpu_node, sharded_model, write_model
+from tests.support.kubelet import FakeKubelet
+from tests.support.operator import eventually
+
+from .test_kubectl import write_kubeconfig
+
+
+@pytest.mark.slow
+async def test_the_operator_process_connects_through_kubeconfig_and_stops_on_sigterm(tmp_path):
+    model_dir = write_model(tmp_path / "models" / "tiny")
+    async with serve() as (emu, url), FakeKubelet(emu):
+        await emu.k8s_create("v1/nodes", None, gpu_node("a"))
+        env = {**os.environ, "KUBECONFIG": str(write_kubeconfig(tmp_path / "kubeconfig", url)),
+               "SHARD_OPERATOR_HOST_PATH_PREFIX": "", "SHARD_OPERATOR_HEALTH_PORT": "0",
+               "SHARD_OPERATOR_STATUS_POLL_SECONDS": "0", "SHARD_OPERATOR_DEBOUNCE_SECONDS": "0.01",
+               "SHARD_OPERATOR_WORKER_IMAGE": "example.com/from-env:1"}
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "shard_operator", env=env,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        try:
+            await emu.k8s_create("sharding.dev/v1alpha1/shardedmodels", "default", sharded_model("m1", model_dir))
+
+            async def ready():
+                obj = await emu.k8s_get("sharding.dev/v1alpha1/shardedmodels", "default", "m1")
+                return (obj.get("status") or {}).get("phase") == "Ready"
+            await eventually(ready, timeout=60)
+            pods = await emu.k8s_list("v1/pods", "default", "sharding.dev/model=m1")
+            assert {p["spec"]["containers"][0]["image"] for p in pods} == {"example.com/from-env:1"}
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            output, _ = await asyncio.wait_for(proc.communicate(), timeout=30)
+        assert proc.returncode == 0, output.decode()[-2000:]

@@ -182,6 +182,7 @@ def measure(model_dir: str, dtype: str, tokens: int, prompt: list[int]) -> dict:
         print(f"  {dtype} {name} ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
         value = fn(*args)
+        value["load"] = os.getloadavg()[0]  # 1-minute load average at the end (our own ranks included)
         print(f"  {dtype} {name}: {value} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
         return value
 
@@ -200,25 +201,29 @@ def measure(model_dir: str, dtype: str, tokens: int, prompt: list[int]) -> dict:
 def report(results: dict, shape: dict, tokens: int) -> str:
     lines = [f"Model: random Llama {shape}; batch 1, {PROMPT_TOKENS}-token prompt, {tokens} new tokens; "
              "one thread per rank.", "",
-             "| dtype | variant | ms/token | tokens/s | limit / measured | comm share | idle share |",
-             "|---|---|---|---|---|---|---|"]
+             "| dtype | variant | ms/token | tokens/s | limit / measured | comm share | idle share | load |",
+             "|---|---|---|---|---|---|---|---|"]
     goals = []
     for dtype, r in results.items():
         limit1, limit2 = r["matvec"]["1"], r["matvec"]["2"]
-        rows = [("decode limit, 1 core (bare mat-vec)", limit1, limit1, None),
-                ("decode limit, 2 cores (bare mat-vec)", limit2, limit2, None),
-                ("HF transformers generate, 1 thread", r["hf1"]["seconds_per_token"], limit1, None),
-                ("HF transformers generate, 2 threads", r["hf2"]["seconds_per_token"], limit2, None),
+        mv = r["matvec"]
+        rows = [("decode limit, 1 core (bare mat-vec)", limit1, limit1, mv),
+                ("decode limit, 2 cores (bare mat-vec)", limit2, limit2, mv),
+                ("HF transformers generate, 1 thread", r["hf1"]["seconds_per_token"], limit1, r["hf1"]),
+                ("HF transformers generate, 2 threads", r["hf2"]["seconds_per_token"], limit2, r["hf2"]),
                 ("shard worker TP=1", r["tp1"]["seconds_per_token"], limit1, r["tp1"]),
                 ("shard worker TP=2 (2 processes)", r["tp2"]["seconds_per_token"], limit2, r["tp2"]),
                 ("shard worker PP=2 (2 processes)", r["pp2"]["seconds_per_token"], limit1, r["pp2"])]
         if "error" in r["torch_tp2"]:
-            lines.append(f"| {dtype} | PyTorch parallelize_module TP=2 | failed: {r['torch_tp2']['error']} | | | | |")
+            lines.append(f"| {dtype} | PyTorch parallelize_module TP=2 | failed: {r['torch_tp2']['error']} "
+                         f"| | | | | {r['torch_tp2']['load']:.1f} |")
         else:
-            rows.append(("PyTorch parallelize_module TP=2", r["torch_tp2"]["seconds_per_token"], limit2, None))
-        for name, seconds, limit, ours in rows:
-            shares = (f"{ours['comm_share']:.1%} | {ours['idle_share']:.1%}" if ours else " | ")
-            lines.append(f"| {dtype} | {name} | {seconds * 1e3:.1f} | {1 / seconds:.2f} | {limit / seconds:.2f} | {shares} |")
+            rows.append(("PyTorch parallelize_module TP=2", r["torch_tp2"]["seconds_per_token"], limit2, r["torch_tp2"]))
+        for name, seconds, limit, figures in rows:
+            shares = (f"{figures['comm_share']:.1%} | {figures['idle_share']:.1%}" if "comm_share" in figures
+                      else " | ")
+            lines.append(f"| {dtype} | {name} | {seconds * 1e3:.1f} | {1 / seconds:.2f} | {limit / seconds:.2f} "
+                         f"| {shares} | {figures['load']:.1f} |")
         tp1, tp2, hf2 = r["tp1"]["seconds_per_token"], r["tp2"]["seconds_per_token"], r["hf2"]["seconds_per_token"]
         checks = [("TP=2 speed-up over TP=1", tp1 / tp2, ">= 1.6", tp1 / tp2 >= 1.6),
                   ("TP=2 vs the 2-core decode limit (limit / TP=2)", limit2 / tp2, ">= 0.85", limit2 / tp2 >= 0.85),

@@ -160,6 +160,8 @@ class SliceReader:
         """Copy `piece` of `entry` into `dst` from row `piece.offset`; returns the row after it."""
         rows_total = entry.shape[0]
         cols = entry.shape[1] if len(entry.shape) == 2 else 1
+        if piece.dim == 1 and (piece.start, piece.stop) == (0, cols):  # every column: one contiguous range
+            piece = Piece(piece.tensor, 0, 0, rows_total, piece.offset)
         if piece.dim == 0:
             out_rows, width = piece.stop - piece.start, cols
         else:

@@ -77,6 +77,7 @@ class Controller:
         self.settings, self.kube, self.fetch, self.clock = settings, kube, fetch, clock
         self.local_profiles = LocalProfiles()
         self.wakeups: dict[tuple[str, str], asyncio.Event] = {}
+        self.generations: dict[tuple[str, str], int] = {}  # the spec generation last reconciled
         self.reconciles = 0
         self.failures = 0
 
@@ -116,12 +117,14 @@ class Controller:
         finally:
             if self.wakeups.get(key) is wake:
                 del self.wakeups[key]
+                self.generations.pop(key, None)
 
     # ---------------------------------------------------------------- the reconcile
     def reconcile(self, body: dict[str, Any], world: World, memory: Memory) -> None:
         self.reconciles += 1
         settings, kube = self.settings, self.kube
         owner = Owner.of(body)
+        self.generations[(owner.namespace, model_label(owner.name))] = body["metadata"].get("generation") or 0
         previous = memory.status if memory.status is not None else body.get("status") or {}
         selector = f"{MODEL_LABEL}={model_label(owner.name)}"
         listing = {kind: kube.list(kind, owner.namespace, selector) for kind in KINDS}
@@ -366,8 +369,10 @@ def build_registry(controller: Controller, login: Callable[..., Any] | None = No
         controller.wake(namespace, labels[MODEL_LABEL])
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
-    def model_changed(namespace: str, name: str, **_: Any) -> None:
-        controller.wake(namespace, model_label(name))
+    def model_changed(namespace: str, name: str, meta: kopf.Meta, **_: Any) -> None:
+        # Our own status writes are events too: only a new spec needs a reconcile.
+        if controller.generations.get((namespace, model_label(name))) != meta.get("generation"):
+            controller.wake(namespace, model_label(name))
 
     @kopf.daemon(GROUP, VERSION, PLURAL, id="model_loop", registry=registry, cancellation_timeout=10.0)
     async def model_loop(body: kopf.Body, stopped: kopf.DaemonStopped, nodes_index: kopf.Index,

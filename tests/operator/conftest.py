@@ -138,7 +138,7 @@ class World:
         return [(e.get("type"), e.get("reason"), e.get("message")) for e in items
                 if (e.get("involvedObject") or {}).get("name") == name]
 
-    async def wait_phase(self, name: str, phase: str, timeout: float = 15.0) -> dict:
+    async def wait_phase(self, name: str, phase: str, timeout: float = 30.0) -> dict:
         async def check():  # a status that describes the current spec
             model = await self.model(name) or {}
             status = model.get("status") or {}

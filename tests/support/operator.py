@@ -85,7 +85,7 @@ class ManualClock:
         self.now += seconds
 
 
-async def eventually(check: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:
+async def eventually(check: Callable[[], Any], timeout: float = 30.0, interval: float = 0.02) -> Any:
     """Await `check()` (sync or async) until it returns something truthy without raising."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout

@@ -237,7 +237,6 @@ class FidelityEmulator(kmock.KubernetesEmulator):
     load_builtin_resources: bool = True  # kmock's bundled K3s discovery snapshot (pods, nodes, ...)
 
     _rv: int = attrs.field(default=0, init=False)
-    _results: dict = attrs.field(factory=dict, init=False)
     _history: dict = attrs.field(factory=dict, init=False)
     _custom: set = attrs.field(factory=set, init=False)
     _printer_columns: dict = attrs.field(factory=dict, init=False)
@@ -469,13 +468,11 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         except ValueError:
             raise ApiError(400, 'BadRequest', 'the request body is not valid JSON')
 
-    # Fallback reactions registered by the base class: we return what _handle() computed.
+    # Fallback reactions registered by the base class for writes.
     async def _serve_result(self, request):
+        # _handle() answers every method on known resources itself; this is what is left.
         if not self._known(request.resource):
             return self._unknown_response(request.resource)
-        if request.id in self._results:
-            code, body = self._results.pop(request.id)
-            return rendering.Response(status=code, payload=body)
         return rendering.Response(status=405, payload=ApiError(405, 'MethodNotAllowed', 'method not allowed').status())
 
     _serve_create = _serve_update = _serve_delete = _serve_result

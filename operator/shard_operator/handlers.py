@@ -51,6 +51,7 @@ class Memory:
 
     pool: str = ""               # inventory fingerprint ...
     pool_since: float = 0.0      # ... and since when it has been this
+    generation: int = -1         # the spec generation the pool was last seen with
     reconsidered: str = ""       # the pool fingerprint a better plan was last looked for on
     last_poll: float = float("-inf")
     measured: dict[str, int] = field(default_factory=dict)
@@ -150,7 +151,8 @@ class Controller:
                 obs.planning = "profiling the checkpoint in a pod (the operator cannot read its volume)"
                 memory.wake_in = min(memory.wake_in, 5.0)
             else:
-                choice = self._choose(current, profile, spec, world, owner, memory)
+                generation = body["metadata"].get("generation") or 0
+                choice = self._choose(current, profile, spec, world, owner, memory, generation)
                 plan = choice.plan
         except SpecError as err:
             obs.problem = Problem("InvalidSpec", str(err))
@@ -196,14 +198,17 @@ class Controller:
         return remote_profile(ctx, self.kube, listing["Pod"], listing["ConfigMap"], self.settings.profile_timeout_seconds)
 
     def _choose(self, current: Plan | None, profile: ModelProfile, spec: ShardedModelSpec, world: World,
-                owner: Owner, memory: Memory) -> PlanChoice:
+                owner: Owner, memory: Memory, generation: int) -> PlanChoice:
         settings = self.settings
         resource = spec.placement.gpu_resource
         others = used_per_node(world.gpu_uses, resource, exclude=(owner.namespace, model_label(owner.name)))
         inventory = without_devices(inventory_from_nodes(world.nodes, spec.placement), others)
         pool, now = fingerprint(inventory), self.clock()
         if pool != memory.pool:
-            memory.pool, memory.pool_since = pool, now
+            # A pool that changed with the spec (nodeSelector, tolerations) was asked for: no wait.
+            spec_changed = memory.generation not in (-1, generation)
+            memory.pool, memory.pool_since = pool, (float("-inf") if spec_changed else now)
+        memory.generation = generation
         waited = now - memory.pool_since
         settled = waited >= settings.settle_seconds
         if not settled:

@@ -362,3 +362,41 @@ async def test_gpus_held_by_other_workloads_are_planned_around(world):
         await world.create(sharded_model("m1", model_dir))
         await world.wait_phase("m1", "Ready")
     assert groups_of(await world.pods("m1")) == {0: {"b"}}
+
+
+async def test_an_edited_node_pool_moves_the_groups_at_once(world):
+    await world.add_node(gpu_node("a", labels={"pool": "x"}))
+    await world.add_node(gpu_node("b", labels={"pool": "y"}))
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator():
+        await world.create(sharded_model("m1", model_dir, placement={"nodeSelector": {"pool": "x"}}))
+        await world.wait_phase("m1", "Ready")
+        assert groups_of(await world.pods("m1")) == {0: {"a"}}
+        await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"placement": {"nodeSelector": {"pool": "y"}}}})
+        await eventually(lambda: _on_nodes(world, "m1", {"b"}))  # no settle window: the user asked
+        await world.wait_phase("m1", "Ready")
+
+
+async def test_no_room_left_says_so_and_keeps_the_other_group_serving(world):
+    for n in ("a", "b"):
+        await world.add_node(gpu_node(n))
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator():
+        await world.create(sharded_model("m1", model_dir, replicas=2))
+        await world.wait_phase("m1", "Ready")
+        before = await world.pods("m1")
+        lost = next(iter(groups_of(before)[1]))
+        await world.emu.k8s_delete("v1/nodes", None, lost)
+        await eventually(lambda: _phase_in(world, "m1", {"Degraded"}))  # seen: the settle window starts
+        world.clock.advance(1.0)
+
+        async def no_room():
+            degraded = next(c for c in (await world.status("m1"))["conditions"] if c["type"] == "Degraded")
+            return degraded if degraded["reason"] == "InsufficientCapacity" else None
+        degraded = await eventually(no_room)
+        assert "does not fit" in degraded["message"] and "GiB" in degraded["message"]
+        status = await world.status("m1")
+        assert status["phase"] == "Degraded" and status["readyReplicas"] == 1
+        serving = {n: u for n, u in uids(before).items() if "-0-" in n}
+        assert {n: u for n, u in uids(await world.pods("m1")).items() if "-0-" in n} == serving
+    assert "InsufficientCapacity" in [e[1] for e in await world.events("m1") if e[0] == "Warning"]

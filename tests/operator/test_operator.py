@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import pytest
 
+from shard_operator.permissions import PERMISSIONS
 from shard_operator.workerenv import WorkerEnv
 
 from tests.support.apiserver import SM
 from tests.support.cluster import gpu_node, sharded_model, write_model
 from tests.support.operator import eventually
 
-from .conftest import RESIDENT
+from .conftest import RESIDENT, permission_of
 
 SEVEN_B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=32000, torch_dtype="bfloat16")
@@ -400,3 +401,31 @@ async def test_no_room_left_says_so_and_keeps_the_other_group_serving(world):
         serving = {n: u for n, u in uids(before).items() if "-0-" in n}
         assert {n: u for n, u in uids(await world.pods("m1")).items() if "-0-" in n} == serving
     assert "InsufficientCapacity" in [e[1] for e in await world.events("m1") if e[0] == "Warning"]
+
+
+async def test_the_rbac_table_is_exactly_what_the_operator_uses(world):
+    """Every verb in permissions.py is used (and nothing else: the fixture checks every test)."""
+    for n in ("a", "b"):
+        await world.add_node(gpu_node(n))
+    write_model(world.tmp / "pvc" / "tiny")
+    body = sharded_model("m1", world.tmp / "unused" / "tiny", replicas=2)
+    body["spec"]["model"] = {"path": "tiny", "volume": {"pvc": {"claimName": "weights"}}, "maxModelLen": 256}
+    async with world.operator():
+        await world.create(body)  # a profiling pod (pods/log), then groups
+        await world.wait_phase("m1", "Ready")
+        await world.emu.k8s_patch("v1/services", "default", "m1", {"spec": {"selector": {"x": "y"}}})
+        await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"replicas": 1}})  # deletes a group
+        await eventually(lambda: _pod_count(world, "m1", 2))
+        await eventually(lambda: _selector_restored(world))
+    used: dict = {}
+    for request in world.emu.api_requests():
+        perm = permission_of(request)
+        if perm is not None:
+            used.setdefault(perm[0], set()).add(perm[1])
+    expected = {key: set(verbs) for key, verbs in PERMISSIONS.items() if key != ("", "namespaces")}
+    assert used == expected  # namespaces: only kopf's namespace patterns (SHARD_OPERATOR_NAMESPACES=a-*)
+
+
+async def _selector_restored(world):
+    service = await world.emu.k8s_get("v1/services", "default", "m1")
+    return service["spec"]["selector"] == {"sharding.dev/model": "m1", "sharding.dev/role": "leader"}

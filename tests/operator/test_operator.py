@@ -12,13 +12,10 @@ from shard_operator.permissions import PERMISSIONS
 from shard_operator.workerenv import WorkerEnv
 
 from tests.support.apiserver import SM
-from tests.support.cluster import gpu_node, sharded_model, write_model
+from tests.support.cluster import SEVEN_B, gpu_node, sharded_model, write_model
 from tests.support.operator import eventually
 
 from .conftest import RESIDENT, permission_of
-
-SEVEN_B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=32000, torch_dtype="bfloat16")
 
 
 def uids(pods):

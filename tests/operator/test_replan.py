@@ -8,11 +8,11 @@ from shard_operator.inventory import parse_devices
 from shard_operator.planner import PlanError
 from shard_operator.replan import choose_plan, critical_path, incompatibility, without_devices
 
+from tests.support.cluster import SEVEN_B
+
 from .conftest import make_spec, tiny_profile
 
 POOL = "a:24GiB*2,b:24GiB*2,c:24GiB*2"
-SEVEN_B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=32000, torch_dtype="bfloat16")
 
 
 def placements(plan):
@@ -68,7 +68,6 @@ def test_no_room_for_a_lost_group_raises_with_the_numbers(profile, two_groups):
 
 
 def test_a_grown_pool_replaces_groups_only_when_clearly_faster():
-    # A model big enough that streaming its weights, not collective latency, sets the pace.
     profile = tiny_profile(**SEVEN_B)
     spec = make_spec(replicas=1)
     slow = choose_plan(None, profile, spec, parse_devices("a:24GiB*2@0.3")).plan

@@ -13,6 +13,11 @@ TINY_LLAMA = {
     "tie_word_embeddings": False,
 }
 
+# A Llama-2-7B-shaped config (bfloat16): big enough that streaming weights, not collective latency,
+# sets the decode pace, so faster GPUs make a measurably better plan.
+SEVEN_B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=32000, torch_dtype="bfloat16")
+
 
 def write_model(directory: Path, **overrides: Any) -> Path:
     """A model directory with config.json only: enough for the profiler and the planner."""

@@ -36,9 +36,9 @@ from .manifests import (COMPONENT_LABEL, GROUP_LABEL, MODEL_LABEL, PLAN_KEY, REV
 from .plan import Plan
 from .planner import PlanError
 from .profile import ModelProfile, ProfileError
-from .profiles import LocalProfiles, local_model_dir, remote_profile
+from .profiles import LocalProfiles, ModelNotFound, local_model_dir, remote_profile
 from .replan import PlanChoice, choose_plan, without_devices
-from .rollout import Decision, GroupKey, ObservedGroup, Want, decide, group_state, observe_groups
+from .rollout import Decision, GroupKey, Want, decide, group_state, observe_groups
 from .settings import Settings
 from .status import Observation, Problem, build_status, status_patch
 
@@ -123,71 +123,88 @@ class Controller:
     # ---------------------------------------------------------------- the reconcile
     def reconcile(self, body: dict[str, Any], world: World, memory: Memory) -> None:
         self.reconciles += 1
-        settings, kube = self.settings, self.kube
         owner = Owner.of(body)
-        self.generations[(owner.namespace, model_label(owner.name))] = body["metadata"].get("generation") or 0
+        generation = body["metadata"].get("generation") or 0
+        self.generations[(owner.namespace, model_label(owner.name))] = generation
         previous = memory.status if memory.status is not None else body.get("status") or {}
+        memory.wake_in = self.settings.resync_seconds
         selector = f"{MODEL_LABEL}={model_label(owner.name)}"
-        listing = {kind: kube.list(kind, owner.namespace, selector) for kind in KINDS}
-        pods = listing["Pod"]
-        obs = Observation(name=owner.name, generation=body["metadata"].get("generation") or 0, spec=None)
-        memory.wake_in = settings.resync_seconds
-        healthy = healthy_nodes(world.nodes)
+        listing = {kind: self.kube.list(kind, owner.namespace, selector) for kind in KINDS}
+
+        obs = self._observe(owner, generation, listing, world)
+        current = _current_plan(listing["ConfigMap"], owner.name)
+        ctx, choice = self._plan(body, obs, current, listing, world, memory)
+        if ctx is not None and obs.plan is not None:
+            self._roll_out(body, ctx, obs, choice, current, previous, listing, world)
+        obs.measured = self._poll(owner, obs, memory)
+        self._report(body, owner, obs, previous, memory)
+
+    def _observe(self, owner: Owner, generation: int, listing: dict[str, list], world: World) -> Observation:
+        """The model's groups as its pods, Services and ConfigMaps show them."""
+        obs = Observation(name=owner.name, generation=generation, spec=None)
         group_objs = [o for o in listing["Service"] + listing["ConfigMap"]
                       if (o["metadata"].get("labels") or {}).get(COMPONENT_LABEL) == "group"]
-        obs.groups = observe_groups(pods, group_objs, healthy)
+        obs.groups = observe_groups(listing["Pod"], group_objs, healthy_nodes(world.nodes))
         obs.group_plans = _group_plans(listing["ConfigMap"])
+        return obs
 
-        current = _current_plan(listing["ConfigMap"], owner.name)
-        ctx = plan = None
-        choice: PlanChoice | None = None
+    def _plan(self, body: dict[str, Any], obs: Observation, current: Plan | None, listing: dict[str, list],
+              world: World, memory: Memory) -> tuple[Context | None, PlanChoice | None]:
+        """Spec, profile and plan; what stops them becomes `obs.problem` (a condition, not a crash)."""
+        ctx = choice = None
         try:
-            spec = parse_spec(body.get("spec") or {})
-            obs.spec = spec
-            ctx = Context(owner=owner, spec=spec, default_image=settings.worker_image)
+            obs.spec = parse_spec(body.get("spec") or {})
+            ctx = Context(owner=Owner.of(body), spec=obs.spec, default_image=self.settings.worker_image)
             check(ctx)
             profile = self._profile(ctx, listing)
             if profile is None:
                 obs.planning = "profiling the checkpoint in a pod (the operator cannot read its volume)"
                 memory.wake_in = min(memory.wake_in, 5.0)
-            else:
-                generation = body["metadata"].get("generation") or 0
-                choice = self._choose(current, profile, spec, world, owner, memory, generation)
-                plan = choice.plan
+                return ctx, None
+            choice = self._choose(current, profile, obs.spec, world, ctx.owner, memory, obs.generation)
+            obs.plan = choice.plan
         except SpecError as err:
             obs.problem = Problem("InvalidSpec", str(err))
+            return None, None
+        except ModelNotFound as err:
+            obs.problem = Problem("ModelNotFound", str(err))
         except ProfileError as err:
-            missing = "does not exist" in str(err) or "missing" in str(err)
-            obs.problem = Problem("ModelNotFound" if missing else "InvalidModel", str(err))
+            obs.problem = Problem("InvalidModel", str(err))
         except PlanError as err:
             obs.problem = Problem(err.reason, err.message, fatal=current is None)
-            plan = current  # nothing new fits: keep serving with what still runs
+            obs.plan = current  # nothing new fits: keep serving with what still runs
+        return ctx, choice
 
-        decision = None
-        if plan is not None and ctx is not None:
-            obs.plan = plan
-            obs.wants = [Want(r.replica, group_revision(ctx, plan, r.replica),
-                              dict(Counter(x.node for x in plan.group(r.replica)))) for r in plan.groups]
-            for want in obs.wants:
-                obs.group_plans[want.key] = group_plan(plan, want.replica)
-            restarts = {(g["replica"], g["revision"]): g.get("restarts", 0) for g in previous.get("groups") or []}
-            free = free_gpus(world.nodes, world.gpu_uses, ctx.spec.placement.gpu_resource)
-            decision = decide(obs.wants, obs.groups, ctx.spec.rollout, restarts, settings.restart_budget, free)
-            self._apply(ctx, plan, decision, obs.groups, listing)
-            for key in decision.restart:
-                restarts[key] = restarts.get(key, 0) + 1
-            obs.restarts = {k: v for k, v in restarts.items() if k in {g.key for g in obs.groups} | {w.key for w in obs.wants}}
-            obs.decision = decision
-            self._events(body, choice, current, decision, obs)
-        obs.measured = self._poll(owner, obs, memory)
+    def _roll_out(self, body: dict[str, Any], ctx: Context, obs: Observation, choice: PlanChoice | None,
+                  current: Plan | None, previous: dict[str, Any], listing: dict[str, list], world: World) -> None:
+        """Decide which groups to create, keep, recreate or delete, and do it."""
+        plan = obs.plan
+        assert plan is not None
+        obs.wants = [Want(g.replica, group_revision(ctx, plan, g.replica),
+                          dict(Counter(r.node for r in plan.group(g.replica)))) for g in plan.groups]
+        for want in obs.wants:
+            obs.group_plans[want.key] = group_plan(plan, want.replica)
+        restarts = {(g["replica"], g["revision"]): g.get("restarts", 0) for g in previous.get("groups") or []}
+        free = free_gpus(world.nodes, world.gpu_uses, ctx.spec.placement.gpu_resource)
+        decision = decide(obs.wants, obs.groups, ctx.spec.rollout, restarts, self.settings.restart_budget, free)
+        self._apply(ctx, plan, decision, listing)
+        for key in decision.restart:
+            restarts[key] = restarts.get(key, 0) + 1
+        alive = {g.key for g in obs.groups} | {w.key for w in obs.wants}
+        obs.restarts = {k: v for k, v in restarts.items() if k in alive}
+        obs.decision = decision
+        self._events(body, choice, current, decision, obs)
 
+    def _report(self, body: dict[str, Any], owner: Owner, obs: Observation, previous: dict[str, Any],
+                memory: Memory) -> None:
+        """Write the status when it changed, and say what went wrong in Events."""
         status = build_status(obs, previous, _now())
         self._problem_events(body, previous, status)
         patch = status_patch(previous, status)
         if patch is not None:
-            kube.patch_status(owner.namespace, owner.name, patch)
+            self.kube.patch_status(owner.namespace, owner.name, patch)
         memory.status = status
-        if any(state in ("Starting", "Terminating") for state, _ in map(group_state, obs.groups)):
+        if any(group_state(g)[0] in ("Starting", "Terminating") for g in obs.groups):
             memory.wake_in = min(memory.wake_in, 5.0)  # pods change without other events at times
 
     # ---------------------------------------------------------------- steps
@@ -220,8 +237,7 @@ class Controller:
             memory.reconsidered = pool
         return choice
 
-    def _apply(self, ctx: Context, plan: Plan, decision: Decision, groups: list[ObservedGroup],
-               listing: dict[str, list]) -> None:
+    def _apply(self, ctx: Context, plan: Plan, decision: Decision, listing: dict[str, list]) -> None:
         """Create what is missing, patch what drifted, delete what the decision drops."""
         kube, ns = self.kube, ctx.owner.namespace
         existing = {(kind, o["metadata"]["name"]): o for kind, objs in listing.items() for o in objs}

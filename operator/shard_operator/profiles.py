@@ -26,6 +26,10 @@ from .profile import ModelProfile, ProfileError, profile_model
 from .settings import Settings
 
 
+class ModelNotFound(ProfileError):
+    """The model's directory is not there (a wrong path, or the volume is not what the spec says)."""
+
+
 def local_model_dir(spec: ShardedModelSpec, settings: Settings) -> Path | None:
     """The model directory as the operator sees it, or None when it cannot see that volume."""
     model, volume = spec.model, spec.model.volume
@@ -59,7 +63,7 @@ class LocalProfiles:
 
     def get(self, model_dir: Path) -> ModelProfile:
         if not model_dir.is_dir():
-            raise ProfileError(f"model directory {model_dir} does not exist")
+            raise ModelNotFound(f"model directory {model_dir} does not exist")
         signature = _signature(model_dir)
         with self._lock:
             cached = self._cache.get(model_dir)

@@ -426,3 +426,20 @@ async def test_the_rbac_table_is_exactly_what_the_operator_uses(world):
 async def _selector_restored(world):
     service = await world.emu.k8s_get("v1/services", "default", "m1")
     return service["spec"]["selector"] == {"sharding.dev/model": "m1", "sharding.dev/role": "leader"}
+
+
+async def test_a_failed_profiling_pod_is_reported_and_kept(world):
+    await world.add_node(gpu_node("a"))
+    body = sharded_model("m1", world.tmp / "unused" / "tiny")
+    body["spec"]["model"] = {"path": "absent", "volume": {"pvc": {"claimName": "weights"}}}
+    async with world.operator() as op:
+        await world.create(body)
+        status = await world.wait_phase("m1", "Failed")
+        seen = op.reconciles
+        await eventually(lambda: op.reconciles >= seen + 3)
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "InvalidModel" and "profiling pod m1-profile failed" in degraded["message"]
+    assert "config.json: missing" in degraded["message"]
+    profilers = [p for p in await world.objects("v1/pods", "m1") if p["metadata"]["labels"]["sharding.dev/component"] == "profiler"]
+    assert len(profilers) == 1  # kept for `kubectl logs`, not recreated in a loop
+    assert not await world.pods("m1")

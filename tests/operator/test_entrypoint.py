@@ -9,12 +9,10 @@ import sys
 
 import pytest
 
-from tests.support.apiserver import serve
+from tests.support.apiserver import serve, write_kubeconfig
 from tests.support.cluster import gpu_node, sharded_model, write_model
 from tests.support.kubelet import FakeKubelet
 from tests.support.operator import eventually
-
-from .test_kubectl import write_kubeconfig
 
 
 @pytest.mark.slow

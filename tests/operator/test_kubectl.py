@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.support.apiserver import serve
+from tests.support.apiserver import serve, write_kubeconfig
 from tests.support.cluster import gpu_node, write_model
 from tests.support.k8s_binaries import binary
 from tests.support.kubelet import FakeKubelet
@@ -24,15 +23,6 @@ async def kubectl(kubeconfig: Path, *args: str) -> str:
     out, err = await proc.communicate()
     assert proc.returncode == 0, f"kubectl {' '.join(args)}: {err.decode()}"
     return out.decode()
-
-
-def write_kubeconfig(path: Path, server: str) -> Path:
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
-        "clusters": [{"name": "emulator", "cluster": {"server": server}}],
-        "users": [{"name": "test", "user": {}}],
-        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test", "namespace": "default"}}]}))
-    return path
 
 
 @pytest.mark.slow

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import json
+from pathlib import Path
 from typing import AsyncIterator
 
 import kmock
@@ -21,3 +23,13 @@ async def serve(**options) -> AsyncIterator[tuple[FidelityEmulator, str]]:
     async with emu, kmock.Server(emu) as server:
         emu.add_crd(build_crd())
         yield emu, str(server.url).rstrip('/')
+
+
+def write_kubeconfig(path: Path, server: str) -> Path:
+    """A kubeconfig for kubectl or the operator process, pointing at the emulator."""
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+        "clusters": [{"name": "emulator", "cluster": {"server": server}}],
+        "users": [{"name": "test", "user": {}}],
+        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test", "namespace": "default"}}]}))
+    return path

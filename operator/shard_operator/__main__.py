@@ -17,12 +17,12 @@ from .settings import Settings
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = Settings.from_env()
     except ValueError as err:
         print(f"shard-operator: {err}", file=sys.stderr)
         return 1
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     controller = Controller(settings, Kube(load_client()))
     kopf.run(registry=build_registry(controller), settings=kopf_settings(settings),
              standalone=settings.standalone, clusterwide=not settings.namespaces,

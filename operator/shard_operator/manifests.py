@@ -280,6 +280,7 @@ def rank_pod(ctx: Context, plan: Plan, replica: int, rank: int, revision: str) -
             # recreates the whole group.
             "restartPolicy": "Never",
             "enableServiceLinks": False,
+            "automountServiceAccountToken": False,  # workers never call the Kubernetes API
             "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
                 "nodeSelectorTerms": [{"matchFields": [
                     {"key": "metadata.name", "operator": "In", "values": [rp.node]}]}]}}},
@@ -290,6 +291,9 @@ def rank_pod(ctx: Context, plan: Plan, replica: int, rank: int, revision: str) -
                 "image": ctx.image,
                 "imagePullPolicy": worker.image_pull_policy,
                 "command": list(WORKER_COMMAND),
+                # The tail of a failed rank's log becomes its termination message, which the
+                # operator quotes in its Event: the failed pod is deleted with its group.
+                "terminationMessagePolicy": "FallbackToLogsOnError",
                 "env": [{"name": k, "value": v} for k, v in env.items()] + _user_env(spec),
                 "ports": [{"name": "http", "containerPort": worker.port, "protocol": "TCP"},
                           {"name": "rendezvous", "containerPort": worker.rendezvous_port, "protocol": "TCP"}],
@@ -337,6 +341,7 @@ def profiling_pod(ctx: Context, timeout_seconds: int) -> dict[str, Any]:
             "restartPolicy": "Never",
             "activeDeadlineSeconds": int(timeout_seconds),
             "enableServiceLinks": False,
+            "automountServiceAccountToken": False,  # workers never call the Kubernetes API
             "tolerations": [t.dump() for t in spec.placement.tolerations],
             "nodeSelector": dict(spec.placement.node_selector),
             "securityContext": pod_security,

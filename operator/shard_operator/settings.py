@@ -49,6 +49,8 @@ class Settings:
     standalone: bool = True
     # Port of the liveness endpoint (GET /healthz); 0 disables it.
     health_port: int = 8080
+    # Python logging level of the operator (DEBUG, INFO, WARNING, ERROR).
+    log_level: str = "INFO"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -60,6 +62,10 @@ class Settings:
             if raw is None:
                 continue
             values[f.name] = _convert(f.name, raw, f.default)
+        level = str(values.get("log_level", cls.log_level)).upper()
+        if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"{PREFIX}LOG_LEVEL={level!r}: expected DEBUG, INFO, WARNING or ERROR")
+        values["log_level"] = level
         return cls(**values)
 
 

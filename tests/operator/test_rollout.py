@@ -27,6 +27,10 @@ def pod(name="m-0-r1-0", rank=0, phase="Running", ready=True, node="a", **extra)
     (pod(phase="Pending", ready=False), None, "Pending", ""),
     (pod(phase="Failed", containerStatuses=[{"state": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}]),
      None, "Failed", "Failed: OOMKilled (exit code 137)"),
+    (pod(phase="Failed", containerStatuses=[{"state": {"terminated": {
+        "reason": "Error", "exitCode": 1,
+        "message": "loading slices\nshard_worker: model.safetensors: tensor lm_head.weight: truncated file\n"}}}]),
+     None, "Failed", "Failed: Error (exit code 1): shard_worker: model.safetensors: tensor lm_head.weight: truncated file"),
     (pod(phase="Succeeded"), None, "Failed", "Succeeded"),
     (pod(containerStatuses=[{"restartCount": 2, "state": {"waiting": {"reason": "CrashLoopBackOff"}}}]),
      None, "Failed", "restarted 2 times (CrashLoopBackOff)"),

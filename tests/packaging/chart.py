@@ -23,6 +23,7 @@ CUSTOM_VALUES: dict[str, Any] = {
     "imagePullSecrets": [{"name": "registry"}],
     "watchNamespaces": ["inference", "research"],
     "healthPort": 9808,
+    "logLevel": "debug",
     "settings": {"status_poll_seconds": 15, "restart_budget": 5, "settle_seconds": 0.5,
                  "host_path_prefix": "/host"},
     "extraVolumes": [{"name": "models", "hostPath": {"path": "/var/lib/models", "type": "Directory"}}],

@@ -136,6 +136,7 @@ def test_values_reach_the_operator_settings(default_objects, custom_objects):
     assert custom.worker_image == "registry.example/ml/shard-operator-worker:0.1.0-cu128"
     assert (custom.status_poll_seconds, custom.restart_budget, custom.settle_seconds) == (15.0, 5, 0.5)
     assert custom.host_path_prefix == "/host" and custom.health_port == CUSTOM_VALUES["healthPort"]
+    assert (default.log_level, custom.log_level) == ("INFO", "DEBUG")
 
 
 def test_images_follow_the_values(default_objects, custom_objects):

@@ -23,6 +23,7 @@ MODELS = {
     "llama3-tied": dict(family="llama", num_layers=2, tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE,
                         legacy_rope_config=True, **SMALL),
     "llama-4layers": dict(family="llama", num_layers=4, tokenizer=True, **SMALL),
+    "llama-mqa": dict(family="llama", num_layers=2, **{**SMALL, "num_kv_heads": 1}),  # one KV head for all
 }
 
 

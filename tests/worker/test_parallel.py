@@ -68,6 +68,12 @@ def test_tied_embeddings_and_llama3_rope(pool, checkpoint, hf_model, tp, pp):
         assert rep["allocated_bytes"]["weights"] == rep["predicted_bytes"]["weights"], rep["rank"]
 
 
+def test_one_kv_head_copied_to_every_tp_rank(pool, checkpoint, hf_model):
+    model_dir = checkpoint("llama-mqa")
+    results = run_greedy(pool, make_plan(model_dir, 4, 1), model_dir, [PROMPT])
+    assert_matches_hf(results, hf_model(model_dir), [PROMPT])
+
+
 def test_uneven_three_stages(pool, checkpoint, hf_model):
     model_dir = checkpoint("llama-4layers")
     plan = make_plan(model_dir, 1, 3, partition=[2, 1, 1])

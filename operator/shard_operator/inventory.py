@@ -25,6 +25,9 @@ SPEED_LABEL = "sharding.dev/gpu-speed"
 MEMORY_LABEL = "nvidia.com/gpu.memory"  # MiB, from GPU feature discovery
 PRODUCT_LABEL = "nvidia.com/gpu.product"
 COUNT_LABEL = "nvidia.com/gpu.count"
+# "cpu" marks a node whose devices are CPU memory budgets standing in for GPUs (the one-machine
+# dev cluster): ranks run on the CPU, and the planner counts a CPU process's overhead.
+KIND_LABEL = "sharding.dev/device-kind"
 CPU_SPEED = 0.015  # TB/s: one core streaming decode-shaped matmuls (measured, ~15 GB/s)
 
 # HBM bandwidth in TB/s from the vendors' datasheets (NVIDIA), matched as substrings of the GFD
@@ -123,6 +126,8 @@ def _skip_reason(node: dict[str, Any], placement: Placement) -> str | None:
         return f"no allocatable {placement.gpu_resource}"
     if MEMORY_LABEL not in labels:
         return f"no {MEMORY_LABEL} label (GPU feature discovery not running?)"
+    if labels.get(KIND_LABEL, "gpu") not in ("gpu", "cpu"):
+        return f"{KIND_LABEL}={labels[KIND_LABEL]}: expected gpu or cpu"
     return None
 
 
@@ -137,7 +142,8 @@ def devices_from_node(node: dict[str, Any], placement: Placement) -> list[Device
     speed = float(labels[SPEED_LABEL]) if SPEED_LABEL in labels else bandwidth_of(product)
     memory = int(labels[MEMORY_LABEL]) * MiB
     zone = labels.get("topology.kubernetes.io/zone", "")
-    return [Device(node=meta["name"], index=i, kind="gpu", product=product, memory_bytes=memory,
+    kind = labels.get(KIND_LABEL, "gpu")
+    return [Device(node=meta["name"], index=i, kind=kind, product=product, memory_bytes=memory,
                    speed=speed, zone=zone) for i in range(count)]
 
 

@@ -100,3 +100,18 @@ def test_known_bandwidths(product, tbps):
                                          ("1.5TiB", int(1.5 * 2**40)), ("1000", 1000)])
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
+
+
+def test_device_kind_label_makes_cpu_backed_devices():
+    """The one-machine dev cluster labels its simulated GPUs as CPU memory budgets."""
+    node = {"kind": "Node", "metadata": {"name": "sim", "labels": {
+                "nvidia.com/gpu.memory": "160", "sharding.dev/device-kind": "cpu"}},
+            "status": {"allocatable": {"nvidia.com/gpu": "2"}, "conditions": [{"type": "Ready", "status": "True"}]}}
+    devices = inventory_from_nodes([node]).devices
+    assert [(d.kind, d.name, d.memory_bytes) for d in devices] == [("cpu", "cpu:0", 160 * MiB), ("cpu", "cpu:1", 160 * MiB)]
+    del node["metadata"]["labels"]["sharding.dev/device-kind"]
+    assert {d.kind for d in inventory_from_nodes([node]).devices} == {"gpu"}
+    node["metadata"]["labels"]["sharding.dev/device-kind"] = "tpu"
+    inventory = inventory_from_nodes([node])
+    assert not inventory.devices
+    assert inventory.skipped[0].reason == "sharding.dev/device-kind=tpu: expected gpu or cpu"

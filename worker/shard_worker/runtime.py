@@ -25,6 +25,17 @@ class PlanMismatch(ValueError):
     pass
 
 
+class MemoryBudgetExceeded(PlanMismatch):
+    """The rank would hold (or holds) more than its device's memory budget (SHARD_MEMORY_BUDGET)."""
+
+
+def check_budget(what: str, nbytes: int, budget: int | None) -> None:
+    """A simulated device has a hard memory limit, as a GPU has: refuse to go over it."""
+    if budget is not None and nbytes > budget:
+        raise MemoryBudgetExceeded(f"{what} {nbytes / 2**20:.1f} MiB exceed this device's memory budget of "
+                                   f"{budget / 2**20:.1f} MiB (SHARD_MEMORY_BUDGET)")
+
+
 def device_for(rank_plan: RankPlan, env: WorkerEnv) -> torch.device:
     if rank_plan.kind == "gpu":
         if not torch.cuda.is_available():
@@ -69,6 +80,9 @@ class Worker:
     def start(cls, env: WorkerEnv, plan: Plan, baseline: MemorySample | None = None) -> "Worker":
         """Join the group and load this rank's slices. `baseline`: memory of the bare process."""
         rank_plan = check_env(env, plan)
+        # Before joining the group: a plan that overfills the device fails fast, with no load.
+        check_budget("the plan's predicted bytes of this rank", rank_plan.predicted_bytes.total,
+                     env.memory_budget_bytes)
         device = device_for(rank_plan, env)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -100,6 +114,7 @@ class Worker:
                 peak=cached.peak_rss - baseline.rss)
             allocated = {"weights": sum(t.numel() * t.element_size() for t in stage.tensors().values()),
                          "kv_cache": cache.nbytes}
+            check_budget("measured resident bytes after loading", resident.total, env.memory_budget_bytes)
         except BaseException:
             dist_mod.shutdown()  # leave no half-built group behind
             raise

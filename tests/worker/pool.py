@@ -28,6 +28,7 @@ class JobFailed(AssertionError):
 class GenerateJob:
     requests: list[dict]
     return_logits: bool = True
+    env: dict | None = None  # set in the rank's environment for this job only
 
 
 @dataclass
@@ -51,13 +52,21 @@ def _serve(inbox: mp.Queue, outbox: mp.Queue) -> None:
 
 
 def _run(env_json: str, plan_json: str, job: Any) -> dict:
+    import os
+
     from shard_operator.plan import Plan
     from shard_operator.workerenv import GenerateRequest, WorkerEnv
     from shard_worker.runtime import Worker
 
-    worker = Worker.start(WorkerEnv.model_validate_json(env_json), Plan.from_json(plan_json))
+    saved = dict(os.environ)
+    os.environ.update(getattr(job, "env", None) or {})
     try:
-        result: dict[str, Any] = {"layout": worker.stage.layout}
+        worker = Worker.start(WorkerEnv.model_validate_json(env_json), Plan.from_json(plan_json))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    try:
+        result: dict[str, Any] = {"layout": worker.stage.layout, "shared_memory": worker.comm.shm is not None}
         if isinstance(job, TensorsJob):
             result["tensors"] = {k: v.clone() for k, v in worker.stage.tensors().items()}
         if worker.topo.is_leader:

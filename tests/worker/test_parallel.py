@@ -30,8 +30,10 @@ def hf_logits(model, prompt: list[int], generated: list[int]) -> torch.Tensor:
     return logits[len(prompt) - 1:]
 
 
-def run_greedy(pool, plan, model_dir, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[dict]:
-    job = GenerateJob([{"prompt_ids": p, "max_new_tokens": new_tokens, "ignore_eos": True} for p in prompts])
+def run_greedy(pool, plan, model_dir, prompts: list[list[int]], new_tokens: int = NEW_TOKENS,
+               env: dict | None = None) -> list[dict]:
+    job = GenerateJob([{"prompt_ids": p, "max_new_tokens": new_tokens, "ignore_eos": True} for p in prompts],
+                      env=env)
     return pool.run(plan, model_dir, job)
 
 
@@ -53,6 +55,16 @@ def assert_matches_hf(results: list[dict], model, prompts: list[list[int]]) -> N
 def test_family_layouts_match_hf(pool, checkpoint, hf_model, family, tp, pp):
     model_dir = checkpoint(family)
     results = run_greedy(pool, make_plan(model_dir, tp, pp), model_dir, [PROMPT])
+    assert_matches_hf(results, hf_model(model_dir), [PROMPT])
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_tp_collectives_with_and_without_shared_memory(pool, checkpoint, hf_model, shared_memory):
+    """TP peers on one machine sum through shared memory; elsewhere (pods) through gloo."""
+    model_dir = checkpoint("llama")
+    env = None if shared_memory else {"SHARD_SHM_COLLECTIVES": "0"}
+    results = run_greedy(pool, make_plan(model_dir, 2, 2), model_dir, [PROMPT], env=env)
+    assert [r["shared_memory"] for r in results] == [shared_memory] * 4
     assert_matches_hf(results, hf_model(model_dir), [PROMPT])
 
 

@@ -66,6 +66,9 @@ def _find_stop(text: str, stops: list[str]) -> int | None:
     return min(found) if found else None
 
 
+OnStep = Callable[[list[SequenceState]], None]
+
+
 @dataclass
 class Output:
     completions: list[Completion]
@@ -114,11 +117,14 @@ class Engine:
             if r.stop and self.tokenizer is None:
                 raise RequestError(f"request {i}: stop strings need {self.model_dir / 'tokenizer.json'}")
 
-    def generate(self, requests: list[GenerateRequest], return_logits: bool = False) -> Output:
+    def generate(self, requests: list[GenerateRequest], return_logits: bool = False,
+                 on_step: OnStep | None = None) -> Output:
+        """Run `requests` as one batch. `on_step(sequences)` is called on this rank after each
+        step's tokens are added (the server streams from it); it must not block."""
         self.validate(requests)
         self.comm.broadcast_json({"op": "generate", "requests": [r.model_dump() for r in requests],
                                   "return_logits": return_logits})
-        out = self._generate(requests, return_logits)
+        out = self._generate(requests, return_logits, on_step)
         assert out is not None
         return out
 
@@ -151,14 +157,15 @@ class Engine:
                 raise RuntimeError(f"unknown command {op!r} from the leader")
 
     # ------------------------------------------------------------ every rank
-    def _generate(self, requests: list[GenerateRequest], return_logits: bool) -> Output | None:
+    def _generate(self, requests: list[GenerateRequest], return_logits: bool,
+                  on_step: OnStep | None = None) -> Output | None:
         start, before = time.perf_counter(), self.acct.counters.copy()
         prompt_cols = max(len(r.prompt_ids) for r in requests)
         self._prompt_cols, self._decode_mark = prompt_cols, None
         pads = torch.tensor([prompt_cols - len(r.prompt_ids) for r in requests], dtype=torch.int64)
         with torch.inference_mode():
             if self.topo.is_first:
-                out = self._drive(requests, pads, prompt_cols, return_logits)
+                out = self._drive(requests, pads, prompt_cols, return_logits, on_step)
             else:
                 self._relay(requests, pads, prompt_cols, return_logits)
                 out = None
@@ -189,7 +196,7 @@ class Engine:
         return tokens, (logits if return_logits else None)
 
     def _drive(self, requests: list[GenerateRequest], pads: torch.Tensor, prompt_cols: int,
-               return_logits: bool) -> Output:
+               return_logits: bool, on_step: OnStep | None = None) -> Output:
         """The first stage: prefill, then one decode unit per step until every sequence stops."""
         start = time.perf_counter()
         batch, last, device = len(requests), self.topo.is_last, self.stage.device
@@ -223,6 +230,8 @@ class Engine:
         while True:
             for seq, token in zip(seqs, tokens.tolist()):
                 seq.add(token, tokenizer)
+            if on_step is not None:
+                on_step(seqs)
             if all(s.finish_reason is not None for s in seqs):
                 break
             unit = Unit(0, batch, col, col + 1)

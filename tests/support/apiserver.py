@@ -1,35 +1,3 @@
-"""Fixtures' building blocks: an emulated API server on loopback with our CRD registered."""
+"""Moved to `shard_operator.devcluster.apiserver` (the dev cluster ships it); this import path stays."""
 
-from __future__ import annotations
-
-import contextlib
-import json
-from pathlib import Path
-from typing import AsyncIterator
-
-import kmock
-
-from shard_operator.crd import build_crd
-
-from .emulator import FidelityEmulator
-
-SM = 'sharding.dev/v1alpha1/shardedmodels'
-
-
-@contextlib.asynccontextmanager
-async def serve(**options) -> AsyncIterator[tuple[FidelityEmulator, str]]:
-    """A FidelityEmulator serving HTTP on 127.0.0.1:<random port>, with the ShardedModel CRD."""
-    emu = FidelityEmulator(**options)
-    async with emu, kmock.Server(emu) as server:
-        emu.add_crd(build_crd())
-        yield emu, str(server.url).rstrip('/')
-
-
-def write_kubeconfig(path: Path, server: str) -> Path:
-    """A kubeconfig for kubectl or the operator process, pointing at the emulator."""
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
-        "clusters": [{"name": "emulator", "cluster": {"server": server}}],
-        "users": [{"name": "test", "user": {}}],
-        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test", "namespace": "default"}}]}))
-    return path
+from shard_operator.devcluster.apiserver import SM, serve, write_kubeconfig  # noqa: F401

@@ -1,0 +1,1005 @@
+"""An emulated Kubernetes API server for the operator's tests and the one-machine dev cluster,
+served over HTTP on loopback.
+
+`FidelityEmulator` extends kmock's KubernetesEmulator (pinned: kmock==0.8, whose internals this
+relies on) with the API-server semantics the real kopf operator, the real `kubernetes` client and
+real `kubectl` rely on. `tests/operator/test_emulator_conformance.py` probes each of them over raw
+HTTP.
+
+* server-populated metadata: uid, resourceVersion (global counter), creationTimestamp,
+  generation, namespace from the URL, generateName; kind/apiVersion on lists & items;
+* PATCH flavours by Content-Type: merge (RFC 7386), JSON patch (RFC 6902, 422 on failed
+  'test'), strategic-merge (approximation: merge keys for containers/env/ports/...,
+  set-merge of finalizers; 415 for custom resources), server-side apply (~ upsert+merge);
+* PUT (replace), optimistic concurrency (409 on stale metadata.resourceVersion);
+* status & scale subresources (spec/status isolation), generation bumps on spec changes;
+* finalizers + deletionTimestamp (no new finalizers while deleting), DELETE with
+  preconditions, deletecollection, namespace deletion cascade;
+* ownerReference garbage collection (background / foreground / orphan);
+* list/watch: labelSelector, fieldSelector, limit/continue, resourceVersion resume,
+  watch ADDED/DELETED transitions on selector changes, bookmarks, sendInitialEvents,
+  timeoutSeconds, stream end on client disconnect, race-free snapshot+subscribe;
+* ClusterIP allocation for Services (when given an allocator: the dev cluster's network);
+* scope checks (namespaced vs cluster-scoped), Table output for kubectl (printer columns),
+  K8s-conformant Status errors (NotFound, AlreadyExists, Conflict, Invalid, ...);
+* pods/log from `pod_logs` (the simulated kubelet fills it); every request is kept for
+  assertions (`api_requests()`), e.g. that the operator uses only the permissions it declares.
+
+Not emulated: built-in controllers (Deployments, endpoints, the scheduler), RBAC, admission,
+CRD schema validation and defaulting, managedFields, graceful pod termination, protobuf bodies.
+
+Also an in-process API (k8s_create/k8s_patch/k8s_delete/k8s_get/k8s_list) for fakes
+such as the FakeKubelet in kubelet.py and for tests that arrange the world.
+"""
+import asyncio
+import base64
+import copy
+import datetime
+import json
+import random
+import re
+import string
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp.web
+import attrs
+import jsonpatch
+import yaml
+
+import kmock
+from kmock._internal import aiobus, enums, rendering
+
+Res = kmock.resource
+
+# kmock's URL parser treats ".../namespaces/X" as namespace scoping, so the Namespace resource
+# itself breaks: GET /api/v1/namespaces raises ValueError (-> HTTP 500) and /api/v1/namespaces/X
+# parses as namespace=X with no resource. Patch the parser for the v1/namespaces resource.
+from kmock._internal import parsing as _parsing
+_orig_parse_path = _parsing.parse_path
+
+
+def _parse_path(path: str) -> _parsing.ParsedPath:
+    parts = path.strip('/').split('/')
+    if parts[:3] == ['api', 'v1', 'namespaces'] and (len(parts) <= 4 or (len(parts) == 5 and parts[4] in ('status', 'finalize'))):
+        return _parsing.ParsedPath(group='', version='v1', plural='namespaces', namespace=None,
+                                   name=parts[3] if len(parts) > 3 else None,
+                                   subresource=parts[4] if len(parts) > 4 else None)
+    return _orig_parse_path(path)
+
+
+_parsing.parse_path = _parse_path
+Key = tuple  # (resource, namespace|None, name)
+
+SMP_MERGE_KEYS = {
+    'containers': 'name', 'initContainers': 'name', 'ephemeralContainers': 'name',
+    'volumes': 'name', 'env': 'name', 'volumeMounts': 'mountPath', 'ports': 'containerPort',
+    'conditions': 'type', 'ownerReferences': 'uid', 'imagePullSecrets': 'name',
+    'hostAliases': 'ip', 'topologySpreadConstraints': 'topologyKey',
+}
+SMP_SET_LISTS = {'finalizers'}
+
+
+class ApiError(Exception):
+    def __init__(self, code: int, reason: str, message: str, details: dict | None = None):
+        super().__init__(message)
+        self.code, self.reason, self.message, self.details = code, reason, message, details or {}
+
+    def status(self) -> dict:
+        return {'kind': 'Status', 'apiVersion': 'v1', 'metadata': {}, 'status': 'Failure',
+                'message': self.message, 'reason': self.reason, 'details': self.details, 'code': self.code}
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            result.pop(k, None)
+        else:
+            result[k] = merge_patch(result.get(k), v)
+    return result
+
+
+def strategic_merge_patch(target: Any, patch: Any) -> Any:
+    """An approximation of K8s strategic merge patch for the common built-in fields."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    if patch.get('$patch') == 'replace':
+        return {k: copy.deepcopy(v) for k, v in patch.items() if k != '$patch'}
+    result = dict(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if k.startswith('$deleteFromPrimitiveList/'):
+            field = k.split('/', 1)[1]
+            result[field] = [x for x in result.get(field, []) if x not in v]
+        elif k.startswith('$'):
+            continue
+        elif v is None:
+            result.pop(k, None)
+        elif isinstance(v, list) and k in SMP_SET_LISTS:
+            old = list(result.get(k) or [])
+            result[k] = old + [x for x in v if x not in old]
+        elif isinstance(v, list) and k in SMP_MERGE_KEYS and isinstance(result.get(k), list):
+            mk = SMP_MERGE_KEYS[k]
+            merged = [copy.deepcopy(x) for x in result[k]]
+            for item in v:
+                idx = next((i for i, x in enumerate(merged) if isinstance(x, dict) and isinstance(item, dict)
+                            and x.get(mk) == item.get(mk)), None)
+                if isinstance(item, dict) and item.get('$patch') == 'delete':
+                    if idx is not None:
+                        merged.pop(idx)
+                elif idx is None:
+                    merged.append(copy.deepcopy(item))
+                else:
+                    merged[idx] = strategic_merge_patch(merged[idx], item)
+            result[k] = merged
+        else:
+            result[k] = strategic_merge_patch(result.get(k), v)
+    return result
+
+
+def _age(ts: str | None) -> str:
+    if not ts:
+        return '<unknown>'
+    secs = int((datetime.datetime.now(datetime.timezone.utc) -
+                datetime.datetime.strptime(ts, '%Y-%m-%dT%H:%M:%SZ').replace(tzinfo=datetime.timezone.utc)).total_seconds())
+    return f'{secs}s' if secs < 120 else f'{secs // 60}m' if secs < 7200 else f'{secs // 3600}h'
+
+
+# --- selectors -------------------------------------------------------------------------
+
+def _split_top(s: str) -> list[str]:
+    parts, depth, cur = [], 0, ''
+    for ch in s:
+        if ch == ',' and depth == 0:
+            parts.append(cur); cur = ''
+            continue
+        depth += ch == '('
+        depth -= ch == ')'
+        cur += ch
+    parts.append(cur)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def parse_label_selector(sel: str | None):
+    if not sel:
+        return lambda labels: True
+    reqs = []
+    for term in _split_top(sel):
+        if m := re.fullmatch(r'([\w./-]+)\s+(in|notin)\s+\(([^)]*)\)', term):
+            key, op, vals = m.group(1), m.group(2), {v.strip() for v in m.group(3).split(',') if v.strip()}
+            reqs.append((key, op, vals))
+        elif m := re.fullmatch(r'([\w./-]+)\s*(==|=|!=)\s*([\w./-]*)', term):
+            reqs.append((m.group(1), {'=': 'eq', '==': 'eq', '!=': 'ne'}[m.group(2)], m.group(3)))
+        elif m := re.fullmatch(r'!\s*([\w./-]+)', term):
+            reqs.append((m.group(1), 'absent', None))
+        elif re.fullmatch(r'[\w./-]+', term):
+            reqs.append((term, 'exists', None))
+        else:
+            raise ApiError(400, 'BadRequest', f'unable to parse requirement: {term!r}')
+
+    def check(labels: dict) -> bool:
+        for key, op, val in reqs:
+            present, v = key in labels, labels.get(key)
+            if op == 'eq' and v != val: return False
+            if op == 'ne' and present and v == val: return False
+            if op == 'in' and (not present or v not in val): return False
+            if op == 'notin' and present and v in val: return False
+            if op == 'exists' and not present: return False
+            if op == 'absent' and present: return False
+        return True
+    return check
+
+
+def _dig(obj: dict, path: str) -> Any:
+    for part in path.split('.'):
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(part)
+    return obj
+
+
+def parse_field_selector(sel: str | None):
+    if not sel:
+        return lambda obj: True
+    reqs = []
+    for term in _split_top(sel):
+        m = re.fullmatch(r'([\w.]+)\s*(==|=|!=)\s*(.*)', term)
+        if not m:
+            raise ApiError(400, 'BadRequest', f'invalid field selector: {term!r}')
+        reqs.append((m.group(1), m.group(2) != '!=', m.group(3)))
+
+    def check(obj: dict) -> bool:
+        for path, positive, val in reqs:
+            actual = _dig(obj, path)
+            actual = '' if actual is None else str(actual).lower() if isinstance(actual, bool) else str(actual)
+            if (actual == val) != positive:
+                return False
+        return True
+    return check
+
+
+# --- the emulator ----------------------------------------------------------------------
+
+@attrs.define(kw_only=True)
+class FidelityEmulator(kmock.KubernetesEmulator):
+    bookmark_interval: float = 60.0     # real API servers: ~1 min
+    watch_poll_interval: float = 0.2    # how often to check for client disconnects
+    gc_delay: float = 0.0               # delay before background GC of dependents
+    check_namespaces: bool = False      # reject objects in non-existent namespaces
+    history_limit: int = 10000          # events kept per resource for ?resourceVersion= resume
+    default_namespaces: tuple = ('default', 'kube-system', 'kube-public', 'kube-node-lease')
+    load_builtin_resources: bool = True  # kmock's bundled K3s discovery snapshot (pods, nodes, ...)
+    # Services without spec.clusterIP get one from this (the API server's allocator); None: none.
+    allocate_cluster_ip: Any = None
+
+    _rv: int = attrs.field(default=0, init=False)
+    _history: dict = attrs.field(factory=dict, init=False)
+    _custom: set = attrs.field(factory=set, init=False)
+    _printer_columns: dict = attrs.field(factory=dict, init=False)
+    _scale_paths: dict = attrs.field(factory=dict, init=False)
+    _bg_tasks: set = attrs.field(factory=set, init=False)
+    pod_logs: dict = attrs.field(factory=dict, init=False)  # (namespace, name) -> bytes
+    _known_cache: dict = attrs.field(factory=dict, init=False)
+    _by_resource: dict = attrs.field(factory=dict, init=False)  # resource -> keys in self._objects
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if self.load_builtin_resources:
+            self.resources.load_bundled()
+        self.fallback[enums.method.PUT] << self._serve_result
+        self.fallback[enums.method.DELETE] << self._serve_result  # deletecollection (no name)
+        self.fallback['get /openapi/v3'] << self._serve_openapi_v3_root
+        self.fallback['get', re.compile(r'/openapi/v3/apis?/.+')] << self._serve_openapi_v3_gv
+
+    # ---- registration helpers ---------------------------------------------------------
+    def add_custom_resource(self, key: str, *, kind: str, namespaced: bool = True, singular: str | None = None,
+                            shortnames=(), status: bool = True, scale: bool = False,
+                            printer_columns: list[tuple[str, str, str]] = (),
+                            scale_paths=('.spec.replicas', '.status.replicas', '.status.selector')) -> None:
+        res = Res(key)
+        self.resources[res] = kmock.ResourceInfo(
+            kind=kind, singular=singular or kind.lower(), namespaced=namespaced, shortnames=set(shortnames),
+            verbs={'create', 'delete', 'deletecollection', 'get', 'list', 'patch', 'update', 'watch'},
+            subresources={s for s, on in (('status', status), ('scale', scale)) if on})
+        self._custom.add(res)
+        self._known_cache.clear()
+        self._printer_columns[res] = list(printer_columns)
+        self._scale_paths[res] = scale_paths
+
+    def add_crd(self, crd: dict) -> str:
+        """Serve the custom resource of a CustomResourceDefinition manifest; returns its key."""
+        spec = crd['spec']
+        version = next(v for v in spec['versions'] if v.get('served', True))
+        subs = version.get('subresources') or {}
+        scale = subs.get('scale') or {}
+        key = f"{spec['group']}/{version['name']}/{spec['names']['plural']}"
+        self.add_custom_resource(
+            key, kind=spec['names']['kind'], namespaced=spec.get('scope', 'Namespaced') == 'Namespaced',
+            singular=spec['names'].get('singular'), shortnames=spec['names'].get('shortNames') or (),
+            status='status' in subs, scale='scale' in subs,
+            printer_columns=[(c['name'], c['type'], c['jsonPath']) for c in version.get('additionalPrinterColumns') or []
+                             if c['jsonPath'] != '.metadata.creationTimestamp'],  # Age is always added
+            scale_paths=(scale.get('specReplicasPath', '.spec.replicas'), scale.get('statusReplicasPath', '.status.replicas'),
+                         scale.get('labelSelectorPath')))
+        return key
+
+    def api_requests(self) -> list:
+        """Every HTTP request served so far (kmock's parsed requests)."""
+        return list(self._requests)
+
+    def _info(self, res: Res) -> kmock.ResourceInfo | None:
+        return self.resources[res] if res in self.resources else None
+
+    def _namespaced(self, res: Res) -> bool:
+        info = self._info(res)
+        return True if info is None or info.namespaced is None else bool(info.namespaced)
+
+    def _has_sub(self, res: Res, sub: str) -> bool:
+        info = self._info(res)
+        return bool(info and sub in info.subresources)
+
+    def _kind(self, res: Res) -> str:
+        info = self._info(res)
+        return (info.kind if info and info.kind else res.plural.capitalize())
+
+    @staticmethod
+    def _api_version(res: Res) -> str:
+        return f'{res.group}/{res.version}' if res.group else res.version
+
+    def _next_rv(self) -> str:
+        self._rv += 1
+        return str(self._rv)
+
+    # ---- object store primitives (call under self._lock) -----------------------------
+    def _current(self, key: Key) -> dict | None:
+        if key in self._objects and not self._objects[key].deleted:
+            return copy.deepcopy(self._objects[key].raw)
+        return None
+
+    def _store(self, key: Key, obj: dict) -> None:
+        if key not in self._objects:
+            self._objects[key] = obj
+        else:
+            self._objects[key].history.append(obj)
+
+    def _of(self, res: Res):
+        """(key, object) of one resource, deleted ones included: lists need not scan everything."""
+        if len(self._objects) != sum(map(len, self._by_resource.values())):  # (re)index lazily
+            self._by_resource.clear()
+            for key in self._objects:
+                self._by_resource.setdefault(key[0], []).append(key)
+        for key in self._by_resource.get(res, ()):
+            yield key, self._objects[key]
+
+    async def _emit(self, res: Res, type_: str, obj: dict, old: dict | None = None) -> None:
+        event = {'type': type_, 'object': copy.deepcopy(obj), '_old': old}
+        hist = self._history.setdefault(res, [])
+        hist.append((int(obj['metadata']['resourceVersion']), event))
+        del hist[:-self.history_limit]
+        await self._buses[res].put(event)
+
+    def _not_found(self, res: Res, name: str | None) -> ApiError:
+        return ApiError(404, 'NotFound', f'{res.plural}.{res.group or "core"} "{name}" not found',
+                        {'name': name, 'group': res.group, 'kind': res.plural})
+
+    def _check_scope(self, res: Res, namespace: str | None, writing_named: bool = False) -> None:
+        if not self._namespaced(res) and namespace is not None:
+            raise ApiError(404, 'NotFound', f'the server could not find the requested resource ({res.plural} is cluster-scoped)')
+        if self._namespaced(res) and namespace is None and writing_named:
+            raise ApiError(404, 'NotFound', f'the server could not find the requested resource ({res.plural} is namespaced)')
+
+    # ---- in-process API ---------------------------------------------------------------
+    async def k8s_get(self, res, namespace, name) -> dict | None:
+        async with self._lock:
+            return self._current((Res(res), namespace, name))
+
+    async def k8s_list(self, res, namespace=None, label_selector=None, field_selector=None) -> list[dict]:
+        res = Res(res)
+        lcheck, fcheck = parse_label_selector(label_selector), parse_field_selector(field_selector)
+        async with self._lock:
+            return [copy.deepcopy(o.raw) for (r, ns, n), o in self._of(res)
+                    if not o.deleted and (namespace is None or ns == namespace)
+                    and lcheck(o.raw.get('metadata', {}).get('labels') or {}) and fcheck(o.raw)]
+
+    async def k8s_count(self, res, namespace=None, label_selector=None, where=None) -> int:
+        """How many objects match (no copies: cheap enough to poll in benchmarks)."""
+        res = Res(res)
+        lcheck = parse_label_selector(label_selector)
+        async with self._lock:
+            return sum(1 for (r, ns, n), o in self._of(res)
+                       if not o.deleted and (namespace is None or ns == namespace)
+                       and lcheck(o.raw.get('metadata', {}).get('labels') or {}) and (where is None or where(o.raw)))
+
+    async def k8s_create(self, res, namespace, body) -> dict:
+        async with self._lock:
+            return await self._do_create(Res(res), namespace, copy.deepcopy(body))
+
+    async def k8s_patch(self, res, namespace, name, patch, *, subresource=None,
+                        content_type='application/merge-patch+json') -> dict:
+        async with self._lock:
+            return await self._do_patch(Res(res), namespace, name, subresource, content_type, patch)
+
+    async def k8s_delete(self, res, namespace, name, propagation='Background') -> dict:
+        async with self._lock:
+            return await self._do_delete(Res(res), namespace, name, {'propagationPolicy': propagation})
+
+    # ---- request dispatching ----------------------------------------------------------
+    def _known(self, res) -> bool:
+        if res is None or not res.plural:
+            return False
+        if res not in self._known_cache:  # kmock's _get_resources() walks everything: remember
+            self._known_cache[res] = any(r == res for r in self._get_resources())
+        return self._known_cache[res]
+
+    def _unknown_response(self, res) -> rendering.Response:
+        e = ApiError(404, 'NotFound', f'the server could not find the requested resource ({res.plural}.{res.group or "core"}/{res.version})')
+        return rendering.Response(status=404, payload=e.status())
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        res = request.resource
+        if not self._known(res):
+            return await kmock.RawHandler._handle(self, request)  # discovery, 404s, user reactions
+        method = request.method.value if hasattr(request.method, 'value') else str(request.method)
+        try:
+            ns, name, sub = request.namespace, request.name, request.subresource
+            result: tuple[int, Any] | None = None
+            dry = request.params.get('dryRun') == 'All'
+            if method == 'POST' and name is None:
+                async with self._lock:
+                    body = self._parse_body(request)
+                    result = 201, await self._do_create(res, ns, body, dry=dry)
+            elif method == 'PUT' and name is not None:
+                async with self._lock:
+                    result = 200, await self._do_replace(res, ns, name, sub, self._parse_body(request), dry=dry)
+            elif method == 'PATCH' and name is not None:
+                ctype = self._header(request, 'Content-Type') or 'application/merge-patch+json'
+                async with self._lock:
+                    if ctype.startswith('application/apply-patch'):
+                        result = await self._do_apply(res, ns, name, sub, request, dry=dry)
+                    else:
+                        result = 200, await self._do_patch(res, ns, name, sub, ctype, self._parse_body(request), dry=dry)
+            elif method == 'DELETE' and name is not None:
+                opts = dict(request.data) if isinstance(request.data, dict) else {}
+                if 'propagationPolicy' in request.params:
+                    opts['propagationPolicy'] = request.params['propagationPolicy']
+                async with self._lock:
+                    result = 200, await self._do_delete(res, ns, name, opts, dry=dry)
+            elif method == 'DELETE' and name is None:
+                self._check_scope(res, ns)
+                items = await self.k8s_list(res, ns, request.params.get('labelSelector'), request.params.get('fieldSelector'))
+                deleted = []
+                async with self._lock:
+                    for item in items:
+                        deleted.append(await self._do_delete(res, item['metadata'].get('namespace'), item['metadata']['name'], {}, dry=dry))
+                result = 200, {'kind': f'{self._kind(res)}List', 'apiVersion': self._api_version(res),
+                               'metadata': {'resourceVersion': str(self._rv)}, 'items': deleted}
+            elif method == 'GET':
+                self._check_scope(res, ns, writing_named=name is not None)
+        except ApiError as e:
+            return aiohttp.web.json_response(e.status(), status=e.code)
+        # Known resources are served directly: kmock's reaction matching costs ~0.1 s a request
+        # with thousands of objects. (So kmock DSL reactions apply to unknown paths only.)
+        if result is not None:
+            return await rendering.Response(status=result[0], payload=result[1])(request)
+        if method == 'GET':
+            serve = {enums.action.WATCH: self._serve_watch, enums.action.LIST: self._serve_list,
+                     enums.action.FETCH: self._serve_fetch}.get(request.action)
+            if serve is not None:
+                return await (await serve(request))(request)
+        return await kmock.RawHandler._handle(self, request)
+
+    @staticmethod
+    def _header(request: rendering.Request, name: str) -> str | None:
+        for k, v in request.headers.items():
+            if k.lower() == name.lower():
+                return v.split(';')[0].strip()
+        return None
+
+    @staticmethod
+    def _parse_body(request: rendering.Request) -> Any:
+        if isinstance(request.data, (dict, list)):
+            return copy.deepcopy(request.data)
+        try:
+            return json.loads(request.text)
+        except ValueError:
+            raise ApiError(400, 'BadRequest', 'the request body is not valid JSON')
+
+    # Fallback reactions registered by the base class for writes.
+    async def _serve_result(self, request):
+        # _handle() answers every method on known resources itself; this is what is left.
+        if not self._known(request.resource):
+            return self._unknown_response(request.resource)
+        return rendering.Response(status=405, payload=ApiError(405, 'MethodNotAllowed', 'method not allowed').status())
+
+    _serve_create = _serve_update = _serve_delete = _serve_result
+
+    # ---- write operations ---------------------------------------------------------------
+    async def _do_create(self, res: Res, ns: str | None, body: Any, dry: bool = False) -> dict:
+        if not isinstance(body, dict):
+            raise ApiError(400, 'BadRequest', 'the body must be an object')
+        meta = body.setdefault('metadata', {})
+        if self._namespaced(res):
+            if ns is None:
+                raise ApiError(405, 'MethodNotAllowed', f'{res.plural} is namespaced: POST to /namespaces/NS/{res.plural}')
+            if meta.get('namespace') not in (None, ns):
+                raise ApiError(400, 'BadRequest', 'the namespace of the provided object does not match the namespace sent on the request')
+            meta['namespace'] = ns
+            if self.check_namespaces and self._current((Res('v1/namespaces'), None, ns)) is None:
+                raise ApiError(404, 'NotFound', f'namespaces "{ns}" not found', {'name': ns, 'kind': 'namespaces'})
+        else:
+            self._check_scope(res, ns)
+            meta.pop('namespace', None)
+        if not meta.get('name'):
+            if not meta.get('generateName'):
+                raise ApiError(422, 'Invalid', 'metadata.name: Required value: name or generateName is required')
+            meta['name'] = meta['generateName'] + ''.join(random.choices(string.ascii_lowercase + string.digits, k=5))
+        key = (res, meta.get('namespace'), meta['name'])
+        if self._current(key) is not None:
+            raise ApiError(409, 'AlreadyExists', f'{res.plural} "{meta["name"]}" already exists',
+                           {'name': meta['name'], 'group': res.group, 'kind': res.plural})
+        body.setdefault('apiVersion', self._api_version(res))
+        body.setdefault('kind', self._kind(res))
+        if self._has_sub(res, 'status') and res != Res('v1/nodes'):
+            body.pop('status', None)  # (kubelets register Nodes with their status: it is kept)
+        for k in ('deletionTimestamp', 'deletionGracePeriodSeconds'):
+            meta.pop(k, None)
+        if res == Res('v1/services') and self.allocate_cluster_ip is not None and not dry:
+            spec = body.setdefault('spec', {})
+            if not spec.get('clusterIP') and spec.get('type', 'ClusterIP') != 'ExternalName':
+                spec['clusterIP'] = self.allocate_cluster_ip()
+                spec['clusterIPs'] = [spec['clusterIP']]
+        meta.update(uid=str(uuid.uuid4()), creationTimestamp=now(), generation=1)
+        if dry:
+            meta['resourceVersion'] = str(self._rv)
+            return body
+        meta['resourceVersion'] = self._next_rv()
+        self._store(key, body)
+        await self._emit(res, 'ADDED', body)
+        return copy.deepcopy(body)
+
+    def _get_or_404(self, res: Res, ns: str | None, name: str) -> dict:
+        self._check_scope(res, ns, writing_named=True)
+        obj = self._current((res, ns, name))
+        if obj is None:
+            raise self._not_found(res, name)
+        return obj
+
+    async def _do_patch(self, res, ns, name, sub, ctype, patch, dry=False) -> dict:
+        old = self._get_or_404(res, ns, name)
+        if sub == 'scale':
+            return await self._patch_scale(res, ns, name, old, ctype, patch, dry)
+        if sub not in (None, 'status') or (sub == 'status' and not self._has_sub(res, 'status')):
+            raise self._not_found(res, f'{name}/{sub}')
+        try:
+            if ctype == 'application/json-patch+json':
+                if not isinstance(patch, list):
+                    raise ApiError(400, 'BadRequest', 'json patch must be a list of operations')
+                new = jsonpatch.apply_patch(old, patch, in_place=False)
+            elif ctype == 'application/strategic-merge-patch+json':
+                if res in self._custom:
+                    raise ApiError(415, 'UnsupportedMediaType', 'strategic merge patch is not supported for custom resources')
+                new = strategic_merge_patch(old, patch)
+            elif ctype in ('application/merge-patch+json', 'application/json'):
+                if not isinstance(patch, dict):
+                    raise ApiError(400, 'BadRequest', 'merge patch must be an object')
+                new = merge_patch(old, patch)
+            else:
+                raise ApiError(415, 'UnsupportedMediaType', f'the body of the request was in an unknown format: {ctype}')
+        except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as e:
+            raise ApiError(422, 'Invalid', f'the server rejected our request due to an error in our request: {e}')
+        # A resourceVersion in the patch acts as a precondition (optimistic locking).
+        patched_rv = (new.get('metadata') or {}).get('resourceVersion')
+        if patched_rv not in (None, old['metadata']['resourceVersion']):
+            raise ApiError(409, 'Conflict', f'Operation cannot be fulfilled on {res.plural} "{name}": '
+                           'the object has been modified; please apply your changes to the latest version and try again')
+        return await self._commit_update(res, ns, name, old, new, sub, dry)
+
+    async def _do_replace(self, res, ns, name, sub, body, dry=False) -> dict:
+        old = self._get_or_404(res, ns, name)
+        if not isinstance(body, dict):
+            raise ApiError(400, 'BadRequest', 'the body must be an object')
+        if sub == 'scale':
+            return await self._patch_scale(res, ns, name, old, 'application/merge-patch+json', body, dry)
+        meta = body.setdefault('metadata', {})
+        if meta.get('name') not in (None, name):
+            raise ApiError(400, 'BadRequest', 'the name of the object does not match the name on the URL')
+        rv = meta.get('resourceVersion')
+        if rv is not None and rv != old['metadata']['resourceVersion']:
+            raise ApiError(409, 'Conflict', f'Operation cannot be fulfilled on {res.plural} "{name}": '
+                           'the object has been modified; please apply your changes to the latest version and try again')
+        return await self._commit_update(res, ns, name, old, body, sub, dry)
+
+    async def _do_apply(self, res, ns, name, sub, request, dry=False) -> tuple[int, dict]:
+        if not request.params.get('fieldManager'):
+            raise ApiError(400, 'BadRequest', 'PatchOptions.meta.k8s.io "" is invalid: fieldManager: Required value')
+        try:
+            body = yaml.safe_load(request.text)
+        except yaml.YAMLError as e:
+            raise ApiError(400, 'BadRequest', f'invalid YAML: {e}')
+        self._check_scope(res, ns, writing_named=True)
+        old = self._current((res, ns, name))
+        if old is None:
+            if sub:
+                raise self._not_found(res, name)
+            body.setdefault('metadata', {})['name'] = name
+            return 201, await self._do_create(res, ns, body, dry=dry)
+        body.get('metadata', {}).pop('resourceVersion', None)
+        merge = merge_patch if res in self._custom else strategic_merge_patch
+        return 200, await self._commit_update(res, ns, name, old, merge(old, body), sub, dry)
+
+    async def _commit_update(self, res, ns, name, old, new, sub, dry) -> dict:
+        new = copy.deepcopy(new)
+        om, nm = old['metadata'], new.setdefault('metadata', {})
+        if sub == 'status':
+            # /status: only .status changes are taken.
+            merged = copy.deepcopy(old)
+            if 'status' in new:
+                merged['status'] = new['status']
+            else:
+                merged.pop('status', None)
+            new, nm = merged, merged['metadata']
+        else:
+            if self._has_sub(res, 'status'):
+                # main resource: .status changes are ignored when the status subresource exists.
+                if 'status' in old:
+                    new['status'] = old['status']
+                else:
+                    new.pop('status', None)
+            # server-managed/immutable metadata
+            for k in ('uid', 'creationTimestamp', 'name', 'namespace', 'deletionTimestamp',
+                      'deletionGracePeriodSeconds', 'generation'):
+                if k in om:
+                    nm[k] = om[k]
+                else:
+                    nm.pop(k, None)
+            if om.get('deletionTimestamp'):
+                added = set(nm.get('finalizers') or []) - set(om.get('finalizers') or [])
+                if added:
+                    raise ApiError(422, 'Invalid', f'metadata.finalizers: Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers {sorted(added)}')
+        new.setdefault('apiVersion', old.get('apiVersion'))
+        new.setdefault('kind', old.get('kind'))
+        nm['resourceVersion'] = om['resourceVersion']
+        if new == old:
+            return old  # no-op: no new resourceVersion, no watch event
+        if {k: v for k, v in new.items() if k not in ('metadata', 'status')} != \
+           {k: v for k, v in old.items() if k not in ('metadata', 'status')}:
+            nm['generation'] = om.get('generation', 1) + 1
+        if dry:
+            return new
+        nm['resourceVersion'] = self._next_rv()
+        key = (res, ns, name)
+        if nm.get('deletionTimestamp') and not nm.get('finalizers'):
+            self._store(key, new)
+            self._objects[key].delete()
+            await self._emit(res, 'DELETED', new, old)
+            self._after_removal(res, new)
+            return new
+        self._store(key, new)
+        await self._emit(res, 'MODIFIED', new, old)
+        return copy.deepcopy(new)
+
+    async def _patch_scale(self, res, ns, name, old, ctype, patch, dry) -> dict:
+        if not self._has_sub(res, 'scale'):
+            raise self._not_found(res, f'{name}/scale')
+        scale = self._scale_of(res, old)
+        new_scale = jsonpatch.apply_patch(scale, patch) if isinstance(patch, list) else merge_patch(scale, patch)
+        replicas = (new_scale.get('spec') or {}).get('replicas')
+        spec_path = self._scale_paths.get(res, ('.spec.replicas',))[0].strip('.').split('.')
+        new = copy.deepcopy(old)
+        tgt = new
+        for part in spec_path[:-1]:
+            tgt = tgt.setdefault(part, {})
+        tgt[spec_path[-1]] = replicas
+        obj = await self._commit_update(res, ns, name, old, new, None, dry)
+        return self._scale_of(res, obj)
+
+    def _scale_of(self, res, obj) -> dict:
+        spec_p, status_p, sel_p = self._scale_paths.get(res, ('.spec.replicas', '.status.replicas', '.status.selector'))
+        m = obj['metadata']
+        return {'kind': 'Scale', 'apiVersion': 'autoscaling/v1',
+                'metadata': {k: m[k] for k in ('name', 'namespace', 'uid', 'resourceVersion', 'creationTimestamp') if k in m},
+                'spec': {'replicas': _dig(obj, spec_p.strip('.')) or 0},
+                'status': {'replicas': _dig(obj, status_p.strip('.')) or 0,
+                           **({'selector': _dig(obj, sel_p.strip('.'))} if sel_p and _dig(obj, sel_p.strip('.')) else {})}}
+
+    async def _do_delete(self, res, ns, name, opts: dict, dry=False) -> dict:
+        old = self._get_or_404(res, ns, name)
+        om = old['metadata']
+        pre = opts.get('preconditions') or {}
+        if pre.get('uid') not in (None, om.get('uid')) or pre.get('resourceVersion') not in (None, om.get('resourceVersion')):
+            raise ApiError(409, 'Conflict', f'Precondition failed for {res.plural} "{name}"')
+        policy = opts.get('propagationPolicy') or 'Background'
+        new = copy.deepcopy(old)
+        nm = new['metadata']
+        if policy == 'Foreground' and self._dependents(om.get('uid')):
+            nm['finalizers'] = list(dict.fromkeys((nm.get('finalizers') or []) + ['foregroundDeletion']))
+        if policy == 'Orphan':
+            nm['finalizers'] = list(dict.fromkeys((nm.get('finalizers') or []) + ['orphan']))
+        key = (res, ns, name)
+        if nm.get('finalizers'):
+            if om.get('deletionTimestamp'):
+                return old
+            nm['deletionTimestamp'] = now()
+            nm['deletionGracePeriodSeconds'] = 0
+            nm['generation'] = om.get('generation', 1) + 1
+            if dry:
+                return new
+            nm['resourceVersion'] = self._next_rv()
+            self._store(key, new)
+            await self._emit(res, 'MODIFIED', new, old)
+            if 'foregroundDeletion' in nm['finalizers'] or 'orphan' in nm['finalizers']:
+                self._spawn(self._gc_finalize(res, ns, name, nm['uid'], 'orphan' in nm['finalizers']))
+            return copy.deepcopy(new)
+        if dry:
+            return old
+        nm['resourceVersion'] = self._next_rv()
+        self._objects[key].delete()
+        await self._emit(res, 'DELETED', new, old)
+        self._after_removal(res, new)
+        return new
+
+    # ---- garbage collection -------------------------------------------------------------
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._bg_tasks.add(task)
+        task.add_done_callback(self._bg_tasks.discard)
+
+    def _dependents(self, uid: str | None) -> list[Key]:
+        if not uid:
+            return []
+        return [key for key, o in self._objects.items() if not o.deleted
+                and any(ref.get('uid') == uid for ref in (o.raw.get('metadata', {}).get('ownerReferences') or []))]
+
+    def _after_removal(self, res: Res, obj: dict) -> None:
+        uid = obj['metadata'].get('uid')
+        if self._dependents(uid):
+            self._spawn(self._gc_background(uid))
+        if res == Res('v1/namespaces'):
+            self._spawn(self._gc_namespace(obj['metadata']['name']))
+
+    async def _gc_background(self, uid: str) -> None:
+        await asyncio.sleep(self.gc_delay)
+        async with self._lock:
+            for (r, ns, n) in self._dependents(uid):
+                obj = self._current((r, ns, n))
+                others = [ref for ref in obj['metadata'].get('ownerReferences', []) if ref.get('uid') != uid]
+                if others and any(self._find_uid(ref.get('uid')) for ref in others):
+                    continue  # still owned by someone alive
+                try:
+                    await self._do_delete(r, ns, n, {'propagationPolicy': 'Background'})
+                except ApiError:
+                    pass
+
+    async def _gc_finalize(self, res, ns, name, uid, orphan: bool) -> None:
+        await asyncio.sleep(self.gc_delay)
+        async with self._lock:
+            for (r, dns, n) in self._dependents(uid):
+                obj = self._current((r, dns, n))
+                if orphan:
+                    refs = [ref for ref in obj['metadata'].get('ownerReferences', []) if ref.get('uid') != uid]
+                    await self._commit_update(r, dns, n, obj, merge_patch(obj, {'metadata': {'ownerReferences': refs or None}}), None, False)
+                else:
+                    try:
+                        await self._do_delete(r, dns, n, {'propagationPolicy': 'Foreground'})
+                    except ApiError:
+                        pass
+        # Foreground: wait until dependents are gone, then drop our finalizer.
+        for _ in range(10000):
+            async with self._lock:
+                if orphan or not self._dependents(uid):
+                    obj = self._current((res, ns, name))
+                    if obj is not None:
+                        fins = [f for f in obj['metadata'].get('finalizers', []) if f not in ('foregroundDeletion', 'orphan')]
+                        await self._commit_update(res, ns, name, obj, merge_patch(obj, {'metadata': {'finalizers': fins}}), None, False)
+                    return
+            await asyncio.sleep(0.01)
+
+    def _find_uid(self, uid: str | None) -> bool:
+        return any(not o.deleted and o.raw.get('metadata', {}).get('uid') == uid for o in self._objects.values())
+
+    async def _gc_namespace(self, ns: str) -> None:
+        async with self._lock:
+            for (r, ons, n), o in list(self._objects.items()):
+                if ons == ns and not o.deleted:
+                    try:
+                        await self._do_delete(r, ons, n, {})
+                    except ApiError:
+                        pass
+
+    # ---- reads ----------------------------------------------------------------------------
+    def _visible(self, request, obj: dict, lcheck, fcheck) -> bool:
+        meta = obj.get('metadata', {})
+        return ((request.namespace is None or meta.get('namespace') == request.namespace)
+                and lcheck(meta.get('labels') or {}) and fcheck(obj))
+
+    def _wants_table(self, request) -> bool:
+        return 'as=Table' in (self._raw_accept(request) or '')
+
+    @staticmethod
+    def _raw_accept(request) -> str | None:
+        for k, v in request.headers.items():
+            if k.lower() == 'accept':
+                return v
+        return None
+
+    def _table(self, res: Res, objs: list[dict]) -> dict:
+        cols = [{'name': 'Name', 'type': 'string', 'format': 'name', 'description': 'Name', 'priority': 0}]
+        extra = self._printer_columns.get(res, [])
+        cols += [{'name': n, 'type': t, 'format': '', 'description': p, 'priority': 0} for n, t, p in extra]
+        cols += [{'name': 'Age', 'type': 'string', 'format': '', 'description': 'Age', 'priority': 0}]
+        rows = []
+        for o in objs:
+            cells = [o['metadata']['name']] + [_dig(o, p.strip('.')) for _, _, p in extra]
+            cells.append(_age(o['metadata'].get('creationTimestamp')))
+            rows.append({'cells': cells, 'object': {'kind': 'PartialObjectMetadata', 'apiVersion': 'meta.k8s.io/v1',
+                                                     'metadata': o['metadata']}})
+        return {'kind': 'Table', 'apiVersion': 'meta.k8s.io/v1', 'metadata': {'resourceVersion': str(self._rv)},
+                'columnDefinitions': cols, 'rows': rows}
+
+    async def _serve_fetch(self, request):
+        res, ns, name, sub = request.resource, request.namespace, request.name, request.subresource
+        if not self._known(res):
+            return self._unknown_response(res)
+        try:
+            async with self._lock:
+                obj = self._get_or_404(res, ns, name)
+            if sub == 'scale':
+                if not self._has_sub(res, 'scale'):
+                    raise self._not_found(res, f'{name}/scale')
+                return rendering.Response(status=200, payload=self._scale_of(res, obj))
+            if sub == 'log' and res == Res('v1/pods'):
+                return rendering.Response(status=200, headers={'Content-Type': 'text/plain'},
+                                          payload=bytes(self.pod_logs.get((ns, name), b'')))
+            if sub not in (None, 'status'):
+                raise self._not_found(res, f'{name}/{sub}')
+        except ApiError as e:
+            return rendering.Response(status=e.code, payload=e.status())
+        # NB: always return an explicit status: kmock's Response._render() stores the status of a
+        # returned Response on the (shared) fallback reaction, so it would leak into later requests.
+        return rendering.Response(status=200, payload=self._table(res, [obj]) if self._wants_table(request) else obj)
+
+    async def _serve_list(self, request):
+        res = request.resource
+        if not self._known(res):
+            return self._unknown_response(res)
+        try:
+            self._check_scope(res, request.namespace)
+            lcheck = parse_label_selector(request.params.get('labelSelector'))
+            fcheck = parse_field_selector(request.params.get('fieldSelector'))
+        except ApiError as e:
+            return rendering.Response(status=e.code, payload=e.status())
+        async with self._lock:  # select, then copy: copying every object of a big list is slow
+            objs = [copy.deepcopy(o.raw) for _, o in self._of(res)
+                    if not o.deleted and self._visible(request, o.raw, lcheck, fcheck)]
+            rv = str(self._rv)
+        objs = sorted(objs, key=lambda o: (o['metadata'].get('namespace') or '', o['metadata']['name']))
+        offset = int(base64.b64decode(request.params['continue']).decode()) if request.params.get('continue') else 0
+        limit = int(request.params.get('limit') or 0)
+        page = objs[offset:offset + limit] if limit else objs[offset:]
+        cont = base64.b64encode(str(offset + limit).encode()).decode() if limit and offset + limit < len(objs) else ''
+        if self._wants_table(request):
+            return rendering.Response(status=200, payload=self._table(res, page))
+        return rendering.Response(status=200, payload={
+            'kind': f'{self._kind(res)}List', 'apiVersion': self._api_version(res),
+            'metadata': {'resourceVersion': rv, **({'continue': cont} if cont else {})}, 'items': page})
+
+    async def _serve_watch(self, request):
+        if not self._known(request.resource):
+            return self._unknown_response(request.resource)
+        try:
+            self._check_scope(request.resource, request.namespace)
+            lcheck = parse_label_selector(request.params.get('labelSelector'))
+            fcheck = parse_field_selector(request.params.get('fieldSelector'))
+        except ApiError as e:
+            return rendering.Response(status=e.code, payload=e.status())
+        if request.name is not None:  # watch on /…/name: same as fieldSelector=metadata.name=…
+            by_name = parse_field_selector(f'metadata.name={request.name}')
+            fcheck = (lambda f1, f2: lambda o: f1(o) and f2(o))(fcheck, by_name)
+        return rendering.Response(status=200, headers={'Content-Type': 'application/json'},
+                                  payload=self._watch_stream(request, lcheck, fcheck))
+
+    async def _watch_stream(self, request, lcheck, fcheck) -> AsyncIterator[Any]:
+        res = request.resource
+        params = request.params
+        since = params.get('resourceVersion') or ''
+        since = since if since.isdigit() else ''
+        bookmarks = params.get('allowWatchBookmarks') == 'true'
+        initial_events = params.get('sendInitialEvents') == 'true'
+        timeout = float(params['timeoutSeconds']) if params.get('timeoutSeconds') else None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout if timeout else None
+        yield b''  # send the headers now
+
+        bus = self._buses[res]
+        async with self._lock:  # snapshot + subscribe atomically: no lost/duplicated events
+            mark = await bus.mark()
+            if since in ('', '0') or initial_events:
+                replay = [{'type': 'ADDED', 'object': copy.deepcopy(o.raw)}
+                          for _, o in self._of(res) if not o.deleted]
+            else:
+                hist = self._history.get(res, [])
+                if hist and int(since) < hist[0][0] - 1 and len(hist) >= self.history_limit:
+                    replay = [{'type': 'ERROR', 'object': {'kind': 'Status', 'apiVersion': 'v1', 'status': 'Failure',
+                                                           'code': 410, 'reason': 'Expired', 'message': 'too old resource version'}}]
+                else:
+                    replay = [ev for rv, ev in hist if rv > int(since)]
+            current_rv = str(self._rv)
+        try:
+            for ev in replay:
+                if ev['type'] == 'ERROR':
+                    yield ev
+                    return
+                out = self._filter_event(request, ev, lcheck, fcheck)
+                if out:
+                    yield out
+            if initial_events:
+                yield {'type': 'BOOKMARK', 'object': {'kind': self._kind(res), 'apiVersion': self._api_version(res),
+                                                      'metadata': {'resourceVersion': current_rv,
+                                                                   'annotations': {'k8s.io/initial-events-end': 'true'}}}}
+            stream = aiter(bus.stream(since=mark))
+            next_bookmark = loop.time() + self.bookmark_interval
+            pending: asyncio.Task | None = None
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(anext(stream))
+                wait = self.watch_poll_interval
+                if deadline is not None:
+                    wait = min(wait, max(0.0, deadline - loop.time()))
+                done, _ = await asyncio.wait([pending], timeout=wait)
+                if done:
+                    ev, pending = pending.result(), None
+                    out = self._filter_event(request, ev, lcheck, fcheck)
+                    if out:
+                        yield out
+                    continue
+                raw = request._raw_request
+                transport = getattr(raw, 'transport', None) if raw is not None else None
+                if transport is None or transport.is_closing():
+                    return  # the client has gone
+                if deadline is not None and loop.time() >= deadline:
+                    return  # ?timeoutSeconds=
+                if bookmarks and loop.time() >= next_bookmark:
+                    next_bookmark = loop.time() + self.bookmark_interval
+                    yield {'type': 'BOOKMARK', 'object': {'kind': self._kind(res), 'apiVersion': self._api_version(res),
+                                                          'metadata': {'resourceVersion': str(self._rv)}}}
+        finally:
+            if pending is not None:
+                pending.cancel()
+            await bus.unmark(mark)
+
+    def _filter_event(self, request, ev: dict, lcheck, fcheck) -> dict | None:
+        obj, old = ev['object'], ev.get('_old')
+        new_ok = self._visible(request, obj, lcheck, fcheck)
+        if ev['type'] != 'MODIFIED' or old is None:
+            return {'type': ev['type'], 'object': obj} if new_ok else None
+        old_ok = self._visible(request, old, lcheck, fcheck)
+        if new_ok and old_ok:
+            return {'type': 'MODIFIED', 'object': obj}
+        if new_ok:
+            return {'type': 'ADDED', 'object': obj}
+        if old_ok:
+            return {'type': 'DELETED', 'object': obj}
+        return None
+
+    # ---- discovery fixes ---------------------------------------------------------------------
+    async def _serve_version(self, request):
+        result = await super()._serve_version(request)
+        if result.get('groupVersion', '').startswith('/'):  # /api/v1 must say "v1", not "/v1"
+            result['groupVersion'] = result['groupVersion'].lstrip('/')
+        for r in result.get('resources', []):
+            if r.get('namespaced') is None:
+                r['namespaced'] = True
+            if '/' in r['name']:  # subresources: no short names/categories (kubectl warns otherwise)
+                sub = r['name'].split('/', 1)[1]
+                r['shortNames'], r['categories'] = [], []
+                r['verbs'] = ['get', 'patch', 'update'] if sub in ('status', 'scale') else ['create', 'get']
+                if sub == 'scale':
+                    r.update(kind='Scale', group='autoscaling', version='v1')
+        return result
+
+    async def _serve_openapi_v3_root(self, request):
+        # Minimal OpenAPI v3 index: each group-version doc declares the ?fieldValidation= parameter,
+        # so kubectl (--validate=strict, the default) delegates validation to the "server" (=none).
+        paths = {}
+        for res in self._get_resources():
+            gv = f'api/{res.version}' if not res.group else f'apis/{res.group}/{res.version}'
+            paths[gv] = {'serverRelativeURL': f'/openapi/v3/{gv}?hash=0'}
+        return {'paths': paths}
+
+    async def _serve_openapi_v3_gv(self, request):
+        parts = request.url.path.strip('/').split('/')[2:]  # api/v1 | apis/g/v
+        group, version = ('', parts[1]) if parts[0] == 'api' else (parts[1], parts[2])
+        fv = {'name': 'fieldValidation', 'in': 'query', 'schema': {'type': 'string'}}
+        paths, schemas = {}, {}
+        for res in self._get_resources():
+            if res.group != group or res.version != version or not res.plural:
+                continue
+            gvk = [{'group': group, 'version': version, 'kind': self._kind(res)}]
+            base = f'/{"/".join(parts)}' + ('/namespaces/{namespace}' if self._namespaced(res) else '')
+            op = {'x-kubernetes-group-version-kind': gvk[0], 'parameters': [fv], 'responses': {}}
+            paths[f'{base}/{res.plural}'] = {'post': op, 'get': {'responses': {}}}
+            paths[f'{base}/{res.plural}/{{name}}'] = {'patch': op, 'put': op, 'get': {'responses': {}}}
+            schemas[f'{group or "core"}.{version}.{self._kind(res)}'] = {
+                'type': 'object', 'x-kubernetes-preserve-unknown-fields': True, 'x-kubernetes-group-version-kind': gvk}
+        return {'openapi': '3.0.0', 'info': {'title': 'kmock', 'version': version}, 'paths': paths,
+                'components': {'schemas': schemas}}
+
+    async def __aenter__(self):
+        result = await super().__aenter__()
+        for ns in self.default_namespaces:  # a real cluster has them; kopf's namespace observer needs them
+            if await self.k8s_get('v1/namespaces', None, ns) is None:
+                await self.k8s_create('v1/namespaces', None, {'metadata': {'name': ns}, 'status': {'phase': 'Active'}})
+        return result
+
+    async def __aexit__(self, *exc) -> None:
+        for t in list(self._bg_tasks):
+            t.cancel()
+        await super().__aexit__(*exc)

@@ -1,0 +1,201 @@
+"""The one-machine cluster itself (shard_operator.devcluster), with small stand-in pods: addresses,
+DNS and the rendezvous port, volumes, device memory budgets, probes, node loss, Services."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shard_operator.devcluster.cluster import DevCluster
+from shard_operator.devcluster.network import ClusterNetwork, PodAddress
+from shard_operator.devcluster.processkubelet import expand
+from tests.support.cluster import gpu_node
+from tests.support.operator import eventually
+
+pytestmark = pytest.mark.e2e
+
+SIM = {"sharding.dev/device-kind": "cpu"}
+# A stand-in container: prints what it was given, then serves the files of its /data mount on the
+# address it is told to bind (SHARD_HOST), port 8000: /ready and /alive answer while those files exist.
+SERVE = ("import os, sys, functools, http.server as h\n"
+         "print('|'.join(os.environ.get(k, '-') for k in ('POD_IP', 'MASTER_ADDR', 'MASTER_PORT', 'SHARD_MEMORY_BUDGET', 'PLAN')), flush=True)\n"
+         "print('plan:', open(os.environ['PLAN']).read() if 'PLAN' in os.environ else '-', flush=True)\n"
+         "h.ThreadingHTTPServer((os.environ['SHARD_HOST'], 8000), functools.partial(h.SimpleHTTPRequestHandler, directory=sys.argv[1])).serve_forever()\n")
+
+
+def pod(name: str, node: str, *, labels=None, env=(), probes=None, subdomain="grp", gpu=True, volumes=(),
+        mounts=()) -> dict:
+    container = {"name": "c", "image": "none", "command": ["python", "-c", SERVE, "/data"],
+                 "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}, *env],
+                 "ports": [{"name": "http", "containerPort": 8000}, {"name": "rendezvous", "containerPort": 29500}],
+                 "resources": {"limits": {"nvidia.com/gpu": "1"}} if gpu else {},
+                 "volumeMounts": [{"name": "data", "mountPath": "/data"}, *mounts], **(probes or {})}
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default", "labels": labels or {}},
+            "spec": {"hostname": name, "subdomain": subdomain, "nodeName": node, "restartPolicy": "Never",
+                     "containers": [container], "volumes": [{"name": "data", "emptyDir": {}}, *volumes]}}
+
+
+@pytest.fixture
+async def cluster(tmp_path):
+    nodes = [gpu_node("a", gpus=2, memory_mib=160, labels=SIM), gpu_node("b", gpus=2, memory_mib=96, labels=SIM)]
+    async with DevCluster(tmp_path, nodes=nodes, run_operator=False, probe_period=0.2, grace=2) as c:
+        yield c
+
+
+async def status(c: DevCluster, name: str) -> dict:
+    return ((await c.emu.k8s_get("v1/pods", "default", name)) or {}).get("status") or {}
+
+
+def ready(st: dict) -> bool:
+    return any(x["type"] == "Ready" and x["status"] == "True" for x in st.get("conditions") or [])
+
+
+async def first_line(c: DevCluster, name: str) -> list[str]:
+    async def printed():
+        log = bytes(c.emu.pod_logs.get(("default", name), b"")).decode()
+        return log.splitlines()[:2] if log.count("\n") >= 2 else None
+    return await eventually(printed, timeout=30)
+
+
+def data_dir(c: DevCluster, name: str) -> Path:
+    return c.kubelet.sandboxes[("default", name)].directory / "volumes" / "data"
+
+
+def test_network_allocates_distinct_addresses_and_answers_dns():
+    net = ClusterNetwork()
+    a = net.pod_address({"spec": {"containers": [{"ports": [{"name": "rendezvous", "containerPort": 29500},
+                                                            {"name": "http", "containerPort": 8000}]}]}})
+    b = net.pod_address({"spec": {}})
+    assert a.ip != b.ip and a.ip.startswith("127.10.") and a.port(8000) == 8000 and a.port(29500) != 29500
+    net.register(["x.g.default.svc", "x.g.default.svc.cluster.local"], "uid-1", a)
+    assert net.resolve("X.g.default.svc.") == a and net.resolve("x.g.default.svc.cluster.local") == a
+    assert net.resolve(a.ip) == a and net.resolve("10.1.2.3") == PodAddress("10.1.2.3")
+    net.register(["x.g.default.svc"], "uid-2", b)  # a recreated pod takes the name over
+    net.unregister("uid-1")
+    assert net.resolve("x.g.default.svc") == b and net.resolve("x.g.default.svc.cluster.local") is None
+    assert net.service_ip().startswith("127.96.")
+
+
+def test_command_references_expand_like_kubernetes():
+    assert expand("--bind=$(POD_IP) $$(POD_IP) $(NOPE)", {"POD_IP": "127.10.0.2"}) == \
+        "--bind=127.10.0.2 $(POD_IP) $(NOPE)"
+
+
+async def test_pods_get_own_addresses_a_resolved_rendezvous_volumes_and_the_device_budget(cluster):
+    await cluster.emu.k8s_create("v1/configmaps", "default", {"metadata": {"name": "plan"}, "data": {"plan.json": '{"x": 1}'}})
+    leader_name = "r0.grp.default.svc"
+    common = dict(env=[{"name": "MASTER_ADDR", "value": leader_name}, {"name": "MASTER_PORT", "value": "29500"},
+                       {"name": "PLAN", "value": "/etc/plan/plan.json"}],
+                  volumes=[{"name": "plan", "configMap": {"name": "plan", "items": [{"key": "plan.json", "path": "plan.json"}]}}],
+                  mounts=[{"name": "plan", "mountPath": "/etc/plan"}])
+    # The follower first: it waits for the leader's name to resolve, as a resolver would retry.
+    await cluster.emu.k8s_create("v1/pods", "default", pod("r1", "b", **common))
+    await asyncio.sleep(0.3)
+    await cluster.emu.k8s_create("v1/pods", "default", pod("r0", "a", **common))
+    (l0, p0), (l1, p1) = await first_line(cluster, "r0"), await first_line(cluster, "r1")
+    ip0, addr0, port0, budget0, plan0 = l0.split("|")
+    ip1, addr1, port1, budget1, _ = l1.split("|")
+    leader = cluster.network.resolve(leader_name)
+    assert ip0 != ip1 and {ip0, ip1} == {(await status(cluster, n))["podIP"] for n in ("r0", "r1")}
+    assert addr0 == addr1 == ip0 == leader.ip                      # MASTER_ADDR: the leader's address
+    assert port0 == port1 == str(leader.port(29500)) != "29500"    # its own host port for the TCPStore
+    assert (budget0, budget1) == (str(160 * 2**20), str(96 * 2**20))  # each node's GPU memory
+    assert plan0.startswith(str(cluster.workdir)) and p0 == p1 == 'plan: {"x": 1}'
+    # Both serve on port 8000, each on its own address.
+    (data_dir(cluster, "r0") / "who").write_text("r0")
+    (data_dir(cluster, "r1") / "who").write_text("r1")
+    async with httpx.AsyncClient() as http:
+        assert [(await http.get(f"http://{ip}:8000/who")).text for ip in (ip0, ip1)] == ["r0", "r1"]
+
+
+async def test_probes_set_readiness_and_a_failed_liveness_probe_kills_the_container(cluster):
+    probes = {"readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
+              "livenessProbe": {"httpGet": {"path": "/alive", "port": 8000}, "periodSeconds": 5, "failureThreshold": 2},
+              "terminationMessagePolicy": "FallbackToLogsOnError"}
+    await cluster.emu.k8s_create("v1/pods", "default", pod("p", "a", probes=probes))
+    await first_line(cluster, "p")
+    data = data_dir(cluster, "p")
+    (data / "alive").write_text("ok")
+    await asyncio.sleep(1.0)
+    assert (await status(cluster, "p"))["phase"] == "Running" and not ready(await status(cluster, "p"))
+    (data / "ready").write_text("ok")
+    await eventually(lambda: _is(cluster, "p", True), timeout=10)
+    (data / "ready").unlink()
+    await eventually(lambda: _is(cluster, "p", False), timeout=10)
+    (data / "alive").unlink()
+    st = await eventually(lambda: _phase(cluster, "p", "Failed"), timeout=10)
+    term = st["containerStatuses"][0]["state"]["terminated"]
+    assert term["exitCode"] == -signal.SIGKILL and term["message"] == "Liveness probe failed 2 times"
+
+
+async def _is(c, name, want: bool):
+    return ready(await status(c, name)) == want
+
+
+async def _phase(c, name, phase):
+    st = await status(c, name)
+    return st if st.get("phase") == phase else None
+
+
+async def test_a_lost_node_takes_its_processes_and_unschedulable_pods_wait(cluster):
+    await cluster.emu.k8s_create("v1/pods", "default", pod("on-b", "b"))
+    await cluster.emu.k8s_create("v1/pods", "default", pod("nowhere", "c"))
+    await first_line(cluster, "on-b")
+    proc = cluster.kubelet.process("default", "on-b")
+    await cluster.emu.k8s_delete("v1/nodes", None, "b")
+    await asyncio.wait_for(proc.wait(), 10)
+    st = await status(cluster, "on-b")
+    assert st["phase"] == "Running" and not ready(st)  # what the node controller leaves behind
+    assert cluster.network.resolve("on-b.grp.default.svc") is None
+    st = await status(cluster, "nowhere")
+    assert st["phase"] == "Pending" and "node c does not exist" in st["conditions"][0]["message"]
+
+
+async def test_a_deleted_pod_is_stopped_and_a_missing_host_path_is_reported(cluster):
+    await cluster.emu.k8s_create("v1/pods", "default", pod("p", "a"))
+    await first_line(cluster, "p")
+    proc = cluster.kubelet.process("default", "p")
+    await cluster.emu.k8s_delete("v1/pods", "default", "p")
+    assert await asyncio.wait_for(proc.wait(), 10) == -signal.SIGTERM
+    missing = pod("q", "a", volumes=[{"name": "m", "hostPath": {"path": "/no/such", "type": "Directory"}}],
+                  mounts=[{"name": "m", "mountPath": "/models"}])
+    await cluster.emu.k8s_create("v1/pods", "default", missing)
+
+    async def waiting():
+        st = await status(cluster, "q")
+        return ((st.get("containerStatuses") or [{}])[0].get("state") or {}).get("waiting", {}).get("message")
+    assert "hostPath /no/such is not a directory" in await eventually(waiting, timeout=10)
+
+
+async def test_a_service_routes_to_ready_endpoints_and_retries_a_dead_one(cluster):
+    service = {"metadata": {"name": "web"}, "spec": {"selector": {"app": "web"},
+                                                      "ports": [{"port": 80, "targetPort": "http"}]}}
+    headless = {"metadata": {"name": "grp"}, "spec": {"clusterIP": "None", "selector": {"app": "web"}}}
+    created = await cluster.emu.k8s_create("v1/services", "default", service)
+    assert created["spec"]["clusterIP"].startswith("127.96.")
+    assert (await cluster.emu.k8s_create("v1/services", "default", headless))["spec"]["clusterIP"] == "None"
+    probes = {"readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "failureThreshold": 30}}
+    for name in ("w0", "w1", "w2"):
+        await cluster.emu.k8s_create("v1/pods", "default", pod(name, "a", labels={"app": "web"}, probes=probes))
+        await first_line(cluster, name)
+    for name in ("w0", "w1"):  # w2 never becomes ready: it gets no traffic
+        (data_dir(cluster, name) / "ready").write_text(name)
+    await eventually(lambda: _is(cluster, "w1", True), timeout=10)
+    await eventually(lambda: _is(cluster, "w0", True), timeout=10)
+    url = await eventually(lambda: cluster.service_url("web"), timeout=10)
+    assert url == f"http://{created['spec']['clusterIP']}:80"
+    async with httpx.AsyncClient() as http:
+        answers = [(await http.get(url + "/ready")) for _ in range(6)]
+        assert {r.text for r in answers} == {"w0", "w1"} and all(r.status_code == 200 for r in answers)
+        assert {r.headers["x-upstream-pod"] for r in answers} == {"w0", "w1"}
+        # w0 dies; its pod stays Ready for a while (failureThreshold 30): the proxy retries on w1.
+        await cluster.kubelet.kill("default", "w0", signal.SIGKILL)
+        answers = [(await http.get(url + "/ready")) for _ in range(4)]
+        assert [r.text for r in answers] == ["w1"] * 4
+    stats = cluster.proxy.stats
+    assert stats.failed == 0 and stats.retried >= 1 and stats.upstream_errors

@@ -5,7 +5,8 @@ parameters), for float32 and bfloat16, one thread per rank, batch 1, a 32-token 
 tokens, it measures:
 
 * the decode limit: every weight a decode step reads (all but the embedding table), streamed once
-  through `F.linear` with a single vector, on 1 and on 2 threads (a bare matrix-vector product);
+  through `F.linear` with a single vector (a bare matrix-vector product) on 1 core; and on 2 cores,
+  the faster of 2 threads in one process and 2 one-thread processes streaming half each;
 * HF transformers' `generate` with 1 and with 2 threads;
 * our worker (`python -m shard_worker` ranks, started by the local launcher) at TP=1, TP=2, PP=2,
   with the share of each decode step spent communicating (and idle, waiting for another stage);
@@ -40,26 +41,30 @@ PROMPT_TOKENS = 32
 
 
 # ---------------------------------------------------------------- children (one measurement each)
-def child_matvec(model_dir: str, dtype: str, repeats: int) -> dict:
-    """Seconds to stream every decode-time weight once through F.linear, at 1 and 2 threads."""
+def child_matvec(model_dir: str, dtype: str, repeats: int, threads: list[int], share: str = "0/1") -> dict:
+    """Seconds to stream decode-time weights once through F.linear with one vector, for each
+    thread count. `share` "i/n" takes every n-th weight from the i-th: a process of a group of n
+    that together stream the model (what n TP ranks do)."""
     import torch
     import torch.nn.functional as F
     from safetensors import safe_open
 
+    part, parts = (int(v) for v in share.split("/"))
     index = Path(model_dir) / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
-    weights = []
+    names = []
     for file in files:
         with safe_open(Path(model_dir) / file, "pt") as f:
-            for name in f.keys():
-                if name.endswith("proj.weight") or name == "lm_head.weight":
-                    weights.append(f.get_tensor(name).to(getattr(torch, dtype)).contiguous())
-    nbytes = sum(w.numel() * w.element_size() for w in weights)
+            names += [(file, n) for n in sorted(f.keys()) if n.endswith("proj.weight") or n == "lm_head.weight"]
+    weights = []
+    for file, name in sorted(names, key=lambda fn: fn[1])[part::parts]:
+        with safe_open(Path(model_dir) / file, "pt") as f:
+            weights.append(f.get_tensor(name).to(getattr(torch, dtype)).contiguous())
     inputs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=weights[0].dtype) for w in weights}
-    out = {"bytes": nbytes}
+    out = {"bytes": sum(w.numel() * w.element_size() for w in weights)}
     with torch.inference_mode():
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
+        for n in threads:
+            torch.set_num_threads(n)
             for w in weights:  # warm up
                 F.linear(inputs[w.shape[1]], w)
             best = float("inf")
@@ -68,8 +73,21 @@ def child_matvec(model_dir: str, dtype: str, repeats: int) -> dict:
                 for w in weights:
                     F.linear(inputs[w.shape[1]], w)
                 best = min(best, time.perf_counter() - start)
-            out[str(threads)] = best
+            out[str(n)] = best
     return out
+
+
+def run_matvec(model_dir: str, dtype: str) -> dict:
+    """The decode limit on 1 core, on 2 threads of one process, and on 2 one-thread processes
+    streaming half the weights each at the same time (TP=2's shape of work)."""
+    one_process = run_child("matvec", model_dir, dtype, "5", "1,2", "0/1")
+    procs = [subprocess.Popen([sys.executable, __file__, "--child", "matvec", model_dir, dtype, "5", "1", f"{i}/2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for i in range(2)]
+    halves = [json.loads(p.communicate(timeout=1800)[0].strip().splitlines()[-1]) for p in procs]
+    two_processes = max(h["1"] for h in halves)  # done when the slower half is
+    return {"bytes": one_process["bytes"], "1": one_process["1"], "2 threads": one_process["2"],
+            "2 processes": two_processes, "2": min(one_process["2"], two_processes)}
 
 
 def _hf_decode_seconds(model, prompt, tokens: int) -> dict:
@@ -188,7 +206,7 @@ def measure(model_dir: str, dtype: str, tokens: int, prompt: list[int]) -> dict:
 
     ids = ",".join(map(str, prompt))
     return {
-        "matvec": step("matvec", run_child, "matvec", model_dir, dtype, "5"),
+        "matvec": step("matvec", run_matvec, model_dir, dtype),
         "hf1": step("hf 1 thread", run_child, "hf", model_dir, dtype, "1", str(tokens), ids),
         "hf2": step("hf 2 threads", run_child, "hf", model_dir, dtype, "2", str(tokens), ids),
         "tp1": step("ours TP=1", run_ours, model_dir, dtype, 1, 1, tokens, prompt),
@@ -208,7 +226,8 @@ def report(results: dict, shape: dict, tokens: int) -> str:
         limit1, limit2 = r["matvec"]["1"], r["matvec"]["2"]
         mv = r["matvec"]
         rows = [("decode limit, 1 core (bare mat-vec)", limit1, limit1, mv),
-                ("decode limit, 2 cores (bare mat-vec)", limit2, limit2, mv),
+                ("bare mat-vec, 2 threads of 1 process", mv["2 threads"], limit2, mv),
+                ("bare mat-vec, 2 processes x half the weights", mv["2 processes"], limit2, mv),
                 ("HF transformers generate, 1 thread", r["hf1"]["seconds_per_token"], limit1, r["hf1"]),
                 ("HF transformers generate, 2 threads", r["hf2"]["seconds_per_token"], limit2, r["hf2"]),
                 ("shard worker TP=1", r["tp1"]["seconds_per_token"], limit1, r["tp1"]),
@@ -253,7 +272,7 @@ def main() -> int:
     if args.child:
         kind, rest = args.child[0], args.child[1:]
         if kind == "matvec":
-            out = child_matvec(rest[0], rest[1], int(rest[2]))
+            out = child_matvec(rest[0], rest[1], int(rest[2]), [int(t) for t in rest[3].split(",")], rest[4])
         elif kind == "hf":
             out = child_hf(rest[0], rest[1], int(rest[2]), int(rest[3]), [int(t) for t in rest[4].split(",")])
         else:

@@ -2,7 +2,7 @@
 
 Every subcommand lives in a function `cmd_<name>(args) -> int` registered in `build_parser`; the
 exit status is 0 on success, 1 on bad input, 2 when the model does not fit, 3 when worker ranks
-fail (`generate`).
+fail (`generate`, `run`); `run` stopped by SIGTERM exits 143, by Ctrl-C 130.
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ import yaml
 
 from .api import SpecError, ShardedModel, load_sharded_models, resolve_model_dir
 from .crd import render as render_crd
+from .demo_model import DemoShape as DemoShapeDefaults
 from .generate import parse_ids, render_result, result_json, tokenize
 from .inventory import Inventory, inventory_from_nodes, load_nodes, local_inventory, parse_devices
 from .local import LaunchError, plan_local, run_generate
 from .manifests import Context, Owner, check, desired_objects
 from .planner import PlanError, plan
+from .run import run_local
 from .profile import ProfileError, profile_model
 from .report import render_plan
 from .settings import Settings
@@ -112,6 +114,43 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- run
+def cmd_run(args: argparse.Namespace) -> int:
+    """Plan a ShardedModel for this machine's devices and serve it with local rank processes."""
+    model = _pick_model(args.file, args.name)
+    model_dir = model_dir_for(args, model)
+    profile = profile_model(model_dir)
+    inventory = parse_devices(args.devices, kind=args.device_kind) if args.devices else local_inventory()
+    spec = model.spec.model_copy(update={"replicas": 1})
+    result = plan(profile, spec, inventory)
+    print(f"ShardedModel {model.metadata.name}" + (f" (serving 1 of its {model.spec.replicas} replicas here)"
+                                                   if model.spec.replicas > 1 else ""))
+    print(render_plan(result, profile, inventory), flush=True)
+    try:
+        return run_local(result, model_dir, port=args.port, host=args.host, model_name=model.metadata.name,
+                         prompt=args.prompt, max_tokens=args.max_tokens, restarts=args.restarts,
+                         threads_per_rank=args.threads, ready_timeout=args.ready_timeout,
+                         out=lambda line: print(line, flush=True), err=lambda line: print(line, file=sys.stderr))
+    except KeyboardInterrupt:
+        print("\nshardctl: stopped every rank", file=sys.stderr)
+        return 130
+
+
+def cmd_demo_model(args: argparse.Namespace) -> int:
+    from .demo_model import DemoShape, describe, write_demo_model
+
+    shape = DemoShape(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
+                      kv_heads=args.kv_heads, vocab=args.vocab, max_positions=args.max_positions,
+                      files=args.files, seed=args.seed)
+    try:
+        directory = write_demo_model(args.directory, shape, overwrite=args.force)
+    except FileExistsError as err:
+        print(f"shardctl: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(describe(directory))
+    return 0
+
+
 # ---------------------------------------------------------------- wiring
 def _add_inventory_args(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
@@ -169,6 +208,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are stopped")
     p.add_argument("--json", action="store_true", help="print token_ids, text and the per-rank table as JSON")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("run", help="serve a ShardedModel on this machine: every rank a local process, "
+                                   "an OpenAI-compatible API on localhost")
+    p.add_argument("-f", "--file", required=True, help="ShardedModel YAML")
+    p.add_argument("--name", help="which ShardedModel, when the file holds several")
+    p.add_argument("--model-dir", help="model directory (default: from spec.model)")
+    p.add_argument("--devices", metavar="SPEC",
+                   help='local device budgets to plan on, e.g. "localhost:160MiB*2" (default: this machine)')
+    p.add_argument("--device-kind", choices=("gpu", "cpu"), default="cpu", help="what --devices describes (default cpu)")
+    p.add_argument("--port", type=int, default=8000, help="port of the API (default 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
+    p.add_argument("--prompt", help="once ready, send this prompt to /v1/completions, print the answer and stop")
+    p.add_argument("--max-tokens", type=int, default=24, help="new tokens for --prompt (default 24)")
+    p.add_argument("--restarts", type=int, default=2, help="times a failed group is restarted (default 2)")
+    p.add_argument("--threads", type=int, help="threads per rank (default: cores / ranks)")
+    p.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for every rank to load")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("demo-model", help="write a random Llama checkpoint (several safetensors files, a trained "
+                                          "BPE tokenizer with a chat template) to try everything offline")
+    p.add_argument("directory", help="where to write it (created; must be empty unless --force)")
+    defaults = DemoShapeDefaults()
+    p.add_argument("--layers", type=int, default=defaults.layers)
+    p.add_argument("--hidden", type=int, default=defaults.hidden)
+    p.add_argument("--intermediate", type=int, default=defaults.intermediate, help="MLP width")
+    p.add_argument("--heads", type=int, default=defaults.heads)
+    p.add_argument("--kv-heads", type=int, default=defaults.kv_heads)
+    p.add_argument("--vocab", type=int, default=defaults.vocab, help="most tokens of the trained tokenizer")
+    p.add_argument("--max-positions", type=int, default=defaults.max_positions)
+    p.add_argument("--files", type=int, default=defaults.files, help="safetensors files to split the weights into")
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--force", action="store_true", help="replace what the directory holds")
+    p.set_defaults(func=cmd_demo_model)
     return parser
 
 

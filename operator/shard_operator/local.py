@@ -68,6 +68,17 @@ class RankProcess:
     rank: int
     process: subprocess.Popen
     log: Path
+    port: int = 0  # its HTTP port (SHARD_PORT)
+
+    def exit_reason(self) -> str:
+        """How it ended, as a person says it: a status, or the signal that killed it."""
+        code = self.process.returncode
+        if code is not None and code < 0:
+            try:
+                return f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with status {code}"
 
     def tail(self, lines: int = 25) -> str:
         try:
@@ -82,8 +93,10 @@ class LocalGroup:
     def __init__(self, plan: Plan, model_dir: str | os.PathLike[str], workdir: str | os.PathLike[str], *,
                  replica: int = 0, extra_env: Mapping[str, str] | None = None,
                  threads_per_rank: int | None = None, rendezvous_timeout: int = 120,
-                 python: str = sys.executable):
+                 python: str = sys.executable, leader_port: int | None = None):
+        """`leader_port`: rank 0's HTTP port (the API); every other port is a free one."""
         self.plan, self.model_dir, self.workdir = plan, Path(model_dir), Path(workdir)
+        self.leader_port = leader_port
         self.replica, self.extra_env = replica, dict(extra_env or {})
         self.threads = threads_per_rank or max(1, (os.cpu_count() or 1) // plan.world_size)
         self.rendezvous_timeout, self.python = rendezvous_timeout, python
@@ -101,7 +114,8 @@ class LocalGroup:
         env = WorkerEnv(rank=rank, world_size=self.plan.world_size, local_rank=rank_plan.device_index,
                         master_addr="127.0.0.1", master_port=master_port, tp_size=self.plan.tensor_parallel,
                         pp_size=self.plan.pipeline_parallel, replica=self.replica, plan_file=str(plan_file),
-                        model_dir=str(self.model_dir.resolve()), model_name=self.plan.model, port=free_port(),
+                        model_dir=str(self.model_dir.resolve()), model_name=self.plan.model,
+                        port=self.leader_port if rank == 0 and self.leader_port else free_port(),
                         backend="auto", rendezvous_timeout=self.rendezvous_timeout)
         threads = str(self.threads)
         return {**os.environ, **env.to_env(), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
@@ -120,7 +134,7 @@ class LocalGroup:
                     proc = subprocess.Popen([self.python, "-m", "shard_worker"], env=env, stdout=out,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-                self.ranks.append(RankProcess(rank, proc, log))
+                self.ranks.append(RankProcess(rank, proc, log, int(env["SHARD_PORT"])))
         except BaseException:
             self.stop()
             raise
@@ -129,18 +143,24 @@ class LocalGroup:
     def pids(self) -> list[int]:
         return [r.process.pid for r in self.ranks]
 
+    def failure(self) -> LaunchError | None:
+        """The first rank that ended with an error, as an error naming it and quoting its log."""
+        failed = [r for r in self.ranks if r.process.poll() not in (None, 0)]
+        if not failed:
+            return None
+        first = failed[0]
+        others = ", ".join(f"rank {r.rank}" for r in failed[1:])
+        also = f" (also failed: {others})" if others else ""
+        return LaunchError(f"rank {first.rank} {first.exit_reason()}{also}; its log ends:\n{first.tail()}")
+
     def wait(self, timeout: float) -> None:
         """Until every rank exits 0. A failing rank or the deadline raises `LaunchError`."""
         deadline = time.monotonic() + timeout
         while True:
             codes = [r.process.poll() for r in self.ranks]
-            failed = [r for r, code in zip(self.ranks, codes) if code not in (None, 0)]
-            if failed:
-                first = failed[0]
-                others = ", ".join(f"rank {r.rank}" for r in failed[1:])
-                also = f" (also failed: {others})" if others else ""
-                raise LaunchError(f"rank {first.rank} exited with status {first.process.returncode}{also}; "
-                                  f"its log ends:\n{first.tail()}")
+            failure = self.failure()
+            if failure is not None:
+                raise failure
             if all(code == 0 for code in codes):
                 return
             if time.monotonic() > deadline:

@@ -2,8 +2,10 @@
 (`shard_operator.workerenv.WorkerEnv`) and the Plan file it names. The same entry point runs in a
 pod and as a local process of `shardctl`.
 
-The leader (rank 0) runs the one-shot task named by SHARD_TASK and writes the result to
-SHARD_RESULT; every other rank follows the leader's commands until it says shutdown.
+Without SHARD_TASK, every rank serves HTTP (`server.py`: the OpenAI-compatible API on rank 0,
+health, readiness and metrics on all). With it, the leader (rank 0) runs that one-shot task and
+writes the result to SHARD_RESULT; every other rank follows the leader's commands until it says
+shutdown.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ def run_task(worker: Worker, task_path: str, result_path: str) -> None:
 
 
 def main() -> int:
+    serving = not os.environ.get(TASK_ENV)
+    if serving:  # before the baseline: the server's libraries belong to the bare process
+        from . import server
     baseline = MemorySample.take()  # the bare process: interpreter, torch, this package
     try:
         env = WorkerEnv.from_env()
@@ -51,6 +56,8 @@ def main() -> int:
     except (WorkerEnvError, OSError, ValueError) as err:
         print(f"shard_worker: {err}", file=sys.stderr)
         return 1
+    if serving:  # every rank serves HTTP (the API on rank 0) until it is stopped
+        return server.serve(env, plan, baseline, KNOWN_ERRORS)
     start = time.perf_counter()
     try:
         worker = Worker.start(env, plan, baseline)
@@ -65,13 +72,8 @@ def main() -> int:
         if not worker.topo.is_leader:
             worker.engine.follow()
             return 0
-        task_path = os.environ.get(TASK_ENV)
-        if not task_path:
-            log(env.rank, f"no {TASK_ENV} given and this build has no HTTP server yet; shutting the group down")
-            worker.engine.shutdown()
-            return 1
         try:
-            run_task(worker, task_path, os.environ[RESULT_ENV])
+            run_task(worker, os.environ[TASK_ENV], os.environ[RESULT_ENV])
         except RequestError as err:
             log(env.rank, f"RequestError: {err}")
             return 1

@@ -1,0 +1,165 @@
+"""`shardctl run`: one group of a ShardedModel served on this machine, each rank a local process.
+
+The ranks are `python -m shard_worker` started by `LocalGroup`, configured exactly as pods are.
+This module waits until rank 0's `/ready` says every rank has loaded and passed its memory
+check, prints where it serves and what each rank measured, and then watches: a rank that exits,
+or a group whose `/health` fails (a hung rank), is reported by rank and cause, and the group is
+restarted a bounded number of times. Ctrl-C or SIGTERM stops every process it started.
+
+Torch-free: it speaks to the ranks over HTTP with urllib, as the operator does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+from .local import LaunchError, LocalGroup, sigterm_unwinds
+from .plan import Plan
+from .units import human
+
+POLL_SECONDS = 0.25
+HEALTH_PERIOD_SECONDS = 1.0
+HEALTH_FAILURES = 2  # consecutive failed /health checks before the group is declared lost
+EXIT_RANKS_FAILED = 3
+
+
+class GroupLost(RuntimeError):
+    """A rank died or the group's health failed; the message says which rank and why."""
+
+
+def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 5.0) -> tuple[int, dict[str, Any]]:
+    """(status, JSON body) of a GET (or a POST of `body`). Connection errors raise OSError."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as err:
+        try:
+            return err.code, json.load(err)
+        except ValueError:
+            return err.code, {}
+
+
+def wait_ready(group: LocalGroup, base_url: str, timeout: float) -> dict[str, Any]:
+    """Until `/ready` answers 200; returns `/v1/shards`. A rank that exits raises `GroupLost`."""
+    deadline = time.monotonic() + timeout
+    reason = "rank 0 is not answering yet"
+    while True:
+        failure = group.failure() or next((LaunchError(f"rank {r.rank} exited with status 0 before the group "
+                                                       "was ready") for r in group.ranks
+                                           if r.process.poll() == 0), None)
+        if failure is not None:
+            raise GroupLost(str(failure))
+        try:
+            status, body = http_json(base_url + "/ready", timeout=2.0)
+            if status == 200:
+                return http_json(base_url + "/v1/shards")[1]
+            reason = body.get("reason") or reason
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise GroupLost(f"the group was not ready after {timeout:.0f}s: {reason}; rank 0's log ends:\n"
+                            f"{group.ranks[0].tail()}")
+        time.sleep(POLL_SECONDS)
+
+
+def watch(group: LocalGroup, base_url: str, should_stop: Callable[[], bool] = lambda: False) -> str:
+    """Block while the group serves; return why it stopped serving (a rank exited, or its health
+    failed), or "" when `should_stop()`."""
+    failures, last_check = 0, 0.0
+    while not should_stop():
+        failure = group.failure() or next((f"rank {r.rank} exited with status 0 while serving" for r in group.ranks
+                                           if r.process.poll() == 0), None)
+        if failure is not None:
+            return str(failure)
+        if time.monotonic() - last_check >= HEALTH_PERIOD_SECONDS:
+            last_check = time.monotonic()
+            try:
+                status, body = http_json(base_url + "/health", timeout=HEALTH_PERIOD_SECONDS * 3)
+                reason = body.get("reason", "")
+            except OSError as err:
+                status, reason = 0, f"rank 0 does not answer: {err}"
+            failures = failures + 1 if status != 200 else 0
+            if failures >= HEALTH_FAILURES:
+                return f"the group is unhealthy: {reason}"
+        time.sleep(POLL_SECONDS)
+    return ""
+
+
+def render_shards(shards: dict[str, Any]) -> str:
+    """Per rank: what the plan predicted and what the rank measured after load."""
+    header = ("rank", "stage", "tp", "layers", "predicted", "measured", "total held", "load s")
+    rows = [header]
+    for r in shards.get("ranks", []):
+        predicted, resident = r["predicted_bytes"], r.get("resident_bytes") or {}
+        measured = resident.get("weights", 0) + resident.get("kv_cache", 0)
+        rows.append((str(r["rank"]), str(r["stage"]), str(r["tp_rank"]), f"{r['layers'][0]}-{r['layers'][1] - 1}",
+                     human(predicted["weights"] + predicted["kv_cache"]), human(measured),
+                     human(resident.get("total", 0)), f"{r.get('load_seconds', 0):.2f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["weights + KV cache per rank, predicted by the plan and measured resident after load "
+             "(total held: everything the rank holds above a bare `import torch`):"]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def complete(base_url: str, prompt: str, max_tokens: int, timeout: float = 300) -> dict[str, Any]:
+    status, body = http_json(base_url + "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens,
+                                                            "temperature": 0}, timeout=timeout)
+    if status != 200:
+        raise GroupLost(f"the completion failed with HTTP {status}: {body.get('error', body)}")
+    return body
+
+
+def run_local(plan: Plan, model_dir: str | os.PathLike[str], *, port: int, host: str = "127.0.0.1",
+              model_name: str | None = None, prompt: str | None = None, max_tokens: int = 24, restarts: int = 2,
+              threads_per_rank: int | None = None, ready_timeout: float = 600,
+              out: Callable[[str], None] = print, err: Callable[[str], None] = print) -> int:
+    """Serve `plan` (its group 0) until Ctrl-C / SIGTERM; with `prompt`, answer it once and stop.
+
+    `model_name` is the name the API serves (the ShardedModel's; default: the plan's).
+    Returns the exit status: 0, or 3 when the group failed more often than `restarts` allows.
+    SIGTERM raises SystemExit(143) and Ctrl-C KeyboardInterrupt, after every rank is stopped.
+    """
+    base_url = f"http://{host}:{port}"
+    model_name = model_name or plan.model
+    env = {"SHARD_HOST": host, "SHARD_MODEL_NAME": model_name}
+    attempt = 0
+    with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="shardctl-run-") as tmp:
+        while True:
+            workdir = Path(tmp) / f"attempt-{attempt}"
+            started = time.monotonic()
+            out(f"\nstarting {plan.world_size} rank{'s' if plan.world_size > 1 else ''} "
+                f"(python -m shard_worker; logs in {workdir})")
+            with LocalGroup(plan, model_dir, workdir, leader_port=port, threads_per_rank=threads_per_rank,
+                            extra_env=env) as group:
+                try:
+                    shards = wait_ready(group, base_url, ready_timeout)
+                    out(f"ready in {time.monotonic() - started:.1f} s: serving {base_url}/v1 "
+                        f"(model {model_name!r}; OpenAI-compatible: /v1/completions, /v1/chat/completions)")
+                    out(render_shards(shards))
+                    if prompt is not None:
+                        answer = complete(base_url, prompt, max_tokens)
+                        choice = answer["choices"][0]
+                        out(f"\nprompt: {prompt!r}")
+                        out(f"answer: {choice['text']!r}")
+                        out(f"({answer['usage']['completion_tokens']} tokens, finish_reason {choice['finish_reason']})")
+                        return 0
+                    out("Ctrl-C stops every rank.")
+                    reason = watch(group, base_url)
+                except GroupLost as lost:
+                    reason = str(lost)
+            err(f"shardctl: {reason}")
+            if attempt >= restarts:
+                err(f"shardctl: the group failed {attempt + 1} time{'s' if attempt else ''}; no restarts left")
+                return EXIT_RANKS_FAILED
+            attempt += 1
+            err(f"shardctl: every rank stopped; restarting the group ({attempt} of {restarts})")

@@ -1,0 +1,217 @@
+"""The leader's queue of waiting requests, and the thread that runs them through the engine.
+
+Batching is of the waiting queue: when the engine is free it takes every waiting request that
+fits one batch (the plan's maxBatchSize, and maxModelLen once prompts are padded to the longest),
+runs them as one `generate`, and takes the next batch when that one ends. A request that arrives
+while a batch runs waits for it. (Continuous batching would admit it at the next step; the
+engine's first-stage TP peers decide every step on their own from the same tokens, with no
+per-step message, so a sequence can only join where a `generate` starts.)
+
+Only the engine thread touches torch.distributed. The HTTP side talks to it through `Sink`s:
+each request's events are handed to its asyncio loop, never awaited by the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+from shard_operator.workerenv import Completion, GenerateRequest
+
+from .engine import Engine, RequestError, SequenceState
+from .rankmetrics import RankMetrics
+
+MAX_WAITING = 256
+
+
+class Unavailable(Exception):
+    """The group cannot take the request: it is lost, shutting down, or too busy."""
+
+    def __init__(self, reason: str, status: int = 503):
+        super().__init__(reason)
+        self.reason, self.status = reason, status
+
+
+def take_batch(waiting: Sequence[GenerateRequest], max_batch: int, max_len: int) -> int:
+    """How many requests from the front of the queue form the next batch (at least one).
+
+    First come, first served: the batch grows until the next request would not fit, because the
+    batch is padded to its longest prompt and every sequence needs padded prompt + new tokens - 1
+    cache positions.
+    """
+    longest, most_new = 0, 0
+    for n, request in enumerate(waiting[:max_batch]):
+        longest = max(longest, len(request.prompt_ids))
+        most_new = max(most_new, request.max_new_tokens)
+        if n > 0 and longest + most_new - 1 > max_len:
+            return n
+    return max(1, min(len(waiting), max_batch))
+
+
+class Sink:
+    """Where one request's events go. Called from the engine thread (or the health monitor),
+    delivered on the request's asyncio loop; after the first final event, silent."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool):
+        self.loop, self.stream = loop, stream
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.arrived = time.monotonic()
+        self.first_token_at: float | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def _post(self, event: tuple) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the loop is closed: the server has gone
+            pass
+
+    def step(self, tokens: list[int]) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            if self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+            if self.stream:
+                self._post(("step", list(tokens)))
+
+    def done(self, completion: Completion) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+        self._post(("done", completion))
+        return True
+
+    def fail(self, reason: str, status: int = 503) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+        self._post(("error", status, reason))
+        return True
+
+
+@dataclass
+class Pending:
+    request: GenerateRequest
+    sink: Sink
+
+
+class EngineLoop:
+    """Runs on the leader's engine thread: `run()` until `close()`, or until the group is lost."""
+
+    def __init__(self, engine: Engine, max_batch: int, max_len: int, metrics: RankMetrics,
+                 idle_seconds: float, max_waiting: int = MAX_WAITING):
+        self.engine, self.max_batch, self.max_len, self.metrics = engine, max_batch, max_len, metrics
+        self.idle_seconds, self.max_waiting = idle_seconds, max_waiting
+        self.cond = threading.Condition()
+        self.waiting: deque[Pending] = deque()
+        self.running: list[Pending] = []
+        self.lost = ""  # why the group is lost; set once, never cleared
+        self.closing = False
+        self.started = threading.Event()
+
+    # ------------------------------------------------------------ any thread
+    def submit(self, pending: Pending) -> None:
+        with self.cond:
+            if self.lost:
+                raise Unavailable(self.lost)
+            if self.closing:
+                raise Unavailable("the server is shutting down")
+            if len(self.waiting) >= self.max_waiting:
+                raise Unavailable(f"{len(self.waiting)} requests are already waiting; try again later", 429)
+            self.waiting.append(pending)
+            self.metrics.queue_depth(len(self.waiting))
+            self.cond.notify()
+
+    def fail_all(self, reason: str) -> None:
+        """The group is lost: every running and waiting request ends with `reason`, now."""
+        with self.cond:
+            self.lost = self.lost or reason
+            victims = self.running + list(self.waiting)
+            self.waiting.clear()
+            self.metrics.queue_depth(0)
+            self.cond.notify_all()
+        for pending in victims:
+            if pending.sink.fail(f"the group failed: {self.lost}"):
+                self.metrics.outcome("failed")
+
+    def close(self) -> None:
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+
+    # ------------------------------------------------------------ the engine thread
+    def run(self) -> None:
+        self.started.set()
+        try:
+            while (batch := self._next()) is not None:
+                if batch:
+                    self._run(batch)
+                else:
+                    self.engine.heartbeat()  # keep the followers' collective timeout from expiring
+        except Exception as err:  # a collective failed: a rank died, or the group timed out
+            self.fail_all(f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
+            raise
+        finally:
+            self._finish()
+
+    def _next(self) -> list[Pending] | None:
+        """The next batch; [] after an idle wait; None when closing or lost."""
+        with self.cond:
+            if not self.waiting and not self.closing and not self.lost:
+                self.cond.wait(self.idle_seconds)
+            if self.lost or self.closing:
+                return None
+            if not self.waiting:
+                return []
+            n = take_batch([p.request for p in self.waiting], self.max_batch, self.max_len)
+            self.running = [self.waiting.popleft() for _ in range(n)]
+            self.metrics.queue_depth(len(self.waiting))
+            return list(self.running)
+
+    def _run(self, batch: list[Pending]) -> None:
+        self.metrics.batch(len(batch))
+
+        def on_step(seqs: list[SequenceState]) -> None:
+            for pending, seq in zip(batch, seqs):
+                pending.sink.step(seq.tokens)
+
+        try:
+            out = self.engine.generate([p.request for p in batch], on_step=on_step)
+        except RequestError as err:  # refused before any rank did work: the group is fine
+            self._ran()
+            for pending in batch:
+                if pending.sink.fail(str(err), 400):
+                    self.metrics.outcome("rejected")
+            return
+        # (any other error leaves the batch in `running`, for `fail_all`)
+        self._ran()
+        now = time.monotonic()
+        for pending, completion in zip(batch, out.completions):
+            sink = pending.sink
+            if sink.done(completion):
+                first = sink.first_token_at or now
+                self.metrics.finished(now - sink.arrived, first - sink.arrived, len(completion.token_ids))
+
+    def _ran(self) -> None:
+        with self.cond:
+            self.running = []
+
+    def _finish(self) -> None:
+        with self.cond:
+            leftovers = list(self.waiting)
+            self.waiting.clear()
+        for pending in leftovers:
+            if pending.sink.fail("the server is shutting down"):
+                self.metrics.outcome("failed")
+        if not self.lost:
+            try:
+                self.engine.shutdown()  # the followers leave `follow()` and exit
+            except Exception:  # noqa: BLE001 -- they are already gone (stopped with us): nothing to tell
+                pass

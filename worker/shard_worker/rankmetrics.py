@@ -1,0 +1,87 @@
+"""One rank's Prometheus metrics (the families of `metrics.py`), filled from what it measures.
+
+The rank's own counters (`Accounting`) are the source of truth; at each scrape the counters are
+advanced by what they grew since the previous one, and the gauges set. Request figures are
+recorded by the leader as requests finish.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from prometheus_client import generate_latest
+
+from shard_operator.plan import RankPlan
+
+from .accounting import COMM_OPS
+from .metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    from .runtime import Worker
+
+OUTCOMES = ("completed", "rejected", "failed")
+PREDICTED_KINDS = ("weights", "kv_cache", "activations", "overhead", "total")
+RESIDENT_KINDS = ("weights", "kv_cache", "rss_anon", "cuda_allocated", "total", "peak")
+
+
+class RankMetrics:
+    def __init__(self, model: str, group: int, rank_plan: RankPlan, leader: bool):
+        self.m = WorkerMetrics.create(model=model, group=group, rank=rank_plan.rank, stage=rank_plan.stage,
+                                      tp_rank=rank_plan.tp_rank)
+        self.leader = leader
+        self._seen: dict[tuple[str, str], float] = {}  # counter child -> value at the last scrape
+        self._lock = threading.Lock()
+        predicted = rank_plan.predicted_bytes
+        for kind in PREDICTED_KINDS:
+            self.m.get("shard_predicted_bytes", kind=kind).set(getattr(predicted, kind))
+        self.m.get("shard_group_ready").set(0)
+        if leader:  # every family exposed from the start, zero until something happens
+            for outcome in OUTCOMES:
+                self.m.get("shard_requests", outcome=outcome)
+            for name in ("shard_tokens_generated", "shard_request_latency_seconds",
+                         "shard_time_to_first_token_seconds", "shard_queue_depth", "shard_batch_size"):
+                self.m.get(name)
+
+    # ------------------------------------------------------------ the leader's requests
+    def queue_depth(self, n: int) -> None:
+        self.m.get("shard_queue_depth").set(n)
+
+    def batch(self, size: int) -> None:
+        self.m.get("shard_batch_size").observe(size)
+
+    def outcome(self, outcome: str) -> None:
+        self.m.get("shard_requests", outcome=outcome).inc()
+
+    def finished(self, latency: float, ttft: float, tokens: int) -> None:
+        self.m.get("shard_request_latency_seconds").observe(latency)
+        self.m.get("shard_time_to_first_token_seconds").observe(ttft)
+        self.m.get("shard_tokens_generated").inc(tokens)
+        self.outcome("completed")
+
+    # ------------------------------------------------------------ scrape
+    def _advance(self, name: str, value: float, **labels: str) -> None:
+        key = (name, ",".join(labels.values()))
+        grown = value - self._seen.get(key, 0.0)
+        if grown > 0:
+            self.m.get(name, **labels).inc(grown)
+            self._seen[key] = value
+        else:
+            self.m.get(name, **labels)  # exposed at zero
+
+    def exposition(self, worker: "Worker | None", ready: bool) -> bytes:
+        """The text format of every family, brought up to date with `worker`'s measurements."""
+        with self._lock:
+            self.m.get("shard_group_ready").set(1 if ready else 0)
+            if worker is not None:
+                resident = worker.report()["resident_bytes"]
+                for kind in RESIDENT_KINDS:
+                    self.m.get("shard_resident_bytes", kind=kind).set(resident[kind])
+                self.m.get("shard_load_seconds").set(worker.load_seconds)
+                c = worker.acct.counters
+                for op in COMM_OPS:
+                    self._advance("shard_comm_bytes", c.comm_bytes[op], op=op)
+                    self._advance("shard_comm_seconds", c.comm_seconds[op], op=op)
+                self._advance("shard_compute_seconds", c.compute_seconds)
+                self._advance("shard_idle_seconds", c.idle_seconds)
+            return generate_latest(self.m.registry)

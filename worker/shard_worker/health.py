@@ -14,6 +14,7 @@ uses only this process's clock (when did the sequence number last change), never
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -138,9 +139,10 @@ class Heartbeat:
     """
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, record: Callable[[int], Record],
-                 on_lost: Callable[[str], None] | None = None, period: float = HEARTBEAT_SECONDS):
+                 on_lost: Callable[[str], None] | None = None, period: float = HEARTBEAT_SECONDS,
+                 stale: float = STALE_SECONDS):
         self.host, self.port, self.rank = host, port, rank
-        self.monitor = GroupMonitor(world_size)
+        self.monitor = GroupMonitor(world_size, stale)
         self.record, self.on_lost, self.period = record, on_lost, period
         self.lock = threading.Lock()
         self._stop = threading.Event()
@@ -163,15 +165,26 @@ class Heartbeat:
         with self.lock:
             return dict(self.monitor.records)
 
+    def _listening(self) -> bool:
+        try:
+            with socket.create_connection((self.host, self.port), timeout=STORE_TIMEOUT_SECONDS):
+                return True
+        except OSError:
+            return False
+
     def _connect(self) -> Any:
         import torch.distributed as dist
 
         while not self._stop.is_set():
-            try:
-                return dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
-                                     timeout=timedelta(seconds=STORE_TIMEOUT_SECONDS))
-            except (RuntimeError, OSError):  # not up yet: rank 0 creates it at rendezvous
-                self._stop.wait(self.period)
+            # Rank 0 creates the store at rendezvous. Probe first: the store's client logs a
+            # stack trace for every connection it is refused.
+            if self._listening():
+                try:
+                    return dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
+                                         timeout=timedelta(seconds=STORE_TIMEOUT_SECONDS))
+                except (RuntimeError, OSError):
+                    pass
+            self._stop.wait(self.period)
         return None
 
     def _run(self) -> None:

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from .runtime import Worker
 
 OUTCOMES = ("completed", "rejected", "failed")
+# Families only the leader records (it alone sees requests); the other ranks expose them empty.
+LEADER_FAMILIES = ("shard_tokens_generated", "shard_requests", "shard_request_latency_seconds",
+                   "shard_time_to_first_token_seconds", "shard_queue_depth", "shard_batch_size")
 PREDICTED_KINDS = ("weights", "kv_cache", "activations", "overhead", "total")
 RESIDENT_KINDS = ("weights", "kv_cache", "rss_anon", "cuda_allocated", "total", "peak")
 
@@ -37,11 +40,9 @@ class RankMetrics:
             self.m.get("shard_predicted_bytes", kind=kind).set(getattr(predicted, kind))
         self.m.get("shard_group_ready").set(0)
         if leader:  # every family exposed from the start, zero until something happens
-            for outcome in OUTCOMES:
-                self.m.get("shard_requests", outcome=outcome)
-            for name in ("shard_tokens_generated", "shard_request_latency_seconds",
-                         "shard_time_to_first_token_seconds", "shard_queue_depth", "shard_batch_size"):
-                self.m.get(name)
+            for name in LEADER_FAMILIES:
+                for outcome in OUTCOMES if name == "shard_requests" else (None,):
+                    self.m.get(name, **({"outcome": outcome} if outcome else {}))
 
     # ------------------------------------------------------------ the leader's requests
     def queue_depth(self, n: int) -> None:

@@ -25,7 +25,7 @@ import time
 import traceback
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, NoReturn
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -136,7 +136,7 @@ class RankServer:
                 self._stop_serving(1)
 
     # ------------------------------------------------------------ run
-    def serve(self) -> int:
+    def serve(self) -> NoReturn:
         host = os.environ.get(HOST_ENV, "0.0.0.0")
         config = uvicorn.Config(self.app(), host=host, port=self.env.port, log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=GRACEFUL_SECONDS)
@@ -155,14 +155,15 @@ class RankServer:
             self.loop.close()  # the engine thread finishes its batch, then tells the followers
         self.engine_thread.join(JOIN_SECONDS if self.leader else 0.5)
         self.heartbeat.stop()
-        if self.engine_thread.is_alive():
-            # Blocked in a collective with a lost group (or a follower stopped while its leader
-            # lives): nothing to tear down cleanly. Leave without waiting for it.
-            sys.stderr.flush()
-            os._exit(self.exit_code)
-        if self.worker is not None:
+        # A thread still running is blocked in a collective with a lost group (or this is a
+        # follower stopped while its leader lives): nothing to tear down cleanly.
+        if self.worker is not None and not self.engine_thread.is_alive():
             self.worker.close()
-        return self.exit_code
+        # Leave now: the interpreter's own teardown waits seconds on the store's and the
+        # heartbeat's sockets, and everything this rank had to say is said.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(self.exit_code)
 
     # ------------------------------------------------------------ HTTP
     def app(self) -> FastAPI:
@@ -330,7 +331,8 @@ class RankServer:
 
 
 def serve(env: WorkerEnv, plan: Plan, baseline: MemorySample, known_errors: tuple[type, ...] = ()) -> int:
-    """Run this rank until it is told to stop (SIGTERM, SIGINT, or the leader's shutdown)."""
+    """Run this rank until it is told to stop (SIGTERM, SIGINT, or the leader's shutdown); the
+    process then exits with the status (0, or 1 when it failed)."""
     if not Path(env.model_dir).is_dir():
         log(env.rank, f"SHARD_MODEL_DIR {env.model_dir} is not a directory")
         return 1

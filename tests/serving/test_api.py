@@ -1,0 +1,255 @@
+"""The API over real HTTP, against one group started by `shardctl run` (TP=2: two real
+`python -m shard_worker` processes) and shared by every test of this module: it answers what
+`shardctl generate` answers, streams, batches requests that arrive together, refuses bad input
+without harm, and reports its ranks and metrics. The last test stops it with SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shard_operator.local import free_port
+from shard_worker.metrics import FAMILIES
+from shard_worker.rankmetrics import LEADER_FAMILIES
+
+from .conftest import (alive, get, rank_port, sharded_model_yaml, shardctl, stop, wait_for, worker_ranks)
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The lighthouse keeper climbed"
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, port: int, model: str):
+        self.proc, self.url, self.model = proc, f"http://127.0.0.1:{port}", model
+
+    def post(self, path: str, body, **kwargs) -> httpx.Response:
+        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        return httpx.post(self.url + path, content=content, headers={"Content-Type": "application/json"},
+                          timeout=120, **kwargs)
+
+    def complete(self, **body) -> dict:
+        response = self.post("/v1/completions", body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def ranks(self) -> dict[int, int]:
+        return worker_ranks(self.proc.pid)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    yaml_file = sharded_model_yaml(tmp_path_factory.mktemp("api") / "tiny.yaml", tiny_model, name="tiny",
+                                   tensor=2, pipeline=1)
+    port = free_port()
+    proc = shardctl("run", "-f", str(yaml_file), "--port", str(port), "--devices", "localhost:1GiB*2",
+                    "--restarts", "0")
+    srv = Server(proc, port, "tiny")
+    try:
+        wait_for("/ready", lambda: proc.poll() is not None or (get(srv.url + "/ready") or httpx.Response(0))
+                 .status_code == 200, timeout=180)
+        assert proc.poll() is None, proc.communicate()
+        yield srv
+    finally:
+        stop(proc)
+
+
+def generate_json(tiny_model, *args: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "shard_operator.cli", "generate", "--model", str(tiny_model),
+                          "--tp", "2", "--json", *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_completions_equal_shardctl_generate(server, tiny_model):
+    """Text prompt with seeded sampling, and token ids greedily: the tokens `shardctl generate`
+    (a one-shot group of the same TP) gives for the same seed."""
+    sampled = server.complete(prompt=PROMPT, max_tokens=12, temperature=0.9, seed=11, ignore_eos=True)
+    expected = generate_json(tiny_model, "--prompt", PROMPT, "--max-new-tokens", "12", "--temperature", "0.9",
+                             "--seed", "11", "--ignore-eos")
+    choice = sampled["choices"][0]
+    assert choice["token_ids"] == expected["token_ids"] and len(expected["token_ids"]) == 12
+    assert choice["text"] == expected["text"]
+    assert sampled["usage"]["completion_tokens"] == 12
+
+    greedy = server.complete(prompt=[1, 40, 41, 42, 43], max_tokens=10, temperature=0, ignore_eos=True)
+    expected = generate_json(tiny_model, "--prompt-ids", "1,40,41,42,43", "--max-new-tokens", "10", "--ignore-eos")
+    assert greedy["choices"][0]["token_ids"] == expected["token_ids"]
+    assert greedy["usage"] == {"prompt_tokens": 5, "completion_tokens": 10, "total_tokens": 15}
+    assert server.complete(prompt=[[1, 40, 41, 42, 43]], max_tokens=10, temperature=0,
+                           ignore_eos=True)["choices"][0]["token_ids"] == expected["token_ids"]
+
+
+def sse(response: httpx.Response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_streaming_sends_the_same_completion_piece_by_piece(server):
+    body = dict(prompt=PROMPT, max_tokens=16, temperature=0.7, seed=3, ignore_eos=True)
+    whole = server.complete(**body)["choices"][0]
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse(response)
+    assert events[-1] == "[DONE]"
+    *chunks, usage = events[:-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 16
+    choices = [c["choices"][0] for c in chunks]
+    assert len(choices) > 2  # tokens arrive as they are generated, not in one piece
+    assert "".join(c["text"] for c in choices) == whole["text"]
+    assert [t for c in choices for t in c["token_ids"]] == whole["token_ids"]
+    assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+
+
+def test_chat_completions_through_the_chat_template(server):
+    body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}],
+            "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    response = server.post("/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["object"] == "chat.completion"
+    assert answer["choices"][0]["message"]["role"] == "assistant"
+    # the template's prompt: BOS, each message between its role token and <|end|>, then the assistant's turn
+    prompt = "<|system|>\nBe brief.<|end|>\n<|user|>\nHello!<|end|>\n<|assistant|>\n"
+    same = server.complete(prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True)
+    assert answer["choices"][0]["token_ids"] == same["choices"][0]["token_ids"]
+    assert answer["usage"]["prompt_tokens"] == same["usage"]["prompt_tokens"]
+
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True},
+                      timeout=120) as response:
+        events = sse(response)
+    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert "".join(d.get("content", "") for d in deltas) == answer["choices"][0]["message"]["content"]
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
+
+
+def batch_counts(server) -> tuple[float, float]:
+    text = get(server.url + "/metrics").text
+    family = next(f for f in text_string_to_metric_families(text) if f.name == "shard_batch_size")
+    values = {s.name: s.value for s in family.samples}
+    return values["shard_batch_size_count"], values["shard_batch_size_sum"]
+
+
+def test_requests_that_arrive_together_are_batched_and_all_answered(server):
+    prompts = [[1, 30 + i, 50 + 2 * i, 70] for i in range(6)] + [[1, 99]]  # different lengths: padded
+    solo = [server.complete(prompt=p, max_tokens=12, temperature=0, ignore_eos=True)["choices"][0]["token_ids"]
+            for p in prompts[:6]]
+    batches_before, sequences_before = batch_counts(server)
+
+    async def together() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            # a long request holds the engine, so the others wait together in the queue
+            long = {"prompt": prompts[6], "max_tokens": 250, "temperature": 0, "ignore_eos": True, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=long) as first:
+                lines = first.aiter_lines()
+                await anext(lines)  # it is running
+                waiting = [client.post("/v1/completions", json={"prompt": p, "max_tokens": 12, "temperature": 0,
+                                                                "ignore_eos": True}) for p in prompts[:6]]
+                answers = await asyncio.gather(*waiting)
+                async for _ in lines:
+                    pass
+            return answers
+
+    answers = asyncio.run(together())
+    assert [a.status_code for a in answers] == [200] * 6
+    assert [a.json()["choices"][0]["token_ids"] for a in answers] == solo  # batching changes no answer
+    batches_after, sequences_after = batch_counts(server)
+    assert sequences_after - sequences_before == 7
+    assert batches_after - batches_before <= 3  # the long one alone, then the six in batches of <= 4
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (b'{"prompt": "hello", "max_tokens": 4', 400, None),  # malformed JSON
+    (b'{"prompt": "hello", "max_tokens": "four"}', 400, "max_tokens"),  # a field of the wrong type
+    (b'{"prompt": 7}', 400, "prompt"),
+    (b'{"prompt": "hello", "max_tokens": -1}', 400, "max_tokens"),
+    (b'{"prompt": "hello", "max_tokens": 4, "temperature": -1}', 400, "temperature"),
+    (json.dumps({"prompt": [5] * 300, "max_tokens": 4}).encode(), 400, "prompt"),  # longer than maxModelLen 256
+    (json.dumps({"prompt": [5] * 250, "max_tokens": 100}).encode(), 400, "max_tokens"),
+    (b'{"prompt": [1, 100000], "max_tokens": 2}', 400, "prompt"),  # not in the vocabulary
+    (b'{"prompt": "hello", "model": "gpt-4"}', 404, "model"),
+])
+def test_bad_input_is_refused_with_an_openai_error_and_the_server_keeps_serving(server, body, status, param):
+    response = server.post("/v1/completions", body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
+    assert server.complete(prompt="hello", max_tokens=2, model="tiny")["choices"][0]["finish_reason"] in (
+        "length", "stop")
+
+
+def test_models_and_shards(server):
+    models = get(server.url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 256
+    shards = get(server.url + "/v1/shards").json()
+    assert (shards["model"], shards["replica"], shards["ready"]) == ("tiny", 0, True)
+    assert [(r["rank"], r["stage"], r["tp_rank"], r["layers"]) for r in shards["ranks"]] == [(0, 0, 0, [0, 4]),
+                                                                                              (1, 0, 1, [0, 4])]
+    for r in shards["ranks"]:  # the contract the operator reads (shard_operator.workerenv)
+        assert r["alive"] and r["state"] == "ready" and r["problems"] == []
+        assert set(r["predicted_bytes"]) == {"weights", "kv_cache", "activations", "overhead", "total"}
+        assert {"weights", "kv_cache", "rss_anon", "cuda_allocated", "total"} <= set(r["resident_bytes"])
+        assert r["predicted_bytes"]["weights"] == r["allocated_bytes"]["weights"]
+        assert r["load_seconds"] > 0 and r["compute_seconds"] > 0 and r["comm_seconds"] > 0
+        assert r["idle_seconds"] == 0  # one stage: nobody waits for another
+    health = get(server.url + "/health").json()
+    assert health == {"status": "ok", "rank": 0, "reason": ""}
+
+
+def scrape(port: int) -> dict:
+    text = get(f"http://127.0.0.1:{port}/metrics").text
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_every_rank_exposes_its_metrics(server):
+    server.complete(prompt=PROMPT, max_tokens=4, temperature=0)
+    ranks = server.ranks()
+    assert sorted(ranks) == [0, 1] and rank_port(ranks[0]) == int(server.url.rsplit(":", 1)[1])
+    for rank, pid in ranks.items():
+        families = scrape(rank_port(pid))
+        expected = set(FAMILIES) if rank == 0 else set(FAMILIES) - set(LEADER_FAMILIES)
+        for name in expected:
+            samples = families[name].samples
+            assert samples, (rank, name)
+            assert all(s.labels["model"] == "tiny" and s.labels["group"] == "0" and s.labels["rank"] == str(rank)
+                       and s.labels["stage"] == "0" and s.labels["tp_rank"] == str(rank) for s in samples)
+
+        def value(name: str, suffix: str = "", **labels: str) -> float:
+            return next(s.value for s in families[name].samples
+                        if s.name == name + suffix and labels.items() <= s.labels.items())
+
+        assert value("shard_resident_bytes", kind="total") > 0 and value("shard_predicted_bytes", kind="total") > 0
+        assert value("shard_comm_bytes", "_total", op="all_reduce") > 0
+        assert value("shard_compute_seconds", "_total") > 0
+        assert value("shard_group_ready") == 1
+        if rank == 0:
+            assert value("shard_tokens_generated", "_total") >= 4
+            assert value("shard_requests", "_total", outcome="completed") >= 1
+            assert value("shard_time_to_first_token_seconds", "_count") >= 1
+    follower = scrape(rank_port(ranks[1]))
+    assert not any(family.samples for name, family in follower.items() if name in set(LEADER_FAMILIES))
+
+
+def test_sigterm_stops_every_rank(server):
+    """Last: `shardctl run` stopped by SIGTERM leaves no process behind."""
+    ranks = server.ranks()
+    assert len(ranks) == 2
+    server.proc.send_signal(signal.SIGTERM)
+    server.proc.communicate(timeout=60)
+    assert server.proc.returncode == 128 + signal.SIGTERM
+    assert not any(alive(pid) for pid in ranks.values())

@@ -1,0 +1,229 @@
+"""Health and readiness, judged from heartbeats; the memory check; batching of the waiting queue;
+and the engine loop's promise that every request ends (answered, refused, or failed with a reason)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from shard_operator.local import free_port
+from shard_operator.plan import PredictedBytes, RankPlan
+from shard_operator.workerenv import Completion, GenerateRequest, ResidentBytes
+from shard_worker.batcher import EngineLoop, Pending, Sink, Unavailable, take_batch
+from shard_worker.engine import RequestError
+from shard_worker.health import GroupMonitor, Heartbeat, Record, memory_problems
+from shard_worker.rankmetrics import RankMetrics
+
+MiB = 2**20
+
+
+def record(rank: int, seq: int, state: str = "ready", **kw) -> Record:
+    return Record(rank=rank, seq=seq, state=state, **kw)
+
+
+def test_a_group_is_ready_once_every_rank_has_loaded():
+    m = GroupMonitor(world_size=3, stale_seconds=5)
+    m.observe({0: record(0, 1), 1: record(1, 1, "loading")}, now=0.0)
+    v = m.verdict(0.0)
+    assert (v.alive, v.ready, v.reason) == (True, False, "waiting for ranks 1, 2 to load")
+    m.observe({0: record(0, 2), 1: record(1, 2), 2: record(2, 1)}, now=1.0)
+    assert m.verdict(1.0).ready and m.verdict(1.0).reason == ""
+
+
+def test_a_rank_that_stops_beating_is_dead_or_hung_and_stays_so():
+    m = GroupMonitor(world_size=2, stale_seconds=5)
+    for t in range(6):
+        m.observe({0: record(0, t), 1: record(1, min(t, 1))}, now=float(t))  # rank 1 froze at seq 1 (t=1)
+    assert m.verdict(5.5).alive
+    m.observe({0: record(0, 7), 1: record(1, 1)}, now=6.5)
+    v = m.verdict(6.5)
+    assert not v.alive and not v.ready
+    assert v.reason == "rank 1 has sent no heartbeat for 5.5 s (dead or hung)"
+    assert v.ranks_alive == {0: True, 1: False}
+    m.observe({0: record(0, 8), 1: record(1, 2)}, now=7.0)  # it beats again: the communicator is still broken
+    assert not m.verdict(7.0).alive
+
+
+def test_a_failed_rank_or_an_unreachable_store_is_a_lost_group():
+    m = GroupMonitor(world_size=2)
+    m.observe({0: record(0, 1), 1: record(1, 1, "failed", error="RuntimeError: connection reset")}, now=0.0)
+    assert m.verdict(0.0).reason == "rank 1 failed: RuntimeError: connection reset"
+    m = GroupMonitor(world_size=2)
+    m.observe({}, now=0.0, store_error="cannot reach the group's store at h:1 (rank 0's process): timeout")
+    assert not m.verdict(0.0).alive and "cannot reach the group's store" in m.verdict(0.0).reason
+
+
+def test_memory_problems_keep_a_rank_unready():
+    m = GroupMonitor(world_size=1)
+    m.observe({0: record(0, 1, problems=["rank 0 holds too much"])}, now=0.0)
+    v = m.verdict(0.0)
+    assert v.alive and not v.ready and v.reason == "memory check failed: rank 0 holds too much"
+
+
+def rank_plan(weights: int, kv: int, capacity: int) -> RankPlan:
+    return RankPlan(replica=0, rank=1, stage=0, tp_rank=1, node="n", device="cpu:1", device_index=1, kind="cpu",
+                    layers=(0, 2), embeds=True, has_lm_head=True, capacity_bytes=capacity, usable_bytes=capacity,
+                    predicted_bytes=PredictedBytes(weights=weights, kv_cache=kv, activations=0, overhead=0))
+
+
+def resident(weights: int, kv: int, total: int) -> ResidentBytes:
+    return ResidentBytes(weights=weights, kv_cache=kv, rss_anon=total, total=total)
+
+
+@pytest.mark.parametrize("measured,total,budget,problems", [
+    ((100, 20), 150, None, []),
+    ((110, 20), 150, None, []),  # within 10%
+    ((200, 20), 250, None, ["rank 1 holds 220.0 MiB of weights and KV cache, more than the plan's 120.0 MiB (+10%)"]),
+    ((100, 20), 300, None, ["rank 1 holds 300.0 MiB in all, more than its device's capacity (cpu:1 on n): 256.0 MiB"]),
+    ((100, 20), 200, 160, ["rank 1 holds 200.0 MiB in all, more than its memory budget (SHARD_MEMORY_BUDGET): "
+                           "160.0 MiB"]),
+])
+def test_memory_check(measured, total, budget, problems):
+    plan = rank_plan(100 * MiB, 20 * MiB, capacity=256 * MiB)
+    got = memory_problems(plan, resident(measured[0] * MiB, measured[1] * MiB, total * MiB),
+                          budget * MiB if budget else None)
+    assert got == problems
+
+
+def test_heartbeats_through_a_real_store():
+    """Two ranks beat into a real TCPStore; when one stops, the other calls the group lost."""
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    lost: list[str] = []
+    beats = [Heartbeat("127.0.0.1", port, rank, 2, lambda seq, rank=rank: record(rank, seq),
+                       on_lost=lost.append if rank == 0 else None, period=0.05, stale=0.5) for rank in (0, 1)]
+    try:
+        for b in beats:
+            b.start()
+        deadline = time.monotonic() + 10
+        while not beats[0].verdict().ready:
+            assert time.monotonic() < deadline, beats[0].verdict()
+            time.sleep(0.05)
+        assert beats[1].verdict().ready  # every rank knows the whole group
+        beats[1].stop()
+        while beats[0].verdict().alive:
+            assert time.monotonic() < deadline, beats[0].verdict()
+            time.sleep(0.05)
+        assert beats[0].verdict().reason.startswith("rank 1 has sent no heartbeat")
+        time.sleep(0.2)
+        assert lost == [beats[0].verdict().reason]  # told once
+    finally:
+        for b in beats:
+            b.stop()
+        del master
+
+
+# ---------------------------------------------------------------- batching
+def req(prompt: int, new: int) -> GenerateRequest:
+    return GenerateRequest(prompt_ids=[1] * prompt, max_new_tokens=new)
+
+
+@pytest.mark.parametrize("waiting,max_batch,max_len,n", [
+    ([(4, 4)], 4, 16, 1),
+    ([(4, 4)] * 6, 4, 16, 4),  # at most maxBatchSize
+    ([(4, 4), (10, 4), (4, 4)], 4, 16, 3),  # padded to 10: 10 + 4 - 1 fits
+    ([(4, 4), (14, 3), (4, 4)], 4, 16, 1),  # padded to 14, the first's 4 new tokens do not fit
+    ([(4, 13), (4, 4)], 4, 16, 2),
+    ([(16, 1), (2, 2)], 4, 16, 1),  # the long prompt goes alone
+])
+def test_take_batch(waiting, max_batch, max_len, n):
+    assert take_batch([req(p, m) for p, m in waiting], max_batch, max_len) == n
+
+
+class ScriptedEngine:
+    """Stands in for the engine's leader methods: each generate call follows the next script."""
+
+    def __init__(self, scripts):
+        self.scripts, self.batches, self.heartbeats, self.shut = list(scripts), [], 0, False
+        self.release = threading.Event()
+
+    def generate(self, requests, on_step=None):
+        self.batches.append(len(requests))
+        script = self.scripts.pop(0)
+        if isinstance(script, Exception):
+            raise script
+        if script == "block":
+            self.release.wait(10)
+            raise RuntimeError("Connection closed by peer")
+        from types import SimpleNamespace
+        seqs = [SimpleNamespace(tokens=[7, 8]) for _ in requests]
+        on_step(seqs)
+        return SimpleNamespace(completions=[Completion(token_ids=[7, 8], text="ab", finish_reason="length")
+                                            for _ in requests])
+
+    def heartbeat(self):
+        self.heartbeats += 1
+
+    def shutdown(self):
+        self.shut = True
+
+
+def metrics() -> RankMetrics:
+    return RankMetrics("m", 0, rank_plan(1, 1, 10), leader=True)
+
+
+async def result(sink: Sink):
+    return await asyncio.wait_for(sink.queue.get(), 10)
+
+
+async def test_requests_waiting_together_run_as_one_batch_and_all_end():
+    engine = ScriptedEngine(["ok", RequestError("too long"), "ok"])
+    loop = EngineLoop(engine, max_batch=4, max_len=64, metrics=metrics(), idle_seconds=0.05)
+    aio = asyncio.get_running_loop()
+    sinks = [Sink(aio, stream=i == 0) for i in range(6)]
+    for s in sinks:
+        loop.submit(Pending(req(3, 4), s))  # queued before the engine thread starts: two batches
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    events = [await result(s) for s in sinks]
+    assert engine.batches == [4, 2]
+    assert events[0] == ("step", [7, 8]) and (await result(sinks[0]))[0] == "done"  # streamed, then done
+    assert [e[0] for e in events[1:4]] == ["done"] * 3
+    assert events[4] == ("error", 400, "too long") == events[5]  # refused batch; the group is fine
+    later = Sink(aio, stream=False)
+    loop.submit(Pending(req(3, 4), later))
+    assert (await result(later))[0] == "done"
+    await asyncio.sleep(0.2)
+    assert engine.heartbeats > 0  # idle: the followers are kept from timing out
+    loop.close()
+    thread.join(5)
+    assert engine.shut and not thread.is_alive()
+
+
+async def test_a_lost_group_fails_running_and_waiting_requests_and_refuses_new_ones():
+    engine = ScriptedEngine(["block"])
+    loop = EngineLoop(engine, max_batch=1, max_len=64, metrics=metrics(), idle_seconds=5)
+    aio = asyncio.get_running_loop()
+    running, waiting = Sink(aio, stream=True), Sink(aio, stream=False)
+    loop.submit(Pending(req(3, 4), running))
+    thread = threading.Thread(target=lambda: pytest.raises(RuntimeError, loop.run))
+    thread.start()
+    while not engine.batches:
+        await asyncio.sleep(0.01)
+    loop.submit(Pending(req(3, 4), waiting))
+    loop.fail_all("rank 1 has sent no heartbeat for 5.0 s (dead or hung)")  # as the health monitor does
+    for sink in (running, waiting):
+        assert await result(sink) == ("error", 503, "the group failed: rank 1 has sent no heartbeat for 5.0 s "
+                                                    "(dead or hung)")
+    with pytest.raises(Unavailable, match="no heartbeat"):
+        loop.submit(Pending(req(3, 4), Sink(aio, stream=False)))
+    engine.release.set()  # the stuck collective finally errors: nothing more to tell anyone
+    thread.join(5)
+    assert not engine.shut  # never talk to a broken group
+
+
+async def test_a_failing_collective_fails_the_batch_with_its_error():
+    engine = ScriptedEngine([RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234")])
+    loop = EngineLoop(engine, max_batch=4, max_len=64, metrics=metrics(), idle_seconds=5)
+    sink = Sink(asyncio.get_running_loop(), stream=False)
+    loop.submit(Pending(req(3, 4), sink))
+    thread = threading.Thread(target=lambda: pytest.raises(RuntimeError, loop.run))
+    thread.start()
+    assert await result(sink) == ("error", 503, "the group failed: RuntimeError: [gloo] Connection closed by peer "
+                                                "[127.0.0.1]:1234")
+    thread.join(5)

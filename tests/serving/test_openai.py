@@ -1,0 +1,149 @@
+"""The OpenAI wire format, pure: what is refused (and how it is said), what the engine is asked to
+run, and streamed text that never needs taking back."""
+
+from __future__ import annotations
+
+import pytest
+
+from shard_operator.workerenv import Completion
+from shard_worker import openai
+from shard_worker.openai import ApiError, ChatRequest, CompletionRequest, TextStream
+
+
+def refused(model, body: bytes) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        openai.parse(model, body)
+    assert info.value.status == 400
+    return info.value
+
+
+@pytest.mark.parametrize("body,param,message", [
+    (b'{"prompt": "x"', None, "not valid JSON"),
+    (b'[1, 2]', None, "Input should be an object"),
+    (b'{"prompt": "x", "max_tokens": -1}', "max_tokens", "greater than or equal to 1 (got -1)"),
+    (b'{"prompt": "x", "max_tokens": "10"}', "max_tokens", "valid integer (got '10')"),
+    (b'{"prompt": "x", "temperature": "hot"}', "temperature", "valid number"),
+    (b'{"prompt": "x", "temperature": 3}', "temperature", "less than or equal to 2"),
+    (b'{"prompt": "x", "top_p": 0}', "top_p", "greater than 0"),
+    (b'{"prompt": "x", "stream": "yes"}', "stream", "valid boolean"),
+    (b'{"prompt": "x", "stop": 5}', "stop", None),
+    (b'{"prompt": {"text": "x"}}', "prompt", None),
+    (b'{"max_tokens": 3}', "prompt", "Field required"),
+    (b'{"prompt": "x", "colour": "blue"}', "colour", "Extra inputs are not permitted"),
+    (b'{"prompt": "x", "n": 2}', None, "n=2 is not supported by this server"),
+    (b'{"prompt": "x", "logprobs": 3}', None, "logprobs=3 is not supported"),
+    (b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', None, "at most 4 non-empty strings"),
+])
+def test_bad_completion_bodies_are_400_naming_the_field(body, param, message):
+    err = refused(CompletionRequest, body)
+    assert err.param == param
+    if message:
+        assert message in err.message
+    assert err.body() == {"error": {"message": err.message, "type": "invalid_request_error", "param": param,
+                                    "code": None}}
+
+
+def test_chat_bodies():
+    err = refused(ChatRequest, b'{"messages": []}')
+    assert err.param == "messages"
+    err = refused(ChatRequest, b'{"messages": [{"role": "robot", "content": "hi"}]}')
+    assert err.param == "messages.0.role"
+    body = openai.parse(ChatRequest, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, '
+                                     b'{"type": "text", "text": "b"}]}], "max_completion_tokens": 5}')
+    assert body.messages[0].text() == "ab" and body.max_completion_tokens == 5
+
+
+@pytest.mark.parametrize("prompt,expected", [
+    ('"hello"', "hello"), ("[5, 6]", [5, 6]), ('["hello"]', "hello"), ("[[5, 6]]", [5, 6]),
+])
+def test_one_prompt_as_text_or_ids(prompt, expected):
+    assert openai.prompt_of(openai.parse(CompletionRequest, f'{{"prompt": {prompt}}}'.encode())) == expected
+
+
+@pytest.mark.parametrize("prompt", ['""', "[]", '["a", "b"]', "[[1], [2]]"])
+def test_empty_or_several_prompts_are_refused(prompt):
+    with pytest.raises(ApiError, match="prompt") as info:
+        openai.prompt_of(openai.parse(CompletionRequest, f'{{"prompt": {prompt}}}'.encode()))
+    assert info.value.status == 400
+
+
+def generate(body: str, ids: list[int], max_tokens: int | None = 4, has_tokenizer: bool = True):
+    return openai.to_generate(openai.parse(CompletionRequest, body.encode()), ids, max_len=10, vocab_size=100,
+                              max_tokens=max_tokens, has_tokenizer=has_tokenizer)
+
+
+def test_what_the_engine_runs():
+    g = generate('{"prompt": "x", "temperature": 0, "stop": "ab", "stop_token_ids": [7], "ignore_eos": true}',
+                 [1, 2, 3], max_tokens=8)
+    assert (g.prompt_ids, g.max_new_tokens, g.temperature, g.top_p) == ([1, 2, 3], 8, 0.0, 1.0)
+    assert (g.stop, g.stop_token_ids, g.ignore_eos) == (["ab"], [7], True)
+    # OpenAI's defaults: temperature 1, and without a seed each request samples differently
+    a, b = generate('{"prompt": "x"}', [1]), generate('{"prompt": "x"}', [1])
+    assert a.temperature == 1.0 and a.seed != b.seed
+    assert generate('{"prompt": "x", "seed": 5}', [1]).seed == 5
+    # no max_tokens (chat): as many as the context holds; P + M - 1 positions
+    assert generate('{"prompt": "x"}', [1, 2, 3], max_tokens=None).max_new_tokens == 8
+    assert generate('{"prompt": "x"}', [1, 2, 3], max_tokens=8).max_new_tokens == 8
+
+
+@pytest.mark.parametrize("ids,max_tokens,has_tokenizer,body,param,message", [
+    ([1] * 11, 1, True, "{}", "prompt", "11 tokens; this model's maximum context length (maxModelLen) is 10"),
+    ([1, 2, 3], 9, True, "{}", "max_tokens", "3 prompt tokens + 9 new tokens exceed"),
+    ([1, 100], 2, True, "{}", "prompt", r"token ids [100] are outside the vocabulary [0, 100)"),
+    ([1, 2], 2, False, '{"stop": "x"}', "stop", "stop strings need the model's tokenizer.json"),
+    ([1, 2], 2, True, '{"stop_token_ids": [100]}', "stop_token_ids", "ids must lie in [0, 100)"),
+])
+def test_limits_of_the_group(ids, max_tokens, has_tokenizer, body, param, message):
+    with pytest.raises(ApiError) as info:
+        generate(body[:-1] + (', ' if body != "{}" else "") + '"prompt": "x"}', ids, max_tokens, has_tokenizer)
+    assert (info.value.status, info.value.param) == (400, param)
+    assert message in info.value.message
+
+
+def chars(ids: list[int]) -> str:
+    """A decoder where token i is chr(i)."""
+    return "".join(chr(i) for i in ids)
+
+
+def stream_all(tokens: list[int], stops: list[str], final: str) -> list[str]:
+    stream = TextStream(chars, stops)
+    deltas = [stream.step(tokens[:n])[0] for n in range(1, len(tokens) + 1)]
+    deltas.append(stream.finish(Completion(token_ids=tokens, text=final, finish_reason="stop"))[0])
+    return deltas
+
+
+def test_streamed_text_holds_back_what_may_be_a_stop_string():
+    tokens = [ord(c) for c in "hello wor"]
+    deltas = stream_all(tokens, ["wor!"], final="hello wor")
+    assert "".join(deltas) == "hello wor"
+    assert deltas[5:9] == [" ", "", "", ""]  # "w", "wo", "wor" might begin "wor!"
+    assert deltas[-1] == "wor"  # the sequence ended: nothing can follow
+
+
+def test_streamed_text_stops_before_the_stop_string():
+    tokens = [ord(c) for c in "abcSTOPdef"]
+    deltas = stream_all(tokens, ["STOP"], final="abc")
+    assert "".join(deltas) == "abc" and deltas[-1] == ""
+
+
+def test_streamed_text_waits_for_a_whole_character():
+    stream = TextStream(lambda ids: bytes(ids).decode("utf-8", errors="replace"), [])  # a token per byte
+    assert stream.step([0x61, 0xC3]) == ("a", [0x61, 0xC3])  # "a" and the first byte of "é"
+    assert stream.step([0x61, 0xC3, 0xA9]) == ("é", [0xA9])
+
+
+def test_without_a_tokenizer_only_ids_stream():
+    stream = TextStream(None, [])
+    assert stream.step([4, 5]) == ("", [4, 5])
+    assert stream.step([4, 5, 6]) == ("", [6])
+    assert stream.finish(Completion(token_ids=[4, 5, 6, 7], text=None, finish_reason="length")) == ("", [7])
+
+
+def test_response_bodies():
+    done = Completion(token_ids=[5, 6], text="hi", finish_reason="length")
+    body = openai.completion_body("cmpl-1", 1, "m", done, prompt_tokens=3)
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "hi"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    chat = openai.chat_body("chatcmpl-1", 1, "m", done, prompt_tokens=3)
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    assert openai.unavailable("rank 1 died").body()["error"]["type"] == "service_unavailable"

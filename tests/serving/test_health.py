@@ -30,7 +30,7 @@ def test_a_group_is_ready_once_every_rank_has_loaded():
     m = GroupMonitor(world_size=3, stale_seconds=5)
     m.observe({0: record(0, 1), 1: record(1, 1, "loading")}, now=0.0)
     v = m.verdict(0.0)
-    assert (v.alive, v.ready, v.reason) == (True, False, "waiting for ranks 1, 2 to load")
+    assert (v.alive, v.ready, v.reason) == (True, False, "waiting for ranks 1, 2 to join and load")
     m.observe({0: record(0, 2), 1: record(1, 2), 2: record(2, 1)}, now=1.0)
     assert m.verdict(1.0).ready and m.verdict(1.0).reason == ""
 
@@ -56,6 +56,17 @@ def test_a_failed_rank_or_an_unreachable_store_is_a_lost_group():
     m = GroupMonitor(world_size=2)
     m.observe({}, now=0.0, store_error="cannot reach the group's store at h:1 (rank 0's process): timeout")
     assert not m.verdict(0.0).alive and "cannot reach the group's store" in m.verdict(0.0).reason
+
+
+def test_a_rank_whose_collective_failed_is_named_only_until_the_cause_shows():
+    m = GroupMonitor(world_size=2, stale_seconds=5)
+    m.observe({0: record(0, 1), 1: record(1, 1)}, now=0.0)
+    broken = record(0, 2, "broken", error="a collective failed: RuntimeError: Connection closed by peer")
+    m.observe({0: broken, 1: record(1, 1)}, now=1.0)  # rank 1 was killed at t=0+: its socket closed
+    v = m.verdict(1.0)
+    assert not v.alive and v.reason == "rank 0 lost its group: a collective failed: RuntimeError: Connection closed by peer"
+    m.observe({0: record(0, 7, "broken", error=broken.error), 1: record(1, 1)}, now=6.5)
+    assert m.verdict(6.5).reason == "rank 1 has sent no heartbeat for 6.5 s (dead or hung)"
 
 
 def test_memory_problems_keep_a_rank_unready():

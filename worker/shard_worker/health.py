@@ -62,7 +62,7 @@ class Record:
 
     rank: int
     seq: int
-    state: str  # loading | ready | failed
+    state: str  # loading | ready | failed (its own fault, e.g. a bad checkpoint) | broken (a collective failed)
     problems: list[str] = field(default_factory=list)
     error: str = ""
     report: dict[str, Any] | None = None
@@ -116,14 +116,17 @@ class GroupMonitor:
 
     def verdict(self, now: float) -> Verdict:
         lost = self._lost or self._loss(now)
-        alive = {rank: not lost or (now - since <= self.stale and self.records[rank].state != "failed")
+        if not lost:  # a rank whose collective failed is a victim: name it only until the cause shows
+            broken = [r for r in self.records.values() if r.state == "broken"]
+            lost = f"rank {broken[0].rank} lost its group: {broken[0].error}" if broken else ""
+        alive = {rank: not lost or (now - since <= self.stale and self.records[rank].state not in ("failed", "broken"))
                  for rank, (_, since) in self._changed.items()}
         if lost:
             return Verdict(False, False, lost, alive)
         waiting = [r for r in range(self.world) if r not in self.records or self.records[r].state != "ready"]
         if waiting:
             return Verdict(True, False, f"waiting for rank{'s' if len(waiting) > 1 else ''} "
-                                        f"{', '.join(map(str, waiting))} to load", alive)
+                                        f"{', '.join(map(str, waiting))} to join and load", alive)
         problems = [p for r in sorted(self.records) for p in self.records[r].problems]
         if problems:
             return Verdict(True, False, "memory check failed: " + "; ".join(problems), alive)

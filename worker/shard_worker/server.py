@@ -90,6 +90,8 @@ class RankServer:
         if self.state == "failed":
             return Verdict(False, False, f"rank {self.env.rank} failed: {self.error}", {})
         verdict = self.heartbeat.verdict()
+        if self.state == "broken" and verdict.alive:  # before the heartbeats name the cause
+            return Verdict(False, False, f"rank {self.env.rank} lost its group: {self.error}", verdict.ranks_alive)
         if verdict.alive and verdict.ready and self.leader and (self.loop is None or not self.loop.started.is_set()):
             return Verdict(True, False, "the leader's engine is starting", verdict.ranks_alive)
         return verdict
@@ -130,7 +132,7 @@ class RankServer:
                 worker.engine.follow()  # until the leader says shutdown
                 self._stop_serving(0)
         except Exception as err:  # noqa: BLE001 -- a collective failed: the group is lost
-            self.state, self.error = "failed", first_line(err)
+            self.state, self.error = "broken", f"a collective failed: {first_line(err)}"
             log(rank, f"lost the group: {self.error}")
             if not self.leader:
                 self._stop_serving(1)

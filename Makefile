@@ -12,8 +12,23 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
-	$(PY) -m shard_operator.cli plan -f examples/shardedmodel.yaml --devices "node-a:80GiB*4,node-b:24GiB*2@0.3"
+# The main job: a model that fits no single local device budget, sharded over two local ranks
+# (`shardctl run`); one completion through the API; the plan, the answer and what each rank
+# measured; then every rank stops. The demo model is written once into .cache/.
+DEMO_MODEL ?= .cache/demo-model
+DEMO_DEVICES ?= localhost:256MiB*2
+DEMO_PORT ?= 0
+DEMO_PROMPT ?= The lighthouse keeper climbed the stairs
+DEMO_SETUP ?= $(STAMP)
+
+demo: $(DEMO_SETUP) $(DEMO_MODEL)/config.json
+	$(PY) -m shard_operator.cli run -f examples/local-demo.yaml --model-dir $(DEMO_MODEL) \
+		--devices "$(DEMO_DEVICES)" --port $(DEMO_PORT) --prompt "$(DEMO_PROMPT)"
+	@echo "(The weights are random, so the answer is noise; serve it yourself with"
+	@echo " $(PY) -m shard_operator.cli run -f examples/local-demo.yaml --devices \"$(DEMO_DEVICES)\")"
+
+$(DEMO_MODEL)/config.json: | $(DEMO_SETUP)
+	$(PY) -m shard_operator.cli demo-model $(DEMO_MODEL) --force
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x

@@ -20,7 +20,7 @@ from .crd import render as render_crd
 from .demo_model import DemoShape as DemoShapeDefaults
 from .generate import parse_ids, render_result, result_json, tokenize
 from .inventory import Inventory, inventory_from_nodes, load_nodes, local_inventory, parse_devices
-from .local import LaunchError, plan_local, run_generate
+from .local import LaunchError, free_port, plan_local, run_generate
 from .manifests import Context, Owner, check, desired_objects
 from .planner import PlanError, plan
 from .run import run_local
@@ -123,11 +123,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     inventory = parse_devices(args.devices, kind=args.device_kind) if args.devices else local_inventory()
     spec = model.spec.model_copy(update={"replicas": 1})
     result = plan(profile, spec, inventory)
+    port = args.port or free_port()
     print(f"ShardedModel {model.metadata.name}" + (f" (serving 1 of its {model.spec.replicas} replicas here)"
                                                    if model.spec.replicas > 1 else ""))
     print(render_plan(result, profile, inventory), flush=True)
     try:
-        return run_local(result, model_dir, port=args.port, host=args.host, model_name=model.metadata.name,
+        return run_local(result, model_dir, port=port, host=args.host, model_name=model.metadata.name,
                          prompt=args.prompt, max_tokens=args.max_tokens, restarts=args.restarts,
                          threads_per_rank=args.threads, ready_timeout=args.ready_timeout,
                          out=lambda line: print(line, flush=True), err=lambda line: print(line, file=sys.stderr))
@@ -217,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", metavar="SPEC",
                    help='local device budgets to plan on, e.g. "localhost:160MiB*2" (default: this machine)')
     p.add_argument("--device-kind", choices=("gpu", "cpu"), default="cpu", help="what --devices describes (default cpu)")
-    p.add_argument("--port", type=int, default=8000, help="port of the API (default 8000)")
+    p.add_argument("--port", type=int, default=8000, help="port of the API (default 8000; 0: a free one)")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
     p.add_argument("--prompt", help="once ready, send this prompt to /v1/completions, print the answer and stop")
     p.add_argument("--max-tokens", type=int, default=24, help="new tokens for --prompt (default 24)")
@@ -241,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--force", action="store_true", help="replace what the directory holds")
     p.set_defaults(func=cmd_demo_model)
+
+    from .devcluster.command import add_parser as add_dev_cluster  # argparse only; the cluster loads on use
+    add_dev_cluster(sub)
     return parser
 
 

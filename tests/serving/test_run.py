@@ -1,0 +1,48 @@
+"""`shardctl run` watches its group: a rank that dies is reported by rank and cause, the group is
+restarted within its budget and serves again, and past the budget shardctl exits non-zero with no
+process left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import pytest
+
+from shard_operator.local import free_port
+
+from .conftest import alive, get, sharded_model_yaml, shardctl, stop, wait_for, worker_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_crashed_rank_restarts_the_group_then_exhausts_the_budget(tiny_model, tmp_path):
+    yaml_file = sharded_model_yaml(tmp_path / "m.yaml", tiny_model, name="crashy", tensor=1, pipeline=2)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = shardctl("run", "-f", str(yaml_file), "--port", str(port), "--devices", "localhost:1GiB*2",
+                    "--restarts", "1")
+    seen: list[int] = []
+    try:
+        for attempt in range(2):
+            wait_for("/ready", lambda: proc.poll() is not None or (r := get(url + "/ready")) is not None
+                     and r.status_code == 200, timeout=180)
+            assert proc.poll() is None
+            answer = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "model": "crashy"},
+                                timeout=60)
+            assert answer.status_code == 200, answer.text
+            ranks = worker_ranks(proc.pid)
+            assert sorted(ranks) == [0, 1] and not set(ranks.values()) & set(seen)  # a fresh group each time
+            seen += ranks.values()
+            os.kill(ranks[1], signal.SIGKILL)
+            if attempt == 0:  # the group is replaced: rank 0 stops answering, then a new one is ready
+                wait_for("the old group stops", lambda: not alive(ranks[0]), timeout=60)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        stop(proc)
+    assert proc.returncode == 3
+    assert err.count("shardctl: rank 1 was killed by SIGKILL; its log ends:") == 2
+    assert "restarting the group (1 of 1)" in err
+    assert "the group failed 2 times; no restarts left" in err
+    assert not any(alive(pid) for pid in seen)

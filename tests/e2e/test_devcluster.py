@@ -183,19 +183,86 @@ async def test_a_service_routes_to_ready_endpoints_and_retries_a_dead_one(cluste
     for name in ("w0", "w1", "w2"):
         await cluster.emu.k8s_create("v1/pods", "default", pod(name, "a", labels={"app": "web"}, probes=probes))
         await first_line(cluster, name)
+    # w3 is Ready (no probe) but listens nowhere: every try on it is refused.
+    deaf = pod("w3", "a", labels={"app": "web"})
+    deaf["spec"]["containers"][0]["command"] = ["python", "-c", "import time; time.sleep(600)"]
+    await cluster.emu.k8s_create("v1/pods", "default", deaf)
     for name in ("w0", "w1"):  # w2 never becomes ready: it gets no traffic
         (data_dir(cluster, name) / "ready").write_text(name)
-    await eventually(lambda: _is(cluster, "w1", True), timeout=10)
-    await eventually(lambda: _is(cluster, "w0", True), timeout=10)
+    for name in ("w0", "w1", "w3"):
+        await eventually(lambda: _is(cluster, name, True), timeout=10)
     url = await eventually(lambda: cluster.service_url("web"), timeout=10)
     assert url == f"http://{created['spec']['clusterIP']}:80"
     async with httpx.AsyncClient() as http:
         answers = [(await http.get(url + "/ready")) for _ in range(6)]
         assert {r.text for r in answers} == {"w0", "w1"} and all(r.status_code == 200 for r in answers)
         assert {r.headers["x-upstream-pod"] for r in answers} == {"w0", "w1"}
-        # w0 dies; its pod stays Ready for a while (failureThreshold 30): the proxy retries on w1.
+        stats = cluster.proxy.stats
+        assert stats.failed == 0 and stats.retried >= 1 and set(stats.upstream_errors) == {"ClientConnectorError"}
+        # w0 dies: a retry, or its Failed phase, keeps it from answering.
         await cluster.kubelet.kill("default", "w0", signal.SIGKILL)
         answers = [(await http.get(url + "/ready")) for _ in range(4)]
         assert [r.text for r in answers] == ["w1"] * 4
-    stats = cluster.proxy.stats
-    assert stats.failed == 0 and stats.retried >= 1 and stats.upstream_errors
+    assert stats.failed == 0
+
+def _children(pid: int) -> set[int]:
+    """Every descendant process of `pid` (from /proc)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+@pytest.mark.slow
+async def test_shardctl_dev_cluster_starts_a_cluster_kubectl_can_use_and_stops_every_process(tmp_path):
+    import os
+    import sys
+
+    from tests.support.k8s_binaries import binary
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "shard_operator.cli", "dev-cluster", "--dir", str(tmp_path), "--demo-model",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    seen: list[str] = []
+
+    async def line_with(text: str) -> str:
+        while True:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+            assert line, "dev-cluster ended early:\n" + "".join(seen)
+            seen.append(line)
+            if text in line:
+                return line
+
+    async def kubectl(*args: str) -> str:
+        run = await asyncio.create_subprocess_exec(str(binary("kubectl")), *args, env={**os.environ, "KUBECONFIG": kubeconfig},
+                                                   stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        out = (await run.communicate())[0].decode()
+        assert run.returncode == 0, out
+        return out
+    try:
+        kubeconfig = (await line_with("export KUBECONFIG=")).split("=", 1)[1].strip()
+        assert (tmp_path / "host/var/lib/shard-operator/models/demo-llama/config.json").is_file()
+        assert (await kubectl("get", "nodes", "-o", "name")).split() == ["node/sim-a", "node/sim-b"]
+        example = Path(__file__).resolve().parents[2] / "examples" / "dev-cluster" / "shardedmodel.yaml"
+        await kubectl("apply", "-f", str(example))
+        service = await line_with("service default/demo: http://127.96.")
+        assert service.strip().endswith(":8000")
+
+        async def ranks_running():
+            return len(_children(proc.pid)) >= 5  # the operator and four ranks (and their threads' kin)
+        await eventually(ranks_running, timeout=60)
+        started = _children(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 60)
+    assert proc.returncode == 0, "".join(seen)
+    await asyncio.sleep(0.5)
+    assert not [pid for pid in started if Path(f"/proc/{pid}").exists()], "processes left behind"

@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, TypeVar
 
+from ..inventory import COUNT_LABEL, KIND_LABEL, MEMORY_LABEL, PRODUCT_LABEL, SPEED_LABEL
 from .apiserver import serve, write_kubeconfig
 from .network import ClusterNetwork
 from .processkubelet import ProcessKubelet, _die_with_parent
@@ -46,6 +47,29 @@ OPERATOR_ENV = {
 }
 # Each rank is one process on a machine that also runs every other rank: one thread each.
 RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+POOL_LABEL = "sharding.dev/pool"
+
+
+def sim_node(name: str, *, gpus: int = 2, memory_mib: int = 200, pool: str = "dev",
+             speed: float | None = None) -> dict[str, Any]:
+    """A Node as GPU feature discovery would label it, whose GPUs are CPU memory budgets."""
+    labels = {"kubernetes.io/hostname": name, POOL_LABEL: pool, PRODUCT_LABEL: "sim-cpu",
+              MEMORY_LABEL: str(memory_mib), COUNT_LABEL: str(gpus), KIND_LABEL: "cpu"}
+    if speed is not None:
+        labels[SPEED_LABEL] = str(speed)
+    resources = {"cpu": "2", "memory": "8Gi", "nvidia.com/gpu": str(gpus)}
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}, "spec": {},
+            "status": {"capacity": resources, "allocatable": dict(resources),
+                       "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}]}}
+
+
+# What `shardctl dev-cluster` starts with (examples/dev-cluster/nodes.yaml holds the same): two
+# nodes of two 200 MiB "GPUs", room for the demo model at TP=2 x PP=2 and nothing smaller.
+DEFAULT_NODES = (("sim-a", 2, 200), ("sim-b", 2, 200))
+
+
+def default_nodes() -> list[dict[str, Any]]:
+    return [sim_node(name, gpus=gpus, memory_mib=memory) for name, gpus, memory in DEFAULT_NODES]
 
 
 class DevCluster:

@@ -130,6 +130,8 @@ class ProcessKubelet(FakeKubelet):
         for t in list(self._tasks):
             t.cancel()
         for sandbox in list(self.sandboxes.values()):
+            for task in sandbox.tasks:
+                task.cancel()
             await self._kill(sandbox, signal.SIGKILL)
         if self._session:
             await self._session.close()

@@ -21,7 +21,7 @@ import asyncio
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 import kmock
@@ -64,6 +64,7 @@ class ServiceProxy:
         self.stats = ProxyStats()
         self.listeners: dict[tuple[str, int], tuple[asyncio.AbstractServer, tuple[str, str]]] = {}
         self._turn = itertools.count()
+        self.on_listen: Callable[[str, str, str], None] | None = None  # (namespace, name, URL)
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
 
@@ -112,6 +113,8 @@ class ServiceProxy:
                 return await self._forward(request, key, port)
             server = await asyncio.get_running_loop().create_server(web.Server(handle), ip, int(port["port"]))
             self.listeners[(ip, int(port["port"]))] = (server, key)
+            if self.on_listen is not None:
+                self.on_listen(*key, f"http://{ip}:{port['port']}")
 
     # ---------------------------------------------------------------- routing
     async def endpoints(self, namespace: str, name: str, port: dict[str, Any]) -> list[tuple[str, str]]:

@@ -26,6 +26,10 @@ from .engine import Engine, RequestError, SequenceState
 from .rankmetrics import RankMetrics
 
 MAX_WAITING = 256
+# When the engine is free and a request arrives, wait this long for others to arrive with it:
+# clients that send in step (or one client's parallel requests) then share one batch instead
+# of the first running alone while the rest wait for it to end.
+GATHER_SECONDS = 0.02
 
 
 class Unavailable(Exception):
@@ -106,9 +110,9 @@ class EngineLoop:
     """Runs on the leader's engine thread: `run()` until `close()`, or until the group is lost."""
 
     def __init__(self, engine: Engine, max_batch: int, max_len: int, metrics: RankMetrics,
-                 idle_seconds: float, max_waiting: int = MAX_WAITING):
+                 idle_seconds: float, max_waiting: int = MAX_WAITING, gather_seconds: float = GATHER_SECONDS):
         self.engine, self.max_batch, self.max_len, self.metrics = engine, max_batch, max_len, metrics
-        self.idle_seconds, self.max_waiting = idle_seconds, max_waiting
+        self.idle_seconds, self.max_waiting, self.gather_seconds = idle_seconds, max_waiting, gather_seconds
         self.cond = threading.Condition()
         self.waiting: deque[Pending] = deque()
         self.running: list[Pending] = []
@@ -165,7 +169,11 @@ class EngineLoop:
         """The next batch; [] after an idle wait; None when closing or lost."""
         with self.cond:
             if not self.waiting and not self.closing and not self.lost:
-                self.cond.wait(self.idle_seconds)
+                if self.cond.wait(self.idle_seconds) and self.waiting:  # woken by a first arrival
+                    deadline = time.monotonic() + self.gather_seconds
+                    while len(self.waiting) < self.max_batch and not (self.closing or self.lost) \
+                            and (left := deadline - time.monotonic()) > 0:
+                        self.cond.wait(left)
             if self.lost or self.closing:
                 return None
             if not self.waiting:

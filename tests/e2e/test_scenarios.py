@@ -83,6 +83,10 @@ def uids(pods: list[dict]) -> set[str]:
     return {p["metadata"]["uid"] for p in pods}
 
 
+def pod_ready(pod: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in (pod.get("status") or {}).get("conditions") or [])
+
+
 def nodes_of(pods: list[dict]) -> set[str]:
     return {p["spec"].get("nodeName") for p in pods}
 
@@ -149,8 +153,10 @@ def test_4_a_killed_rank_process_gets_its_group_recreated(h, demo, report):
         traffic.wait_for(2)
         killed = time.monotonic()
         h.call(h.cluster.kubelet.kill, "default", victim, signal.SIGKILL)
-        h.wait("the group recreated and Ready", lambda: not (uids(h.pods("demo")) & uids(before))
-               and len(h.pods("demo")) == 4 and h.ready("demo", 1), timeout=180)
+        h.wait("the group recreated", lambda: not (uids(h.pods("demo")) & uids(before)) and len(h.pods("demo")) == 4,
+               timeout=120, interval=0.05)
+        recreated = time.monotonic()
+        h.wait("the new group Ready", lambda: h.ready("demo", 1) and all(map(pod_ready, h.pods("demo"))))
         ready = time.monotonic()
         traffic.wait_for(2)
     served_again = min(r.end for r in traffic.results if r.ok and r.start >= ready)
@@ -159,7 +165,8 @@ def test_4_a_killed_rank_process_gets_its_group_recreated(h, demo, report):
     recreating = next(message for reason, message in events(h, "demo") if reason == "RecreatingGroup")
     assert victim in recreating and "exit code -9" in recreating
     window = traffic.during(killed, served_again)
-    report.add("killed_rank_recovery", model="demo (4 ranks, 1 replica)", seconds_to_ready=round(ready - killed, 1),
+    report.add("killed_rank_recovery", model="demo (4 ranks, 1 replica)",
+               seconds_to_new_pods=round(recreated - killed, 1), seconds_to_ready=round(ready - killed, 1),
                seconds_to_served=round(served_again - killed, 1), traffic=traffic.summary(window),
                proxy_retries=h.cluster.proxy.stats.retried)
     assert traffic.results[-1].ok
@@ -215,14 +222,18 @@ def test_2_a_removed_node_replans_its_group_while_the_other_keeps_serving(h, twi
         traffic.wait_for(4)
         removed = time.monotonic()
         h.kubectl("delete", "node", lost_node)
-        h.wait("group 0 re-planned onto the spare node", lambda: nodes_of(h.pods("twin", group="0")) == {spare}
+        h.wait("group 0 re-planned onto the spare node", lambda: spare in nodes_of(h.pods("twin", group="0")),
+               timeout=120, interval=0.05)
+        planned = time.monotonic()
+        h.wait("group 0 Ready on the spare node", lambda: nodes_of(h.pods("twin", group="0")) == {spare}
                and h.ready("twin", 2), timeout=180)
         replaced = time.monotonic()
         traffic.wait_for(4)
     assert uids(h.pods("twin", group="1")) == uids(group1)  # the other group was never touched
     window = traffic.during(removed, replaced)
     served = {r.pod for r in traffic.results if r.start > replaced}
-    report.add("node_removed_replan", model="twin (2 replicas of tensor=2)", seconds=round(replaced - removed, 1),
+    report.add("node_removed_replan", model="twin (2 replicas of tensor=2)",
+               seconds_to_new_pods=round(planned - removed, 1), seconds=round(replaced - removed, 1),
                traffic=traffic.summary(window), proxy_retries=h.cluster.proxy.stats.retried - retries)
     assert traffic.failures() == [], traffic.summary()
     assert window and served  # requests ran throughout, and after it
@@ -244,6 +255,9 @@ def test_3_an_added_node_surges_a_better_plan_moves_traffic_and_drains_the_old_g
         traffic.wait_for(4)
         added = time.monotonic()
         h.kubectl("apply", "-f", "-", stdin=yaml.safe_dump(sim_node("grow-fast", pool="grow", speed=2.0)))
+        h.wait("a group surged on the faster node", lambda: "grow-fast" in nodes_of(h.pods("grow")),
+               timeout=120, interval=0.05)
+        surged = time.monotonic()
         h.wait("the group moved to the faster node", lambda: nodes_of(h.pods("grow")) == {"grow-fast"}
                and h.ready("grow", 1), timeout=180)
         moved = time.monotonic()
@@ -252,7 +266,8 @@ def test_3_an_added_node_surges_a_better_plan_moves_traffic_and_drains_the_old_g
     reasons = [reason for reason, _ in events(h, "grow")]
     assert "Rebalancing" in reasons and "DeletingGroup" in reasons
     window = traffic.during(added, moved)
-    report.add("node_added_rebalance", model="grow (tensor=2, slow node -> fast node)", seconds=round(moved - added, 1),
+    report.add("node_added_rebalance", model="grow (tensor=2, slow node -> fast node)",
+               seconds_to_new_pods=round(surged - added, 1), seconds=round(moved - added, 1),
                traffic=traffic.summary(window), proxy_retries=h.cluster.proxy.stats.retried - retries)
     assert traffic.failures() == [], traffic.summary()
     served_by = {r.pod for r in traffic.results}

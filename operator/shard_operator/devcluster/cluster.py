@@ -193,5 +193,18 @@ class BackgroundCluster:
             self._end()
 
     def _end(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        try:
+            self.call(_cancel_the_rest, timeout=10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+
+async def _cancel_the_rest() -> None:
+    """Cancel what is still pending on this loop (watch streams, probes) and let it unwind."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

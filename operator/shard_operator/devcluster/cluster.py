@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -101,6 +102,7 @@ class DevCluster:
     async def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.host_root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.workdir / "pods", ignore_errors=True)  # a previous run's pods are gone
         try:
             self.emu, self.url = await self._stack.enter_async_context(
                 serve(allocate_cluster_ip=self.network.service_ip))

@@ -260,6 +260,7 @@ class ProcessKubelet(FakeKubelet):
         if self.sandboxes.get((ns, name)) is sandbox:
             del self.sandboxes[(ns, name)]
         self.network.unregister(sandbox.uid)
+        shutil.rmtree(sandbox.directory, ignore_errors=True)  # its volumes; the log stays with the pod
         if sandbox.lost or sandbox.deleted:
             return  # no kubelet left to tell, or no pod left to tell about
         message = sandbox.killed_by
@@ -281,7 +282,6 @@ class ProcessKubelet(FakeKubelet):
             await asyncio.wait_for(proc.wait(), grace)
         except TimeoutError:
             await self._kill(sandbox, signal.SIGKILL)
-        shutil.rmtree(sandbox.directory, ignore_errors=True)
 
     @staticmethod
     async def _kill(sandbox: Sandbox, sig: int) -> None:

@@ -46,8 +46,11 @@ OPERATOR_ENV = {
     "RESTART_BUDGET": "3",
     "WORKER_IMAGE": "localhost/shard-worker:dev",  # no images here: the kubelet runs the command
 }
-# Each rank is one process on a machine that also runs every other rank: one thread each.
-RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# Each rank is one process on a machine that also runs every other rank: one thread each. Pods
+# share no /dev/shm (each mounts its own), so ranks here take the pods' path for tensor-parallel
+# collectives (gloo), not the shared-memory one of local processes (`shardctl run`).
+RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "SHARD_SHM_COLLECTIVES": "0"}
 POOL_LABEL = "sharding.dev/pool"
 
 

@@ -25,7 +25,7 @@ demo: $(DEMO_SETUP) $(DEMO_MODEL)/config.json
 	$(PY) -m shard_operator.cli run -f examples/local-demo.yaml --model-dir $(DEMO_MODEL) \
 		--devices "$(DEMO_DEVICES)" --port $(DEMO_PORT) --prompt "$(DEMO_PROMPT)"
 	@echo "(The weights are random, so the answer is noise; serve it yourself with"
-	@echo " $(PY) -m shard_operator.cli run -f examples/local-demo.yaml --devices \"$(DEMO_DEVICES)\")"
+	@echo " $(VENV)/bin/shardctl run -f examples/local-demo.yaml --devices \"$(DEMO_DEVICES)\")"
 
 $(DEMO_MODEL)/config.json: | $(DEMO_SETUP)
 	$(PY) -m shard_operator.cli demo-model $(DEMO_MODEL) --force

@@ -9,8 +9,14 @@ The leader's HTTP contract that the operator reads (`GET /v1/shards` on rank 0 o
                 "resident_bytes": {"weights", "kv_cache", "rss_anon", "cuda_allocated", "total"},
                 "load_seconds", "comm_seconds", "compute_seconds", "idle_seconds", "alive": bool}]}
 
-`GET /health` is 200 while the process and every rank of its group are alive; `GET /ready` is 200
-once every rank has loaded and its measured memory has been checked against the plan.
+Every rank serves it (each knows the whole group through the heartbeats). Also there, for people:
+"reason" (why not ready), and per rank "state" (starting, loading, ready, failed, broken),
+"problems" (a failed memory check), and the rest of its `RankReport`. A rank that has not loaded
+yet has no "resident_bytes".
+
+`GET /health` is 200 while the process and every rank of its group are alive (else 503 with the
+reason); `GET /ready` is 200 once every rank has loaded and its measured memory has been checked
+against the plan. Both answer on every rank's SHARD_PORT from the moment it starts.
 """
 
 from __future__ import annotations

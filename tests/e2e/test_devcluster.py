@@ -115,7 +115,7 @@ async def test_pods_get_own_addresses_a_resolved_rendezvous_volumes_and_the_devi
 
 async def test_probes_set_readiness_and_a_failed_liveness_probe_kills_the_container(cluster):
     probes = {"readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
-              "livenessProbe": {"httpGet": {"path": "/alive", "port": 8000}, "periodSeconds": 5, "failureThreshold": 2},
+              "livenessProbe": {"httpGet": {"path": "/alive", "port": 8000}, "periodSeconds": 1, "failureThreshold": 2},
               "terminationMessagePolicy": "FallbackToLogsOnError"}
     await cluster.emu.k8s_create("v1/pods", "default", pod("p", "a", probes=probes))
     await first_line(cluster, "p")

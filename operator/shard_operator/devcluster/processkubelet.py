@@ -14,8 +14,8 @@ What a kubelet on each Node would do, for all Nodes of the one-machine cluster a
   `nvidia.com/gpu.memory`) as `SHARD_MEMORY_BUDGET`, which the worker enforces;
 * runs the first container's command (`python` is this interpreter; `$(VAR)` references to its
   env expanded), and its output is the pod's log (`kubectl logs`);
-* probes: startup, readiness (the pod's Ready condition) and liveness (a failing rank is killed)
-  over HTTP, every `probe_period` seconds at most;
+* probes over HTTP: startup and readiness (the pod's Ready condition) every `probe_period`
+  seconds at most, so pods serve soon; liveness (a failing rank is killed) at the pod's own period;
 * lifecycle: restartPolicy Never: an exit makes the pod Succeeded or Failed with the exit code and,
   under FallbackToLogsOnError, the log's tail as message; a deleted pod gets SIGTERM, then SIGKILL
   after its grace period (at most `grace` seconds);
@@ -394,45 +394,59 @@ class ProcessKubelet(FakeKubelet):
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
 
+    def _alive(self, sandbox: Sandbox) -> bool:
+        return sandbox.proc is not None and sandbox.proc.returncode is None and not sandbox.lost
+
+    def _fast(self, probe: dict) -> float:
+        """Startup and readiness decide how soon a pod serves: at most `probe_period` apart."""
+        return min(float(probe.get("periodSeconds", 10)), self.probe_period)
+
     async def _probe(self, ns: str, name: str, sandbox: Sandbox, container: dict) -> None:
+        """The startup probe, then readiness and liveness side by side, as a kubelet runs them."""
         startup, readiness, liveness = (container.get(p) for p in ("startupProbe", "readinessProbe", "livenessProbe"))
-        started, ready = startup is None, None
-        failures = {"startup": 0, "readiness": 0, "liveness": 0}
-
-        def period(probe: dict | None) -> float:
-            return min(float((probe or {}).get("periodSeconds", 10)), self.probe_period)
-
-        async def failed(kind: str, probe: dict, ok: bool) -> bool:
-            """Count a result; True when the probe has now failed failureThreshold times in a row."""
-            failures[kind] = 0 if ok else failures[kind] + 1
-            return failures[kind] >= int(probe.get("failureThreshold", 3))
-
-        while sandbox.proc is not None and sandbox.proc.returncode is None and not sandbox.lost:
-            await asyncio.sleep(period(startup if not started else readiness or liveness))
-            if not started:
-                ok = await self._get(sandbox, container, startup)
-                if ok:
-                    started = True
-                elif await failed("startup", startup, ok):
-                    sandbox.killed_by = f"Startup probe failed {failures['startup']} times"
-                    await self._kill(sandbox, signal.SIGKILL)
+        if startup is not None:
+            failures = 0
+            while not await self._get(sandbox, container, startup):
+                failures += 1
+                if failures >= int(startup.get("failureThreshold", 3)):
+                    await self._kill_for(sandbox, f"Startup probe failed {failures} times")
                     return
-                if not started:
-                    continue
-            if liveness and await failed("liveness", liveness, await self._get(sandbox, container, liveness)):
-                sandbox.killed_by = f"Liveness probe failed {failures['liveness']} times"
-                await self._kill(sandbox, signal.SIGKILL)
-                return
-            now_ready = True
-            if readiness:
-                ok = await self._get(sandbox, container, readiness)
-                # Ready at the first success; unready after failureThreshold failures in a row.
-                now_ready = ok or (bool(ready) and not await failed("readiness", readiness, ok))
-                if ok:
-                    failures["readiness"] = 0
-            if now_ready != ready and not sandbox.deleted and sandbox.proc.returncode is None:
+                await asyncio.sleep(self._fast(startup))
+                if not self._alive(sandbox):
+                    return
+        checks = [self._readiness(ns, name, sandbox, container, readiness)]
+        if liveness is not None:
+            checks.append(self._liveness(sandbox, container, liveness))
+        await asyncio.gather(*checks)
+
+    async def _readiness(self, ns: str, name: str, sandbox: Sandbox, container: dict, probe: dict | None) -> None:
+        """The pod's Ready condition: at the first success; lost after failureThreshold failures."""
+        ready, failures = None, 0
+        while self._alive(sandbox) and not sandbox.deleted:
+            ok = probe is None or await self._get(sandbox, container, probe)
+            failures = 0 if ok else failures + 1
+            now_ready = ok or (bool(ready) and failures < int(probe.get("failureThreshold", 3)))
+            if now_ready != ready and self._alive(sandbox) and not sandbox.deleted:
                 ready = now_ready
                 await self._set_status(ns, name, {
                     "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": str(ready)},
                                    {"type": "ContainersReady", "status": str(ready)}],
                     "containerStatuses": [self._cstatus(container, ready, {"running": {"startedAt": _now()}})]})
+            if probe is None:
+                return
+            await asyncio.sleep(self._fast(probe))
+
+    async def _liveness(self, sandbox: Sandbox, container: dict, probe: dict) -> None:
+        """Kill the container after failureThreshold failures in a row. At the pod's own period: a
+        busy machine must not kill ranks that a cluster would keep."""
+        failures = 0
+        while self._alive(sandbox):
+            await asyncio.sleep(float(probe.get("periodSeconds", 10)))
+            failures = 0 if await self._get(sandbox, container, probe) else failures + 1
+            if failures >= int(probe.get("failureThreshold", 3)):
+                await self._kill_for(sandbox, f"Liveness probe failed {failures} times")
+                return
+
+    async def _kill_for(self, sandbox: Sandbox, reason: str) -> None:
+        sandbox.killed_by = reason
+        await self._kill(sandbox, signal.SIGKILL)

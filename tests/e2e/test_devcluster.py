@@ -260,6 +260,10 @@ async def test_shardctl_dev_cluster_starts_a_cluster_kubectl_can_use_and_stops_e
             return len(_children(proc.pid)) >= 5  # the operator and four ranks (and their threads' kin)
         await eventually(ranks_running, timeout=60)
         started = _children(proc.pid)
+        table = [line.split() for line in (await kubectl("get", "pods", "-o", "wide")).splitlines()]
+        assert table[0] == ["NAME", "READY", "STATUS", "RESTARTS", "AGE", "IP", "NODE"]
+        assert len(table) == 5 and {row[5][:7] for row in table[1:]} == {"127.10."}
+        assert sorted(row[6] for row in table[1:]) == ["sim-a", "sim-a", "sim-b", "sim-b"]
     finally:
         proc.send_signal(signal.SIGTERM)
         await asyncio.wait_for(proc.wait(), 60)

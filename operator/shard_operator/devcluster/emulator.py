@@ -20,7 +20,8 @@ HTTP.
   watch ADDED/DELETED transitions on selector changes, bookmarks, sendInitialEvents,
   timeoutSeconds, stream end on client disconnect, race-free snapshot+subscribe;
 * ClusterIP allocation for Services (when given an allocator: the dev cluster's network);
-* scope checks (namespaced vs cluster-scoped), Table output for kubectl (printer columns),
+* scope checks (namespaced vs cluster-scoped), Table output for kubectl (printer columns; pods
+  and nodes with kubectl's own columns),
   K8s-conformant Status errors (NotFound, AlreadyExists, Conflict, Invalid, ...);
 * pods/log from `pod_logs` (the simulated kubelet fills it); every request is kept for
   assertions (`api_requests()`), e.g. that the operator uses only the permissions it declares.
@@ -224,6 +225,46 @@ def parse_field_selector(sel: str | None):
                 return False
         return True
     return check
+
+
+# --- kubectl's columns of pods and nodes --------------------------------------------------
+
+def _pod_ready(pod: dict) -> str:
+    statuses = (pod.get('status') or {}).get('containerStatuses') or []
+    total = len((pod.get('spec') or {}).get('containers') or []) or len(statuses)
+    return f"{sum(1 for c in statuses if c.get('ready'))}/{total}"
+
+
+def _pod_status(pod: dict) -> str:
+    if pod['metadata'].get('deletionTimestamp'):
+        return 'Terminating'
+    status = pod.get('status') or {}
+    for c in status.get('containerStatuses') or []:
+        state = c.get('state') or {}
+        if state.get('waiting', {}).get('reason'):
+            return state['waiting']['reason']
+        if state.get('terminated', {}).get('reason') and status.get('phase') not in ('Running',):
+            return state['terminated']['reason']
+    return status.get('phase') or 'Pending'
+
+
+def _node_status(node: dict) -> str:
+    ready = next((c for c in (node.get('status') or {}).get('conditions') or [] if c.get('type') == 'Ready'), {})
+    text = 'Ready' if ready.get('status') == 'True' else 'NotReady'
+    return text + (',SchedulingDisabled' if (node.get('spec') or {}).get('unschedulable') else '')
+
+
+def _created(o: dict) -> str:
+    return _age(o['metadata'].get('creationTimestamp'))
+
+
+BUILTIN_COLUMNS = {  # as kubectl prints them (priority 1: with -o wide)
+    Res('v1/pods'): [('Ready', _pod_ready, 0), ('Status', _pod_status, 0),
+                     ('Restarts', lambda p: sum(c.get('restartCount', 0) for c in (p.get('status') or {}).get('containerStatuses') or []), 0),
+                     ('Age', _created, 0), ('IP', lambda p: (p.get('status') or {}).get('podIP') or '<none>', 1),
+                     ('Node', lambda p: (p.get('spec') or {}).get('nodeName') or '<none>', 1)],
+    Res('v1/nodes'): [('Status', _node_status, 0), ('Age', _created, 0)],
+}
 
 
 # --- the emulator ----------------------------------------------------------------------
@@ -792,6 +833,14 @@ class FidelityEmulator(kmock.KubernetesEmulator):
 
     def _table(self, res: Res, objs: list[dict]) -> dict:
         cols = [{'name': 'Name', 'type': 'string', 'format': 'name', 'description': 'Name', 'priority': 0}]
+        if res in BUILTIN_COLUMNS:  # kubectl's own columns: (name, cell of an object, priority)
+            builtin = BUILTIN_COLUMNS[res]
+            cols += [{'name': n, 'type': 'string', 'format': '', 'description': n, 'priority': prio} for n, _, prio in builtin]
+            rows = [{'cells': [o['metadata']['name']] + [cell(o) for _, cell, _ in builtin],
+                     'object': {'kind': 'PartialObjectMetadata', 'apiVersion': 'meta.k8s.io/v1', 'metadata': o['metadata']}}
+                    for o in objs]
+            return {'kind': 'Table', 'apiVersion': 'meta.k8s.io/v1', 'metadata': {'resourceVersion': str(self._rv)},
+                    'columnDefinitions': cols, 'rows': rows}
         extra = self._printer_columns.get(res, [])
         cols += [{'name': n, 'type': t, 'format': '', 'description': p, 'priority': 0} for n, t, p in extra]
         cols += [{'name': 'Age', 'type': 'string', 'format': '', 'description': 'Age', 'priority': 0}]

@@ -46,3 +46,20 @@ def test_a_crashed_rank_restarts_the_group_then_exhausts_the_budget(tiny_model, 
     assert "restarting the group (1 of 1)" in err
     assert "the group failed 2 times; no restarts left" in err
     assert not any(alive(pid) for pid in seen)
+
+
+def test_ctrl_c_stops_every_rank(tiny_model, tmp_path):
+    yaml_file = sharded_model_yaml(tmp_path / "m.yaml", tiny_model, name="interrupted", tensor=2, pipeline=1)
+    port = free_port()
+    proc = shardctl("run", "-f", str(yaml_file), "--port", str(port), "--devices", "localhost:1GiB*2")
+    try:
+        wait_for("/ready", lambda: proc.poll() is not None or (r := get(f"http://127.0.0.1:{port}/ready")) is not None
+                 and r.status_code == 200, timeout=180)
+        ranks = worker_ranks(proc.pid)
+        assert sorted(ranks) == [0, 1]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        stop(proc)
+    assert proc.returncode == 130 and "stopped every rank" in err
+    assert not any(alive(pid) for pid in ranks.values())

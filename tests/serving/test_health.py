@@ -237,3 +237,15 @@ async def test_a_failing_collective_fails_the_batch_with_its_error():
     assert await result(sink) == ("error", 503, "the group failed: RuntimeError: [gloo] Connection closed by peer "
                                                 "[127.0.0.1]:1234")
     thread.join(5)
+
+
+async def test_a_full_queue_says_try_later_and_a_closing_server_says_so():
+    loop = EngineLoop(ScriptedEngine([]), max_batch=4, max_len=64, metrics=metrics(), idle_seconds=5, max_waiting=1)
+    aio = asyncio.get_running_loop()
+    loop.submit(Pending(req(3, 4), Sink(aio, stream=False)))
+    with pytest.raises(Unavailable, match="1 requests are already waiting") as info:
+        loop.submit(Pending(req(3, 4), Sink(aio, stream=False)))
+    assert info.value.status == 429
+    loop.close()
+    with pytest.raises(Unavailable, match="shutting down"):
+        loop.submit(Pending(req(3, 4), Sink(aio, stream=False)))

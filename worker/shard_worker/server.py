@@ -338,4 +338,9 @@ def serve(env: WorkerEnv, plan: Plan, baseline: MemorySample, known_errors: tupl
     if not Path(env.model_dir).is_dir():
         log(env.rank, f"SHARD_MODEL_DIR {env.model_dir} is not a directory")
         return 1
-    return RankServer(env, plan, baseline, known_errors).serve()
+    try:
+        rank = RankServer(env, plan, baseline, known_errors)
+    except Exception as err:  # noqa: BLE001 -- no such rank in the plan; an unreadable tokenizer (tokenizers raises Exception)
+        log(env.rank, f"cannot serve: {first_line(err)}")
+        return 1
+    return rank.serve()

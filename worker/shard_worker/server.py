@@ -155,7 +155,7 @@ class RankServer:
             self.exit_code = int(err.code or 1)
         if self.loop is not None:
             self.loop.close()  # the engine thread finishes its batch, then tells the followers
-        self.engine_thread.join(JOIN_SECONDS if self.leader else 0.5)
+        self.engine_thread.join(JOIN_SECONDS if self.loop is not None else 0.5)  # only a leader's batch is worth waiting for
         self.heartbeat.stop()
         # A thread still running is blocked in a collective with a lost group (or this is a
         # follower stopped while its leader lives): nothing to tear down cleanly.

@@ -270,3 +270,19 @@ async def test_shardctl_dev_cluster_starts_a_cluster_kubectl_can_use_and_stops_e
     assert proc.returncode == 0, "".join(seen)
     await asyncio.sleep(0.5)
     assert not [pid for pid in started if Path(f"/proc/{pid}").exists()], "processes left behind"
+
+
+async def test_a_port_taken_on_every_address_fails_the_pod_with_the_reason(cluster):
+    import socket
+
+    with socket.socket() as squatter:  # what `python -m http.server` does: every address
+        squatter.bind(("0.0.0.0", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        blocked = pod("blocked", "a")
+        blocked["spec"]["containers"][0]["ports"] = [{"name": "http", "containerPort": port}]
+        await cluster.emu.k8s_create("v1/pods", "default", blocked)
+        st = await eventually(lambda: _phase(cluster, "blocked", "Failed"), timeout=10)
+    assert st["reason"] == "PortInUse" and f"port {port} is taken on every address" in st["message"]
+    assert st["containerStatuses"][0]["state"]["terminated"]["reason"] == "PortInUse"
+    assert cluster.network.resolve("blocked.grp.default.svc") is None

@@ -58,6 +58,7 @@ async def _serve(args: argparse.Namespace) -> int:
     try:
         assert cluster.proxy is not None and cluster.operator is not None
         cluster.proxy.on_listen = lambda ns, name, url: print(f"service {ns}/{name}: {url}", flush=True)
+        cluster.proxy.on_error = lambda message: print(message, file=sys.stderr, flush=True)
         print(banner(cluster, nodes), flush=True)
         operator_exit = asyncio.ensure_future(cluster.operator.wait())
         await asyncio.wait([operator_exit, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)

@@ -33,6 +33,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def taken_ports(address: "PodAddress", container: dict[str, Any]) -> list[int]:
+    """The container's declared ports that cannot be bound on the pod's address: another process
+    of this machine listens on them on every address (e.g. `python -m http.server` on 8000)."""
+    taken = []
+    for p in container.get("ports") or []:
+        port = int(p["containerPort"])
+        if port in address.mapped:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            # As servers do (uvicorn, http.server): closed connections in TIME_WAIT do not count.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((address.ip, port))
+            except OSError:
+                taken.append(port)
+    return taken
+
+
 def _addresses(cidr: str) -> Iterator[str]:
     for host in ipaddress.ip_network(cidr).hosts():
         if not str(host).endswith((".0", ".1", ".255")):  # keep them for gateways, as clusters do

@@ -45,7 +45,7 @@ import kmock
 from ..inventory import MEMORY_LABEL
 from ..units import MiB
 from .kubelet import NODES, PODS, FakeKubelet, _now, required_node
-from .network import ClusterNetwork, PodAddress, container_port, pod_dns_names
+from .network import ClusterNetwork, PodAddress, container_port, pod_dns_names, taken_ports
 
 CONFIGMAPS = "v1/configmaps"
 LOG_TAIL_BYTES = 2048  # what FallbackToLogsOnError keeps of the log as the termination message
@@ -210,6 +210,17 @@ class ProcessKubelet(FakeKubelet):
             "startTime": _now(), "conditions": [{"type": "PodScheduled", "status": "True"},
                                                 {"type": "Ready", "status": "False"}],
             "containerStatuses": [self._cstatus(container, False, {"waiting": {"reason": "ContainerCreating"}})]})
+        taken = taken_ports(address, container)
+        if taken:  # on a real node each pod has its own ports; here one stray listener blocks them all
+            message = (f"port {', '.join(map(str, taken))} is taken on every address of this machine by another "
+                       f"process; stop it: the dev cluster's pods listen on their own addresses ({address.ip})")
+            await self._set_status(ns, name, {"phase": "Failed", "reason": "PortInUse", "message": message,
+                                              "containerStatuses": [self._cstatus(container, False, {"terminated": {
+                                                  "exitCode": 1, "reason": "PortInUse", "message": message,
+                                                  "finishedAt": _now()}})]})
+            self.network.unregister(uid)
+            del self.sandboxes[(ns, name)]
+            return
         try:
             mounts = await self._volumes(pod, sandbox)
             env = await self._environment(pod, container, node, sandbox, mounts)

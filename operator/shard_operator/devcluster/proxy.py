@@ -65,6 +65,8 @@ class ServiceProxy:
         self.listeners: dict[tuple[str, int], tuple[asyncio.AbstractServer, tuple[str, str]]] = {}
         self._turn = itertools.count()
         self.on_listen: Callable[[str, str, str], None] | None = None  # (namespace, name, URL)
+        self.on_error: Callable[[str], None] | None = None
+        self.errors: list[str] = []
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
 
@@ -111,7 +113,13 @@ class ServiceProxy:
 
             async def handle(request: web.BaseRequest, key=key, port=dict(port)) -> web.StreamResponse:
                 return await self._forward(request, key, port)
-            server = await asyncio.get_running_loop().create_server(web.Server(handle), ip, int(port["port"]))
+            try:
+                server = await asyncio.get_running_loop().create_server(web.Server(handle), ip, int(port["port"]))
+            except OSError as err:  # another process listens on that port on every address
+                self.errors.append(f"service {key[0]}/{key[1]}: cannot listen on {ip}:{port['port']}: {err}")
+                if self.on_error is not None:
+                    self.on_error(self.errors[-1])
+                continue
             self.listeners[(ip, int(port["port"]))] = (server, key)
             if self.on_listen is not None:
                 self.on_listen(*key, f"http://{ip}:{port['port']}")

@@ -19,7 +19,9 @@ from shard_operator.local import free_port
 from shard_worker.metrics import FAMILIES
 from shard_worker.rankmetrics import LEADER_FAMILIES
 
-from .conftest import (alive, get, rank_port, sharded_model_yaml, shardctl, stop, wait_for, worker_ranks)
+from tests.support.processes import alive, shardctl, worker_ranks
+
+from .conftest import get, rank_port, sharded_model_yaml, stop, wait_for
 
 pytestmark = pytest.mark.slow
 

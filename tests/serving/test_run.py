@@ -12,7 +12,9 @@ import pytest
 
 from shard_operator.local import free_port
 
-from .conftest import alive, get, sharded_model_yaml, shardctl, stop, wait_for, worker_ranks
+from tests.support.processes import alive, shardctl, worker_ranks
+
+from .conftest import get, sharded_model_yaml, stop, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,33 +16,11 @@ from shard_operator.workerenv import GenerateRequest, GenerateTask, WorkerEnv
 from shard_worker.accounting import Accounting
 from shard_worker.dist import RendezvousError, Topology, init_comm
 
+from tests.support.processes import children, is_worker, shardctl
+
 from .conftest import make_plan
 
 pytestmark = pytest.mark.slow
-
-
-def shardctl(*args: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "shard_operator.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kwargs)
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def is_worker(pid: int) -> bool:
-    try:
-        return b"shard_worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
 
 
 def test_shardctl_generate_json(checkpoint, hf_model):

@@ -86,7 +86,7 @@ def cmd_manifests(args: argparse.Namespace) -> int:
     """Print the objects the operator would create, built by the operator's own pure builders."""
     model = _pick_model(args.file, args.name)
     ctx = Context(owner=Owner(name=model.metadata.name, namespace=model.metadata.namespace or args.namespace),
-                  spec=model.spec, default_image=args.image)
+                  spec=model.spec, default_image=args.image, network_policy=not args.no_network_policy)
     check(ctx)
     profile = profile_model(model_dir_for(args, model))
     result = plan(profile, model.spec, inventory_for(args, model))
@@ -184,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", help="model directory to profile (default: from spec.model)")
     p.add_argument("--namespace", default="default", help="when the ShardedModel names none (default: default)")
     p.add_argument("--image", default=Settings().worker_image, help="worker image when spec.worker.image is unset")
+    p.add_argument("--no-network-policy", action="store_true",
+                   help="leave out the model's NetworkPolicy (as an operator installed with networkPolicy.enabled=false)")
     _add_inventory_args(p)
     p.set_defaults(func=cmd_manifests)
 

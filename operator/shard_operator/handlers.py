@@ -29,7 +29,7 @@ from .api import GROUP, PLURAL, VERSION, ShardedModelSpec, SpecError, parse_spec
 from .capacity import (GpuUse, fingerprint, free_gpus, gpu_use, healthy_nodes, slim_node,
                        used_per_node)
 from .inventory import inventory_from_nodes
-from .kube import KINDS, Kube
+from .kube import KINDS, NETWORK_POLICY, Kube
 from .manifests import (COMPONENT_LABEL, GROUP_LABEL, MODEL_LABEL, PLAN_KEY, REVISION_LABEL,
                         Context, Owner, check, drift_patch, group_objects, group_plan, group_revision,
                         model_label, model_objects, plan_record_name)
@@ -129,7 +129,8 @@ class Controller:
         previous = memory.status if memory.status is not None else body.get("status") or {}
         memory.wake_in = self.settings.resync_seconds
         selector = f"{MODEL_LABEL}={model_label(owner.name)}"
-        listing = {kind: self.kube.list(kind, owner.namespace, selector) for kind in KINDS}
+        kinds = (*KINDS, NETWORK_POLICY) if self.settings.network_policies else KINDS
+        listing = {kind: self.kube.list(kind, owner.namespace, selector) for kind in kinds}
 
         obs = self._observe(owner, generation, listing, world)
         current = _current_plan(listing["ConfigMap"], owner.name)
@@ -154,7 +155,8 @@ class Controller:
         ctx = choice = None
         try:
             obs.spec = parse_spec(body.get("spec") or {})
-            ctx = Context(owner=Owner.of(body), spec=obs.spec, default_image=self.settings.worker_image)
+            ctx = Context(owner=Owner.of(body), spec=obs.spec, default_image=self.settings.worker_image,
+                          network_policy=self.settings.network_policies)
             check(ctx)
             profile = self._profile(ctx, listing)
             if profile is None:

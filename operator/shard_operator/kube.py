@@ -18,7 +18,8 @@ from kubernetes.client import ApiException
 from .api import GROUP, PLURAL, VERSION
 
 MERGE = "application/merge-patch+json"
-KINDS = ("Pod", "Service", "ConfigMap")
+KINDS = ("Pod", "Service", "ConfigMap")  # what every reconcile lists
+NETWORK_POLICY = "NetworkPolicy"  # listed too with Settings.network_policies
 
 
 def load_client() -> kubernetes.client.ApiClient:
@@ -39,6 +40,7 @@ def client_for(config: kubernetes.client.Configuration) -> kubernetes.client.Api
 class Kube:
     def __init__(self, api_client: kubernetes.client.ApiClient):
         self.core = kubernetes.client.CoreV1Api(api_client)
+        self.networking = kubernetes.client.NetworkingV1Api(api_client)
         self.custom = kubernetes.client.CustomObjectsApi(api_client)
         self.calls: Counter = Counter()  # verb -> requests made (benchmarks, tests)
         self._lock = threading.Lock()
@@ -52,6 +54,8 @@ class Kube:
         return sum(n for verb, n in self.calls.items() if verb in ("create", "patch", "delete"))
 
     def _method(self, action: str, kind: str) -> Callable[..., Any]:
+        if kind == NETWORK_POLICY:
+            return getattr(self.networking, f"{action}_namespaced_network_policy")
         snake = {"Pod": "pod", "Service": "service", "ConfigMap": "config_map"}[kind]
         return getattr(self.core, f"{action}_namespaced_{snake}")
 

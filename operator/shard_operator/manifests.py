@@ -1,7 +1,8 @@
 """The Kubernetes objects of a ShardedModel, built from its spec and Plan. Pure: no API calls.
 
 Per model: a ClusterIP Service selecting the ready leaders (the inference endpoint), a headless
-Service over every rank (metrics scraping) and the plan record (a ConfigMap with the current Plan).
+Service over every rank (metrics scraping), the plan record (a ConfigMap with the current Plan)
+and, when enabled, a NetworkPolicy that opens the ranks' ports to the ranks of the same model.
 Per group (replica): a headless Service that gives each rank a DNS name, a ConfigMap with the
 group's plan, and one Pod per rank running `python -m shard_worker`, configured only by the
 environment of `workerenv.WorkerEnv` and the mounted plan.
@@ -90,6 +91,10 @@ def profile_name(model: str) -> str:
     return f"{base_name(model)}-profile"
 
 
+def network_policy_name(model: str) -> str:
+    return f"{base_name(model)}-ranks"
+
+
 # ---------------------------------------------------------------- inputs
 @dataclass(frozen=True)
 class Owner:
@@ -122,6 +127,7 @@ class Context:
     owner: Owner
     spec: ShardedModelSpec
     default_image: str
+    network_policy: bool = False  # Settings.network_policies
 
     @property
     def image(self) -> str:
@@ -154,7 +160,7 @@ def group_plan(plan: Plan, replica: int) -> Plan:
 
 # ---------------------------------------------------------------- per model
 def model_objects(ctx: Context, plan: Plan) -> list[dict[str, Any]]:
-    """The endpoint Service, the metrics Service and the plan record."""
+    """The endpoint Service, the metrics Service, the plan record and, when enabled, the NetworkPolicy."""
     owner, port = ctx.owner, ctx.spec.worker.port
     endpoint = {
         "apiVersion": "v1", "kind": "Service",
@@ -170,7 +176,23 @@ def model_objects(ctx: Context, plan: Plan) -> list[dict[str, Any]]:
         "spec": {"clusterIP": "None", "selector": {MODEL_LABEL: model_label(owner.name)},
                  "ports": [{"name": "metrics", "port": port, "targetPort": "http", "protocol": "TCP"}]},
     }
-    return [endpoint, metrics, plan_record(ctx.owner, plan)]
+    policy = [rank_network_policy(owner)] if ctx.network_policy else []
+    return [*policy, endpoint, metrics, plan_record(ctx.owner, plan)]
+
+
+def rank_network_policy(owner: Owner) -> dict[str, Any]:
+    """Every port of the model's ranks open to the ranks of the same model, in its namespace.
+
+    A rank meets its group on the rendezvous port, then NCCL and gloo connect on ephemeral ports,
+    so the rule opens every port, to the model's own ranks only. Policies add up: the serving port
+    is opened to clients by the chart's policy for all ranks; nothing else reaches these ports.
+    """
+    ranks = {"matchLabels": {MODEL_LABEL: model_label(owner.name)}}
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": owner.meta(network_policy_name(owner.name), {COMPONENT_LABEL: "network"}),
+        "spec": {"podSelector": ranks, "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": ranks}]}]},
+    }
 
 
 def plan_record(owner: Owner, plan: Plan) -> dict[str, Any]:

@@ -23,3 +23,13 @@ PERMISSIONS: dict[tuple[str, str], tuple[str, ...]] = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): ("list", "watch"),
     ("", "namespaces"): ("list", "watch"),
 }
+
+# Only with Settings.network_policies: each model's NetworkPolicy (see manifests.rank_network_policy).
+NETWORK_POLICY_PERMISSIONS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("networking.k8s.io", "networkpolicies"): ("list", "create", "patch"),
+}
+
+
+def permissions(network_policies: bool) -> dict[tuple[str, str], tuple[str, ...]]:
+    """What an operator with these settings may ask for."""
+    return {**PERMISSIONS, **(NETWORK_POLICY_PERMISSIONS if network_policies else {})}

@@ -51,6 +51,10 @@ class Settings:
     health_port: int = 8080
     # Python logging level of the operator (DEBUG, INFO, WARNING, ERROR).
     log_level: str = "INFO"
+    # Give each model a NetworkPolicy that opens its ranks' ports (rendezvous, then NCCL's and
+    # gloo's ephemeral ones) to the ranks of the same model only. The Helm chart turns it on with
+    # networkPolicy.enabled, and grants the permission it needs only then.
+    network_policies: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":

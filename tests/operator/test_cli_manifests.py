@@ -28,7 +28,7 @@ def test_manifests_for_the_example_on_the_example_pool(tmp_path, capsys):
     assert code == 0
     objects = list(yaml.safe_load_all(capsys.readouterr().out))
     kinds = [o["kind"] for o in objects]
-    assert kinds[:3] == ["Service", "Service", "ConfigMap"] and kinds.count("Pod") >= 1
+    assert kinds[:4] == ["NetworkPolicy", "Service", "Service", "ConfigMap"] and kinds.count("Pod") >= 1
     # Tainted (untolerated), cordoned and NotReady nodes are not used.
     assert usable_nodes() == {"gpu-h100-a", "gpu-l40s-a", "gpu-batch-a"}
     usable = usable_nodes()
@@ -39,6 +39,15 @@ def test_manifests_for_the_example_on_the_example_pool(tmp_path, capsys):
             WorkerEnv.from_env({e["name"]: e["value"] for e in obj["spec"]["containers"][0]["env"]})
             assert obj["spec"]["containers"][0]["image"] == "reg/worker:9"
             assert obj["metadata"]["annotations"]["sharding.dev/node"] in usable
+
+
+def test_manifests_leave_the_network_policy_out_when_asked(tmp_path, capsys):
+    model_dir = write_model(tmp_path / "tiny-llama")
+    code = main(["manifests", "-f", str(ROOT / "examples/shardedmodel.yaml"), "--model-dir", str(model_dir),
+                 "--nodes", str(ROOT / "examples/nodes.yaml"), "--no-network-policy"])
+    assert code == 0
+    kinds = [o["kind"] for o in yaml.safe_load_all(capsys.readouterr().out)]
+    assert "NetworkPolicy" not in kinds and "Pod" in kinds
 
 
 def test_manifests_refuse_a_model_no_pod_can_mount(capsys):

@@ -206,3 +206,16 @@ def test_drift_patch_ignores_server_defaults_and_restores_what_we_own():
     record = model_objects(ctx_for(), make_plan())[2]
     stale = {**record, "data": {"plan.json": "{}"}}
     assert drift_patch(record, stale) == {"data": record["data"]}
+
+
+def test_the_network_policy_opens_the_ranks_ports_to_their_own_model_only():
+    ctx = Context(owner=Owner(name="Llama.3", namespace="ns", uid="u"), spec=make_spec(), default_image="i",
+                  network_policy=True)
+    (policy,) = [o for o in desired_objects(ctx, make_plan()) if o["kind"] == "NetworkPolicy"]
+    ranks = {"matchLabels": {MODEL_LABEL: "Llama.3"}}
+    assert policy["spec"] == {"podSelector": ranks, "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": ranks}]}]}
+    assert DNS_LABEL.match(policy["metadata"]["name"]) and policy["metadata"]["ownerReferences"][0]["uid"] == "u"
+    pods = [o for o in desired_objects(ctx, make_plan()) if o["kind"] == "Pod"]
+    assert all(o["metadata"]["labels"][MODEL_LABEL] == "Llama.3" for o in pods)
+    kubernetes_validate.validate(policy, "1.33", strict=True)
+    assert not [o for o in desired_objects(ctx_for(), make_plan()) if o["kind"] == "NetworkPolicy"]

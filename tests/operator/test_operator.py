@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from shard_operator.permissions import PERMISSIONS
+from shard_operator.permissions import permissions
 from shard_operator.workerenv import WorkerEnv
 
 from tests.support.apiserver import SM
@@ -16,6 +16,8 @@ from tests.support.cluster import SEVEN_B, gpu_node, sharded_model, write_model
 from tests.support.operator import eventually
 
 from .conftest import RESIDENT, permission_of
+
+NETPOL = "networking.k8s.io/v1/networkpolicies"
 
 
 def uids(pods):
@@ -407,20 +409,40 @@ async def test_the_rbac_table_is_exactly_what_the_operator_uses(world):
     write_model(world.tmp / "pvc" / "tiny")
     body = sharded_model("m1", world.tmp / "unused" / "tiny", replicas=2)
     body["spec"]["model"] = {"path": "tiny", "volume": {"pvc": {"claimName": "weights"}}, "maxModelLen": 256}
-    async with world.operator():
-        await world.create(body)  # a profiling pod (pods/log), then groups
+    async with world.operator(network_policies=True):
+        created = await world.create(body)  # a profiling pod (pods/log), then groups
         await world.wait_phase("m1", "Ready")
         await world.emu.k8s_patch("v1/services", "default", "m1", {"spec": {"selector": {"x": "y"}}})
+        await world.emu.k8s_patch(NETPOL, "default", "m1-ranks", {"spec": {"podSelector": {"matchLabels": {"sharding.dev/model": "x"}}}})
         await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"replicas": 1}})  # deletes a group
         await eventually(lambda: _pod_count(world, "m1", 2))
         await eventually(lambda: _selector_restored(world))
+        policy = await eventually(lambda: _policy_restored(world))
+    assert [r["uid"] for r in policy["metadata"]["ownerReferences"]] == [created["metadata"]["uid"]]
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"sharding.dev/model": "m1"}}}]}]
     used: dict = {}
     for request in world.emu.api_requests():
         perm = permission_of(request)
         if perm is not None:
             used.setdefault(perm[0], set()).add(perm[1])
-    expected = {key: set(verbs) for key, verbs in PERMISSIONS.items() if key != ("", "namespaces")}
+    expected = {key: set(verbs) for key, verbs in permissions(network_policies=True).items()
+                if key != ("", "namespaces")}
     assert used == expected  # namespaces: only kopf's namespace patterns (SHARD_OPERATOR_NAMESPACES=a-*)
+
+
+async def test_without_network_policies_the_operator_makes_none(world):
+    await world.add_node(gpu_node("a"))
+    async with world.operator():
+        await world.create(sharded_model("m1", write_model(world.tmp / "models" / "tiny")))
+        await world.wait_phase("m1", "Ready")
+    assert await world.objects(NETPOL, "m1") == []
+    asked = {perm[0] for perm in map(permission_of, world.emu.api_requests()) if perm is not None}
+    assert ("networking.k8s.io", "networkpolicies") not in asked
+
+
+async def _policy_restored(world):
+    policy = await world.emu.k8s_get(NETPOL, "default", "m1-ranks")
+    return policy if policy["spec"]["podSelector"] == {"matchLabels": {"sharding.dev/model": "m1"}} else None
 
 
 async def _selector_restored(world):

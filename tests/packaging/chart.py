@@ -15,7 +15,7 @@ CHART = REPO / "helm" / "shard-operator"
 RELEASE, NAMESPACE = "so", "shard-system"
 
 # Values far from the defaults: a few watched namespaces, operator settings, a model mount,
-# monitoring on, isolated models, restricted serving ports, a digest-pinned image. Rendered with
+# monitoring on, restricted serving ports, a digest-pinned image. Rendered with
 # the Prometheus Operator's API announced, so the PodMonitor appears.
 CUSTOM_VALUES: dict[str, Any] = {
     "image": {"repository": "registry.example/ml/shard-operator", "digest": "sha256:" + "ab" * 32,
@@ -35,7 +35,7 @@ CUSTOM_VALUES: dict[str, Any] = {
     "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ops", "effect": "NoSchedule"}],
     "priorityClassName": "system-cluster-critical",
     "metrics": {"podMonitor": {"enabled": True, "interval": "30s", "labels": {"release": "prometheus"}}},
-    "networkPolicy": {"servingPorts": [8000, 8080], "isolateModels": ["llama-70b"],
+    "networkPolicy": {"servingPorts": [8000, 8080],
                       "servingFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}]},
     "dashboard": {"namespace": "monitoring", "labels": {"grafana_dashboard": "1", "team": "ml"},
                   "annotations": {"grafana_folder": "LLM"}},
@@ -97,7 +97,8 @@ def selects(selector: dict, labels: dict[str, str]) -> bool:
     return True
 
 
-def operator_objects(example: str = "pipeline-explicit.yaml", model: str = "llama-3-8b") -> list[dict[str, Any]]:
+def operator_objects(example: str = "pipeline-explicit.yaml", model: str = "llama-3-8b",
+                     network_policy: bool = True) -> list[dict[str, Any]]:
     """What the operator would create for an example ShardedModel (its checkpoint in a PVC; the
     config of examples/models/<model> stands for it) on examples/nodes.yaml: the same profiler,
     planner and pure builders the operator runs (shard_operator.manifests)."""
@@ -112,5 +113,5 @@ def operator_objects(example: str = "pipeline-explicit.yaml", model: str = "llam
     profile = profile_model(REPO / "examples" / "models" / model)
     inventory = inventory_from_nodes(load_nodes(REPO / "examples" / "nodes.yaml"), sharded.spec.placement)
     owner = Owner(name=sharded.metadata.name, namespace=sharded.metadata.namespace or NAMESPACE)
-    return desired_objects(Context(owner=owner, spec=sharded.spec, default_image="worker:test"),
-                           plan(profile, sharded.spec, inventory))
+    ctx = Context(owner=owner, spec=sharded.spec, default_image="worker:test", network_policy=network_policy)
+    return desired_objects(ctx, plan(profile, sharded.spec, inventory))

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import pytest
 
-from .chart import NAMESPACE, find, operator_objects, render, selects
+from shard_operator.manifests import Owner, rank_network_policy
+
+from .chart import NAMESPACE, find, operator_objects, selects
 
 RENDEZVOUS, NCCL_EPHEMERAL, SERVING = 29500, 43117, 8000
 
@@ -53,41 +54,42 @@ def allowed(policies: list[dict], src: Pod, dst: Pod, port: int) -> bool:
     return False
 
 
-def policies(objects) -> list[dict]:
-    return find(objects, "NetworkPolicy")
+def policies(objects, models: tuple[tuple[str, str], ...] = ()) -> list[dict]:
+    """The chart's NetworkPolicies, plus the ones the operator makes for (model, namespace) pairs."""
+    return find(objects, "NetworkPolicy") + [rank_network_policy(Owner(name, namespace)) for name, namespace in models]
 
 
-def test_default_ranks_reach_each_other_and_others_reach_only_serving(default_objects):
-    pols = policies(default_objects)
+def test_ranks_of_a_model_reach_each_other_and_everyone_else_only_serving(default_objects):
+    pols = policies(default_objects, (("alpha", NAMESPACE), ("beta", NAMESPACE)))
     a0, a1, b0 = rank("alpha", NAMESPACE), rank("alpha", NAMESPACE), rank("beta", NAMESPACE)
     stranger = Pod(NAMESPACE, {"app": "curl"})
     outside = Pod("default", {"app": "gateway"})
     for port in (RENDEZVOUS, NCCL_EPHEMERAL, SERVING):
         assert allowed(pols, a1, a0, port)
-    for src in (stranger, outside):
+    for src in (stranger, outside, b0):
         assert allowed(pols, src, a0, SERVING)
         assert not allowed(pols, src, a0, RENDEZVOUS)
         assert not allowed(pols, src, a0, NCCL_EPHEMERAL)
-    # Without a list of models to isolate, ranks of another model in the namespace are peers too.
-    assert allowed(pols, b0, a0, RENDEZVOUS)
 
 
-def test_isolated_model_accepts_rendezvous_only_from_its_own_ranks(custom_objects):
-    pols = policies(custom_objects)
-    for ns in ("inference", "research"):
-        big0, big1, small = rank("llama-70b", ns), rank("llama-70b", ns), rank("llama-8b", ns)
-        assert allowed(pols, big1, big0, RENDEZVOUS) and allowed(pols, big1, big0, NCCL_EPHEMERAL)
-        assert not allowed(pols, small, big0, RENDEZVOUS)
-        assert not allowed(pols, small, big0, NCCL_EPHEMERAL)
-        # Ranks of models not listed accept each other, as in the default.
-        assert allowed(pols, rank("llama-8b", ns), small, RENDEZVOUS)
-    # The same model name in another namespace is another model.
-    assert not allowed(pols, rank("llama-70b", "research"), rank("llama-70b", "inference"), RENDEZVOUS)
+def test_without_the_operator_policy_ranks_get_only_serving_traffic(default_objects):
+    """The chart alone opens no rank port between ranks: each model's own policy does."""
+    pols = policies(default_objects)
+    assert not allowed(pols, rank("alpha", NAMESPACE), rank("alpha", NAMESPACE), RENDEZVOUS)
+    assert allowed(pols, rank("alpha", NAMESPACE), rank("alpha", NAMESPACE), SERVING)
+
+
+def test_the_same_model_name_in_another_namespace_is_another_model(custom_objects):
+    pols = policies(custom_objects, (("llama-70b", "inference"), ("llama-70b", "research")))
+    big0, big1 = rank("llama-70b", "inference"), rank("llama-70b", "inference")
+    assert allowed(pols, big1, big0, RENDEZVOUS) and allowed(pols, big1, big0, NCCL_EPHEMERAL)
+    assert not allowed(pols, rank("llama-70b", "research"), big0, RENDEZVOUS)
+    assert not allowed(pols, rank("llama-8b", "inference"), big0, NCCL_EPHEMERAL)
 
 
 @pytest.mark.parametrize("port", [SERVING, 8080])
 def test_serving_ports_only_from_the_configured_peers_and_the_operator(custom_objects, port):
-    pols = policies(custom_objects)
+    pols = policies(custom_objects, (("llama-70b", "inference"),))
     dst = rank("llama-70b")
     gateway = Pod("gateway", {"app": "envoy"})
     operator = Pod(NAMESPACE, {"app.kubernetes.io/name": "shard-operator", "app.kubernetes.io/instance": "so"})
@@ -99,29 +101,22 @@ def test_serving_ports_only_from_the_configured_peers_and_the_operator(custom_ob
 
 
 def test_rank_pods_the_operator_builds_get_exactly_the_intended_access(default_objects):
-    pols = policies(default_objects)
-    rank_pods = find(operator_objects(), "Pod")
+    built = operator_objects()
+    pols = policies(default_objects) + find(built, "NetworkPolicy")
+    rank_pods = find(built, "Pod")
     assert len(rank_pods) >= 2
     stranger = Pod(NAMESPACE, {"app": "curl"})
+    other_model = rank("another-model", NAMESPACE)
     for dst in rank_pods:
         target = Pod(dst["metadata"]["namespace"], dst["metadata"]["labels"])
         ports = {p["name"]: p["containerPort"] for p in dst["spec"]["containers"][0]["ports"]}
         for src in rank_pods:
             source = Pod(src["metadata"]["namespace"], src["metadata"]["labels"])
             assert all(allowed(pols, source, target, port) for port in [*ports.values(), NCCL_EPHEMERAL])
-        assert allowed(pols, stranger, target, ports["http"])
-        assert not allowed(pols, stranger, target, ports["rendezvous"])
-
-
-def test_isolated_models_with_long_names_get_distinct_valid_policies():
-    long_a, long_b = "a" * 60 + "x", "a" * 60 + "y"
-    objects = render(sets=[f"networkPolicy.isolateModels={{{long_a},{long_b},llama-3.1-8b}}"])
-    names = [p["metadata"]["name"] for p in policies(objects)]
-    assert len(set(names)) == len(names) == 5  # workers, operator, three models
-    assert all(len(n) <= 63 and re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", n) for n in names), names
-    pols = policies(objects)
-    assert not allowed(pols, rank(long_b, NAMESPACE), rank(long_a, NAMESPACE), RENDEZVOUS)
-    assert allowed(pols, rank(long_a, NAMESPACE), rank(long_a, NAMESPACE), RENDEZVOUS)
+        for src in (stranger, other_model):
+            assert allowed(pols, src, target, ports["http"])
+            assert not allowed(pols, src, target, ports["rendezvous"])
+            assert not allowed(pols, src, target, NCCL_EPHEMERAL)
 
 
 def test_policies_cover_the_namespaces_where_models_run(default_objects, custom_objects):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from shard_operator.permissions import PERMISSIONS
+from shard_operator.permissions import NETWORK_POLICY_PERMISSIONS, PERMISSIONS, permissions
 
-from .chart import CUSTOM_VALUES, NAMESPACE, find, one
+from .chart import CUSTOM_VALUES, NAMESPACE, find, one, render
 
 # Resources of PERMISSIONS that are not namespaced: they can only be granted by a ClusterRole.
 CLUSTER_SCOPED = {("", "nodes"), ("", "namespaces"), ("apiextensions.k8s.io", "customresourcedefinitions")}
@@ -24,14 +24,18 @@ def granted(roles) -> dict[tuple[str, str], set[str]]:
     return dict(grants)
 
 
-def expected(scope: set[tuple[str, str]] | None = None) -> dict[tuple[str, str], set[str]]:
-    return {key: set(verbs) for key, verbs in PERMISSIONS.items() if scope is None or key in scope}
+# The chart's default (networkPolicy.enabled): the operator also manages each model's NetworkPolicy.
+ALL = permissions(network_policies=True)
+
+
+def expected(scope: set[tuple[str, str]]) -> dict[tuple[str, str], set[str]]:
+    return {key: set(verbs) for key, verbs in ALL.items() if key in scope}
 
 
 def rules_yaml(scope: set[tuple[str, str]]) -> str:
     """The rules a template should hold for `scope`, grouped as _rbac.tpl writes them (for the failure message)."""
     grouped: dict[tuple[str, tuple[str, ...]], list[str]] = defaultdict(list)
-    for (group, resource), verbs in PERMISSIONS.items():
+    for (group, resource), verbs in ALL.items():
         if (group, resource) in scope:
             grouped[(group, verbs)].append(resource)
     return "\n".join(f'- apiGroups: ["{group}"]\n  resources: [{", ".join(resources)}]\n  verbs: [{", ".join(verbs)}]'
@@ -42,7 +46,12 @@ def assert_grants(roles, scope: set[tuple[str, str]]) -> None:
     assert granted(roles) == expected(scope), (
         "the chart's RBAC differs from operator/shard_operator/permissions.py; in "
         "helm/shard-operator/templates/_rbac.tpl make\nclusterScopedRules:\n"
-        f"{rules_yaml(set(PERMISSIONS) & CLUSTER_SCOPED)}\nnamespacedRules:\n{rules_yaml(set(PERMISSIONS) - CLUSTER_SCOPED)}")
+        f"{rules_yaml(set(ALL) & CLUSTER_SCOPED)}\nnamespacedRules:\n{rules_yaml(set(ALL) - CLUSTER_SCOPED)}")
+
+
+def operator_env(objects) -> dict[str, str]:
+    container = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value") for e in container["env"]}
 
 
 def test_no_wildcards_anywhere(rendered):
@@ -54,13 +63,22 @@ def test_no_wildcards_anywhere(rendered):
 
 def test_cluster_wide_grants_exactly_the_permission_table(default_objects):
     role = one(default_objects, "ClusterRole")
-    assert_grants([role], set(PERMISSIONS))
+    assert_grants([role], set(ALL))
     assert not find(default_objects, "Role")
+    assert operator_env(default_objects)["SHARD_OPERATOR_NETWORK_POLICIES"] == "true"
+
+
+def test_without_network_policies_the_operator_neither_makes_them_nor_may():
+    objects = render(sets=["networkPolicy.enabled=false"])
+    assert not find(objects, "NetworkPolicy")
+    assert_grants([one(objects, "ClusterRole")], set(PERMISSIONS))
+    assert not set(NETWORK_POLICY_PERMISSIONS) & set(granted([one(objects, "ClusterRole")]))
+    assert operator_env(objects)["SHARD_OPERATOR_NETWORK_POLICIES"] == "false"
 
 
 def test_watched_namespaces_get_the_namespaced_permissions_only_there(custom_objects):
-    namespaced = set(PERMISSIONS) - CLUSTER_SCOPED
-    assert_grants(find(custom_objects, "ClusterRole"), set(PERMISSIONS) & CLUSTER_SCOPED)
+    namespaced = set(ALL) - CLUSTER_SCOPED
+    assert_grants(find(custom_objects, "ClusterRole"), set(ALL) & CLUSTER_SCOPED)
     roles = find(custom_objects, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == sorted(CUSTOM_VALUES["watchNamespaces"])
     for role in roles:

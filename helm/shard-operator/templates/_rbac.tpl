@@ -1,6 +1,6 @@
 {{/*
 The operator's permissions, exactly operator/shard_operator/permissions.py (a test compares them
-and prints these rules when the table changes). Split by scope so that watching a few namespaces
+and prints these rules when the table changes); NETWORK_POLICY_PERMISSIONS with networkPolicy.enabled. Split by scope so that watching a few namespaces
 grants the namespaced ones only there.
 */}}
 
@@ -40,4 +40,10 @@ grants the namespaced ones only there.
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+{{- if .Values.networkPolicy.enabled }}
+# Per model, the NetworkPolicy that opens its ranks' ports to its own ranks only.
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [list, create, patch]
+{{- end }}
 {{- end }}

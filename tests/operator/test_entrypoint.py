@@ -1,4 +1,5 @@
-"""`python -m shard_operator` as a process: KUBECONFIG, settings from the environment, clean stop."""
+"""`python -m shard_operator` as a process: KUBECONFIG, settings from the environment, its metrics
+endpoint, clean stop."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import os
 import signal
 import sys
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shard_operator.local import free_port
 
 from tests.support.apiserver import serve, write_kubeconfig
 from tests.support.cluster import gpu_node, sharded_model, write_model
@@ -20,7 +25,9 @@ async def test_the_operator_process_connects_through_kubeconfig_and_stops_on_sig
     model_dir = write_model(tmp_path / "models" / "tiny")
     async with serve() as (emu, url), FakeKubelet(emu):
         await emu.k8s_create("v1/nodes", None, gpu_node("a"))
+        metrics_port = free_port()
         env = {**os.environ, "KUBECONFIG": str(write_kubeconfig(tmp_path / "kubeconfig", url)),
+               "SHARD_OPERATOR_METRICS_PORT": str(metrics_port),
                "SHARD_OPERATOR_HOST_PATH_PREFIX": "", "SHARD_OPERATOR_HEALTH_PORT": "0",
                "SHARD_OPERATOR_STATUS_POLL_SECONDS": "0", "SHARD_OPERATOR_DEBOUNCE_SECONDS": "0.01",
                "SHARD_OPERATOR_WORKER_IMAGE": "example.com/from-env:1"}
@@ -35,6 +42,11 @@ async def test_the_operator_process_connects_through_kubeconfig_and_stops_on_sig
             await eventually(ready, timeout=60)
             pods = await emu.k8s_list("v1/pods", "default", "sharding.dev/model=m1")
             assert {p["spec"]["containers"][0]["image"] for p in pods} == {"example.com/from-env:1"}
+            async with httpx.AsyncClient() as client:
+                text = (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+            ready = [s for f in text_string_to_metric_families(text) for s in f.samples
+                     if s.name == "shard_operator_models" and s.labels == {"phase": "Ready"}]
+            assert [s.value for s in ready] == [1.0]
         finally:
             proc.send_signal(signal.SIGTERM)
             output, _ = await asyncio.wait_for(proc.communicate(), timeout=30)

@@ -7,7 +7,10 @@ RBAC table in permissions.py.
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
+from shard_operator.opmetrics import ControllerCollector
 from shard_operator.permissions import permissions
 from shard_operator.workerenv import WorkerEnv
 
@@ -465,3 +468,29 @@ async def test_a_failed_profiling_pod_is_reported_and_kept(world):
     profilers = [p for p in await world.objects("v1/pods", "m1") if p["metadata"]["labels"]["sharding.dev/component"] == "profiler"]
     assert len(profilers) == 1  # kept for `kubectl logs`, not recreated in a loop
     assert not await world.pods("m1")
+
+
+async def test_the_operator_metrics_say_what_it_did_and_what_it_sees(world):
+    await world.add_node(gpu_node("a"))
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator() as op:
+        registry = CollectorRegistry()
+        registry.register(ControllerCollector(op))
+        await world.create(sharded_model("good", model_dir))
+        await world.create(sharded_model("bad", model_dir, tensor=3))
+        await world.wait_phase("good", "Ready")
+        await world.wait_phase("bad", "Failed")
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for family in text_string_to_metric_families(generate_latest(registry).decode())
+                   for s in family.samples}
+        reconciles, created = op.reconciles, op.kube.calls["create"]
+    assert samples[("shard_operator_models", (("phase", "Ready"),))] == 1
+    assert samples[("shard_operator_models", (("phase", "Failed"),))] == 1
+    assert samples[("shard_operator_models", (("phase", "Pending"),))] == 0
+    assert samples[("shard_operator_replicas", (("model", "good"), ("namespace", "default")))] == 1
+    assert samples[("shard_operator_ready_replicas", (("model", "good"), ("namespace", "default")))] == 1
+    assert samples[("shard_operator_ready_replicas", (("model", "bad"), ("namespace", "default")))] == 0
+    assert 0 < samples[("shard_operator_reconciles_total", ())] <= reconciles
+    assert samples[("shard_operator_reconcile_failures_total", ())] == 0
+    assert 0 < samples[("shard_operator_api_requests_total", (("verb", "create"),))] <= created
+    assert samples[("shard_operator_reconcile_seconds_count", ())] >= 2

@@ -60,7 +60,7 @@ def test_every_rendered_manifest_validates_strictly(rendered, version):
 def test_default_render_has_the_expected_objects(default_objects):
     kinds = sorted(o["kind"] for o in default_objects)
     assert kinds == sorted(["CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
-                            "Deployment", "ConfigMap", "NetworkPolicy", "NetworkPolicy"])
+                            "Deployment", "Service", "ConfigMap", "NetworkPolicy", "NetworkPolicy"])
     for obj in default_objects:
         if obj["kind"] not in ("CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"):
             assert obj["metadata"]["namespace"] == NAMESPACE, obj["metadata"]["name"]
@@ -88,11 +88,39 @@ def test_pod_monitor_scrapes_every_rank_pod_the_operator_builds(custom_values_fi
         assert endpoint["port"] in {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
 
 
+@pytest.mark.parametrize("which", ["default", "custom"])
+def test_the_metrics_service_and_service_monitor_reach_the_operator_metrics_port(which, custom_values_file):
+    objects = render() if which == "default" else render(custom_values_file, api_versions=MONITORING_API)
+    pod = one(objects, "Deployment")["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    service = one(objects, "Service")
+    assert selects({"matchLabels": service["spec"]["selector"]}, pod["metadata"]["labels"])
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] == "metrics" and ports["metrics"] == port["port"] == int(env["SHARD_OPERATOR_METRICS_PORT"])
+    assert ports["metrics"] == (8081 if which == "default" else CUSTOM_VALUES["metrics"]["port"])
+    if which == "custom":
+        monitor = one(objects, "ServiceMonitor")
+        assert selects(monitor["spec"]["selector"], service["metadata"]["labels"])
+        assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+        assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    else:
+        assert not find(objects, "ServiceMonitor")
+
+
+def test_no_operator_metrics_without_a_port():
+    objects = render(sets=["metrics.port=0", "metrics.serviceMonitor.enabled=true"], api_versions=MONITORING_API)
+    assert not find(objects, "Service") and not find(objects, "ServiceMonitor")
+    container = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert [p["name"] for p in container["ports"]] == ["health"]
+
+
 def test_notes_warn_when_monitors_cannot_be_created(custom_values_file):
     # `helm template` does not print NOTES.txt; `helm install --dry-run` renders it offline.
     out = helm("install", "so", str(CHART), "--dry-run=client", "--namespace", NAMESPACE,
                "--values", str(custom_values_file)).stdout
-    assert "no PodMonitor was created" in out
+    assert "no PodMonitor was created" in out and "no ServiceMonitor was created" in out
     assert "shardctl plan -f shardedmodel.yaml --nodes <(kubectl get nodes -o yaml)" in out
     # (`helm install` cannot announce extra APIs; with monitors off there is nothing to warn about.)
     quiet = helm("install", "so", str(CHART), "--dry-run=client", "--namespace", NAMESPACE).stdout
@@ -137,6 +165,8 @@ def test_values_reach_the_operator_settings(default_objects, custom_objects):
     assert (custom.status_poll_seconds, custom.restart_budget, custom.settle_seconds) == (15.0, 5, 0.5)
     assert custom.host_path_prefix == "/host" and custom.health_port == CUSTOM_VALUES["healthPort"]
     assert (default.log_level, custom.log_level) == ("INFO", "DEBUG")
+    assert (default.metrics_port, custom.metrics_port) == (8081, CUSTOM_VALUES["metrics"]["port"])
+    assert default.network_policies is True
 
 
 def test_images_follow_the_values(default_objects, custom_objects):

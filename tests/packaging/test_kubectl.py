@@ -19,7 +19,8 @@ from tests.support.k8s_binaries import binary
 from .chart import CHART, MONITORING_API, NAMESPACE, REPO, SIZING_COMMAND, helm, template_args
 
 EXAMPLES = REPO / "examples"
-MONITORING = [("monitoring.coreos.com/v1/podmonitors", "PodMonitor")]
+MONITORING = [("monitoring.coreos.com/v1/podmonitors", "PodMonitor"),
+              ("monitoring.coreos.com/v1/servicemonitors", "ServiceMonitor")]
 
 
 class Kubectl:

@@ -1,0 +1,61 @@
+"""The operator's own Prometheus metrics: what it does (reconciles, failures, API requests, time
+per reconcile) and what it sees (ShardedModels by phase, wanted and serving groups per model).
+
+Everything is read from the Controller when Prometheus scrapes: the reconcile keeps its plain
+counters and its last status per model, and nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator, get_args
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .api import Phase
+
+if TYPE_CHECKING:
+    from .handlers import Controller
+
+
+class ControllerCollector(Collector):
+    def __init__(self, controller: "Controller"):
+        self.controller = controller
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.controller
+        yield CounterMetricFamily("shard_operator_reconciles", "Reconciles run, failed ones included.",
+                                  value=c.reconciles)
+        yield CounterMetricFamily("shard_operator_reconcile_failures",
+                                  "Reconciles that raised; the model's loop retries within 5 s.", value=c.failures)
+        requests = CounterMetricFamily("shard_operator_api_requests",
+                                       "Requests the reconciles made to the Kubernetes API (kopf's watches aside).",
+                                       labels=["verb"])
+        for verb, n in sorted(c.kube.calls.items()):
+            requests.add_metric([verb], n)
+        yield requests
+        yield from c.reconcile_seconds.collect()
+
+        statuses = dict(c.statuses)  # the model loops add and remove entries meanwhile
+        phases = GaugeMetricFamily("shard_operator_models", "ShardedModels by phase.", labels=["phase"])
+        for phase in get_args(Phase):
+            phases.add_metric([phase], sum(1 for s in statuses.values() if s.get("phase") == phase))
+        yield phases
+        wanted = GaugeMetricFamily("shard_operator_replicas", "Groups (replicas) a ShardedModel asks for.",
+                                   labels=["namespace", "model"])
+        serving = GaugeMetricFamily("shard_operator_ready_replicas", "Groups of a ShardedModel that are serving.",
+                                    labels=["namespace", "model"])
+        for (namespace, model), status in sorted(statuses.items()):
+            wanted.add_metric([namespace, model], status.get("replicas") or 0)
+            serving.add_metric([namespace, model], status.get("readyReplicas") or 0)
+        yield wanted
+        yield serving
+
+
+def serve(controller: "Controller", port: int) -> CollectorRegistry:
+    """Expose the controller's metrics on http://0.0.0.0:<port>/metrics (a daemon thread)."""
+    registry = CollectorRegistry()
+    registry.register(ControllerCollector(controller))
+    start_http_server(port, addr="0.0.0.0", registry=registry)
+    return registry

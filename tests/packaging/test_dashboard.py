@@ -1,4 +1,5 @@
-"""The Grafana dashboard queries only metrics the workers export, and has the panels operators need."""
+"""The Grafana dashboard queries only metrics the workers and the operator export, and has the panels
+operators need."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import re
 
 import promql_parser
 import pytest
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from shard_operator.opmetrics import ControllerCollector
 from shard_worker.metrics import FAMILIES, LABELS, WorkerMetrics
 
 from .chart import CHART, one
@@ -18,16 +20,36 @@ DASHBOARD = CHART / "dashboards" / "shard-operator.json"
 # Grafana's interval macros are not PromQL: a duration stands in for them before parsing.
 MACROS = re.compile(r"\$__(rate_interval|interval|range)\b")
 LABEL_VALUES = re.compile(r"^label_values\((?P<selector>.+),\s*(?P<label>\w+)\)$")
-# Labels a series may carry: the worker's own, histogram buckets', and those Prometheus adds to
-# every target scraped through the PodMonitor.
+# Labels a series may carry: the worker's own, the operator's, histogram buckets', and those
+# Prometheus adds to every target scraped through the PodMonitor.
 KNOWN_LABELS = {*LABELS, *(label for _, _, extra in FAMILIES.values() for label in extra), "le",
-                "namespace", "pod", "container", "job", "instance"}
+                "namespace", "pod", "container", "job", "instance", "phase", "verb"}
 # Panels the operations guide promises (issue: packaging).
 REQUIRED_PANELS = [
     "Resident vs predicted memory per partition", "Communication throughput per rank",
     "Communication time per rank", "Compute and idle time per stage", "Request latency p50 / p99",
-    "Time to first token p50 / p99", "Tokens/s", "Ready groups",
+    "Time to first token p50 / p99", "Tokens/s", "Ready groups", "Models by phase", "Reconciles/s and failures/s",
 ]
+
+
+class StubController:
+    """What the operator's collector reads, with one model and one request of each verb."""
+
+    reconciles, failures = 3, 1
+    kube = type("Kube", (), {"calls": {"list": 3, "create": 1, "patch": 1, "delete": 1}})()
+    statuses = {("ns", "m"): {"phase": "Ready", "replicas": 1, "readyReplicas": 1}}
+
+    def __init__(self):
+        self.reconcile_seconds = Histogram("shard_operator_reconcile_seconds", "t", registry=None)
+        self.reconcile_seconds.observe(0.1)
+
+
+def operator_names() -> set[str]:
+    """Every sample name the operator's /metrics carries."""
+    registry = CollectorRegistry()
+    registry.register(ControllerCollector(StubController()))
+    text = generate_latest(registry).decode()
+    return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
 def exported_names() -> set[str]:
@@ -102,7 +124,8 @@ def test_exported_names_follow_prometheus_conventions():
 
 
 def test_every_query_names_only_exported_metrics():
-    exported = exported_names()
+    operator = operator_names()
+    exported = exported_names() | operator
     exprs = queries(dashboard())
     assert len(exprs) >= 15
     used: set[str] = set()
@@ -110,12 +133,14 @@ def test_every_query_names_only_exported_metrics():
         names, labels = references(expr)
         assert names, f"no metric in {expr!r}"
         unknown = names - exported
-        assert not unknown, f"{expr!r} queries {sorted(unknown)}, which no worker exports"
+        assert not unknown, f"{expr!r} queries {sorted(unknown)}, which neither workers nor the operator export"
         assert labels <= KNOWN_LABELS, f"{expr!r} uses labels {sorted(labels - KNOWN_LABELS)} no series has"
         used |= names
     # Every family is on the dashboard somewhere (histograms through any of their series).
     families = {n.removesuffix(s) for n in used for s in ("_bucket", "_sum", "_count", "_total") if n.endswith(s)} | used
     assert set(FAMILIES) <= families, f"not on the dashboard: {sorted(set(FAMILIES) - families)}"
+    assert operator <= used | {n for n in operator if n.endswith(("_sum", "_count", "_created"))}, \
+        f"operator metrics not on the dashboard: {sorted(operator - used)}"
 
 
 @pytest.mark.parametrize("expr, names", [

@@ -180,16 +180,37 @@ class Comm:
     # ------------------------------------------------------------ control (leader -> all)
     def broadcast_json(self, obj: Any = None) -> Any:
         """The leader's `obj` on every rank (others pass None). JSON bytes, never pickle."""
-        start = time.perf_counter()
         data = json.dumps(obj).encode() if self.topo.is_leader else b""
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self.control_group)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.topo.is_leader \
+        buf = self._broadcast_bytes(data, 0, self.control_group, self._broadcast_size)
+        return json.loads(bytes(buf.numpy())) if buf.numel() else None
+
+    def broadcast_in_stage(self, obj: Any = None) -> Any:
+        """This stage's first TP rank's `obj` on each of its TP peers (JSON; the others pass None).
+        A falsy `obj` arrives as None after one size exchange only (through shared memory where
+        the peers have it): cheap enough to call at every decode step."""
+        source = self.tp_ranks[0]
+        data = json.dumps(obj).encode() if obj and self.topo.rank == source else b""
+        buf = self._broadcast_bytes(data, source, self.tp_group, self._stage_size)
+        return json.loads(bytes(buf.numpy())) if buf.numel() else None
+
+    def _broadcast_size(self, size: torch.Tensor, src: int, group: Any) -> torch.Tensor:
+        dist.broadcast(size, src=src, group=group)
+        return size
+
+    def _stage_size(self, size: torch.Tensor, src: int, group: Any) -> torch.Tensor:
+        if self.shm is None:
+            return self._broadcast_size(size, src, group)
+        return self.shm.all_gather(size)[:1]  # every peer's part; the source's comes first
+
+    def _broadcast_bytes(self, data: bytes, src: int, group: Any, exchange_size) -> torch.Tensor:
+        start = time.perf_counter()
+        size = exchange_size(torch.tensor([len(data)], dtype=torch.int64), src, group)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data \
             else torch.empty(int(size.item()), dtype=torch.uint8)
         if buf.numel():
-            dist.broadcast(buf, src=0, group=self.control_group)
+            dist.broadcast(buf, src=src, group=group)
         self.acct.comm("broadcast", buf.numel() + 8, time.perf_counter() - start)
-        return json.loads(bytes(buf.numpy())) if buf.numel() else None
+        return buf
 
     def gather_json(self, obj: Any) -> list[Any] | None:
         """Every rank's `obj`, in rank order, on the leader (None elsewhere)."""

@@ -11,7 +11,7 @@ its row and decodes with the others from the next step. A sequence's answer is d
 stops, not when the batch ends. The batch ends when every sequence has stopped; the next one
 starts at column 0 again, so a request that could not join (its prompt is longer than the
 current column, or the batch has too few columns left) waits at most for the running batch to
-drain.
+drain (at most maxModelLen steps: the column moves one a step, and no one joins past it).
 
 Only the engine thread touches torch.distributed. The HTTP side talks to it through `Sink`s:
 each request's events are handed to its asyncio loop, never awaited by the engine.

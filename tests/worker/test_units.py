@@ -97,6 +97,11 @@ def test_prefill_units_cover_each_cell_once_in_order(batch, cols, stages, chunk)
     assert sum(u.emits for u in units) == len(split(batch, stages))
 
 
+def test_a_joiners_prefill_fills_its_row_from_its_padding_to_the_decode_column():
+    units = prefill_units((3, 4), (7, 12), stages=2, chunk=3)
+    assert [(u.r0, u.r1, u.c0, u.c1, u.emits) for u in units] == [(3, 4, 7, 10, False), (3, 4, 10, 12, True)]
+
+
 def test_topology_neighbours():
     t = Topology(rank=5, tp=2, pp=3)  # stage 2, tp_rank 1
     assert (t.stage, t.tp_rank, t.is_last, t.prev, t.next, t.first, t.last) == (2, 1, True, 3, None, 1, 5)

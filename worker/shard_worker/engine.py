@@ -304,10 +304,11 @@ class Engine:
         (one small message a step: they must all run the same units)."""
         chosen: list[GenerateRequest] | None = None
         if hooks is not None:
-            chosen = hooks.admit(len(seqs.free_rows()), col)
-            wrong = [r for r in chosen if not fits_at(r, col, self.max_len)]
-            if wrong or len(chosen) > len(seqs.free_rows()):
-                raise ValueError(f"admitted {len(chosen)} requests at column {col}; {len(wrong)} do not fit")
+            free = len(seqs.free_rows())
+            chosen = hooks.admit(free, col)
+            if len(chosen) > free or not all(fits_at(r, col, self.max_len) for r in chosen):
+                raise ValueError(f"the batcher admitted {len(chosen)} requests into {free} free rows at column "
+                                 f"{col}, not all of which fit")
         if self.topo.tp > 1:
             sent = self.comm.broadcast_in_stage(None if chosen is None else [r.model_dump() for r in chosen])
             if chosen is None:

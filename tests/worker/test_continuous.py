@@ -23,7 +23,7 @@ def alone(pool, model_dir, plan, request: dict) -> list[int]:
 
 
 @pytest.mark.parametrize("model,tp,pp", [("llama-4layers", 1, 1), ("llama-4layers", 2, 1),
-                                         ("llama-4layers", 1, 2), ("mistral", 1, 1)])
+                                         ("llama-4layers", 1, 2), ("llama-4layers", 2, 2), ("mistral", 1, 1)])
 def test_joiners_answer_as_alone_finish_first_and_reuse_a_row(pool, checkpoint, model, tp, pp):
     model_dir = checkpoint(model)
     plan = make_plan(model_dir, tp, pp, max_len=64, batch=2)
@@ -43,3 +43,23 @@ def test_joiners_answer_as_alone_finish_first_and_reuse_a_row(pool, checkpoint, 
     assert joins[0] == (2, 10, 1)  # at once: its prompt ends at column 8 + 2 decode steps
     assert joins[1][0] == finishes[0][0] and joins[1][2] == 2  # at the boundary where row 1 freed
     assert finishes[1][0] < finishes[2][0]  # while the long one still ran
+
+
+def test_joiners_that_stop_at_once_or_on_a_stop_string_free_their_rows(pool, checkpoint):
+    """A one-token joiner is answered in the step it joins at; a joiner with a stop string stops
+    where it stops alone (text included); their row serves the next arrival."""
+    model_dir = checkpoint("llama-4layers")
+    plan = make_plan(model_dir, 2, 1, max_len=64, batch=2)
+    one_token = {**GREEDY, "max_new_tokens": 1}
+    full = alone(pool, model_dir, plan, {**SAMPLED, "max_new_tokens": 8})
+    stop = f"w{full[2]}"  # the test tokenizer decodes token t as "w<t>"
+    stopping = {**SAMPLED, "max_new_tokens": 8, "stop": [stop]}
+    results = pool.run(plan, model_dir, ContinuousJob([LONG], arrivals={1: [one_token, stopping, GREEDY]}))
+    completions = results[0]["output"].completions
+    assert [c.token_ids for c in completions] == [alone(pool, model_dir, plan, r)
+                                                  for r in (LONG, one_token, stopping, GREEDY)]
+    assert completions[2].token_ids == full[:3] and stop not in completions[2].text
+    joins = [e[1:] for e in results[0]["events"] if e[0] == "join"]
+    finishes = [e[1:] for e in results[0]["events"] if e[0] == "finished"]
+    assert [(step, index) for step, _, index in joins][:2] == [(1, 1), (2, 2)]  # row 1 is free again at once
+    assert [(index, row) for _, index, row in finishes] == [(1, 1), (2, 1), (3, 1), (0, 0)]

@@ -230,34 +230,25 @@ class Engine:
         (with, when continuous, the prefills of those that join at each step before it)."""
         start = time.perf_counter()
         vocab = self.config.vocab_size if return_logits else None
-        seqs = Sequences(self.cache.batch, self.config.eos_token_ids)
-        for row, r in enumerate(requests):
-            seqs.start(row, r)
+        seqs = Sequences(self.cache.batch, self.config.eos_token_ids, lambda: self.tokenizer)
         out = Output(completions=[], prefill_seconds=0.0, decode_seconds=0.0, decode_steps=0)
-
-        prompt_cols = self._prompt_cols
-        ids = torch.zeros(len(requests), prompt_cols, dtype=torch.int64)
-        for i, r in enumerate(requests):
-            ids[i, int(rows.pads[i]):] = torch.tensor(r.prompt_ids)
-        units = prefill_units((0, len(requests)), (0, prompt_cols), self.topo.pp)
-        tokens, logits = self._pass([(u, ids[u.r0:u.r1, u.c0:u.c1]) for u in units], rows, vocab)
+        first = [seqs.start(row, r).row for row, r in enumerate(requests)]
+        tokens, logits = self._prefill(requests, rows, vocab)
         out.logits += [logits.cpu()] if logits is not None else []
         out.prefill_seconds = time.perf_counter() - start
-        first = list(range(len(requests)))
         seqs.next_tokens[first] = tokens.cpu()
-        self._report(seqs.add(first, tokens.tolist(), lambda: self.tokenizer), hooks)
+        self._report(seqs.add(first, tokens.tolist()), hooks)
 
-        col = prompt_cols
+        col = self._prompt_cols
         while seqs.live():
             joined, join_tokens = self._join(seqs, rows, col, hooks, continuous)
             used = rows.used
             unit = Unit(0, used, col, col + 1, emits=True)
             tokens, logits = self._pass([(unit, seqs.next_tokens[:used].view(used, 1))], rows, vocab)
             out.logits += [logits.cpu()] if logits is not None else []
-            took = seqs.add(joined, join_tokens, lambda: self.tokenizer)
-            took += seqs.add(list(range(used)), tokens.tolist(), lambda: self.tokenizer)
+            took = seqs.add(joined, join_tokens) + seqs.add(list(range(used)), tokens.tolist())
             seqs.next_tokens[:used] = tokens.cpu()
-            self._report(list(dict.fromkeys(took)), hooks)
+            self._report(list(dict.fromkeys(took)), hooks)  # a joiner took two tokens: report it once
             col += 1
             out.decode_steps += 1
         if not self.topo.is_last:
@@ -267,6 +258,16 @@ class Engine:
         final_tokenizer = self.tokenizer if needs_text else None
         out.completions = [s.completion(final_tokenizer) for s in seqs.all]
         return out
+
+    def _prefill(self, requests: list[GenerateRequest], rows: Rows,
+                 vocab: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first batch's prompts, left-padded to the longest, in micro-batches and chunks."""
+        prompt_cols = self._prompt_cols
+        ids = torch.zeros(len(requests), prompt_cols, dtype=torch.int64)
+        for i, r in enumerate(requests):
+            ids[i, int(rows.pads[i]):] = torch.tensor(r.prompt_ids)
+        units = prefill_units((0, len(requests)), (0, prompt_cols), self.topo.pp)
+        return self._pass([(u, ids[u.r0:u.r1, u.c0:u.c1]) for u in units], rows, vocab)
 
     def _report(self, took: list[SequenceState], hooks: Hooks | None) -> None:
         """Tell the batcher (on the leader) which sequences took a token, and which stopped."""

@@ -80,8 +80,8 @@ class Sequences:
     """The first stage's sequences of one generate: all of them in order of arrival, the one each
     row holds, and each row's next input token."""
 
-    def __init__(self, capacity: int, eos_ids: tuple[int, ...]):
-        self.eos_ids = eos_ids
+    def __init__(self, capacity: int, eos_ids: tuple[int, ...], tokenizer: Callable[[], Any]):
+        self.eos_ids, self.tokenizer = eos_ids, tokenizer  # tokenizer() is asked for by stop strings only
         self.all: list[SequenceState] = []
         self.by_row: list[SequenceState | None] = [None] * capacity
         self.next_tokens = torch.zeros(capacity, dtype=torch.int64)
@@ -99,13 +99,12 @@ class Sequences:
     def live(self) -> bool:
         return any(seq is not None and not seq.finished for seq in self.by_row)
 
-    def add(self, rows: list[int], tokens: list[int], tokenizer: Callable[[], Any]) -> list[SequenceState]:
-        """Give each row's sequence its token; the sequences that were still running took one.
-        `tokenizer()` is asked for only by sequences with stop strings."""
+    def add(self, rows: list[int], tokens: list[int]) -> list[SequenceState]:
+        """Give each row's sequence its token; the sequences that were still running took one."""
         took = []
         for row, token in zip(rows, tokens):
             seq = self.by_row[row]
             if seq is not None and not seq.finished:
-                seq.add(token, tokenizer() if seq.request.stop else None)
+                seq.add(token, self.tokenizer() if seq.request.stop else None)
                 took.append(seq)
         return took

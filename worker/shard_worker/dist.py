@@ -4,7 +4,8 @@ Ranks follow the Plan: `rank = stage * tp + tp_rank`. Each stage's TP ranks form
 group (all-reduce, all-gather); activations move between stages point to point, TP rank j of one
 stage to TP rank j of the next (every TP rank holds the same activations after its all-reduce, so
 the pairs run side by side). Control messages (the leader's commands, reports) go over the whole
-group, on gloo even when the tensors use NCCL.
+group, and the leader's per-step message to its first-stage TP peers (who joins a continuous
+batch) over the stage's TP ranks, on gloo even when the tensors use NCCL.
 
 Every collective is timed and counted in the rank's `Accounting`: the model's forward calls these
 methods explicitly, never through hooks. On CPUs, TP ranks on one machine sum decode-sized tensors
@@ -106,9 +107,11 @@ class Comm:
     """The collectives of one rank, timed. `tp_group` None means the whole world (PP = 1)."""
 
     def __init__(self, topo: Topology, acct: Accounting, tp_group: Any = None, control_group: Any = None,
-                 backend: str = "gloo", shm_group: "shm.ShmGroup | None" = None):
+                 backend: str = "gloo", shm_group: "shm.ShmGroup | None" = None, stage_control_group: Any = None):
         self.topo, self.acct = topo, acct
         self.tp_group, self.control_group = tp_group, control_group
+        # this stage's TP ranks for small CPU messages: the TP group itself on gloo
+        self.stage_control_group = tp_group if backend == "gloo" else stage_control_group
         self.small_by_broadcast = backend == "gloo"
         self.tp_ranks = topo.stage_ranks(topo.stage)
         self.shm = shm_group
@@ -190,7 +193,7 @@ class Comm:
         the peers have it): cheap enough to call at every decode step."""
         source = self.tp_ranks[0]
         data = json.dumps(obj).encode() if obj and self.topo.rank == source else b""
-        buf = self._broadcast_bytes(data, source, self.tp_group, self._stage_size)
+        buf = self._broadcast_bytes(data, source, self.stage_control_group, self._stage_size)
         return json.loads(bytes(buf.numpy())) if buf.numel() else None
 
     def _broadcast_size(self, size: torch.Tensor, src: int, group: Any) -> torch.Tensor:
@@ -272,15 +275,23 @@ def init_comm(env: WorkerEnv, topo: Topology, device: torch.device, acct: Accoun
         raise RendezvousError(
             f"rank {env.rank} of {env.world_size}: the group did not assemble at {where} "
             f"(MASTER_ADDR:MASTER_PORT) within {env.rendezvous_timeout}s: {first_line}") from None
-    tp_group = None
-    if topo.pp > 1 and topo.tp > 1:
-        for stage in range(topo.pp):  # every rank creates every group, in the same order
-            group = dist.new_group(topo.stage_ranks(stage))
-            if stage == topo.stage:
-                tp_group = group
+    tp_group = _stage_group(topo) if topo.pp > 1 and topo.tp > 1 else None
     control = dist.new_group(list(range(topo.world)), backend="gloo") if backend != "gloo" else None
+    # the first stage's per-step message is a CPU tensor, which NCCL cannot carry
+    stage_control = _stage_group(topo, "gloo") if backend != "gloo" and topo.tp > 1 else None
     shm_group = _shared_memory_group(topo, tp_group, env.rendezvous_timeout) if backend == "gloo" else None
-    return Comm(topo, acct, tp_group=tp_group, control_group=control, backend=backend, shm_group=shm_group)
+    return Comm(topo, acct, tp_group=tp_group, control_group=control, backend=backend, shm_group=shm_group,
+                stage_control_group=stage_control)
+
+
+def _stage_group(topo: Topology, backend: str | None = None) -> Any:
+    """A group of this stage's TP ranks (every rank creates every stage's group, in the same order)."""
+    own = None
+    for stage in range(topo.pp):
+        group = dist.new_group(topo.stage_ranks(stage), backend=backend)
+        if stage == topo.stage:
+            own = group
+    return own
 
 
 def _shared_memory_group(topo: Topology, tp_group: Any, timeout: float) -> "shm.ShmGroup | None":

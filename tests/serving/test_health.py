@@ -248,8 +248,12 @@ async def test_requests_waiting_together_run_as_one_batch_and_all_end():
     assert engine.shut and not thread.is_alive()
 
 
-def pending_events(sink: Sink) -> list:
-    return list(sink.queue._queue)  # delivered, not yet read
+def delivered(sink: Sink) -> list:
+    """The events delivered to `sink` and not yet read."""
+    events = []
+    while not sink.queue.empty():
+        events.append(sink.queue.get_nowait())
+    return events
 
 
 async def test_waiting_requests_join_the_running_batch_when_they_fit_and_are_answered_when_they_stop():
@@ -268,7 +272,7 @@ async def test_waiting_requests_join_the_running_batch_when_they_fit_and_are_ans
     assert await result(never) == ("error", 400, "never fits")  # refused at once, never queued
     engine.tick.release()  # the step at column 10: the short one joins, passing the long prompt
     assert (await result(short))[0] == "done"
-    assert pending_events(first) == [("step", [7, 8])]  # the first is still running
+    assert delivered(first) == [("step", [7, 8])]  # the first is still running: a step, no answer
     engine.tick.release()  # column 11: nobody fits
     engine.tick.release()  # column 12: the long prompt joins
     assert (await result(long_prompt))[0] == "done"

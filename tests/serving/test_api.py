@@ -1,7 +1,7 @@
 """The API over real HTTP, against one group started by `shardctl run` (TP=2: two real
 `python -m shard_worker` processes) and shared by every test of this module: it answers what
-`shardctl generate` answers, streams, batches requests that arrive together, refuses bad input
-without harm, and reports its ranks and metrics. The last test stops it with SIGTERM."""
+`shardctl generate` answers, streams, lets requests join a running batch and answers each as it
+finishes, refuses bad input without harm, and reports its ranks and metrics. The last test stops it with SIGTERM."""
 
 from __future__ import annotations
 
@@ -141,38 +141,51 @@ def test_chat_completions_through_the_chat_template(server):
 
 
 def batch_counts(server) -> tuple[float, float]:
+    """Steps so far, and the sequences they carried (the tokens taken)."""
     text = get(server.url + "/metrics").text
     family = next(f for f in text_string_to_metric_families(text) if f.name == "shard_batch_size")
     values = {s.name: s.value for s in family.samples}
     return values["shard_batch_size_count"], values["shard_batch_size_sum"]
 
 
-def test_requests_that_arrive_together_are_batched_and_all_answered(server):
-    prompts = [[1, 30 + i, 50 + 2 * i, 70] for i in range(6)] + [[1, 99]]  # different lengths: padded
+def test_requests_that_arrive_while_a_batch_runs_join_it_and_are_answered_before_it_ends(server):
+    """Continuous batching: six short requests sent while a long one streams join its batch (three
+    free rows of maxBatchSize 4, then the rows they leave) and are all answered before it ends,
+    each with the tokens it gets alone."""
+    prompts = [[1, 30 + i, 50 + 2 * i, 70] for i in range(6)] + [[1, 99]]
     solo = [server.complete(prompt=p, max_tokens=12, temperature=0, ignore_eos=True)["choices"][0]["token_ids"]
             for p in prompts[:6]]
-    batches_before, sequences_before = batch_counts(server)
+    steps_before, carried_before = batch_counts(server)
+    answered: list[str] = []  # in the order the answers arrived
+
+    async def short(client: httpx.AsyncClient, prompt: list[int]) -> httpx.Response:
+        response = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                                               "ignore_eos": True})
+        answered.append("short")
+        return response
+
+    async def rest_of(lines) -> None:
+        async for line in lines:
+            if line == "data: [DONE]":
+                answered.append("long")
 
     async def together() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-            # a long request holds the engine, so the others wait together in the queue
             long = {"prompt": prompts[6], "max_tokens": 250, "temperature": 0, "ignore_eos": True, "stream": True}
             async with client.stream("POST", "/v1/completions", json=long) as first:
                 lines = first.aiter_lines()
                 await anext(lines)  # it is running
-                waiting = [client.post("/v1/completions", json={"prompt": p, "max_tokens": 12, "temperature": 0,
-                                                                "ignore_eos": True}) for p in prompts[:6]]
-                answers = await asyncio.gather(*waiting)
-                async for _ in lines:
-                    pass
+                *answers, _ = await asyncio.gather(*(short(client, p) for p in prompts[:6]), rest_of(lines))
             return answers
 
     answers = asyncio.run(together())
     assert [a.status_code for a in answers] == [200] * 6
-    assert [a.json()["choices"][0]["token_ids"] for a in answers] == solo  # batching changes no answer
-    batches_after, sequences_after = batch_counts(server)
-    assert sequences_after - sequences_before == 7
-    assert batches_after - batches_before <= 3  # the long one alone, then the six in batches of <= 4
+    assert [a.json()["choices"][0]["token_ids"] for a in answers] == solo  # joining changes no answer
+    assert answered == ["short"] * 6 + ["long"]
+    steps_after, carried_after = batch_counts(server)
+    assert steps_after - steps_before == 250  # the long one's steps: the others took theirs alongside
+    # a joiner takes two tokens in the step it joins at (its prefill's, then its first decode's)
+    assert carried_after - carried_before == 250 + 6 * 11
 
 
 @pytest.mark.parametrize("body,status,param", [

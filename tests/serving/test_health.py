@@ -1,5 +1,6 @@
-"""Health and readiness, judged from heartbeats; the memory check; batching of the waiting queue;
-and the engine loop's promise that every request ends (answered, refused, or failed with a reason)."""
+"""Health and readiness, judged from heartbeats; the memory check; batch selection and admission
+at step boundaries; and the engine loop's promise that every request ends (answered, refused, or
+failed with a reason)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import torch.distributed as dist
 from shard_operator.local import free_port
 from shard_operator.plan import PredictedBytes, RankPlan
 from shard_operator.workerenv import Completion, GenerateRequest, ResidentBytes
-from shard_worker.batcher import EngineLoop, Pending, Sink, Unavailable, take_batch
+from shard_worker.batcher import EngineLoop, Pending, Sink, Unavailable, take_batch, take_joiners
 from shard_worker.engine import RequestError
+from shard_worker.sequences import SequenceState
 from shard_worker.health import GroupMonitor, Heartbeat, Record, memory_problems
 from shard_worker.rankmetrics import RankMetrics
 
@@ -145,14 +147,39 @@ def test_take_batch(waiting, max_batch, max_len, n):
     assert take_batch([req(p, m) for p, m in waiting], max_batch, max_len) == n
 
 
+@pytest.mark.parametrize("waiting,free_rows,col,chosen", [
+    ([(4, 4)], 1, 10, [0]),
+    ([(4, 4), (4, 4)], 1, 10, [0]),  # one free row
+    ([(12, 2), (4, 4)], 2, 10, [1]),  # the prompt longer than the column waits; the next one joins
+    ([(4, 4), (4, 8)], 2, 10, [0]),  # 10 + 8 - 1 columns do not fit maxModelLen 16
+    ([(4, 7)], 1, 10, [0]),  # 10 + 7 - 1 do
+    ([(4, 1), (2, 1)], 2, 16, [0, 1]),  # the last column still takes one-token answers
+    ([(4, 4)], 0, 10, []),
+])
+def test_take_joiners(waiting, free_rows, col, chosen):
+    assert take_joiners([req(p, m) for p, m in waiting], free_rows, col, max_len=16) == chosen
+
+
 class ScriptedEngine:
-    """Stands in for the engine's leader methods: each generate call follows the next script."""
+    """Stands in for the engine's leader methods: each generate call follows the next script.
+
+    "ok" answers the whole batch at its first step. "join" starts the first request, then runs one
+    decode step, at columns 10, 11, ... (maxModelLen 16), each time `tick` is released: the step
+    admits at most one request into a free row and answers it at once; once `finish` is set, the
+    next tick ends the first request and the generate."""
+
+    max_len = 16
 
     def __init__(self, scripts):
         self.scripts, self.batches, self.heartbeats, self.shut = list(scripts), [], 0, False
-        self.release = threading.Event()
+        self.release, self.finish, self.tick = threading.Event(), threading.Event(), threading.Semaphore(0)
+        self.joined: list[tuple[int, int]] = []  # (column, sequence index)
 
-    def generate(self, requests, on_step=None):
+    def check(self, request):
+        if len(request.prompt_ids) + request.max_new_tokens - 1 > self.max_len:
+            raise RequestError("never fits")
+
+    def generate(self, requests, hooks):
         self.batches.append(len(requests))
         script = self.scripts.pop(0)
         if isinstance(script, Exception):
@@ -160,11 +187,27 @@ class ScriptedEngine:
         if script == "block":
             self.release.wait(10)
             raise RuntimeError("Connection closed by peer")
-        from types import SimpleNamespace
-        seqs = [SimpleNamespace(tokens=[7, 8]) for _ in requests]
-        on_step(seqs)
-        return SimpleNamespace(completions=[Completion(token_ids=[7, 8], text="ab", finish_reason="length")
-                                            for _ in requests])
+        seqs = [SequenceState(r, (), index=i) for i, r in enumerate(requests)]
+        if script == "ok":
+            return self._step(seqs, seqs, hooks)
+        self._step(seqs, [], hooks)
+        for col in range(10, self.max_len + 1):
+            self.tick.acquire(timeout=10)
+            if self.finish.is_set():
+                break
+            joining = [SequenceState(r, (), index=len(seqs)) for r in hooks.admit(1, col)]
+            seqs += joining
+            self.joined += [(col, seq.index) for seq in joining]
+            self._step([seqs[0], *joining], joining, hooks)
+        self._step([seqs[0]], [seqs[0]], hooks)
+
+    @staticmethod
+    def _step(took, stopping, hooks):
+        for seq in took:
+            seq.tokens = [7, 8]
+        hooks.step(took)
+        for seq in stopping:
+            hooks.finished(seq, Completion(token_ids=[7, 8], text="ab", finish_reason="length"))
 
     def heartbeat(self):
         self.heartbeats += 1
@@ -203,6 +246,45 @@ async def test_requests_waiting_together_run_as_one_batch_and_all_end():
     loop.close()
     thread.join(5)
     assert engine.shut and not thread.is_alive()
+
+
+def delivered(sink: Sink) -> list:
+    """The events delivered to `sink` and not yet read."""
+    events = []
+    while not sink.queue.empty():
+        events.append(sink.queue.get_nowait())
+    return events
+
+
+async def test_waiting_requests_join_the_running_batch_when_they_fit_and_are_answered_when_they_stop():
+    engine = ScriptedEngine(["join"])
+    loop = EngineLoop(engine, max_batch=2, max_len=16, metrics=metrics(), idle_seconds=5)
+    aio = asyncio.get_running_loop()
+    first = Sink(aio, stream=True)
+    long_prompt, short, never = (Sink(aio, stream=False) for _ in range(3))
+    loop.submit(Pending(req(3, 12), first))
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    assert await result(first) == ("step", [7, 8])  # it runs
+    loop.submit(Pending(req(12, 2), long_prompt))  # its prompt ends past column 10: it must wait
+    loop.submit(Pending(req(3, 2), short))
+    loop.submit(Pending(req(20, 1), never))
+    assert await result(never) == ("error", 400, "never fits")  # refused at once, never queued
+    engine.tick.release()  # the step at column 10: the short one joins, passing the long prompt
+    assert (await result(short))[0] == "done"
+    assert delivered(first) == [("step", [7, 8])]  # the first is still running: a step, no answer
+    engine.tick.release()  # column 11: nobody fits
+    engine.tick.release()  # column 12: the long prompt joins
+    assert (await result(long_prompt))[0] == "done"
+    assert engine.joined == [(10, 1), (12, 2)] and engine.batches == [1]
+    engine.finish.set()
+    engine.tick.release()
+    while (event := await result(first))[0] == "step":
+        pass
+    assert event[0] == "done"
+    loop.close()
+    thread.join(5)
+    assert not thread.is_alive()
 
 
 async def test_a_lost_group_fails_running_and_waiting_requests_and_refuses_new_ones():

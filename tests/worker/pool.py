@@ -32,6 +32,16 @@ class GenerateJob:
 
 
 @dataclass
+class ContinuousJob:
+    """A continuous generate, as the server runs it: `requests` start it, and `arrivals[k]` are
+    queued at the k-th decode step boundary, to join as the batcher lets them (in queue order,
+    when a row is free and they fit). Deterministic: the steps, not the clock, decide."""
+
+    requests: list[dict]
+    arrivals: dict[int, list[dict]]
+
+
+@dataclass
 class TensorsJob:
     """Load only, and hand back every tensor the rank holds."""
 
@@ -73,6 +83,8 @@ def _run(env_json: str, plan_json: str, job: Any) -> dict:
             if isinstance(job, GenerateJob):
                 requests = [GenerateRequest.model_validate(r) for r in job.requests]
                 worker.engine.generate(requests, return_logits=job.return_logits)
+            if isinstance(job, ContinuousJob):
+                result["events"] = _run_continuous(worker.engine, job)
             result["reports"] = worker.engine.reports()
             worker.engine.shutdown()
         else:
@@ -81,6 +93,42 @@ def _run(env_json: str, plan_json: str, job: Any) -> dict:
         return result
     finally:
         worker.close()
+
+
+def _run_continuous(engine, job: ContinuousJob) -> list[tuple]:
+    """Drive `job` through the engine's hooks with the batcher's own admission rule; returns what
+    happened, in order: ("join", step, column, sequence index) and ("finished", step, index, row)."""
+    from shard_operator.workerenv import GenerateRequest
+    from shard_worker.batcher import take_joiners
+    from shard_worker.engine import Hooks
+
+    def parse(requests: list[dict]) -> list:
+        return [GenerateRequest.model_validate(r) for r in requests]
+
+    arrivals = {step: parse(requests) for step, requests in job.arrivals.items()}
+    waiting: list = []
+    events: list[tuple] = []
+    steps = [0]  # step boundaries passed
+    started = [len(job.requests)]  # sequences the engine has started: the next one's index
+
+    def admit(free_rows: int, col: int) -> list:
+        waiting.extend(arrivals.pop(steps[0], []))
+        chosen = take_joiners(waiting, free_rows, col, engine.max_len)
+        joining = [waiting[i] for i in chosen]
+        for i in reversed(chosen):
+            del waiting[i]
+        for _ in joining:
+            events.append(("join", steps[0], col, started[0]))
+            started[0] += 1
+        steps[0] += 1
+        return joining
+
+    def finished(seq, completion) -> None:
+        events.append(("finished", steps[0], seq.index, seq.row))
+
+    engine.generate(parse(job.requests), hooks=Hooks(admit=admit, step=lambda seqs: None, finished=finished))
+    assert not waiting and not arrivals, "some arrivals never joined"
+    return events
 
 
 class RankPool:

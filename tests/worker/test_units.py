@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from shard_operator.workerenv import GenerateRequest
 from shard_worker.config import ConfigError, ModelConfig
 from shard_worker.dist import Topology
-from shard_worker.engine import SequenceState
+from shard_worker.sequences import SequenceState
 from shard_worker.model import attention_mask, rope_inv_freq
 from shard_worker.pipeline import prefill_units, split
 from shard_worker.sampling import choose, generators, top_p_probs
@@ -80,7 +80,7 @@ def test_attention_mask_brute_force(pads, c0, width, window):
 
 @given(batch=st.integers(1, 7), cols=st.integers(1, 40), stages=st.integers(1, 4), chunk=st.integers(1, 16))
 def test_prefill_units_cover_each_cell_once_in_order(batch, cols, stages, chunk):
-    units = prefill_units(batch, cols, stages, chunk)
+    units = prefill_units((0, batch), (0, cols), stages, chunk)
     seen = {}
     for i, u in enumerate(units):
         assert u.cols <= chunk
@@ -93,7 +93,13 @@ def test_prefill_units_cover_each_cell_once_in_order(batch, cols, stages, chunk)
         order = [seen[(r, c)] for c in range(cols)]
         assert order == sorted(order)
     assert len(units) >= min(stages, batch * cols)
-    assert sum(u.emits(cols) for u in units) == len(split(batch, stages))
+    assert [u.c1 == cols for u in units] == [u.emits for u in units]
+    assert sum(u.emits for u in units) == len(split(batch, stages))
+
+
+def test_a_joiners_prefill_fills_its_row_from_its_padding_to_the_decode_column():
+    units = prefill_units((3, 4), (7, 12), stages=2, chunk=3)
+    assert [(u.r0, u.r1, u.c0, u.c1, u.emits) for u in units] == [(3, 4, 7, 10, False), (3, 4, 10, 12, True)]
 
 
 def test_topology_neighbours():

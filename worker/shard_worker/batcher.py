@@ -1,11 +1,17 @@
 """The leader's queue of waiting requests, and the thread that runs them through the engine.
 
-Batching is of the waiting queue: when the engine is free it takes every waiting request that
-fits one batch (the plan's maxBatchSize, and maxModelLen once prompts are padded to the longest),
-runs them as one `generate`, and takes the next batch when that one ends. A request that arrives
-while a batch runs waits for it. (Continuous batching would admit it at the next step; the
-engine's first-stage TP peers decide every step on their own from the same tokens, with no
-per-step message, so a sequence can only join where a `generate` starts.)
+Continuous batching. When the engine is free it takes every waiting request that fits one batch
+(the plan's maxBatchSize, and maxModelLen once prompts are padded to the longest) and starts a
+`generate` with them. While that runs, the engine asks at every decode step boundary who joins
+(`Hooks.admit`): waiting requests, in queue order, take the rows of sequences that have finished
+(or rows the batch never used), as long as their prompt ends at the current decode column
+(prompt <= column) and their new tokens still fit the cache (column + max_new_tokens - 1 <=
+maxModelLen); one that does not fit yet is passed over for those behind it. Each is prefilled in
+its row and decodes with the others from the next step. A sequence's answer is delivered when it
+stops, not when the batch ends. The batch ends when every sequence has stopped; the next one
+starts at column 0 again, so a request that could not join (its prompt is longer than the
+current column, or the batch has too few columns left) waits at most for the running batch to
+drain (at most maxModelLen steps: the column moves one a step, and no one joins past it).
 
 Only the engine thread touches torch.distributed. The HTTP side talks to it through `Sink`s:
 each request's events are handed to its asyncio loop, never awaited by the engine.
@@ -22,13 +28,14 @@ from typing import Sequence
 
 from shard_operator.workerenv import Completion, GenerateRequest
 
-from .engine import Engine, RequestError, SequenceState
+from .engine import Engine, Hooks, RequestError, SequenceState, fits_at
 from .rankmetrics import RankMetrics
 
 MAX_WAITING = 256
 # When the engine is free and a request arrives, wait this long for others to arrive with it:
-# clients that send in step (or one client's parallel requests) then share one batch instead
-# of the first running alone while the rest wait for it to end.
+# clients that send in step (or one client's parallel requests) then start one batch together,
+# padded to the longest prompt, instead of the rest joining the first one row by row (a joiner's
+# prompt must fit before the current column, which a batch started alone is short of).
 GATHER_SECONDS = 0.02
 
 
@@ -54,6 +61,18 @@ def take_batch(waiting: Sequence[GenerateRequest], max_batch: int, max_len: int)
         if n > 0 and longest + most_new - 1 > max_len:
             return n
     return max(1, min(len(waiting), max_batch))
+
+
+def take_joiners(waiting: Sequence[GenerateRequest], free_rows: int, col: int, max_len: int) -> list[int]:
+    """The positions in the queue of the requests that join a running batch at decode column
+    `col`: in queue order, every one that fits, while rows are free."""
+    chosen: list[int] = []
+    for i, request in enumerate(waiting):
+        if len(chosen) == free_rows:
+            break
+        if fits_at(request, col, max_len):
+            chosen.append(i)
+    return chosen
 
 
 class Sink:
@@ -122,6 +141,14 @@ class EngineLoop:
 
     # ------------------------------------------------------------ any thread
     def submit(self, pending: Pending) -> None:
+        """Queue `pending`, or refuse it: Unavailable, or a 400 on its sink when the group can
+        never run it."""
+        try:
+            self.engine.check(pending.request)
+        except RequestError as err:
+            if pending.sink.fail(str(err), 400):
+                self.metrics.outcome("rejected")
+            return
         with self.cond:
             if self.lost:
                 raise Unavailable(self.lost)
@@ -184,14 +211,11 @@ class EngineLoop:
             return list(self.running)
 
     def _run(self, batch: list[Pending]) -> None:
-        self.metrics.batch(len(batch))
-
-        def on_step(seqs: list[SequenceState]) -> None:
-            for pending, seq in zip(batch, seqs):
-                pending.sink.step(seq.tokens)
-
+        """One continuous `generate`, started with `batch`; `self.running` grows as others join,
+        in the engine's order of arrival (a sequence's `index`)."""
+        hooks = Hooks(admit=self._admit, step=self._step, finished=self._finished)
         try:
-            out = self.engine.generate([p.request for p in batch], on_step=on_step)
+            self.engine.generate([p.request for p in batch], hooks=hooks)
         except RequestError as err:  # refused before any rank did work: the group is fine
             self._ran()
             for pending in batch:
@@ -200,12 +224,30 @@ class EngineLoop:
             return
         # (any other error leaves the batch in `running`, for `fail_all`)
         self._ran()
-        now = time.monotonic()
-        for pending, completion in zip(batch, out.completions):
-            sink = pending.sink
-            if sink.done(completion):
-                first = sink.first_token_at or now
-                self.metrics.finished(now - sink.arrived, first - sink.arrived, len(completion.token_ids))
+
+    def _admit(self, free_rows: int, col: int) -> list[GenerateRequest]:
+        with self.cond:
+            if not self.waiting or self.closing or self.lost:
+                return []
+            chosen = take_joiners([p.request for p in self.waiting], free_rows, col, self.max_len)
+            joining = [self.waiting[i] for i in chosen]
+            for i in reversed(chosen):
+                del self.waiting[i]
+            self.running.extend(joining)
+            self.metrics.queue_depth(len(self.waiting))
+        return [p.request for p in joining]
+
+    def _step(self, seqs: list[SequenceState]) -> None:
+        self.metrics.batch(len(seqs))
+        for seq in seqs:
+            self.running[seq.index].sink.step(seq.tokens)
+
+    def _finished(self, seq: SequenceState, completion: Completion) -> None:
+        sink = self.running[seq.index].sink
+        if sink.done(completion):
+            now = time.monotonic()
+            first = sink.first_token_at or now
+            self.metrics.finished(now - sink.arrived, first - sink.arrived, len(completion.token_ids))
 
     def _ran(self) -> None:
         with self.cond:

@@ -4,7 +4,8 @@ Ranks follow the Plan: `rank = stage * tp + tp_rank`. Each stage's TP ranks form
 group (all-reduce, all-gather); activations move between stages point to point, TP rank j of one
 stage to TP rank j of the next (every TP rank holds the same activations after its all-reduce, so
 the pairs run side by side). Control messages (the leader's commands, reports) go over the whole
-group, on gloo even when the tensors use NCCL.
+group, and the leader's per-step message to its first-stage TP peers (who joins a continuous
+batch) over the stage's TP ranks, on gloo even when the tensors use NCCL.
 
 Every collective is timed and counted in the rank's `Accounting`: the model's forward calls these
 methods explicitly, never through hooks. On CPUs, TP ranks on one machine sum decode-sized tensors
@@ -106,9 +107,11 @@ class Comm:
     """The collectives of one rank, timed. `tp_group` None means the whole world (PP = 1)."""
 
     def __init__(self, topo: Topology, acct: Accounting, tp_group: Any = None, control_group: Any = None,
-                 backend: str = "gloo", shm_group: "shm.ShmGroup | None" = None):
+                 backend: str = "gloo", shm_group: "shm.ShmGroup | None" = None, stage_control_group: Any = None):
         self.topo, self.acct = topo, acct
         self.tp_group, self.control_group = tp_group, control_group
+        # this stage's TP ranks for small CPU messages: the TP group itself on gloo
+        self.stage_control_group = tp_group if backend == "gloo" else stage_control_group
         self.small_by_broadcast = backend == "gloo"
         self.tp_ranks = topo.stage_ranks(topo.stage)
         self.shm = shm_group
@@ -180,16 +183,37 @@ class Comm:
     # ------------------------------------------------------------ control (leader -> all)
     def broadcast_json(self, obj: Any = None) -> Any:
         """The leader's `obj` on every rank (others pass None). JSON bytes, never pickle."""
-        start = time.perf_counter()
         data = json.dumps(obj).encode() if self.topo.is_leader else b""
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self.control_group)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.topo.is_leader \
+        buf = self._broadcast_bytes(data, 0, self.control_group, self._broadcast_size)
+        return json.loads(bytes(buf.numpy())) if buf.numel() else None
+
+    def broadcast_in_stage(self, obj: Any = None) -> Any:
+        """This stage's first TP rank's `obj` on each of its TP peers (JSON; the others pass None).
+        A falsy `obj` arrives as None after one size exchange only (through shared memory where
+        the peers have it): cheap enough to call at every decode step."""
+        source = self.tp_ranks[0]
+        data = json.dumps(obj).encode() if obj and self.topo.rank == source else b""
+        buf = self._broadcast_bytes(data, source, self.stage_control_group, self._stage_size)
+        return json.loads(bytes(buf.numpy())) if buf.numel() else None
+
+    def _broadcast_size(self, size: torch.Tensor, src: int, group: Any) -> torch.Tensor:
+        dist.broadcast(size, src=src, group=group)
+        return size
+
+    def _stage_size(self, size: torch.Tensor, src: int, group: Any) -> torch.Tensor:
+        if self.shm is None:
+            return self._broadcast_size(size, src, group)
+        return self.shm.all_gather(size)[:1]  # every peer's part; the source's comes first
+
+    def _broadcast_bytes(self, data: bytes, src: int, group: Any, exchange_size) -> torch.Tensor:
+        start = time.perf_counter()
+        size = exchange_size(torch.tensor([len(data)], dtype=torch.int64), src, group)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data \
             else torch.empty(int(size.item()), dtype=torch.uint8)
         if buf.numel():
-            dist.broadcast(buf, src=0, group=self.control_group)
+            dist.broadcast(buf, src=src, group=group)
         self.acct.comm("broadcast", buf.numel() + 8, time.perf_counter() - start)
-        return json.loads(bytes(buf.numpy())) if buf.numel() else None
+        return buf
 
     def gather_json(self, obj: Any) -> list[Any] | None:
         """Every rank's `obj`, in rank order, on the leader (None elsewhere)."""
@@ -251,15 +275,23 @@ def init_comm(env: WorkerEnv, topo: Topology, device: torch.device, acct: Accoun
         raise RendezvousError(
             f"rank {env.rank} of {env.world_size}: the group did not assemble at {where} "
             f"(MASTER_ADDR:MASTER_PORT) within {env.rendezvous_timeout}s: {first_line}") from None
-    tp_group = None
-    if topo.pp > 1 and topo.tp > 1:
-        for stage in range(topo.pp):  # every rank creates every group, in the same order
-            group = dist.new_group(topo.stage_ranks(stage))
-            if stage == topo.stage:
-                tp_group = group
+    tp_group = _stage_group(topo) if topo.pp > 1 and topo.tp > 1 else None
     control = dist.new_group(list(range(topo.world)), backend="gloo") if backend != "gloo" else None
+    # the first stage's per-step message is a CPU tensor, which NCCL cannot carry
+    stage_control = _stage_group(topo, "gloo") if backend != "gloo" and topo.tp > 1 else None
     shm_group = _shared_memory_group(topo, tp_group, env.rendezvous_timeout) if backend == "gloo" else None
-    return Comm(topo, acct, tp_group=tp_group, control_group=control, backend=backend, shm_group=shm_group)
+    return Comm(topo, acct, tp_group=tp_group, control_group=control, backend=backend, shm_group=shm_group,
+                stage_control_group=stage_control)
+
+
+def _stage_group(topo: Topology, backend: str | None = None) -> Any:
+    """A group of this stage's TP ranks (every rank creates every stage's group, in the same order)."""
+    own = None
+    for stage in range(topo.pp):
+        group = dist.new_group(topo.stage_ranks(stage), backend=backend)
+        if stage == topo.stage:
+            own = group
+    return own
 
 
 def _shared_memory_group(topo: Topology, tp_group: Any, timeout: float) -> "shm.ShmGroup | None":

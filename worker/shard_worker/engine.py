@@ -7,7 +7,12 @@ running each command as it comes. An HTTP server is one more caller of the same 
 Within a `generate`, the first stage owns the batch's state (tokens so far, which sequences
 stopped) and decides each unit; the other stages follow the units (see `pipeline.py`). The first
 stage's TP peers hold the same state because they receive the same tokens and apply the same
-rules, so no rank waits for a per-step command.
+rules. A fixed batch (`shardctl generate`) needs no per-step message at all. A continuous batch
+(the server) lets requests join at each decode step boundary, into the rows of finished
+sequences: the leader's batcher chooses them, and the leader tells its first-stage TP peers at
+every step, with one small message (an empty one costs a shared-memory round where the peers
+share a machine, else one gloo broadcast); the later stages learn of each join from a JOIN
+header in the pipeline.
 """
 
 from __future__ import annotations
@@ -24,49 +29,35 @@ from shard_operator.workerenv import Completion, GenerateRequest
 from .accounting import Accounting
 from .dist import Comm
 from .model import KVCache, Rotary, Stage, Step
-from .pipeline import Link, Unit, prefill_units
-from .sampling import choose, generators
+from .pipeline import Join, Link, Unit, prefill_units
+from .sampling import choose
+from .sequences import Rows, SequenceState, Sequences
 
 
 class RequestError(ValueError):
     """A request this group cannot run (too long, too many, unknown token ids...)."""
 
 
-class SequenceState:
-    """One sequence's generated tokens and whether (and why) it has stopped."""
-
-    def __init__(self, request: GenerateRequest, eos_ids: tuple[int, ...]):
-        self.request = request
-        self.stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else set(eos_ids))
-        self.tokens: list[int] = []
-        self.finish_reason: str | None = None
-
-    def add(self, token: int, tokenizer: Any) -> None:
-        if self.finish_reason is not None:
-            return
-        self.tokens.append(token)
-        if token in self.stop_ids:
-            self.finish_reason = "stop"
-        elif self.request.stop and _find_stop(tokenizer.decode(self.tokens), self.request.stop) is not None:
-            self.finish_reason = "stop"
-        elif len(self.tokens) >= self.request.max_new_tokens:
-            self.finish_reason = "length"
-
-    def completion(self, tokenizer: Any) -> Completion:
-        text = None
-        if tokenizer is not None:
-            text = tokenizer.decode(self.tokens)
-            cut = _find_stop(text, self.request.stop)
-            text = text if cut is None else text[:cut]
-        return Completion(token_ids=self.tokens, text=text, finish_reason=self.finish_reason or "length")
+def fits_at(request: GenerateRequest, col: int, max_len: int) -> bool:
+    """Whether `request` can join a running batch at decode column `col`: its prompt, left-padded,
+    ends at `col`, and its new tokens fit before maxModelLen."""
+    return len(request.prompt_ids) <= col and col + request.max_new_tokens - 1 <= max_len
 
 
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return min(found) if found else None
+@dataclass
+class Hooks:
+    """What a continuous generate asks of the leader's batcher, on the engine thread; none may block.
 
+    admit(free_rows, col): the requests that join the running batch at decode column `col` now,
+    at most `free_rows`, in order; each must fit (prompt <= col, col + max_new_tokens - 1 <=
+    maxModelLen). step(sequences): the sequences that took a token in a step (the first batch's
+    prefill, or one decode step with the prefills of those that joined at it). finished(sequence,
+    completion): a sequence has stopped; its row is free from the next step on.
+    """
 
-OnStep = Callable[[list[SequenceState]], None]
+    admit: Callable[[int, int], list[GenerateRequest]]
+    step: Callable[[list[SequenceState]], None]
+    finished: Callable[[SequenceState, Completion], None]
 
 
 @dataclass
@@ -100,31 +91,49 @@ class Engine:
             self._tokenizer = Tokenizer.from_file(str(path))
         return self._tokenizer
 
+    @property
+    def has_tokenizer(self) -> bool:
+        return (self.model_dir / "tokenizer.json").is_file()
+
     # ------------------------------------------------------------ leader
+    def check(self, request: GenerateRequest) -> None:
+        """Refuse a request this group can never run, even alone. Reads no mutable state, so any
+        thread may call it."""
+        n = len(request.prompt_ids)
+        if n + request.max_new_tokens - 1 > self.max_len:
+            raise RequestError(f"prompt of {n} tokens + {request.max_new_tokens} new tokens exceeds maxModelLen "
+                               f"{self.max_len}")
+        bad = [t for t in request.prompt_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
+        if request.stop and not self.has_tokenizer:
+            raise RequestError(f"stop strings need {self.model_dir / 'tokenizer.json'}")
+
     def validate(self, requests: list[GenerateRequest]) -> None:
         if len(requests) > self.cache.batch:
             raise RequestError(f"{len(requests)} sequences; this group's KV cache holds {self.cache.batch} "
                                "(maxBatchSize)")
         longest = max(len(r.prompt_ids) for r in requests)
         for i, r in enumerate(requests):
+            try:
+                self.check(r)
+            except RequestError as err:
+                raise RequestError(f"request {i}: {err}") from None
             if longest + r.max_new_tokens - 1 > self.max_len:
                 raise RequestError(f"request {i}: prompt of {len(r.prompt_ids)} tokens (the batch is padded to "
                                    f"{longest}) + {r.max_new_tokens} new tokens exceeds maxModelLen {self.max_len}")
-            bad = [t for t in r.prompt_ids if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise RequestError(f"request {i}: token ids {bad[:5]} are outside the vocabulary "
-                                   f"[0, {self.config.vocab_size})")
-            if r.stop and self.tokenizer is None:
-                raise RequestError(f"request {i}: stop strings need {self.model_dir / 'tokenizer.json'}")
 
     def generate(self, requests: list[GenerateRequest], return_logits: bool = False,
-                 on_step: OnStep | None = None) -> Output:
-        """Run `requests` as one batch. `on_step(sequences)` is called on this rank after each
-        step's tokens are added (the server streams from it); it must not block."""
+                 hooks: Hooks | None = None) -> Output:
+        """Run `requests` as one batch. With `hooks` (the server) the batch is continuous: others
+        join it as rows free up (see `Hooks`), and each sequence is handed to `hooks.finished` when
+        it stops; the generate ends when every sequence has stopped and none joins."""
         self.validate(requests)
+        if hooks is not None and return_logits:
+            raise ValueError("logits are returned for a fixed batch only")
         self.comm.broadcast_json({"op": "generate", "requests": [r.model_dump() for r in requests],
-                                  "return_logits": return_logits})
-        out = self._generate(requests, return_logits, on_step)
+                                  "return_logits": return_logits, "continuous": hooks is not None})
+        out = self._generate(requests, return_logits, hooks, continuous=hooks is not None)
         assert out is not None
         return out
 
@@ -150,24 +159,26 @@ class Engine:
                 return
             if op == "generate":
                 requests = [GenerateRequest.model_validate(r) for r in command["requests"]]
-                self._generate(requests, command["return_logits"])
+                self._generate(requests, command["return_logits"], continuous=command["continuous"])
             elif op == "report":
                 self.comm.gather_json(self.report())
             elif op != "noop":
                 raise RuntimeError(f"unknown command {op!r} from the leader")
 
     # ------------------------------------------------------------ every rank
-    def _generate(self, requests: list[GenerateRequest], return_logits: bool,
-                  on_step: OnStep | None = None) -> Output | None:
+    def _generate(self, requests: list[GenerateRequest], return_logits: bool, hooks: Hooks | None = None,
+                  continuous: bool = False) -> Output | None:
         start, before = time.perf_counter(), self.acct.counters.copy()
         prompt_cols = max(len(r.prompt_ids) for r in requests)
         self._prompt_cols, self._decode_mark = prompt_cols, None
-        pads = torch.tensor([prompt_cols - len(r.prompt_ids) for r in requests], dtype=torch.int64)
+        rows = Rows(self.cache.batch, sampler=self.topo.is_last)
+        for row, r in enumerate(requests):
+            rows.place(row, r, prompt_cols - len(r.prompt_ids))
         with torch.inference_mode():
             if self.topo.is_first:
-                out = self._drive(requests, pads, prompt_cols, return_logits, on_step)
+                out = self._drive(requests, rows, return_logits, hooks, continuous)
             else:
-                self._relay(requests, pads, prompt_cols, return_logits)
+                self._relay(rows, return_logits)
                 out = None
             self.link.flush()
         end = time.perf_counter()
@@ -188,80 +199,138 @@ class Engine:
                               self.stage.dtype, self.stage.device)
             return self.stage.forward(x, step, self.cache)
 
-    def _sample(self, unit: Unit, hidden: torch.Tensor, requests: list[GenerateRequest], gens: list,
+    def _sample(self, unit: Unit, hidden: torch.Tensor, rows: Rows,
                 return_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         with self.acct.computing():
             logits = self.stage.logits(hidden[:, -1])
-            tokens = choose(logits, requests[unit.r0:unit.r1], gens[unit.r0:unit.r1])
+            tokens = choose(logits, rows.requests[unit.r0:unit.r1], rows.gens[unit.r0:unit.r1])
         return tokens, (logits if return_logits else None)
 
-    def _drive(self, requests: list[GenerateRequest], pads: torch.Tensor, prompt_cols: int,
-               return_logits: bool, on_step: OnStep | None = None) -> Output:
-        """The first stage: prefill, then one decode unit per step until every sequence stops."""
-        start = time.perf_counter()
-        batch, last, device = len(requests), self.topo.is_last, self.stage.device
-        vocab = self.config.vocab_size if return_logits else None
-        ids = torch.zeros(batch, prompt_cols, dtype=torch.int64)
-        for i, r in enumerate(requests):
-            ids[i, int(pads[i]):] = torch.tensor(r.prompt_ids)
-        ids = ids.to(device)
-        gens = generators(requests) if last else []
-        seqs = [SequenceState(r, self.config.eos_token_ids) for r in requests]
-        tokenizer = self.tokenizer if any(r.stop for r in requests) else None
-        out = Output(completions=[], prefill_seconds=0.0, decode_seconds=0.0, decode_steps=0)
-
+    def _pass(self, work: list[tuple[Unit, torch.Tensor]], rows: Rows,
+              vocab: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run each unit, with its token ids, through the pipeline. Returns the tokens (and with
+        `vocab`, the logits) sampled after the emitting units, in row order."""
+        last = self.topo.is_last
         emitted: list[tuple[Unit, torch.Tensor, torch.Tensor | None]] = []
-        units = prefill_units(batch, prompt_cols, self.topo.pp)
-        for unit in units:
-            hidden = self._forward(unit, ids[unit.r0:unit.r1, unit.c0:unit.c1], pads)
+        for unit, ids in work:
+            hidden = self._forward(unit, ids.to(self.stage.device), rows.pads)
             if not last:
                 self.link.send_unit(unit, hidden)
-            elif unit.emits(prompt_cols):
-                emitted.append((unit, *self._sample(unit, hidden, requests, gens, return_logits)))
+            elif unit.emits:
+                emitted.append((unit, *self._sample(unit, hidden, rows, vocab is not None)))
         if not last:
-            emitted = [(u, *self.link.recv_tokens(u.rows, vocab)) for u in units if u.emits(prompt_cols)]
+            emitted = [(u, *self.link.recv_tokens(u.rows, vocab)) for u, _ in work if u.emits]
         emitted.sort(key=lambda e: e[0].r0)
         tokens = torch.cat([t for _, t, _ in emitted])
-        if return_logits:
-            out.logits.append(torch.cat([lg for _, _, lg in emitted]).cpu())
-        out.prefill_seconds = time.perf_counter() - start
+        return tokens, (torch.cat([lg for _, _, lg in emitted]) if vocab is not None else None)
 
-        col = prompt_cols
-        while True:
-            for seq, token in zip(seqs, tokens.tolist()):
-                seq.add(token, tokenizer)
-            if on_step is not None:
-                on_step(seqs)
-            if all(s.finish_reason is not None for s in seqs):
-                break
-            unit = Unit(0, batch, col, col + 1)
-            hidden = self._forward(unit, tokens.view(batch, 1).to(device), pads)
-            if last:
-                tokens, logits = self._sample(unit, hidden, requests, gens, return_logits)
-            else:
-                self.link.send_unit(unit, hidden)
-                tokens, logits = self.link.recv_tokens(batch, vocab)
-            if return_logits:
-                out.logits.append(logits.cpu())
+    def _drive(self, requests: list[GenerateRequest], rows: Rows, return_logits: bool, hooks: Hooks | None,
+               continuous: bool) -> Output:
+        """The first stage: prefill, then one decode unit per step until every sequence stops
+        (with, when continuous, the prefills of those that join at each step before it)."""
+        start = time.perf_counter()
+        vocab = self.config.vocab_size if return_logits else None
+        seqs = Sequences(self.cache.batch, self.config.eos_token_ids, lambda: self.tokenizer)
+        out = Output(completions=[], prefill_seconds=0.0, decode_seconds=0.0, decode_steps=0)
+        first = [seqs.start(row, r).row for row, r in enumerate(requests)]
+        tokens, logits = self._prefill(requests, rows, vocab)
+        out.logits += [logits.cpu()] if logits is not None else []
+        out.prefill_seconds = time.perf_counter() - start
+        seqs.next_tokens[first] = tokens.cpu()
+        self._report(seqs.add(first, tokens.tolist()), hooks)
+
+        col = self._prompt_cols
+        while seqs.live():
+            joined, join_tokens = self._join(seqs, rows, col, hooks, continuous)
+            used = rows.used
+            unit = Unit(0, used, col, col + 1, emits=True)
+            tokens, logits = self._pass([(unit, seqs.next_tokens[:used].view(used, 1))], rows, vocab)
+            out.logits += [logits.cpu()] if logits is not None else []
+            took = seqs.add(joined, join_tokens) + seqs.add(list(range(used)), tokens.tolist())
+            seqs.next_tokens[:used] = tokens.cpu()
+            self._report(list(dict.fromkeys(took)), hooks)  # a joiner took two tokens: report it once
             col += 1
             out.decode_steps += 1
-        if not last:
+        if not self.topo.is_last:
             self.link.send_stop()
         out.decode_seconds = time.perf_counter() - start - out.prefill_seconds
-        final_tokenizer = self.tokenizer if self.topo.is_leader else tokenizer
-        out.completions = [s.completion(final_tokenizer) for s in seqs]
+        needs_text = self.topo.is_leader or any(seq.request.stop for seq in seqs.all)
+        final_tokenizer = self.tokenizer if needs_text else None
+        out.completions = [s.completion(final_tokenizer) for s in seqs.all]
         return out
 
-    def _relay(self, requests: list[GenerateRequest], pads: torch.Tensor, prompt_cols: int,
-               return_logits: bool) -> None:
-        """A later stage: run each unit as it arrives; the last stage sends tokens back."""
-        gens = generators(requests) if self.topo.is_last else []
-        while (got := self.link.recv_unit()) is not None:
-            unit, hidden = got
-            hidden = self._forward(unit, hidden, pads)
+    def _prefill(self, requests: list[GenerateRequest], rows: Rows,
+                 vocab: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first batch's prompts, left-padded to the longest, in micro-batches and chunks."""
+        prompt_cols = self._prompt_cols
+        ids = torch.zeros(len(requests), prompt_cols, dtype=torch.int64)
+        for i, r in enumerate(requests):
+            ids[i, int(rows.pads[i]):] = torch.tensor(r.prompt_ids)
+        units = prefill_units((0, len(requests)), (0, prompt_cols), self.topo.pp)
+        return self._pass([(u, ids[u.r0:u.r1, u.c0:u.c1]) for u in units], rows, vocab)
+
+    def _report(self, took: list[SequenceState], hooks: Hooks | None) -> None:
+        """Tell the batcher (on the leader) which sequences took a token, and which stopped."""
+        if hooks is None:
+            return
+        hooks.step(took)
+        for seq in took:
+            if seq.finished:
+                hooks.finished(seq, seq.completion(self.tokenizer))
+
+    def _join(self, seqs: Sequences, rows: Rows, col: int, hooks: Hooks | None,
+              continuous: bool) -> tuple[list[int], list[int]]:
+        """Those who join at decode column `col` take free rows, left-padded so that their prompts
+        end at `col`, and are prefilled (each row alone); their first tokens become their inputs
+        to the decode step at `col`. Returns their rows and first tokens."""
+        newcomers = self._newcomers(seqs, col, hooks) if continuous else []
+        if not newcomers:
+            return [], []
+        work, joined = [], seqs.free_rows()[:len(newcomers)]
+        for row, request in zip(joined, newcomers):
+            pad = col - len(request.prompt_ids)
+            rows.place(row, request, pad)
+            seqs.start(row, request)
             if not self.topo.is_last:
+                self.link.send_join(Join(row, pad, request))
+            prompt = torch.tensor([request.prompt_ids])
+            work += [(u, prompt[:, u.c0 - pad:u.c1 - pad]) for u in prefill_units((row, row + 1), (pad, col),
+                                                                                   self.topo.pp)]
+        tokens, _ = self._pass(work, rows, None)
+        seqs.next_tokens[joined] = tokens.cpu()
+        return joined, tokens.tolist()
+
+    def _newcomers(self, seqs: Sequences, col: int, hooks: Hooks | None) -> list[GenerateRequest]:
+        """The leader asks its batcher who joins; its first-stage TP peers hear it from the leader
+        (one small message a step: they must all run the same units)."""
+        chosen: list[GenerateRequest] | None = None
+        if hooks is not None:
+            free = len(seqs.free_rows())
+            chosen = hooks.admit(free, col)
+            if len(chosen) > free or not all(fits_at(r, col, self.max_len) for r in chosen):
+                raise ValueError(f"the batcher admitted {len(chosen)} requests into {free} free rows at column "
+                                 f"{col}, not all of which fit")
+        if self.topo.tp > 1:
+            sent = self.comm.broadcast_in_stage(None if chosen is None else [r.model_dump() for r in chosen])
+            if chosen is None:
+                chosen = [GenerateRequest.model_validate(r) for r in sent or []]
+        return chosen or []
+
+    def _relay(self, rows: Rows, return_logits: bool) -> None:
+        """A later stage: run each unit as it arrives, take each join's row; the last stage sends
+        tokens back."""
+        last = self.topo.is_last
+        while (got := self.link.recv()) is not None:
+            if isinstance(got, Join):
+                rows.place(got.row, got.request, got.pad)
+                if not last:
+                    self.link.send_join(got)
+                continue
+            unit, hidden = got
+            hidden = self._forward(unit, hidden, rows.pads)
+            if not last:
                 self.link.send_unit(unit, hidden)
-            elif unit.emits(prompt_cols):
-                self.link.send_tokens(*self._sample(unit, hidden, requests, gens, return_logits))
-        if not self.topo.is_last:
+            elif unit.emits:
+                self.link.send_tokens(*self._sample(unit, hidden, rows, return_logits))
+        if not last:
             self.link.send_stop()

@@ -30,7 +30,7 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "shard_request_latency_seconds": ("histogram", "Request latency, arrival to last token.", ()),
     "shard_time_to_first_token_seconds": ("histogram", "Arrival to first generated token.", ()),
     "shard_queue_depth": ("gauge", "Requests waiting to be batched (leader only).", ()),
-    "shard_batch_size": ("histogram", "Sequences per decode batch (leader only).", ()),
+    "shard_batch_size": ("histogram", "Sequences that took a token in each step (leader only).", ()),
     "shard_group_ready": ("gauge", "1 when every rank of the group has loaded and been checked.", ()),
 }
 

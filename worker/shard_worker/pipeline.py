@@ -1,11 +1,14 @@
 """How work flows through the pipeline stages.
 
 A *unit* is rows [r0, r1) of the batch over cache columns [c0, c1): one forward pass of one
-stage. The first stage decides every unit; it sends a 5-integer header and then the hidden states
-to the next stage, which runs the same unit and passes it on. The last stage turns a unit that
-reaches the end of the prompt (or any decode unit) into tokens and sends them back to the first
-stage. A STOP header ends the generation on every stage. The downstream stages need no other
-per-step message: each unit describes itself.
+stage. The first stage decides every unit; it sends a 6-integer header (the unit, and whether it
+*emits*: the last stage samples after it because it ends a prompt or decodes) and then the hidden
+states to the next stage, which runs the same unit and passes it on. The last stage turns an
+emitting unit into tokens and sends them back to the first stage. A JOIN header, followed by the
+request as JSON, says that a request takes a row of a running batch (continuous batching): every
+stage sets the row's left padding, the last stage its sampling parameters and seeded generator.
+A STOP header ends the generation on every stage. The downstream stages need no other message:
+each unit describes itself.
 
 A prefill is cut into micro-batches (rows) and chunks (columns), so the first stage computes the
 next unit while the later stages work on the previous ones (sends are asynchronous).
@@ -21,10 +24,12 @@ import torch
 # (shard_operator.sizing sizes activations with the same number).
 from shard_operator.sizing import PREFILL_CHUNK
 
+from shard_operator.workerenv import GenerateRequest
+
 from .dist import FORWARD_TAG, RETURN_TAG, Comm, Pending
 
-RUN, STOP = 1, 2
-HEADER_INTS = 5
+RUN, STOP, JOIN = 1, 2, 3
+HEADER_INTS = 6
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,7 @@ class Unit:
     r1: int
     c0: int
     c1: int
+    emits: bool = False  # the last stage samples after it (it ends a prompt, or decodes)
 
     @property
     def rows(self) -> int:
@@ -42,9 +48,14 @@ class Unit:
     def cols(self) -> int:
         return self.c1 - self.c0
 
-    def emits(self, prompt_cols: int) -> bool:
-        """Whether the last stage samples after this unit: it ends the prompt, or decodes."""
-        return self.c1 >= prompt_cols
+
+@dataclass(frozen=True)
+class Join:
+    """`request` takes `row` of the running batch, its prompt starting at column `pad`."""
+
+    row: int
+    pad: int
+    request: GenerateRequest
 
 
 def split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -59,16 +70,20 @@ def split(n: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def prefill_units(batch: int, prompt_cols: int, stages: int, chunk: int = PREFILL_CHUNK) -> list[Unit]:
-    """The prefill of `batch` left-padded prompts of `prompt_cols` columns, in processing order.
+def prefill_units(rows: tuple[int, int], cols: tuple[int, int], stages: int,
+                  chunk: int = PREFILL_CHUNK) -> list[Unit]:
+    """The prefill of rows [r0, r1), left-padded prompts ending at column c1, over columns
+    [c0, c1), in processing order; the units that reach c1 emit.
 
-    Rows go into min(batch, stages) micro-batches; columns into chunks of at most `chunk`, and into
+    Rows go into min(rows, stages) micro-batches; columns into chunks of at most `chunk`, and into
     enough chunks that there are at least `stages` units to keep every stage busy. Chunks come
     first in the order, so each row's cache fills left to right on every stage.
     """
-    row_groups = split(batch, stages)
-    n_chunks = max(-(-prompt_cols // chunk), -(-stages // len(row_groups)))
-    return [Unit(r0, r1, c0, c1) for c0, c1 in split(prompt_cols, n_chunks) for r0, r1 in row_groups]
+    (r0, r1), (c0, c1) = rows, cols
+    row_groups = split(r1 - r0, stages)
+    n_chunks = max(-(-(c1 - c0) // chunk), -(-stages // len(row_groups)))
+    return [Unit(r0 + a, r0 + b, c0 + left, c0 + right, emits=c0 + right == c1)
+            for left, right in split(c1 - c0, n_chunks) for a, b in row_groups]
 
 
 class Link:
@@ -96,23 +111,38 @@ class Link:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     # ------------------------------------------------------------ downstream
+    def _send_header(self, *values: int) -> None:
+        self._isend(self._ints([*values] + [0] * (HEADER_INTS - len(values))), self.topo.next, FORWARD_TAG)
+
     def send_unit(self, unit: Unit, hidden: torch.Tensor) -> None:
-        self._isend(self._ints([RUN, unit.r0, unit.r1, unit.c0, unit.c1]), self.topo.next, FORWARD_TAG)
+        self._send_header(RUN, unit.r0, unit.r1, unit.c0, unit.c1, int(unit.emits))
         self._isend(hidden.contiguous(), self.topo.next, FORWARD_TAG)
 
+    def send_join(self, join: Join) -> None:
+        payload = torch.frombuffer(bytearray(join.request.model_dump_json().encode()), dtype=torch.uint8)
+        self._send_header(JOIN, join.row, join.pad, payload.numel())
+        self._isend(payload.to(self.device), self.topo.next, FORWARD_TAG)
+
     def send_stop(self) -> None:
-        self._isend(self._ints([STOP, 0, 0, 0, 0]), self.topo.next, FORWARD_TAG)
+        self._send_header(STOP)
         self.flush()
 
-    def recv_unit(self) -> tuple[Unit, torch.Tensor] | None:
-        """The next unit and its hidden states from the previous stage; None at STOP."""
+    def recv(self) -> tuple[Unit, torch.Tensor] | Join | None:
+        """The next unit and its hidden states from the previous stage, or a join; None at STOP."""
         header = self.comm.recv(self._ints([0] * HEADER_INTS), self.topo.prev, FORWARD_TAG)
-        kind, r0, r1, c0, c1 = (int(v) for v in header.tolist())
+        kind, *args = (int(v) for v in header.tolist())
         if kind == STOP:
             return None
-        unit = Unit(r0, r1, c0, c1)
+        if kind == JOIN:
+            return self._recv_join(*args[:3])
+        unit = Unit(*args[:4], emits=bool(args[4]))
         hidden = torch.empty(unit.rows, unit.cols, self.hidden_size, dtype=self.dtype, device=self.device)
         return unit, self.comm.recv(hidden, self.topo.prev, FORWARD_TAG)
+
+    def _recv_join(self, row: int, pad: int, size: int) -> Join:
+        payload = self.comm.recv(torch.empty(size, dtype=torch.uint8, device=self.device), self.topo.prev,
+                                 FORWARD_TAG)
+        return Join(row, pad, GenerateRequest.model_validate_json(bytes(payload.cpu().numpy())))
 
     # ------------------------------------------------------------ tokens back
     def send_tokens(self, tokens: torch.Tensor, logits: torch.Tensor | None) -> None:

@@ -1,0 +1,65 @@
+"""Continuous batching on real ranks: a request that joins a running batch at a decode step
+boundary answers exactly what it answers alone (greedy and seeded sampling, TP and PP), finishes
+and is handed back before the long request it joined, and its row is reused by the next one."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import make_plan
+from .pool import ContinuousJob, GenerateJob
+
+pytestmark = pytest.mark.slow
+
+LONG = {"prompt_ids": [3, 17, 42, 99, 7, 200, 64, 11], "max_new_tokens": 20, "ignore_eos": True}
+GREEDY = {"prompt_ids": [5, 9, 33], "max_new_tokens": 4, "ignore_eos": True}
+SAMPLED = {"prompt_ids": [8, 1, 77, 120, 4, 61], "max_new_tokens": 5, "temperature": 1.3, "top_p": 0.9,
+           "seed": 5, "ignore_eos": True}
+
+
+def alone(pool, model_dir, plan, request: dict) -> list[int]:
+    results = pool.run(plan, model_dir, GenerateJob([request], return_logits=False))
+    return results[0]["output"].completions[0].token_ids
+
+
+@pytest.mark.parametrize("model,tp,pp", [("llama-4layers", 1, 1), ("llama-4layers", 2, 1),
+                                         ("llama-4layers", 1, 2), ("llama-4layers", 2, 2), ("mistral", 1, 1)])
+def test_joiners_answer_as_alone_finish_first_and_reuse_a_row(pool, checkpoint, model, tp, pp):
+    model_dir = checkpoint(model)
+    plan = make_plan(model_dir, tp, pp, max_len=64, batch=2)
+    # the long one runs alone in row 0; at the second step boundary two arrive: one joins row 1,
+    # the other waits for that row to free up
+    results = pool.run(plan, model_dir, ContinuousJob([LONG], arrivals={2: [GREEDY, SAMPLED]}))
+    completions = [c.token_ids for c in results[0]["output"].completions]
+    assert completions == [alone(pool, model_dir, plan, r) for r in (LONG, GREEDY, SAMPLED)]
+    assert [len(c) for c in completions] == [20, 4, 5]
+    for peer in results[1:plan.tensor_parallel]:  # the first stage's TP peers ran the same batch
+        assert [c.token_ids for c in peer["output"].completions] == completions
+
+    events = results[0]["events"]
+    joins = [e[1:] for e in events if e[0] == "join"]  # (step, column, index)
+    finishes = [e[1:] for e in events if e[0] == "finished"]  # (step, index, row)
+    assert [(index, row) for _, index, row in finishes] == [(1, 1), (2, 1), (0, 0)]  # joiners first, in row 1
+    assert joins[0] == (2, 10, 1)  # at once: its prompt ends at column 8 + 2 decode steps
+    assert joins[1][0] == finishes[0][0] and joins[1][2] == 2  # at the boundary where row 1 freed
+    assert finishes[1][0] < finishes[2][0]  # while the long one still ran
+
+
+def test_joiners_that_stop_at_once_or_on_a_stop_string_free_their_rows(pool, checkpoint):
+    """A one-token joiner is answered in the step it joins at; a joiner with a stop string stops
+    where it stops alone (text included); their row serves the next arrival."""
+    model_dir = checkpoint("llama-4layers")
+    plan = make_plan(model_dir, 2, 1, max_len=64, batch=2)
+    one_token = {**GREEDY, "max_new_tokens": 1}
+    full = alone(pool, model_dir, plan, {**SAMPLED, "max_new_tokens": 8})
+    stop = f"w{full[2]}"  # the test tokenizer decodes token t as "w<t>"
+    stopping = {**SAMPLED, "max_new_tokens": 8, "stop": [stop]}
+    results = pool.run(plan, model_dir, ContinuousJob([LONG], arrivals={1: [one_token, stopping, GREEDY]}))
+    completions = results[0]["output"].completions
+    assert [c.token_ids for c in completions] == [alone(pool, model_dir, plan, r)
+                                                  for r in (LONG, one_token, stopping, GREEDY)]
+    assert completions[2].token_ids == full[:3] and stop not in completions[2].text
+    joins = [e[1:] for e in results[0]["events"] if e[0] == "join"]
+    finishes = [e[1:] for e in results[0]["events"] if e[0] == "finished"]
+    assert [(step, index) for step, _, index in joins][:2] == [(1, 1), (2, 2)]  # row 1 is free again at once
+    assert [(index, row) for _, index, row in finishes] == [(1, 1), (2, 1), (3, 1), (0, 0)]

@@ -1,0 +1,110 @@
+"""The state of one generate's batch: what every stage knows of each KV-cache row, and what the
+first stage knows of each sequence.
+
+A row is one sequence's slot in the KV cache. Rows are left-padded: row r's tokens start at
+column pads[r], which gives its attention mask and RoPE positions. In continuous batching a
+finished sequence's row is taken by a newcomer whose prompt ends at the current decode column;
+its new padding masks out what the old sequence left in the row.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from shard_operator.workerenv import Completion, GenerateRequest
+
+from .sampling import generators
+
+
+class SequenceState:
+    """One sequence's generated tokens and whether (and why) it has stopped. `index` is its place
+    in the generate's order of arrival (the first batch, then each newcomer); `row` its cache row."""
+
+    def __init__(self, request: GenerateRequest, eos_ids: tuple[int, ...], index: int = 0, row: int = 0):
+        self.request, self.index, self.row = request, index, row
+        self.stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else set(eos_ids))
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, token: int, tokenizer: Any) -> None:
+        if self.finish_reason is not None:
+            return
+        self.tokens.append(token)
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif self.request.stop and _find_stop(tokenizer.decode(self.tokens), self.request.stop) is not None:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.request.max_new_tokens:
+            self.finish_reason = "length"
+
+    def completion(self, tokenizer: Any) -> Completion:
+        text = None
+        if tokenizer is not None:
+            text = tokenizer.decode(self.tokens)
+            cut = _find_stop(text, self.request.stop)
+            text = text if cut is None else text[:cut]
+        return Completion(token_ids=self.tokens, text=text, finish_reason=self.finish_reason or "length")
+
+
+def _find_stop(text: str, stops: list[str]) -> int | None:
+    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(found) if found else None
+
+
+class Rows:
+    """What every stage keeps per cache row: its left padding and, on the last stage (`sampler`),
+    the request and seeded generator it samples with. Rows [0, used) have held a sequence: a
+    decode step computes all of them (a finished row's results are ignored until it is reused)."""
+
+    def __init__(self, capacity: int, sampler: bool):
+        self.pads = torch.zeros(capacity, dtype=torch.int64)
+        self.requests: list[GenerateRequest | None] = [None] * capacity
+        self.gens: list[torch.Generator | None] = [None] * capacity
+        self.sampler, self.used = sampler, 0
+
+    def place(self, row: int, request: GenerateRequest, pad: int) -> None:
+        self.pads[row] = pad
+        self.requests[row] = request
+        if self.sampler:
+            self.gens[row] = generators([request])[0]
+        self.used = max(self.used, row + 1)
+
+
+class Sequences:
+    """The first stage's sequences of one generate: all of them in order of arrival, the one each
+    row holds, and each row's next input token."""
+
+    def __init__(self, capacity: int, eos_ids: tuple[int, ...], tokenizer: Callable[[], Any]):
+        self.eos_ids, self.tokenizer = eos_ids, tokenizer  # tokenizer() is asked for by stop strings only
+        self.all: list[SequenceState] = []
+        self.by_row: list[SequenceState | None] = [None] * capacity
+        self.next_tokens = torch.zeros(capacity, dtype=torch.int64)
+
+    def start(self, row: int, request: GenerateRequest) -> SequenceState:
+        seq = SequenceState(request, self.eos_ids, index=len(self.all), row=row)
+        self.all.append(seq)
+        self.by_row[row] = seq
+        return seq
+
+    def free_rows(self) -> list[int]:
+        """Rows a newcomer may take (their sequence has finished, or they never had one), ascending."""
+        return [row for row, seq in enumerate(self.by_row) if seq is None or seq.finished]
+
+    def live(self) -> bool:
+        return any(seq is not None and not seq.finished for seq in self.by_row)
+
+    def add(self, rows: list[int], tokens: list[int]) -> list[SequenceState]:
+        """Give each row's sequence its token; the sequences that were still running took one."""
+        took = []
+        for row, token in zip(rows, tokens):
+            seq = self.by_row[row]
+            if seq is not None and not seq.finished:
+                seq.add(token, self.tokenizer() if seq.request.stop else None)
+                took.append(seq)
+        return took

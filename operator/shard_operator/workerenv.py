@@ -118,7 +118,7 @@ class GenerateTask(BaseModel):
 class Completion(BaseModel):
     token_ids: list[int] = Field(description="Generated tokens only (an EOS that ended it included).")
     text: str | None = Field(None, description="Decoded, cut before a stop string; None without a tokenizer.")
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "cancelled"]  # cancelled: the client left (never sent to it)
 
 
 class ResidentBytes(BaseModel):

@@ -188,6 +188,35 @@ def test_requests_that_arrive_while_a_batch_runs_join_it_and_are_answered_before
     assert carried_after - carried_before == 250 + 6 * 11
 
 
+def requests_with_outcome(server, outcome: str) -> float:
+    text = get(server.url + "/metrics").text
+    family = next(f for f in text_string_to_metric_families(text) if f.name == "shard_requests")
+    return next(s.value for s in family.samples if s.name == "shard_requests_total" and s.labels["outcome"] == outcome)
+
+
+def test_a_client_that_hangs_up_stops_its_generation(server):
+    """A streaming client that closes the connection after its first chunk, and a client that gives
+    up waiting for a whole answer: both requests are cancelled, the group stops computing them
+    long before their 250 tokens, and serves the next request."""
+    steps_before, _ = batch_counts(server)
+    cancelled_before = requests_with_outcome(server, "cancelled")
+    long = {"prompt": [1, 99], "max_tokens": 250, "temperature": 0, "ignore_eos": True}
+
+    async def hang_up_mid_stream() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            async with client.stream("POST", "/v1/completions", json={**long, "stream": True}) as response:
+                await anext(response.aiter_lines())  # it runs; leaving the block closes the connection
+
+    asyncio.run(hang_up_mid_stream())
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=long, timeout=0.1)  # 250 steps take longer
+    wait_for("both requests cancelled", lambda: requests_with_outcome(server, "cancelled") == cancelled_before + 2,
+             timeout=30)
+    assert server.complete(prompt=[1, 2], max_tokens=4, temperature=0, ignore_eos=True)["choices"][0]["token_ids"]
+    steps_after, _ = batch_counts(server)
+    assert steps_after - steps_before < 250  # fewer steps for all three than one long answer takes
+
+
 @pytest.mark.parametrize("body,status,param", [
     (b'{"prompt": "hello", "max_tokens": 4', 400, None),  # malformed JSON
     (b'{"prompt": "hello", "max_tokens": "four"}', 400, "max_tokens"),  # a field of the wrong type

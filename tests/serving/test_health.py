@@ -174,6 +174,7 @@ class ScriptedEngine:
         self.scripts, self.batches, self.heartbeats, self.shut = list(scripts), [], 0, False
         self.release, self.finish, self.tick = threading.Event(), threading.Event(), threading.Semaphore(0)
         self.joined: list[tuple[int, int]] = []  # (column, sequence index)
+        self.cancelled: list[list[int]] = []  # what hooks.cancelled() said at each step boundary
 
     def check(self, request):
         if len(request.prompt_ids) + request.max_new_tokens - 1 > self.max_len:
@@ -195,6 +196,7 @@ class ScriptedEngine:
             self.tick.acquire(timeout=10)
             if self.finish.is_set():
                 break
+            self.cancelled.append(hooks.cancelled())
             joining = [SequenceState(r, (), index=len(seqs)) for r in hooks.admit(1, col)]
             seqs += joining
             self.joined += [(col, seq.index) for seq in joining]
@@ -285,6 +287,36 @@ async def test_waiting_requests_join_the_running_batch_when_they_fit_and_are_ans
     loop.close()
     thread.join(5)
     assert not thread.is_alive()
+
+
+async def test_a_client_that_leaves_is_dropped_from_the_queue_or_stopped_at_the_next_step():
+    engine = ScriptedEngine(["join"])
+    counted = metrics()
+    loop = EngineLoop(engine, max_batch=2, max_len=16, metrics=counted, idle_seconds=5)
+    aio = asyncio.get_running_loop()
+    running = Pending(req(3, 12), Sink(aio, stream=True))
+    waiting = Pending(req(12, 2), Sink(aio, stream=False))  # it could join at column 12
+    loop.submit(running)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    assert await result(running.sink) == ("step", [7, 8])
+    loop.submit(waiting)
+    loop.cancel(waiting)
+    loop.cancel(running)
+    loop.cancel(running)  # a second disconnect notice changes nothing
+    for _ in range(3):  # columns 10, 11, 12
+        engine.tick.release()
+    while len(engine.cancelled) < 3:
+        await asyncio.sleep(0.01)
+    assert engine.cancelled == [[0], [], []]  # the running one is stopped at the next boundary, once
+    assert engine.joined == []  # the one that left the queue never runs
+    engine.finish.set()
+    engine.tick.release()
+    loop.close()
+    thread.join(5)
+    assert delivered(running.sink) == [] and delivered(waiting.sink) == []  # nothing after they left
+    assert counted.m.get("shard_requests", outcome="cancelled")._value.get() == 2
+    assert counted.m.get("shard_requests", outcome="completed")._value.get() == 0
 
 
 async def test_a_lost_group_fails_running_and_waiting_requests_and_refuses_new_ones():

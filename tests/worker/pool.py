@@ -12,7 +12,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 JOB_TIMEOUT = 240.0
@@ -39,6 +39,7 @@ class ContinuousJob:
 
     requests: list[dict]
     arrivals: dict[int, list[dict]]
+    cancels: dict[int, list[int]] = field(default_factory=dict)  # step -> sequence indices whose clients leave
 
 
 @dataclass
@@ -97,7 +98,8 @@ def _run(env_json: str, plan_json: str, job: Any) -> dict:
 
 def _run_continuous(engine, job: ContinuousJob) -> list[tuple]:
     """Drive `job` through the engine's hooks with the batcher's own admission rule; returns what
-    happened, in order: ("join", step, column, sequence index) and ("finished", step, index, row)."""
+    happened, in order: ("join", step, column, sequence index), ("finished", step, index, row) and
+    ("cancel", step, index)."""
     from shard_operator.workerenv import GenerateRequest
     from shard_worker.batcher import take_joiners
     from shard_worker.engine import Hooks
@@ -126,7 +128,13 @@ def _run_continuous(engine, job: ContinuousJob) -> list[tuple]:
     def finished(seq, completion) -> None:
         events.append(("finished", steps[0], seq.index, seq.row))
 
-    engine.generate(parse(job.requests), hooks=Hooks(admit=admit, step=lambda seqs: None, finished=finished))
+    def cancelled() -> list[int]:  # asked before admit() at each boundary
+        leaving = job.cancels.get(steps[0], [])
+        events.extend(("cancel", steps[0], index) for index in leaving)
+        return leaving
+
+    engine.generate(parse(job.requests), hooks=Hooks(admit=admit, step=lambda seqs: None, finished=finished,
+                                                     cancelled=cancelled))
     assert not waiting and not arrivals, "some arrivals never joined"
     return events
 

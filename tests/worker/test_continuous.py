@@ -63,3 +63,34 @@ def test_joiners_that_stop_at_once_or_on_a_stop_string_free_their_rows(pool, che
     finishes = [e[1:] for e in results[0]["events"] if e[0] == "finished"]
     assert [(step, index) for step, _, index in joins][:2] == [(1, 1), (2, 2)]  # row 1 is free again at once
     assert [(index, row) for _, index, row in finishes] == [(1, 1), (2, 1), (3, 1), (0, 0)]
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_a_cancelled_sequence_stops_at_the_next_step_and_its_row_serves_the_next_arrival(pool, checkpoint, tp, pp):
+    model_dir = checkpoint("llama-4layers")
+    plan = make_plan(model_dir, tp, pp, max_len=64, batch=2)
+    # rows 0 and 1 run two long requests; at step 3 the client of the first leaves and a short
+    # request arrives: it takes row 0 at once; the batch ends when the second long one does
+    results = pool.run(plan, model_dir, ContinuousJob([LONG, {**LONG, "prompt_ids": [9, 4, 1]}],
+                                                      arrivals={3: [GREEDY]}, cancels={3: [0]}))
+    completions = results[0]["output"].completions
+    long_alone, second_alone, greedy_alone = (alone(pool, model_dir, plan, r)
+                                              for r in (LONG, {**LONG, "prompt_ids": [9, 4, 1]}, GREEDY))
+    assert completions[0].finish_reason == "cancelled"
+    assert completions[0].token_ids == long_alone[:4]  # the prefill's token and one per step before 3
+    assert [c.token_ids for c in completions[1:]] == [second_alone, greedy_alone]
+    for peer in results[1:plan.tensor_parallel]:
+        assert [c.token_ids for c in peer["output"].completions] == [c.token_ids for c in completions]
+    events = results[0]["events"]
+    assert ("cancel", 3, 0) in events and ("join", 3, 11, 2) in events  # column 8 + 3
+    assert [e[2:] for e in events if e[0] == "finished"] == [(2, 0), (1, 1)]  # the cancelled one is not answered
+
+
+def test_when_every_client_leaves_the_generate_ends_at_once(pool, checkpoint):
+    model_dir = checkpoint("llama-4layers")
+    plan = make_plan(model_dir, 2, 1, max_len=64, batch=2)
+    results = pool.run(plan, model_dir, ContinuousJob([LONG], arrivals={}, cancels={2: [0]}))
+    (completion,) = results[0]["output"].completions
+    assert completion.finish_reason == "cancelled" and len(completion.token_ids) == 3
+    assert results[0]["output"].decode_steps == 2
+    assert results[1]["output"].decode_steps == 2  # the TP peer stopped with it

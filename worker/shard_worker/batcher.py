@@ -12,6 +12,8 @@ stops, not when the batch ends. The batch ends when every sequence has stopped; 
 starts at column 0 again, so a request that could not join (its prompt is longer than the
 current column, or the batch has too few columns left) waits at most for the running batch to
 drain (at most maxModelLen steps: the column moves one a step, and no one joins past it).
+A request whose client hangs up (`cancel`) leaves the queue, or stops at the next step boundary
+and frees its row (`Hooks.cancelled`).
 
 Only the engine thread touches torch.distributed. The HTTP side talks to it through `Sink`s:
 each request's events are handed to its asyncio loop, never awaited by the engine.
@@ -110,6 +112,14 @@ class Sink:
         self._post(("done", completion))
         return True
 
+    def abandon(self) -> bool:
+        """The client has gone: deliver nothing more. False when it was answered already."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+        return True
+
     def fail(self, reason: str, status: int = 503) -> bool:
         with self._lock:
             if self._closed:
@@ -119,7 +129,7 @@ class Sink:
         return True
 
 
-@dataclass
+@dataclass(eq=False)  # each is one client's request: compared by identity
 class Pending:
     request: GenerateRequest
     sink: Sink
@@ -135,6 +145,7 @@ class EngineLoop:
         self.cond = threading.Condition()
         self.waiting: deque[Pending] = deque()
         self.running: list[Pending] = []
+        self.cancelling: list[int] = []  # indices into `running` whose clients have gone
         self.lost = ""  # why the group is lost; set once, never cleared
         self.closing = False
         self.started = threading.Event()
@@ -159,6 +170,19 @@ class EngineLoop:
             self.waiting.append(pending)
             self.metrics.queue_depth(len(self.waiting))
             self.cond.notify()
+
+    def cancel(self, pending: Pending) -> None:
+        """Its client has gone: a waiting request leaves the queue; a running one stops at the
+        engine's next step boundary and frees its row. Nothing more is delivered to it."""
+        if not pending.sink.abandon():  # answered, failed or cancelled already
+            return
+        with self.cond:
+            if pending in self.waiting:
+                self.waiting.remove(pending)
+                self.metrics.queue_depth(len(self.waiting))
+            elif pending in self.running:
+                self.cancelling.append(self.running.index(pending))
+        self.metrics.outcome("cancelled")
 
     def fail_all(self, reason: str) -> None:
         """The group is lost: every running and waiting request ends with `reason`, now."""
@@ -213,7 +237,7 @@ class EngineLoop:
     def _run(self, batch: list[Pending]) -> None:
         """One continuous `generate`, started with `batch`; `self.running` grows as others join,
         in the engine's order of arrival (a sequence's `index`)."""
-        hooks = Hooks(admit=self._admit, step=self._step, finished=self._finished)
+        hooks = Hooks(admit=self._admit, step=self._step, finished=self._finished, cancelled=self._cancelled)
         try:
             self.engine.generate([p.request for p in batch], hooks=hooks)
         except RequestError as err:  # refused before any rank did work: the group is fine
@@ -237,6 +261,11 @@ class EngineLoop:
             self.metrics.queue_depth(len(self.waiting))
         return [p.request for p in joining]
 
+    def _cancelled(self) -> list[int]:
+        with self.cond:
+            cancelled, self.cancelling = self.cancelling, []
+        return cancelled
+
     def _step(self, seqs: list[SequenceState]) -> None:
         self.metrics.batch(len(seqs))
         for seq in seqs:
@@ -251,7 +280,7 @@ class EngineLoop:
 
     def _ran(self) -> None:
         with self.cond:
-            self.running = []
+            self.running, self.cancelling = [], []
 
     def _finish(self) -> None:
         with self.cond:

@@ -8,9 +8,9 @@ Within a `generate`, the first stage owns the batch's state (tokens so far, whic
 stopped) and decides each unit; the other stages follow the units (see `pipeline.py`). The first
 stage's TP peers hold the same state because they receive the same tokens and apply the same
 rules. A fixed batch (`shardctl generate`) needs no per-step message at all. A continuous batch
-(the server) lets requests join at each decode step boundary, into the rows of finished
-sequences: the leader's batcher chooses them, and the leader tells its first-stage TP peers at
-every step, with one small message (an empty one costs a shared-memory round where the peers
+(the server) lets requests join at each decode step boundary, into the rows of finished (or
+cancelled: their clients hung up) sequences: the leader's batcher chooses them, and the leader
+tells its first-stage TP peers who joins and who is cancelled at every step, with one small message (an empty one costs a shared-memory round where the peers
 share a machine, else one gloo broadcast); the later stages learn of each join from a JOIN
 header in the pipeline.
 """
@@ -52,12 +52,15 @@ class Hooks:
     at most `free_rows`, in order; each must fit (prompt <= col, col + max_new_tokens - 1 <=
     maxModelLen). step(sequences): the sequences that took a token in a step (the first batch's
     prefill, or one decode step with the prefills of those that joined at it). finished(sequence,
-    completion): a sequence has stopped; its row is free from the next step on.
+    completion): a sequence has stopped; its row is free from the next step on. cancelled(): the
+    sequences (by index) whose clients have gone since the last call: they stop at this step
+    boundary, unanswered, and their rows are free for those who join at it.
     """
 
     admit: Callable[[int, int], list[GenerateRequest]]
     step: Callable[[list[SequenceState]], None]
     finished: Callable[[SequenceState, Completion], None]
+    cancelled: Callable[[], list[int]] = list
 
 
 @dataclass
@@ -242,6 +245,8 @@ class Engine:
         col = self._prompt_cols
         while seqs.live():
             joined, join_tokens = self._join(seqs, rows, col, hooks, continuous)
+            if not seqs.live():  # every client left, and nobody joined
+                break
             used = rows.used
             unit = Unit(0, used, col, col + 1, emits=True)
             tokens, logits = self._pass([(unit, seqs.next_tokens[:used].view(used, 1))], rows, vocab)
@@ -280,10 +285,11 @@ class Engine:
 
     def _join(self, seqs: Sequences, rows: Rows, col: int, hooks: Hooks | None,
               continuous: bool) -> tuple[list[int], list[int]]:
-        """Those who join at decode column `col` take free rows, left-padded so that their prompts
-        end at `col`, and are prefilled (each row alone); their first tokens become their inputs
-        to the decode step at `col`. Returns their rows and first tokens."""
-        newcomers = self._newcomers(seqs, col, hooks) if continuous else []
+        """Those who join at decode column `col` take free rows (the rows of sequences that stopped
+        or were cancelled), left-padded so that their prompts end at `col`, and are prefilled (each
+        row alone); their first tokens become their inputs to the decode step at `col`. Returns
+        their rows and first tokens."""
+        newcomers = self._orders(seqs, col, hooks) if continuous else []
         if not newcomers:
             return [], []
         work, joined = [], seqs.free_rows()[:len(newcomers)]
@@ -300,21 +306,29 @@ class Engine:
         seqs.next_tokens[joined] = tokens.cpu()
         return joined, tokens.tolist()
 
-    def _newcomers(self, seqs: Sequences, col: int, hooks: Hooks | None) -> list[GenerateRequest]:
-        """The leader asks its batcher who joins; its first-stage TP peers hear it from the leader
-        (one small message a step: they must all run the same units)."""
-        chosen: list[GenerateRequest] | None = None
+    def _orders(self, seqs: Sequences, col: int, hooks: Hooks | None) -> list[GenerateRequest]:
+        """A step boundary's orders: the sequences whose clients left stop, then newcomers are
+        admitted into the free rows. The leader asks its batcher; its first-stage TP peers hear
+        both from the leader (one small message a step: they must all run the same units).
+        Returns the newcomers."""
+        orders: dict[str, Any] | None = None
+        chosen: list[GenerateRequest] = []
         if hooks is not None:
+            cancelled = hooks.cancelled()
+            seqs.cancel(cancelled)
             free = len(seqs.free_rows())
             chosen = hooks.admit(free, col)
             if len(chosen) > free or not all(fits_at(r, col, self.max_len) for r in chosen):
                 raise ValueError(f"the batcher admitted {len(chosen)} requests into {free} free rows at column "
                                  f"{col}, not all of which fit")
+            if cancelled or chosen:
+                orders = {"cancel": cancelled, "join": [r.model_dump() for r in chosen]}
         if self.topo.tp > 1:
-            sent = self.comm.broadcast_in_stage(None if chosen is None else [r.model_dump() for r in chosen])
-            if chosen is None:
-                chosen = [GenerateRequest.model_validate(r) for r in sent or []]
-        return chosen or []
+            sent = self.comm.broadcast_in_stage(orders)
+            if hooks is None and sent is not None:
+                seqs.cancel(sent["cancel"])
+                chosen = [GenerateRequest.model_validate(r) for r in sent["join"]]
+        return chosen
 
     def _relay(self, rows: Rows, return_logits: bool) -> None:
         """A later stage: run each unit as it arrives, take each join's row; the last stage sends

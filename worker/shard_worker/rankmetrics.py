@@ -20,7 +20,7 @@ from .metrics import WorkerMetrics
 if TYPE_CHECKING:
     from .runtime import Worker
 
-OUTCOMES = ("completed", "rejected", "failed")
+OUTCOMES = ("completed", "rejected", "failed", "cancelled")  # cancelled: the client went away
 # Families only the leader records (it alone sees requests); the other ranks expose them empty.
 LEADER_FAMILIES = ("shard_tokens_generated", "shard_requests", "shard_request_latency_seconds",
                    "shard_time_to_first_token_seconds", "shard_queue_depth", "shard_batch_size")

@@ -96,6 +96,12 @@ class Sequences:
         """Rows a newcomer may take (their sequence has finished, or they never had one), ascending."""
         return [row for row, seq in enumerate(self.by_row) if seq is None or seq.finished]
 
+    def cancel(self, indices: list[int]) -> None:
+        """Stop these sequences (by index) now: their clients have gone."""
+        for i in indices:
+            if not self.all[i].finished:
+                self.all[i].finish_reason = "cancelled"
+
     def live(self) -> bool:
         return any(seq is not None and not seq.finished for seq in self.by_row)
 

@@ -16,6 +16,7 @@ SHARD_HOST (default 0.0.0.0) is the address to listen on; `shardctl run` binds 1
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -234,8 +235,6 @@ class RankServer:
 
     def _submit(self, request: openai.Sampling, prompt_ids: list[int], max_tokens: int | None,
                 param: str) -> tuple[Pending, Any]:
-        import asyncio
-
         verdict = self.verdict()
         if not verdict.ready or self.worker is None or self.loop is None:
             raise openai.unavailable(verdict.reason or "the group is not ready")
@@ -266,7 +265,7 @@ class RankServer:
             prompt = openai.prompt_of(body)
             ids = prompt if isinstance(prompt, list) else self._encode(prompt, "prompt")
             pending, text = self._submit(body, ids, 16 if body.max_tokens is None else body.max_tokens, "prompt")
-            return await self._respond(pending, text, body, len(ids), chat=False)
+            return await self._respond(request, pending, text, body, len(ids), chat=False)
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Response:
@@ -281,14 +280,29 @@ class RankServer:
                 raise openai.ApiError(400, f"messages: {err}", param="messages") from None
             max_tokens = body.max_completion_tokens or body.max_tokens
             pending, text = self._submit(body, ids, max_tokens, "messages")
-            return await self._respond(pending, text, body, len(ids), chat=True)
+            return await self._respond(request, pending, text, body, len(ids), chat=True)
 
-    async def _respond(self, pending: Pending, text: openai.TextStream, body: openai.Sampling, prompt_tokens: int,
-                       chat: bool) -> Response:
+    async def _answer(self, request: Request, pending: Pending) -> tuple | None:
+        """The request's final event, or None when its client disconnects first: the request is
+        then cancelled, so the group stops generating for nobody."""
+        answer = asyncio.ensure_future(pending.sink.queue.get())
+        gone = asyncio.ensure_future(_disconnected(request))
+        done, _ = await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (answer, gone):
+            task.cancel()
+        if answer in done:
+            return answer.result()
+        self.loop.cancel(pending)
+        return None
+
+    async def _respond(self, request: Request, pending: Pending, text: openai.TextStream, body: openai.Sampling,
+                       prompt_tokens: int, chat: bool) -> Response:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created, model = int(time.time()), self.env.model_name
         if not body.stream:
-            event = await pending.sink.queue.get()
+            event = await self._answer(request, pending)
+            if event is None:
+                return Response(status_code=499)  # nobody is listening: nginx's "client closed request"
             if event[0] == "error":
                 status, reason = event[1], event[2]
                 kind = "service_unavailable" if status == 503 else "invalid_request_error"
@@ -305,31 +319,41 @@ class RankServer:
                     data = openai.completion_chunk(rid, created, model, delta, ids, finish)
                 return f"data: {json.dumps(data)}\n\n"
 
-            if chat:
-                yield chunk("", [], None, first=True)
-            while True:
-                event = await pending.sink.queue.get()
-                if event[0] == "step":
-                    delta, ids = text.step(event[1])
-                    if delta or ids:
-                        yield chunk(delta, ids, None)
-                elif event[0] == "done":
-                    done = event[1]
-                    delta, ids = text.finish(done)
-                    yield chunk(delta, ids, done.finish_reason)
-                    if body.include_usage:
-                        obj = "chat.completion.chunk" if chat else "text_completion"
-                        usage = openai.usage_chunk(rid, created, model, obj, prompt_tokens, len(done.token_ids))
-                        yield f"data: {json.dumps(usage)}\n\n"
-                    yield "data: [DONE]\n\n"
-                    return
-                else:
-                    kind = "service_unavailable" if event[1] == 503 else "invalid_request_error"
-                    yield f"data: {json.dumps(openai.error_body(event[2], kind))}\n\n"
-                    return
+            answered = False
+            try:
+                if chat:
+                    yield chunk("", [], None, first=True)
+                while not answered:
+                    event = await pending.sink.queue.get()
+                    if event[0] == "step":
+                        delta, ids = text.step(event[1])
+                        if delta or ids:
+                            yield chunk(delta, ids, None)
+                    elif event[0] == "done":
+                        answered, done = True, event[1]
+                        delta, ids = text.finish(done)
+                        yield chunk(delta, ids, done.finish_reason)
+                        if body.include_usage:
+                            obj = "chat.completion.chunk" if chat else "text_completion"
+                            usage = openai.usage_chunk(rid, created, model, obj, prompt_tokens, len(done.token_ids))
+                            yield f"data: {json.dumps(usage)}\n\n"
+                        yield "data: [DONE]\n\n"
+                    else:
+                        answered = True
+                        kind = "service_unavailable" if event[1] == 503 else "invalid_request_error"
+                        yield f"data: {json.dumps(openai.error_body(event[2], kind))}\n\n"
+            finally:  # the client went away mid-stream: the server stopped iterating us
+                if not answered:
+                    self.loop.cancel(pending)
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client closes its connection (the body has been read: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def serve(env: WorkerEnv, plan: Plan, baseline: MemorySample, known_errors: tuple[type, ...] = ()) -> int:

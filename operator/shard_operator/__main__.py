@@ -11,7 +11,7 @@ import sys
 
 import kopf
 
-from . import opmetrics
+from . import metrics
 from .handlers import Controller, build_registry, kopf_settings
 from .kube import Kube, load_client
 from .settings import Settings
@@ -26,7 +26,7 @@ def main() -> int:
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     controller = Controller(settings, Kube(load_client()))
     if settings.metrics_port:
-        opmetrics.serve(controller, settings.metrics_port)
+        metrics.serve(controller, settings.metrics_port)
     kopf.run(registry=build_registry(controller), settings=kopf_settings(settings),
              standalone=settings.standalone, clusterwide=not settings.namespaces,
              namespaces=list(settings.namespaces),

@@ -82,7 +82,7 @@ class Controller:
         self.generations: dict[tuple[str, str], int] = {}  # the spec generation last reconciled
         self.reconciles = 0
         self.failures = 0
-        # What the metrics endpoint reads (opmetrics.py): time per reconcile, each model's last status.
+        # What the metrics endpoint reads (metrics.py): time per reconcile, each model's last status.
         self.reconcile_seconds = Histogram("shard_operator_reconcile_seconds", "Time of one reconcile of one model.",
                                            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=None)
         self.statuses: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, model) -> status

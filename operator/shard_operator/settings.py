@@ -49,7 +49,7 @@ class Settings:
     standalone: bool = True
     # Port of the liveness endpoint (GET /healthz); 0 disables it.
     health_port: int = 8080
-    # Port of the operator's own Prometheus metrics (GET /metrics, opmetrics.py); 0 disables it.
+    # Port of the operator's own Prometheus metrics (GET /metrics, metrics.py); 0 disables it.
     metrics_port: int = 0
     # Python logging level of the operator (DEBUG, INFO, WARNING, ERROR).
     log_level: str = "INFO"

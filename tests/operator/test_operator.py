@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shard_operator.opmetrics import ControllerCollector
+from shard_operator.metrics import ControllerCollector
 from shard_operator.permissions import permissions
 from shard_operator.workerenv import WorkerEnv
 

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shard_operator.opmetrics import ControllerCollector
+from shard_operator.metrics import ControllerCollector
 from shard_worker.metrics import FAMILIES, LABELS, WorkerMetrics
 
 from .chart import CHART, one

@@ -94,3 +94,19 @@ def test_when_every_client_leaves_the_generate_ends_at_once(pool, checkpoint):
     assert completion.finish_reason == "cancelled" and len(completion.token_ids) == 3
     assert results[0]["output"].decode_steps == 2
     assert results[1]["output"].decode_steps == 2  # the TP peer stopped with it
+
+
+@pytest.mark.parametrize("order", ["short first", "long first"])
+def test_rows_whose_sequences_finished_are_not_computed_at_the_edges(pool, checkpoint, order):
+    """A batch of a 3-token and a 10-token request: once the short one stops, each decode step
+    computes the long one's row alone, and the tokens stay what each gets alone."""
+    model_dir = checkpoint("llama-4layers")
+    plan = make_plan(model_dir, 2, 1, max_len=64, batch=2)
+    short, long = {**GREEDY, "max_new_tokens": 3}, {**LONG, "max_new_tokens": 10}
+    batch = [short, long] if order == "short first" else [long, short]
+    results = pool.run(plan, model_dir, GenerateJob(batch, return_logits=False))
+    output = results[0]["output"]
+    assert [c.token_ids for c in output.completions] == [alone(pool, model_dir, plan, r) for r in batch]
+    assert output.decode_steps == 9
+    assert output.decode_rows == 2 * 2 + 7 * 1  # both rows for the short one's 2 steps, then one
+    assert results[1]["output"].decode_rows == output.decode_rows  # the TP peer computed the same

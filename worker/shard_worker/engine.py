@@ -69,6 +69,7 @@ class Output:
     prefill_seconds: float
     decode_seconds: float
     decode_steps: int
+    decode_rows: int = 0  # rows the decode steps computed, summed over the steps
     logits: list[torch.Tensor] = field(default_factory=list)  # per generated position: [batch, vocab]
 
 
@@ -247,15 +248,18 @@ class Engine:
             joined, join_tokens = self._join(seqs, rows, col, hooks, continuous)
             if not seqs.live():  # every client left, and nobody joined
                 break
-            used = rows.used
-            unit = Unit(0, used, col, col + 1, emits=True)
-            tokens, logits = self._pass([(unit, seqs.next_tokens[:used].view(used, 1))], rows, vocab)
+            # Rows outside the live ones are not computed (a CPU matmul of 4 rows can cost twice
+            # one row's); logits are returned for every row of a fixed batch.
+            lo, hi = (0, rows.used) if return_logits else seqs.live_span()
+            unit = Unit(lo, hi, col, col + 1, emits=True)
+            tokens, logits = self._pass([(unit, seqs.next_tokens[lo:hi].view(hi - lo, 1))], rows, vocab)
             out.logits += [logits.cpu()] if logits is not None else []
-            took = seqs.add(joined, join_tokens) + seqs.add(list(range(used)), tokens.tolist())
-            seqs.next_tokens[:used] = tokens.cpu()
+            took = seqs.add(joined, join_tokens) + seqs.add(list(range(lo, hi)), tokens.tolist())
+            seqs.next_tokens[lo:hi] = tokens.cpu()
             self._report(list(dict.fromkeys(took)), hooks)  # a joiner took two tokens: report it once
             col += 1
             out.decode_steps += 1
+            out.decode_rows += hi - lo
         if not self.topo.is_last:
             self.link.send_stop()
         out.decode_seconds = time.perf_counter() - start - out.prefill_seconds

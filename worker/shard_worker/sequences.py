@@ -59,8 +59,9 @@ def _find_stop(text: str, stops: list[str]) -> int | None:
 
 class Rows:
     """What every stage keeps per cache row: its left padding and, on the last stage (`sampler`),
-    the request and seeded generator it samples with. Rows [0, used) have held a sequence: a
-    decode step computes all of them (a finished row's results are ignored until it is reused)."""
+    the request and seeded generator it samples with. Rows [0, used) have held a sequence. A decode
+    step computes the rows from the first to the last running sequence (a finished row between
+    them is computed, its results ignored until it is reused)."""
 
     def __init__(self, capacity: int, sampler: bool):
         self.pads = torch.zeros(capacity, dtype=torch.int64)
@@ -101,6 +102,11 @@ class Sequences:
         for i in indices:
             if not self.all[i].finished:
                 self.all[i].finish_reason = "cancelled"
+
+    def live_span(self) -> tuple[int, int]:
+        """The rows [lo, hi) from the first to the last that holds a running sequence."""
+        live = [row for row, seq in enumerate(self.by_row) if seq is not None and not seq.finished]
+        return live[0], live[-1] + 1
 
     def live(self) -> bool:
         return any(seq is not None and not seq.finished for seq in self.by_row)

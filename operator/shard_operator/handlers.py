@@ -82,10 +82,14 @@ class Controller:
         self.generations: dict[tuple[str, str], int] = {}  # the spec generation last reconciled
         self.reconciles = 0
         self.failures = 0
-        # What the metrics endpoint reads (metrics.py): time per reconcile, each model's last status.
+        self.memories: dict[tuple[str, str], Memory] = {}  # (namespace, name) -> its running loop's memory
+        # Read by the metrics endpoint (metrics.py), with each model's last status.
         self.reconcile_seconds = Histogram("shard_operator_reconcile_seconds", "Time of one reconcile of one model.",
                                            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=None)
-        self.statuses: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, model) -> status
+
+    def statuses(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """(namespace, name) -> the status each running model loop last wrote."""
+        return {key: m.status for key, m in list(self.memories.items()) if m.status is not None}
 
     # ---------------------------------------------------------------- waking
     def wake(self, namespace: str, label: str) -> None:
@@ -101,7 +105,8 @@ class Controller:
         """A model's loop: reconcile, then sleep until woken or due."""
         key = (body.metadata.namespace, model_label(body.metadata.name))
         wake = self.wakeups.setdefault(key, asyncio.Event())
-        memory = Memory()
+        named = (body.metadata.namespace, body.metadata.name)
+        memory = self.memories[named] = Memory()
         settings = self.settings
         try:
             while not stopped:
@@ -122,9 +127,10 @@ class Controller:
                 if wake.is_set() and not stopped:
                     await asyncio.sleep(settings.debounce_seconds)  # one reconcile for a burst of events
         finally:
+            if self.memories.get(named) is memory:
+                del self.memories[named]
             if self.wakeups.get(key) is wake:
                 del self.wakeups[key]
-                self.statuses.pop((body.metadata.namespace, body.metadata.name), None)
                 self.generations.pop(key, None)
 
     # ---------------------------------------------------------------- the reconcile
@@ -212,7 +218,7 @@ class Controller:
         patch = status_patch(previous, status)
         if patch is not None:
             self.kube.patch_status(owner.namespace, owner.name, patch)
-        memory.status = self.statuses[(owner.namespace, owner.name)] = status
+        memory.status = status
         if any(group_state(g)[0] in ("Starting", "Terminating") for g in obs.groups):
             memory.wake_in = min(memory.wake_in, 5.0)  # pods change without other events at times
 

@@ -54,10 +54,10 @@ class Kube:
         return sum(n for verb, n in self.calls.items() if verb in ("create", "patch", "delete"))
 
     def _method(self, action: str, kind: str) -> Callable[..., Any]:
-        if kind == NETWORK_POLICY:
-            return getattr(self.networking, f"{action}_namespaced_network_policy")
-        snake = {"Pod": "pod", "Service": "service", "ConfigMap": "config_map"}[kind]
-        return getattr(self.core, f"{action}_namespaced_{snake}")
+        api, snake = {"Pod": (self.core, "pod"), "Service": (self.core, "service"),
+                      "ConfigMap": (self.core, "config_map"),
+                      NETWORK_POLICY: (self.networking, "network_policy")}[kind]
+        return getattr(api, f"{action}_namespaced_{snake}")
 
     # ---------------------------------------------------------------- reads
     def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:

@@ -37,7 +37,7 @@ class ControllerCollector(Collector):
         yield requests
         yield from c.reconcile_seconds.collect()
 
-        statuses = dict(c.statuses)  # the model loops add and remove entries meanwhile
+        statuses = c.statuses()
         phases = GaugeMetricFamily("shard_operator_models", "ShardedModels by phase.", labels=["phase"])
         for phase in get_args(Phase):
             phases.add_metric([phase], sum(1 for s in statuses.values() if s.get("phase") == phase))

@@ -37,7 +37,9 @@ class StubController:
 
     reconciles, failures = 3, 1
     kube = type("Kube", (), {"calls": {"list": 3, "create": 1, "patch": 1, "delete": 1}})()
-    statuses = {("ns", "m"): {"phase": "Ready", "replicas": 1, "readyReplicas": 1}}
+    @staticmethod
+    def statuses():
+        return {("ns", "m"): {"phase": "Ready", "replicas": 1, "readyReplicas": 1}}
 
     def __init__(self):
         self.reconcile_seconds = Histogram("shard_operator_reconcile_seconds", "t", registry=None)

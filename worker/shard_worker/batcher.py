@@ -104,27 +104,25 @@ class Sink:
             if self.stream:
                 self._post(("step", list(tokens)))
 
-    def done(self, completion: Completion) -> bool:
+    def _close(self) -> bool:
+        """Mark the request ended; False when it had ended already (only the first end counts)."""
         with self._lock:
-            if self._closed:
-                return False
-            self._closed = True
+            closed, self._closed = self._closed, True
+        return not closed
+
+    def done(self, completion: Completion) -> bool:
+        if not self._close():
+            return False
         self._post(("done", completion))
         return True
 
     def abandon(self) -> bool:
         """The client has gone: deliver nothing more. False when it was answered already."""
-        with self._lock:
-            if self._closed:
-                return False
-            self._closed = True
-        return True
+        return self._close()
 
     def fail(self, reason: str, status: int = 503) -> bool:
-        with self._lock:
-            if self._closed:
-                return False
-            self._closed = True
+        if not self._close():
+            return False
         self._post(("error", status, reason))
         return True
 

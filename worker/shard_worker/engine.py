@@ -10,9 +10,9 @@ stage's TP peers hold the same state because they receive the same tokens and ap
 rules. A fixed batch (`shardctl generate`) needs no per-step message at all. A continuous batch
 (the server) lets requests join at each decode step boundary, into the rows of finished (or
 cancelled: their clients hung up) sequences: the leader's batcher chooses them, and the leader
-tells its first-stage TP peers who joins and who is cancelled at every step, with one small message (an empty one costs a shared-memory round where the peers
-share a machine, else one gloo broadcast); the later stages learn of each join from a JOIN
-header in the pipeline.
+tells its first-stage TP peers who joins and who is cancelled at every step, with one small
+message (an empty one costs a shared-memory round where the peers share a machine, else one
+gloo broadcast); the later stages learn of each join from a JOIN header in the pipeline.
 """
 
 from __future__ import annotations

@@ -103,13 +103,16 @@ class Sequences:
             if not self.all[i].finished:
                 self.all[i].finish_reason = "cancelled"
 
+    def _running_rows(self) -> list[int]:
+        return [row for row, seq in enumerate(self.by_row) if seq is not None and not seq.finished]
+
     def live_span(self) -> tuple[int, int]:
         """The rows [lo, hi) from the first to the last that holds a running sequence."""
-        live = [row for row, seq in enumerate(self.by_row) if seq is not None and not seq.finished]
-        return live[0], live[-1] + 1
+        running = self._running_rows()
+        return running[0], running[-1] + 1
 
     def live(self) -> bool:
-        return any(seq is not None and not seq.finished for seq in self.by_row)
+        return bool(self._running_rows())
 
     def add(self, rows: list[int], tokens: list[int]) -> list[SequenceState]:
         """Give each row's sequence its token; the sequences that were still running took one."""

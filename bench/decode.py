@@ -168,8 +168,8 @@ def run_torch_tp(model_dir: str, dtype: str, tokens: int, prompt: list[int]) -> 
 
 
 def run_ours(model_dir: str, dtype: str, tp: int, pp: int, tokens: int, prompt: list[int]) -> dict:
+    from shard_contract.wire import GenerateRequest, GenerateTask
     from shard_operator.local import plan_local, run_generate
-    from shard_operator.workerenv import GenerateRequest, GenerateTask
 
     plan = plan_local(model_dir, tp, pp, dtype=dtype, max_model_len=len(prompt) + tokens,
                       devices="bench:16GiB*2", device_kind="cpu")

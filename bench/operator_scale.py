@@ -27,9 +27,9 @@ sys.path.insert(0, str(ROOT))
 
 import kubernetes  # noqa: E402
 
-from tests.support.apiserver import SM, serve  # noqa: E402
+from shard_devcluster.apiserver import SM, serve  # noqa: E402
+from shard_devcluster.kubelet import FakeKubelet  # noqa: E402
 from tests.support.cluster import gpu_node, sharded_model, write_model  # noqa: E402
-from tests.support.kubelet import FakeKubelet  # noqa: E402
 from tests.support.operator import fast_settings, running_operator  # noqa: E402
 
 WRITES = ("POST", "PATCH", "PUT", "DELETE")

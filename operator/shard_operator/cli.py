@@ -8,6 +8,7 @@ fail (`generate`, `run`); `run` stopped by SIGTERM exits 143, by Ctrl-C 130.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import sys
@@ -15,7 +16,10 @@ from pathlib import Path
 
 import yaml
 
-from .api import SpecError, ShardedModel, load_sharded_models, resolve_model_dir
+from shard_contract.checkpoint import CheckpointError
+from shard_contract.wire import GenerateRequest, GenerateTask
+
+from .api import ShardedModel, SpecError, load_sharded_models, resolve_model_dir
 from .crd import render as render_crd
 from .demo_model import DemoShape as DemoShapeDefaults
 from .generate import parse_ids, render_result, result_json, tokenize
@@ -23,15 +27,15 @@ from .inventory import Inventory, inventory_from_nodes, load_nodes, local_invent
 from .local import LaunchError, free_port, plan_local, run_generate
 from .manifests import Context, Owner, check, desired_objects
 from .planner import PlanError, plan
-from .run import run_local
-from .profile import ProfileError, profile_model
+from .profile import profile_model
 from .report import render_plan
+from .run import run_local
 from .settings import Settings
-from .workerenv import GenerateRequest, GenerateTask
 
 EXIT_BAD_INPUT = 1
 EXIT_INFEASIBLE = 2
 EXIT_RANKS_FAILED = 3
+PLUGIN_GROUP = "shardctl.commands"  # entry points: functions that add a subcommand to the parser
 
 
 def _pick_model(path: str, name: str | None) -> ShardedModel:
@@ -245,9 +249,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace what the directory holds")
     p.set_defaults(func=cmd_demo_model)
 
-    from .devcluster.command import add_parser as add_dev_cluster  # argparse only; the cluster loads on use
-    add_dev_cluster(sub)
+    add_plugin_commands(sub)
     return parser
+
+
+def add_plugin_commands(sub: argparse._SubParsersAction) -> None:
+    """Subcommands other packages add (`shardctl dev-cluster` comes from shard_devcluster): the
+    product never imports them by name, and an install without them simply lacks the command."""
+    for entry in importlib.metadata.entry_points(group=PLUGIN_GROUP):
+        try:
+            add_parser = entry.load()
+        except ImportError:
+            continue
+        add_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     except PlanError as err:
         print(f"shardctl: {err.reason}: {err.message}", file=sys.stderr)
         return EXIT_INFEASIBLE if err.reason in ("InsufficientCapacity", "NoDevices") else EXIT_BAD_INPUT
-    except (SpecError, ProfileError, ValueError, OSError) as err:
+    except (SpecError, CheckpointError, ValueError, OSError) as err:
         print(f"shardctl: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

@@ -21,7 +21,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from .profile import expected_tensors
+from shard_contract.checkpoint import expected_tensors
 
 CORPUS = files("shard_operator") / "data" / "demo-corpus.txt"
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"

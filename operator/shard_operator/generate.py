@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .units import human
-from .workerenv import GenerateResult
+from shard_contract.units import human
+from shard_contract.wire import GenerateResult
 
 
 def parse_ids(text: str) -> list[int]:

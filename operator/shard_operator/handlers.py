@@ -25,18 +25,34 @@ from typing import Any, Callable
 import kopf
 from prometheus_client import Histogram
 
+from shard_contract.checkpoint import CheckpointError
+from shard_contract.plan import Plan
+from shard_contract.wire import ShardsResponse
+
 from . import leaders
 from .api import GROUP, PLURAL, VERSION, ShardedModelSpec, SpecError, parse_spec
-from .capacity import (GpuUse, fingerprint, free_gpus, gpu_use, healthy_nodes, slim_node,
-                       used_per_node)
+from .capacity import GpuUse, fingerprint, free_gpus, gpu_use, healthy_nodes, slim_node, used_per_node
 from .inventory import inventory_from_nodes
 from .kube import KINDS, NETWORK_POLICY, Kube
-from .manifests import (COMPONENT_LABEL, GROUP_LABEL, MODEL_LABEL, PLAN_KEY, REVISION_LABEL,
-                        Context, Owner, check, drift_patch, group_objects, group_plan, group_revision,
-                        model_label, model_objects, plan_record_name)
-from .plan import Plan
+from .manifests import (
+    COMPONENT_LABEL,
+    GROUP_LABEL,
+    MODEL_LABEL,
+    PLAN_KEY,
+    REVISION_LABEL,
+    Context,
+    Owner,
+    check,
+    drift_patch,
+    group_objects,
+    group_plan,
+    group_revision,
+    model_label,
+    model_objects,
+    plan_record_name,
+)
 from .planner import PlanError
-from .profile import ModelProfile, ProfileError
+from .profile import ModelProfile
 from .profiles import LocalProfiles, ModelNotFound, local_model_dir, remote_profile
 from .replan import PlanChoice, choose_plan, without_devices
 from .rollout import Decision, GroupKey, Want, decide, group_state, observe_groups
@@ -74,7 +90,7 @@ class Controller:
     """Settings, the API edge, caches and the wake-up calls of every model's loop."""
 
     def __init__(self, settings: Settings, kube: Kube,
-                 fetch: Callable[[str, float], dict[str, Any] | None] = leaders.fetch,
+                 fetch: Callable[[str, float], ShardsResponse | None] = leaders.fetch,
                  clock: Callable[[], float] = time.monotonic):
         self.settings, self.kube, self.fetch, self.clock = settings, kube, fetch, clock
         self.local_profiles = LocalProfiles()
@@ -183,7 +199,7 @@ class Controller:
             return None, None
         except ModelNotFound as err:
             obs.problem = Problem("ModelNotFound", str(err))
-        except ProfileError as err:
+        except CheckpointError as err:
             obs.problem = Problem("InvalidModel", str(err))
         except PlanError as err:
             obs.problem = Problem(err.reason, err.message, fatal=current is None)
@@ -299,7 +315,7 @@ class Controller:
             if report is None:
                 continue
             pods = {r.rank: r.pod for r in group.ranks}
-            for rank, resident in leaders.resident_by_rank(report).items():
+            for rank, resident in report.resident_by_rank().items():
                 if rank in pods:
                     measured[pods[rank]] = resident
         memory.measured = measured

@@ -18,8 +18,9 @@ from typing import Any, Iterable, Literal
 import yaml
 from pydantic import BaseModel, Field
 
+from shard_contract.units import MiB, parse_bytes
+
 from .api import Placement, Toleration
-from .units import MiB, parse_bytes
 
 SPEED_LABEL = "sharding.dev/gpu-speed"
 MEMORY_LABEL = "nvidia.com/gpu.memory"  # MiB, from GPU feature discovery

@@ -21,12 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
 
+from shard_contract.env import RESULT_ENV, TASK_ENV, WorkerEnv
+from shard_contract.plan import Plan
+from shard_contract.wire import GenerateResult, GenerateTask
+
 from .api import ModelSpec, Parallelism, ShardedModelSpec
 from .inventory import local_inventory, parse_devices
-from .plan import Plan
 from .planner import plan as make_plan
 from .profile import profile_model
-from .workerenv import RESULT_ENV, TASK_ENV, GenerateResult, GenerateTask, WorkerEnv
 
 POLL_SECONDS = 0.05
 STOP_GRACE_SECONDS = 5.0

@@ -20,9 +20,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from shard_contract.env import ENV_NAMES, MODEL_MOUNT, PLAN_MOUNT, WorkerEnv
+from shard_contract.plan import Plan
+
 from .api import API_VERSION, KIND, ShardedModelSpec, SpecError
-from .plan import Plan
-from .workerenv import ENV_NAMES, MODEL_MOUNT, PLAN_MOUNT, WorkerEnv
 
 MODEL_LABEL = "sharding.dev/model"
 GROUP_LABEL = "sharding.dev/group"
@@ -39,7 +40,7 @@ MANAGED_BY = {"app.kubernetes.io/managed-by": "shard-operator"}
 PLAN_KEY = "plan.json"
 PROFILE_KEY = "profile.json"
 WORKER_COMMAND = ["python", "-m", "shard_worker"]
-PROFILER_COMMAND = ["python", "-m", "shard_operator.profilejob"]
+PROFILER_COMMAND = ["python", "-m", "shard_contract.checkpoint"]
 CONTAINER = "worker"
 # A rank loads its weights only after the whole group has met; a 70B checkpoint can take many
 # minutes to read, so the startup probe allows the rendezvous timeout plus this long.

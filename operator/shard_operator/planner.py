@@ -24,14 +24,25 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from shard_contract.plan import GroupPlan, Plan, PredictedBytes, RankPlan, StagePlan
+from shard_contract.sharding import tp_problem, valid_tensor_degrees
+from shard_contract.units import gib
+
 from .api import ShardedModelSpec
 from .inventory import Device, Inventory
-from .plan import GroupPlan, Plan, PredictedBytes, RankPlan, StagePlan
 from .profile import ModelProfile
-from .sizing import (ALLREDUCE_SECONDS, HOP_ACROSS_NODES_SECONDS, HOP_SECONDS, RUNTIME_OVERHEAD,
-                     Shard, activation_bytes, kv_cache_bytes, layer_weight_numel, stage_seconds,
-                     tp_problem, valid_tensor_degrees, weight_bytes)
-from .units import gib
+from .sizing import (
+    ALLREDUCE_SECONDS,
+    HOP_ACROSS_NODES_SECONDS,
+    HOP_SECONDS,
+    RUNTIME_OVERHEAD,
+    Shard,
+    activation_bytes,
+    kv_cache_bytes,
+    layer_weight_numel,
+    stage_seconds,
+    weight_bytes,
+)
 
 DEFAULT_MAX_MODEL_LEN = 4096
 

@@ -18,15 +18,25 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from shard_contract.checkpoint import CheckpointError, CheckpointFacts
+
 from .api import ShardedModelSpec
 from .kube import Kube
-from .manifests import (COMPONENT_LABEL, PROFILE_KEY, SOURCE_ANNOTATION, Context, model_source,
-                        profile_name, profile_record, profiling_pod)
-from .profile import ModelProfile, ProfileError, profile_model
+from .manifests import (
+    COMPONENT_LABEL,
+    PROFILE_KEY,
+    SOURCE_ANNOTATION,
+    Context,
+    model_source,
+    profile_name,
+    profile_record,
+    profiling_pod,
+)
+from .profile import ModelProfile, profile_from_facts, profile_model
 from .settings import Settings
 
 
-class ModelNotFound(ProfileError):
+class ModelNotFound(CheckpointError):
     """The model's directory is not there (a wrong path, or the volume is not what the spec says)."""
 
 
@@ -90,7 +100,7 @@ def remote_profile(ctx: Context, kube: Kube, pods: list[dict[str, Any]], configm
                    timeout_seconds: float) -> ModelProfile | None:
     """The profile from the cache ConfigMap or a profiling Pod; None while the Pod is running.
 
-    Raises ProfileError when the Pod failed (its log says why).
+    Raises CheckpointError when the Pod failed (its log says why).
     """
     owner, source = ctx.owner, model_source(ctx.spec)
     name = profile_name(owner.name)
@@ -113,14 +123,16 @@ def remote_profile(ctx: Context, kube: Kube, pods: list[dict[str, Any]], configm
     phase = (pod.get("status") or {}).get("phase")
     if phase == "Failed":
         tail = kube.pod_log(owner.namespace, name, tail_lines=5).strip() or (pod.get("status") or {}).get("message", "")
-        raise ProfileError(f"profiling pod {name} failed: {tail or 'no output'}")
+        raise CheckpointError(f"profiling pod {name} failed: {tail or 'no output'}")
     if phase != "Succeeded":
         return None
     data = _last_json_line(kube.pod_log(owner.namespace, name))
     try:
-        profile = ModelProfile.model_validate(data)
+        facts = CheckpointFacts.model_validate(data)
     except ValidationError as err:
-        raise ProfileError(f"profiling pod {name} printed no profile ({err.error_count()} problems)") from None
+        raise CheckpointError(f"profiling pod {name} printed no checkpoint facts ({err.error_count()} problems)") \
+            from None
+    profile = profile_from_facts(facts)
     wanted = profile_record(owner, source, profile.model_dump_json())
     if record is None:
         kube.create(wanted)

@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from shard_contract.plan import Plan
+
 from .api import Parallelism, ShardedModelSpec
 from .inventory import Device, Inventory
-from .plan import Plan
 from .planner import PlanError, PlannerOptions, _resolve_request, plan
 from .profile import ModelProfile
 

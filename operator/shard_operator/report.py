@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from shard_contract.plan import Plan
+from shard_contract.units import gib
+
 from .inventory import Inventory
-from .plan import Plan
 from .profile import ModelProfile
-from .units import gib
 
 BAR_WIDTH = 20
 

@@ -20,9 +20,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
+from shard_contract.plan import Plan
+from shard_contract.units import human
+
 from .local import LaunchError, LocalGroup, sigterm_unwinds
-from .plan import Plan
-from .units import human
 
 POLL_SECONDS = 0.25
 HEALTH_PERIOD_SECONDS = 1.0

@@ -1,27 +1,20 @@
-"""Bytes one rank holds, and seconds one stage takes: the arithmetic the planner and workers share.
+"""Bytes one rank holds, and seconds one stage takes: the planner's arithmetic.
 
-The worker allocates exactly these shapes (its tests compare measured bytes with these numbers), so
-this module is the single place where "how a Llama shards" is written down for the control plane:
-
-* Column/row-parallel projections: 1/TP of the rows/columns per rank.
-* K/V projections and the KV cache: ceil(kv_heads / TP) heads per rank -- when TP exceeds the KV
-  heads, each rank keeps a replica of one head (two 12 GB GPUs are not one 24 GB GPU).
-* Embeddings and the LM head: vocabulary-parallel, ceil(vocab / TP) rows per rank (the last rank's
-  tail is padding). The first stage embeds; the last stage holds the final norm and the LM head.
-  Tied embeddings are stored once when one stage does both, twice when they are different stages.
-* Norms and row-parallel biases: replicated on every rank.
+How a Llama shards (heads, KV heads, vocabulary rows per rank) is the contract's
+(`shard_contract.sharding`), which the worker follows when it allocates; this module turns those
+rules into bytes and seconds. The first stage embeds; the last stage holds the final norm and the
+LM head. Tied embeddings are stored once when one stage does both, twice when they are different
+stages.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .profile import ModelProfile
-from .units import MiB
+from shard_contract.sharding import PREFILL_CHUNK, kv_heads_per_rank, vocab_rows_per_rank
+from shard_contract.units import MiB
 
-# Tokens of one prefill forward pass: longer prompts are prefilled in chunks of this many tokens,
-# so activation memory does not grow with maxModelLen.
-PREFILL_CHUNK = 512
+from .profile import ModelProfile
 
 # What a rank needs beyond weights, KV cache and activations. On a GPU: the CUDA context, cuBLAS
 # workspaces and NCCL's communication buffers. On a CPU: the process's share above a bare
@@ -33,33 +26,6 @@ RUNTIME_OVERHEAD = {"gpu": 1024 * MiB, "cpu": 64 * MiB}
 ALLREDUCE_SECONDS = {"gpu": 15e-6, "cpu": 300e-6}
 HOP_SECONDS = {"gpu": 30e-6, "cpu": 200e-6}
 HOP_ACROSS_NODES_SECONDS = 60e-6
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def tp_problem(profile: ModelProfile, tp: int) -> str | None:
-    """Why this model cannot be split over `tp` ranks, or None when it can."""
-    if profile.num_heads % tp:
-        return f"tensor={tp} does not divide the {profile.num_heads} attention heads"
-    if profile.num_kv_heads % tp and tp % profile.num_kv_heads:
-        return (f"tensor={tp} and the {profile.num_kv_heads} KV heads do not divide one another")
-    if profile.intermediate_size % tp:
-        return f"tensor={tp} does not divide the MLP width {profile.intermediate_size}"
-    return None
-
-
-def valid_tensor_degrees(profile: ModelProfile, limit: int) -> list[int]:
-    return [tp for tp in range(1, limit + 1) if tp_problem(profile, tp) is None]
-
-
-def kv_heads_per_rank(profile: ModelProfile, tp: int) -> int:
-    return ceil_div(profile.num_kv_heads, tp)
-
-
-def vocab_rows_per_rank(profile: ModelProfile, tp: int) -> int:
-    return ceil_div(profile.vocab_size, tp)
 
 
 @dataclass(frozen=True)

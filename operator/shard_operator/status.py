@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .api import (Condition, GroupStatus, PlanSummary, ShardStatus, ShardedModelSpec,
-                  ShardedModelStatus, StageStatus)
+from shard_contract.plan import Plan
+
+from .api import Condition, GroupStatus, PlanSummary, ShardedModelSpec, ShardedModelStatus, ShardStatus, StageStatus
 from .manifests import MODEL_LABEL, ROLE_LABEL, model_label
-from .plan import Plan
 from .rollout import Decision, GroupKey, ObservedGroup, Want, group_state
 
 MEASURE_TOLERANCE = 0.01  # resident bytes within 1% of the reported value are not re-reported

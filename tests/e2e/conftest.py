@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from shard_operator.devcluster.cluster import BackgroundCluster, DevCluster
+from shard_devcluster.cluster import BackgroundCluster, DevCluster
 
 from .harness import Harness, Report
 

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import httpx
 
-from shard_operator.devcluster.cluster import BackgroundCluster, DevCluster
+from shard_devcluster.cluster import BackgroundCluster, DevCluster
 from tests.support.k8s_binaries import binary
 
 SM = "sharding.dev/v1alpha1/shardedmodels"

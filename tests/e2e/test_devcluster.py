@@ -1,4 +1,4 @@
-"""The one-machine cluster itself (shard_operator.devcluster), with small stand-in pods: addresses,
+"""The one-machine cluster itself (shard_devcluster), with small stand-in pods: addresses,
 DNS and the rendezvous port, volumes, device memory budgets, probes, node loss, Services."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shard_operator.devcluster.cluster import DevCluster
-from shard_operator.devcluster.network import ClusterNetwork, PodAddress
-from shard_operator.devcluster.processkubelet import expand
+from shard_devcluster.cluster import DevCluster
+from shard_devcluster.network import ClusterNetwork, PodAddress
+from shard_devcluster.processkubelet import expand
 from tests.support.cluster import gpu_node
 from tests.support.operator import eventually
 

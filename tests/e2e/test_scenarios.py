@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from shard_devcluster.cluster import default_nodes, sim_node
 from shard_operator.api import load_sharded_models
-from shard_operator.devcluster.cluster import default_nodes, sim_node
 from shard_operator.inventory import inventory_from_nodes, load_nodes
 from shard_operator.planner import PlanError, plan
 from shard_operator.profile import profile_model

@@ -10,7 +10,6 @@ from shard_operator.api import parse_spec
 from shard_operator.inventory import parse_devices
 from shard_operator.planner import plan
 from shard_operator.profile import profile_from_config
-
 from tests.support.cluster import TINY_LLAMA
 
 
@@ -44,10 +43,11 @@ from pathlib import Path  # noqa: E402
 
 from aiohttp import web  # noqa: E402
 
+from shard_contract.plan import PredictedBytes  # noqa: E402
+from shard_contract.wire import ResidentBytes, ShardEntry, ShardsResponse  # noqa: E402
+from shard_devcluster.apiserver import SM, serve  # noqa: E402
+from shard_devcluster.kubelet import FakeKubelet  # noqa: E402
 from shard_operator.permissions import permissions  # noqa: E402
-
-from tests.support.apiserver import SM, serve  # noqa: E402
-from tests.support.kubelet import FakeKubelet  # noqa: E402
 from tests.support.operator import ManualClock, eventually, fast_settings, running_operator  # noqa: E402
 
 RESIDENT = 100 * 2**20  # what the fake leaders report per rank, plus rank * 1 MiB
@@ -56,11 +56,14 @@ RESIDENT = 100 * 2**20  # what the fake leaders report per rank, plus rank * 1 M
 @contextlib.asynccontextmanager
 async def fake_leaders():
     """A real HTTP server playing every group leader's GET /v1/shards; yields its base URL."""
+    predicted = PredictedBytes(weights=1, kv_cache=1, activations=1, overhead=1)
+    report = ShardsResponse(model="m", replica=0, ready=True, ranks=[
+        ShardEntry(rank=r, stage=0, tp_rank=r, layers=(0, 4), predicted_bytes=predicted, state="ready",
+                   resident_bytes=ResidentBytes(weights=1, kv_cache=1, rss_anon=1, total=RESIDENT + r * 2**20))
+        for r in range(8)])
+
     async def shards(request: web.Request) -> web.Response:
-        return web.json_response({"model": "m", "replica": 0, "ready": True, "ranks": [
-            {"rank": r, "stage": 0, "tp_rank": r, "layers": [0, 4], "alive": True,
-             "resident_bytes": {"weights": 1, "kv_cache": 1, "rss_anon": 1, "cuda_allocated": 0,
-                                "total": RESIDENT + r * 2**20}} for r in range(8)]})
+        return web.Response(text=report.model_dump_json(), content_type="application/json")
     app = web.Application()
     app.router.add_get("/{namespace}/{pod}/v1/shards", shards)
     runner = web.AppRunner(app)

@@ -7,10 +7,9 @@ from pathlib import Path
 import kubernetes_validate
 import yaml
 
+from shard_contract.env import WorkerEnv
 from shard_operator.cli import main
 from shard_operator.inventory import inventory_from_nodes, load_nodes
-from shard_operator.workerenv import WorkerEnv
-
 from tests.support.cluster import write_model
 
 ROOT = Path(__file__).resolve().parents[2]

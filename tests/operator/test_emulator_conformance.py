@@ -10,7 +10,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.support.apiserver import serve
+from shard_devcluster.apiserver import serve
 
 NS = "default"
 PODS = f"/api/v1/namespaces/{NS}/pods"

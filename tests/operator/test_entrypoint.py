@@ -12,11 +12,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from shard_devcluster.apiserver import serve, write_kubeconfig
+from shard_devcluster.kubelet import FakeKubelet
 from shard_operator.local import free_port
-
-from tests.support.apiserver import serve, write_kubeconfig
 from tests.support.cluster import gpu_node, sharded_model, write_model
-from tests.support.kubelet import FakeKubelet
 from tests.support.operator import eventually
 
 

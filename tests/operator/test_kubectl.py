@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.apiserver import serve, write_kubeconfig
+from shard_devcluster.apiserver import serve, write_kubeconfig
+from shard_devcluster.kubelet import FakeKubelet
 from tests.support.cluster import gpu_node, write_model
 from tests.support.k8s_binaries import binary
-from tests.support.kubelet import FakeKubelet
 from tests.support.operator import eventually, fast_settings, running_operator
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import socket
 
-from shard_operator.leaders import fetch, resident_by_rank
+from shard_contract.plan import PredictedBytes
+from shard_contract.wire import ResidentBytes, ShardEntry, ShardsResponse
+from shard_operator.leaders import fetch
 
 
 def test_resident_bytes_by_rank_skip_ranks_that_have_not_measured():
-    report = {"ranks": [{"rank": 0, "resident_bytes": {"total": 10}}, {"rank": 1, "resident_bytes": None},
-                        {"rank": 2}, {"rank": "3", "resident_bytes": {"total": "30"}}]}
-    assert resident_by_rank(report) == {0: 10, 3: 30}
-    assert resident_by_rank({}) == {}
+    predicted = PredictedBytes(weights=1, kv_cache=0, activations=0, overhead=0)
+    measured = ResidentBytes(weights=1, kv_cache=0, rss_anon=1, total=10)
+    report = ShardsResponse(model="m", replica=0, ready=False, ranks=[
+        ShardEntry(rank=0, stage=0, tp_rank=0, layers=(0, 1), predicted_bytes=predicted, resident_bytes=measured),
+        ShardEntry(rank=1, stage=0, tp_rank=1, layers=(0, 1), predicted_bytes=predicted)])
+    assert report.resident_by_rank() == {0: 10}
+    assert ShardsResponse.model_validate_json(report.model_dump_json()).resident_by_rank() == {0: 10}
 
 
 def test_an_unreachable_leader_is_no_report():

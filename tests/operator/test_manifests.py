@@ -7,13 +7,28 @@ import re
 import kubernetes_validate
 import pytest
 
+from shard_contract.env import MODEL_MOUNT, PLAN_MOUNT, WorkerEnv
+from shard_contract.plan import Plan
 from shard_operator.api import SpecError
-from shard_operator.manifests import (GROUP_LABEL, MODEL_LABEL, PLAN_LABEL, RANK_LABEL, REVISION_LABEL,
-                                      ROLE_LABEL, Context, Owner, base_name, check, desired_objects,
-                                      drift_patch, group_objects, group_revision, model_objects, pod_name,
-                                      profiling_pod)
-from shard_operator.plan import Plan
-from shard_operator.workerenv import MODEL_MOUNT, PLAN_MOUNT, WorkerEnv
+from shard_operator.manifests import (
+    GROUP_LABEL,
+    MODEL_LABEL,
+    PLAN_LABEL,
+    RANK_LABEL,
+    REVISION_LABEL,
+    ROLE_LABEL,
+    Context,
+    Owner,
+    base_name,
+    check,
+    desired_objects,
+    drift_patch,
+    group_objects,
+    group_revision,
+    model_objects,
+    pod_name,
+    profiling_pod,
+)
 
 from .conftest import make_plan, make_spec
 

@@ -10,11 +10,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from shard_contract.env import WorkerEnv
+from shard_devcluster.apiserver import SM
 from shard_operator.metrics import ControllerCollector
 from shard_operator.permissions import permissions
-from shard_operator.workerenv import WorkerEnv
-
-from tests.support.apiserver import SM
 from tests.support.cluster import SEVEN_B, gpu_node, sharded_model, write_model
 from tests.support.operator import eventually
 

@@ -81,27 +81,37 @@ def test_operator_image_has_no_torch():
     assert not [args for _, args in instructions("Dockerfile.operator") if "torch" in args]
 
 
-# What each image lacks, and the modules it runs. The profiling Pod runs the worker image with
-# `python -m shard_operator.profilejob`.
-IMAGE_IMPORTS = {  # image -> (packages it does not install, the package whose every module it runs)
-    "operator": (["torch", "safetensors", "tokenizers", "fastapi", "uvicorn", "transformers", "shard_worker"],
-                 "shard_operator"),
-    "worker": (["kopf", "kubernetes", "transformers"], "shard_worker"),
+# What each image lacks, and the packages whose every module it runs. The profiling Pod runs the
+# worker image with `python -m shard_contract.checkpoint`.
+IMAGE_IMPORTS = {  # image -> (packages it does not install, the packages it runs)
+    "operator": (["torch", "safetensors", "tokenizers", "fastapi", "uvicorn", "transformers", "kmock",
+                  "shard_worker", "shard_devcluster"], ["shard_contract", "shard_operator"]),
+    "worker": (["kopf", "kubernetes", "transformers", "kmock", "shard_operator", "shard_devcluster"],
+               ["shard_contract", "shard_worker"]),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("image", sorted(IMAGE_IMPORTS))
 def test_each_image_imports_what_it_runs_without_the_other_images_packages(image):
-    absent, package = IMAGE_IMPORTS[image]
-    extra = "import shard_operator.profilejob" if image == "worker" else ""
+    absent, packages = IMAGE_IMPORTS[image]
     script = (f"import sys, pkgutil, importlib\n"
               f"for name in {absent!r}: sys.modules[name] = None  # import raises ImportError\n"
-              f"import {package}\n"
-              f"for info in pkgutil.iter_modules({package}.__path__): importlib.import_module('{package}.' + info.name)\n"
-              f"{extra}\n")
+              f"for package in {packages!r}:\n"
+              f"    root = importlib.import_module(package)\n"
+              f"    for info in pkgutil.iter_modules(root.__path__): importlib.import_module(package + '.' + info.name)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dockerfile, folders", [
+    ("Dockerfile.operator", ["contract/", "operator/"]),
+    ("Dockerfile.worker", ["contract/", "worker/"]),
+])
+def test_each_image_copies_only_its_own_packages(dockerfile, folders):
+    """The worker image holds no operator code and neither image holds the dev cluster."""
+    copied = [args.split()[0] for op, args in instructions(dockerfile) if op == "COPY" and "--from" not in args]
+    assert [c for c in copied if c.endswith("/")] == folders
 
 
 def test_worker_torch_matches_the_tested_torch():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.apiserver import serve
+from shard_devcluster.apiserver import serve
 from tests.support.k8s_binaries import binary
 
 from .chart import CHART, MONITORING_API, NAMESPACE, REPO, SIZING_COMMAND, helm, template_args

@@ -244,7 +244,7 @@ def test_models_and_shards(server):
     assert (shards["model"], shards["replica"], shards["ready"]) == ("tiny", 0, True)
     assert [(r["rank"], r["stage"], r["tp_rank"], r["layers"]) for r in shards["ranks"]] == [(0, 0, 0, [0, 4]),
                                                                                               (1, 0, 1, [0, 4])]
-    for r in shards["ranks"]:  # the contract the operator reads (shard_operator.workerenv)
+    for r in shards["ranks"]:  # the contract the operator reads (shard_contract.wire.ShardsResponse)
         assert r["alive"] and r["state"] == "ready" and r["problems"] == []
         assert set(r["predicted_bytes"]) == {"weights", "kv_cache", "activations", "overhead", "total"}
         assert {"weights", "kv_cache", "rss_anon", "cuda_allocated", "total"} <= set(r["resident_bytes"])

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from shard_contract.checkpoint import expected_tensors
 from shard_operator.api import load_sharded_models
 from shard_operator.demo_model import write_demo_model
 from shard_operator.inventory import parse_devices
 from shard_operator.planner import PlanError, plan
-from shard_operator.profile import expected_tensors, profile_model
+from shard_operator.profile import profile_model
 from shard_worker.tokenizer import TextCodec
 
 from .conftest import TINY

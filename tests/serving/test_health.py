@@ -12,14 +12,14 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from shard_contract.plan import PredictedBytes, RankPlan
+from shard_contract.wire import Completion, GenerateRequest, ResidentBytes
 from shard_operator.local import free_port
-from shard_operator.plan import PredictedBytes, RankPlan
-from shard_operator.workerenv import Completion, GenerateRequest, ResidentBytes
 from shard_worker.batcher import EngineLoop, Pending, Sink, Unavailable, take_batch, take_joiners
 from shard_worker.engine import RequestError
-from shard_worker.sequences import SequenceState
 from shard_worker.health import GroupMonitor, Heartbeat, Record, memory_problems
 from shard_worker.rankmetrics import RankMetrics
+from shard_worker.sequences import SequenceState
 
 MiB = 2**20
 

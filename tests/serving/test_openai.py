@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shard_operator.workerenv import Completion
+from shard_contract.wire import Completion
 from shard_worker import openai
 from shard_worker.openai import ApiError, ChatRequest, CompletionRequest, TextStream
 

@@ -6,10 +6,16 @@ from pathlib import Path
 
 import pytest
 
+from shard_contract.units import GiB, MiB, parse_bytes
 from shard_operator.api import Placement, Toleration
-from shard_operator.inventory import (CPU_SPEED, bandwidth_of, inventory_from_nodes, load_nodes,
-                                      local_inventory, parse_devices)
-from shard_operator.units import GiB, MiB, parse_bytes
+from shard_operator.inventory import (
+    CPU_SPEED,
+    bandwidth_of,
+    inventory_from_nodes,
+    load_nodes,
+    local_inventory,
+    parse_devices,
+)
 
 NODES = Path(__file__).resolve().parents[2] / "examples" / "nodes.yaml"
 

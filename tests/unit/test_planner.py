@@ -10,13 +10,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shard_contract.sharding import valid_tensor_degrees
+from shard_contract.units import GiB
 from shard_operator.api import parse_spec
 from shard_operator.inventory import Device, Inventory, parse_devices
 from shard_operator.planner import PlanError, PlannerOptions, plan
 from shard_operator.profile import ModelProfile, profile_from_config
-from shard_operator.sizing import (Shard, activation_bytes, kv_cache_bytes, valid_tensor_degrees,
-                                   weight_bytes)
-from shard_operator.units import GiB
+from shard_operator.sizing import Shard, activation_bytes, kv_cache_bytes, weight_bytes
 
 LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
              "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
@@ -154,7 +154,7 @@ def test_no_devices_reports_the_skipped_nodes():
 
 
 def test_plan_round_trips_through_json():
-    from shard_operator.plan import Plan
+    from shard_contract.plan import Plan
     result = plan(profile_from_config(LLAMA_70B), spec(replicas=2), parse_devices("a:80GiB*8,b:80GiB*8"))
     again = Plan.from_json(result.to_json())
     assert again == result and again.hash == result.hash

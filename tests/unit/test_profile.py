@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from shard_operator.profile import (ProfileError, expected_tensors, profile_from_config, profile_model,
-                                    read_safetensors_header)
+from shard_contract.checkpoint import CheckpointError, expected_tensors, read_safetensors_header
+from shard_operator.profile import profile_from_config, profile_model
 
 ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"]
 
@@ -108,12 +108,12 @@ def test_profiling_a_multi_gb_checkpoint_reads_under_one_megabyte(tmp_path):
 # ---------------------------------------------------------------- errors name the file and tensor
 def test_unknown_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "hidden_size": 8}))
-    with pytest.raises(ProfileError, match=r"config.json: architecture \['GPT2LMHeadModel'\] is not supported"):
+    with pytest.raises(CheckpointError, match=r"config.json: architecture \['GPT2LMHeadModel'\] is not supported"):
         profile_model(tmp_path)
 
 
 def test_missing_config(tmp_path):
-    with pytest.raises(ProfileError, match="config.json: missing"):
+    with pytest.raises(CheckpointError, match="config.json: missing"):
         profile_model(tmp_path)
 
 
@@ -122,7 +122,7 @@ def test_file_listed_in_index_is_missing(hf_checkpoint):
     index = json.loads((directory / "model.safetensors.index.json").read_text())
     victim = sorted(set(index["weight_map"].values()))[-1]
     (directory / victim).unlink()
-    with pytest.raises(ProfileError, match=rf"{victim}: missing \(the index maps tensor .+ to it\)"):
+    with pytest.raises(CheckpointError, match=rf"{victim}: missing \(the index maps tensor .+ to it\)"):
         profile_model(directory)
 
 
@@ -134,7 +134,7 @@ def test_tensor_in_index_absent_from_its_file(hf_checkpoint):
     other = next(f for f in sorted(set(index["weight_map"].values())) if f != index["weight_map"][name])
     index["weight_map"][name] = other
     path.write_text(json.dumps(index))
-    with pytest.raises(ProfileError, match=rf"{other}: tensor {name} is listed in the index but absent"):
+    with pytest.raises(CheckpointError, match=rf"{other}: tensor {name} is listed in the index but absent"):
         profile_model(directory)
 
 
@@ -143,7 +143,7 @@ def test_header_that_is_not_safetensors(tmp_path):
         "architectures": ["LlamaForCausalLM"], "hidden_size": 8, "intermediate_size": 16,
         "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 10}))
     (tmp_path / "model.safetensors").write_bytes(b"<html>not found</html>")
-    with pytest.raises(ProfileError, match=r"model.safetensors: not a safetensors file"):
+    with pytest.raises(CheckpointError, match=r"model.safetensors: not a safetensors file"):
         profile_model(tmp_path)
 
 
@@ -154,7 +154,7 @@ def test_truncated_file_names_the_tensor(hf_checkpoint):
     last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
     with open(path, "r+b") as fh:
         fh.truncate(path.stat().st_size - 100)
-    with pytest.raises(ProfileError, match=rf"model.safetensors: tensor {last}: truncated file"):
+    with pytest.raises(CheckpointError, match=rf"model.safetensors: tensor {last}: truncated file"):
         profile_model(directory)
 
 
@@ -164,7 +164,7 @@ def test_missing_tensor_is_named(hf_checkpoint):
     tensors = load_file(directory / "model.safetensors")
     del tensors["model.layers.2.self_attn.k_proj.weight"]
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ProfileError, match=r"tensor model.layers.2.self_attn.k_proj.weight is missing"):
+    with pytest.raises(CheckpointError, match=r"tensor model.layers.2.self_attn.k_proj.weight is missing"):
         profile_model(directory)
 
 
@@ -172,5 +172,5 @@ def test_pickle_checkpoints_are_refused(tmp_path, hf_checkpoint):
     directory, _ = hf_checkpoint()
     (directory / "model.safetensors").unlink()
     (directory / "pytorch_model.bin").write_bytes(b"\x80\x04pickle")
-    with pytest.raises(ProfileError, match=r"only pickle checkpoints \(pytorch_model.bin\).+safetensors only"):
+    with pytest.raises(CheckpointError, match=r"only pickle checkpoints \(pytorch_model.bin\).+safetensors only"):
         profile_model(directory)

@@ -65,8 +65,9 @@ def _serve(inbox: mp.Queue, outbox: mp.Queue) -> None:
 def _run(env_json: str, plan_json: str, job: Any) -> dict:
     import os
 
-    from shard_operator.plan import Plan
-    from shard_operator.workerenv import GenerateRequest, WorkerEnv
+    from shard_contract.env import WorkerEnv
+    from shard_contract.plan import Plan
+    from shard_contract.wire import GenerateRequest
     from shard_worker.runtime import Worker
 
     saved = dict(os.environ)
@@ -100,7 +101,7 @@ def _run_continuous(engine, job: ContinuousJob) -> list[tuple]:
     """Drive `job` through the engine's hooks with the batcher's own admission rule; returns what
     happened, in order: ("join", step, column, sequence index), ("finished", step, index, row) and
     ("cancel", step, index)."""
-    from shard_operator.workerenv import GenerateRequest
+    from shard_contract.wire import GenerateRequest
     from shard_worker.batcher import take_joiners
     from shard_worker.engine import Hooks
 
@@ -153,8 +154,8 @@ class RankPool:
 
     def run(self, plan, model_dir, job: Any, timeout: float = JOB_TIMEOUT) -> list[dict]:
         """Run `job` on every rank of replica 0 of `plan`; results in rank order."""
+        from shard_contract.env import WorkerEnv
         from shard_operator.local import free_port
-        from shard_operator.workerenv import WorkerEnv
 
         world = plan.world_size
         self._grow(world)

@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
+from shard_contract.env import WorkerEnv
+from shard_contract.wire import GenerateRequest, GenerateTask
 from shard_operator.local import LaunchError, LocalGroup, free_port, run_generate
-from shard_operator.workerenv import GenerateRequest, GenerateTask, WorkerEnv
 from shard_worker.accounting import Accounting
 from shard_worker.dist import RendezvousError, Topology, init_comm
-
 from tests.support.processes import children, is_worker, shardctl
 
 from .conftest import make_plan

@@ -11,14 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from shard_contract.checkpoint import CheckpointError
 from shard_worker.accounting import Accounting
 from shard_worker.config import ModelConfig
 from shard_worker.dist import Comm, Topology
-from shard_worker.loader import CheckpointError, load_stage
+from shard_worker.loader import load_stage
 from shard_worker.model import Layout, Stage
+from tests.support.checkpoints import write_checkpoint
 
 from .conftest import MODELS
-from tests.support.checkpoints import write_checkpoint
 
 
 def stage_for(model_dir: Path, tp: int = 1, tp_rank: int = 0) -> Stage:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from shard_contract.wire import GenerateRequest, GenerateTask
 from shard_operator.local import run_generate
-from shard_operator.workerenv import GenerateRequest, GenerateTask
 from tests.support.checkpoints import write_checkpoint
 
 from .conftest import make_plan

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from shard_contract.plan import PredictedBytes
+from shard_contract.wire import GenerateRequest, GenerateTask
 from shard_operator.local import LaunchError, run_generate
-from shard_operator.plan import PredictedBytes
-from shard_operator.workerenv import GenerateRequest, GenerateTask
 from shard_worker.runtime import MemoryBudgetExceeded, PlanMismatch, check_budget
 
 from .conftest import make_plan

@@ -7,14 +7,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shard_operator.workerenv import GenerateRequest
+from shard_contract.wire import GenerateRequest
 from shard_worker.config import ConfigError, ModelConfig
 from shard_worker.dist import Topology
-from shard_worker.sequences import SequenceState
 from shard_worker.model import attention_mask, rope_inv_freq
 from shard_worker.pipeline import prefill_units, split
 from shard_worker.sampling import choose, generators, top_p_probs
-
+from shard_worker.sequences import SequenceState
 from tests.support.checkpoints import LLAMA3_ROPE, hf_config
 
 BASE = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,

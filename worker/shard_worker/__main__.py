@@ -1,5 +1,5 @@
 """`python -m shard_worker`: one rank of a sharded group, configured only by its environment
-(`shard_operator.workerenv.WorkerEnv`) and the Plan file it names. The same entry point runs in a
+(`shard_contract.env.WorkerEnv`) and the Plan file it names. The same entry point runs in a
 pod and as a local process of `shardctl`.
 
 Without SHARD_TASK, every rank serves HTTP (`server.py`: the OpenAI-compatible API on rank 0,
@@ -15,14 +15,15 @@ import sys
 import time
 from pathlib import Path
 
-from shard_operator.plan import Plan
-from shard_operator.workerenv import RESULT_ENV, TASK_ENV, GenerateResult, GenerateTask, WorkerEnv, WorkerEnvError
+from shard_contract.checkpoint import CheckpointError
+from shard_contract.env import RESULT_ENV, TASK_ENV, WorkerEnv, WorkerEnvError
+from shard_contract.plan import Plan
+from shard_contract.wire import GenerateResult, GenerateTask
 
 from .accounting import MemorySample
 from .config import ConfigError
 from .dist import RendezvousError
 from .engine import RequestError
-from .loader import CheckpointError
 from .runtime import PlanMismatch, Worker
 
 # Errors whose message says it all: printed as one line, no traceback.

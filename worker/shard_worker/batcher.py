@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from shard_operator.workerenv import Completion, GenerateRequest
+from shard_contract.wire import Completion, GenerateRequest
 
 from .engine import Engine, Hooks, RequestError, SequenceState, fits_at
 from .rankmetrics import RankMetrics

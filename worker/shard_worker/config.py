@@ -1,17 +1,18 @@
 """The model's shape and numerics, read from HF `config.json` (Llama, Mistral, Qwen2). Torch-free.
 
-Which tensors exist (and so which biases) is taken from `shard_operator.profile.expected_tensors`,
-the same table the planner sizes with, so the two sides cannot disagree about a Qwen2 bias.
+The shape (sizes, heads, which biases exist) is the contract's `ModelShape`, the one parse of
+config.json the planner sizes with too, so the two sides cannot disagree about a Qwen2 bias; this
+module adds what only the runtime needs (norm epsilon, RoPE, sliding windows, EOS ids).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from shard_operator.profile import expected_tensors, read_config
+from shard_contract.checkpoint import ModelShape, read_config
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -21,21 +22,8 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    architecture: str
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
+class ModelConfig(ModelShape):
     rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
     rope: dict[str, Any]  # rope_type, rope_theta and the scaling fields of that type
     sliding_windows: tuple[int | None, ...]  # per layer: attend to at most this many positions
     eos_token_ids: tuple[int, ...]
@@ -51,32 +39,18 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: dict[str, Any], source: str = "config.json", extra_eos: Any = None) -> "ModelConfig":
-        arch = next(a for a in config["architectures"] if a.endswith("ForCausalLM"))
+        """From a config that `read_config` accepted."""
         act = config.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (SwiGLU needs silu)")
-        heads = config["num_attention_heads"]
-        shapes = expected_tensors(config)
-        layer0 = "model.layers.0."
+        shape = ModelShape.from_config(config)
         return cls(
-            architecture=arch,
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            vocab_size=config["vocab_size"],
+            **asdict(shape),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=config.get("max_position_embeddings") or 4096,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=layer0 + "self_attn.q_proj.bias" in shapes,
-            o_bias=layer0 + "self_attn.o_proj.bias" in shapes,
-            mlp_bias=layer0 + "mlp.down_proj.bias" in shapes,
             rope=rope_parameters(config, source),
-            sliding_windows=sliding_windows(config, arch),
+            sliding_windows=sliding_windows(config, shape.architecture),
             eos_token_ids=tuple(dict.fromkeys(_ids(config.get("eos_token_id")) + _ids(extra_eos))),
-            tensor_shapes=shapes,
+            tensor_shapes=shape.expected_tensors(),
         )
 
     @property

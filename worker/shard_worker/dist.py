@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shard_operator.workerenv import WorkerEnv
+from shard_contract.env import WorkerEnv
 
 from . import shm
 from .accounting import Accounting

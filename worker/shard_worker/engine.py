@@ -24,14 +24,14 @@ from typing import Any, Callable
 
 import torch
 
-from shard_operator.workerenv import Completion, GenerateRequest
+from shard_contract.wire import Completion, GenerateRequest
 
 from .accounting import Accounting
 from .dist import Comm
 from .model import KVCache, Rotary, Stage, Step
 from .pipeline import Join, Link, Unit, prefill_units
 from .sampling import choose
-from .sequences import Rows, SequenceState, Sequences
+from .sequences import Rows, Sequences, SequenceState
 
 
 class RequestError(ValueError):

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
-from shard_operator.plan import RankPlan
-from shard_operator.units import human
-from shard_operator.workerenv import ResidentBytes
+from shard_contract.plan import RankPlan
+from shard_contract.units import human
+from shard_contract.wire import ResidentBytes
 
 HEARTBEAT_SECONDS = 1.0
 STALE_SECONDS = 5.0  # a beat, a missed beat or two, and a busy machine: `/health` fails well within 10 s

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from shard_operator.profile import DTYPE_BYTES, ProfileError, checkpoint_files, read_safetensors_header
+from shard_contract.checkpoint import DTYPE_BYTES, CheckpointError, checkpoint_files, read_safetensors_header
 
 from .config import ModelConfig
 from .model import Piece, Stage
@@ -34,10 +34,6 @@ TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat
 STAGING_BYTES = 16 * 2**20  # the most memory a converting read holds beside its destination
 DIRECT_CHUNK_BYTES = 256 * 2**20  # Linux returns at most ~2 GiB per read call; stay well below
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-
-
-class CheckpointError(ValueError):
-    """A checkpoint this rank cannot load; the message names the file and the tensor."""
 
 
 @dataclass(frozen=True)
@@ -62,10 +58,7 @@ class Checkpoint:
 
     def __init__(self, model_dir: str | Path, config: ModelConfig):
         self.dir, self.config = Path(model_dir), config
-        try:
-            weight_map = checkpoint_files(self.dir)
-        except ProfileError as err:
-            raise CheckpointError(str(err)) from None
+        weight_map = checkpoint_files(self.dir)
         if weight_map is None:
             raise CheckpointError(f"{self.dir}: no model.safetensors or model.safetensors.index.json")
         self.weight_map = weight_map
@@ -77,10 +70,7 @@ class Checkpoint:
             if not path.is_file():
                 first = next(n for n, f in sorted(self.weight_map.items()) if f == file)
                 raise CheckpointError(f"{path}: missing (the index maps tensor {first} to it)")
-            try:
-                header = read_safetensors_header(path)
-            except ProfileError as err:
-                raise CheckpointError(str(err)) from None
+            header = read_safetensors_header(path)
             with open(path, "rb") as fh:
                 data_start = 8 + int.from_bytes(fh.read(8), "little")
             self._headers[file] = (header, data_start)

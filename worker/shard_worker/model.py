@@ -17,18 +17,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shard_operator.sizing import ceil_div
+from shard_contract.sharding import kv_head_start, kv_heads_per_rank, tp_problem, vocab_rows_per_rank
 
 from .config import ModelConfig
 from .dist import Comm
-from .layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RowParallelLinear,
-                     VocabParallelEmbedding)
+from .layers import ColumnParallelLinear, ParallelLMHead, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 
 
 # ---------------------------------------------------------------- which slices
 @dataclass(frozen=True)
 class Layout:
-    """This rank's share, by the rules of `shard_operator.sizing` (the planner's byte counts):
+    """This rank's share, by the contract's sharding rules (the planner sizes by them too):
     1/TP of the heads and MLP columns, ceil(kv/TP) KV heads, ceil(V/TP) vocabulary rows."""
 
     config: ModelConfig
@@ -44,12 +43,11 @@ class Layout:
 
     @property
     def kv_heads(self) -> int:
-        """ceil(kv / TP): with more ranks than KV heads each rank keeps a copy of one head."""
-        return ceil_div(self.config.num_kv_heads, self.tp)
+        return kv_heads_per_rank(self.config, self.tp)
 
     @property
     def kv_head_start(self) -> int:
-        return self.tp_rank * self.config.num_kv_heads // self.tp
+        return kv_head_start(self.config, self.tp, self.tp_rank)
 
     @property
     def intermediate(self) -> int:
@@ -57,7 +55,7 @@ class Layout:
 
     @property
     def vocab_rows(self) -> int:
-        return ceil_div(self.config.vocab_size, self.tp)
+        return vocab_rows_per_rank(self.config, self.tp)
 
     @property
     def vocab_start(self) -> int:
@@ -87,10 +85,9 @@ class Piece:
 
 
 def check_tp(config: ModelConfig, tp: int) -> None:
-    if config.num_heads % tp or config.intermediate_size % tp or \
-            (config.num_kv_heads % tp and tp % config.num_kv_heads):
-        raise ValueError(f"tensor parallel {tp} does not divide this model (heads {config.num_heads}, "
-                         f"KV heads {config.num_kv_heads}, MLP width {config.intermediate_size})")
+    problem = tp_problem(config, tp)
+    if problem is not None:
+        raise ValueError(f"this model cannot be split: {problem}")
 
 
 # ---------------------------------------------------------------- RoPE

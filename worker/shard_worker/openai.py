@@ -15,7 +15,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from shard_operator.workerenv import Completion, GenerateRequest
+from shard_contract.wire import Completion, GenerateRequest
 
 MAX_STOP_STRINGS = 4
 

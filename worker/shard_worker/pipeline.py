@@ -22,8 +22,8 @@ import torch
 
 # Longest prefill forward pass, in tokens: activation memory stays bounded for long prompts
 # (shard_operator.sizing sizes activations with the same number).
-from shard_operator.sizing import PREFILL_CHUNK
-from shard_operator.workerenv import GenerateRequest
+from shard_contract.sharding import PREFILL_CHUNK
+from shard_contract.wire import GenerateRequest
 
 from .dist import FORWARD_TAG, RETURN_TAG, Comm, Pending
 

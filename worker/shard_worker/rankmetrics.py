@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import generate_latest
 
-from shard_operator.plan import RankPlan
+from shard_contract.plan import RankPlan
 
 from .accounting import COMM_OPS
 from .metrics import WorkerMetrics

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shard_operator.plan import Plan, RankPlan
-from shard_operator.workerenv import RankReport, ResidentBytes, WorkerEnv
+from shard_contract.env import WorkerEnv
+from shard_contract.plan import Plan, RankPlan
+from shard_contract.wire import RankReport, ResidentBytes
 
 from . import dist as dist_mod
 from .accounting import Accounting, MemorySample

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from shard_operator.workerenv import GenerateRequest
+from shard_contract.wire import GenerateRequest
 
 
 def generators(requests: Sequence[GenerateRequest]) -> list[torch.Generator | None]:

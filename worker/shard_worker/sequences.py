@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from shard_operator.workerenv import Completion, GenerateRequest
+from shard_contract.wire import Completion, GenerateRequest
 
 from .sampling import generators
 

@@ -32,8 +32,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from shard_operator.plan import Plan
-from shard_operator.workerenv import WorkerEnv
+from shard_contract.env import WorkerEnv
+from shard_contract.plan import Plan
+from shard_contract.wire import ShardEntry, ShardsResponse
 
 from . import openai
 from .accounting import MemorySample
@@ -191,7 +192,7 @@ class RankServer:
             return JSONResponse({"ready": v.ready, "reason": v.reason}, status_code=200 if v.ready else 503)
 
         @app.get("/v1/shards")
-        async def shards() -> dict[str, Any]:
+        async def shards() -> ShardsResponse:
             return self.shards()
 
         @app.get("/metrics")
@@ -203,24 +204,24 @@ class RankServer:
             self._api_routes(app)
         return app
 
-    def shards(self) -> dict[str, Any]:
-        """`GET /v1/shards` (the contract in `shard_operator.workerenv`): every rank of the plan,
-        with its latest published report once it has loaded."""
+    def shards(self) -> ShardsResponse:
+        """`GET /v1/shards`: every rank of the plan, with its latest published report once it has
+        loaded."""
         verdict, records = self.verdict(), self.heartbeat.records()
         ranks = []
         for rp in self.plan.group(self.env.replica):
             record = records.get(rp.rank)
             entry: dict[str, Any] = {"rank": rp.rank, "stage": rp.stage, "tp_rank": rp.tp_rank,
-                                     "layers": list(rp.layers), "node": rp.node, "device": rp.device,
-                                     "predicted_bytes": rp.predicted_bytes.model_dump()}
+                                     "layers": rp.layers, "node": rp.node, "device": rp.device,
+                                     "predicted_bytes": rp.predicted_bytes}
             if record is not None and record.report is not None:
                 entry.update(record.report)
             entry["alive"] = verdict.ranks_alive.get(rp.rank, verdict.alive)
             entry["state"] = record.state if record is not None else "starting"
             entry["problems"] = record.problems if record is not None else []
-            ranks.append(entry)
-        return {"model": self.env.model_name, "replica": self.env.replica, "ready": verdict.ready,
-                "reason": verdict.reason, "ranks": ranks}
+            ranks.append(ShardEntry.model_validate(entry))
+        return ShardsResponse(model=self.env.model_name, replica=self.env.replica, ready=verdict.ready,
+                              reason=verdict.reason, ranks=ranks)
 
     # ------------------------------------------------------------ the leader's API
     def _check_model(self, name: str | None) -> None:

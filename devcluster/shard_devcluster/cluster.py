@@ -26,7 +26,8 @@ import threading
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, TypeVar
 
-from ..inventory import COUNT_LABEL, KIND_LABEL, MEMORY_LABEL, PRODUCT_LABEL, SPEED_LABEL
+from shard_operator.inventory import COUNT_LABEL, KIND_LABEL, MEMORY_LABEL, PRODUCT_LABEL, SPEED_LABEL
+
 from .apiserver import serve, write_kubeconfig
 from .network import ClusterNetwork
 from .processkubelet import ProcessKubelet, _die_with_parent

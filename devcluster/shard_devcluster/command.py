@@ -38,14 +38,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from ..inventory import load_nodes
+    from shard_operator.inventory import load_nodes
+
     from .cluster import DevCluster, default_nodes
 
     nodes = load_nodes(args.nodes) if args.nodes else default_nodes()
     workdir: Path = args.dir.resolve()
     host_root = workdir / "host"
     if args.demo_model and not (host_root / MODELS.lstrip("/") / "demo-llama" / "config.json").exists():
-        from ..demo_model import write_demo_model
+        from shard_operator.demo_model import write_demo_model
 
         print(f"writing the demo model to {host_root / MODELS.lstrip('/') / 'demo-llama'} ...", flush=True)
         write_demo_model(host_root / MODELS.lstrip("/") / "demo-llama", overwrite=True)
@@ -73,7 +74,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def banner(cluster, nodes: list[dict]) -> str:
-    from ..inventory import MEMORY_LABEL
+    from shard_operator.inventory import MEMORY_LABEL
 
     node_lines = [f"  {n['metadata']['name']}: {n['status']['allocatable'].get('nvidia.com/gpu', 0)} x "
                   f"{n['metadata']['labels'].get(MEMORY_LABEL, '?')} MiB" for n in nodes]

@@ -42,8 +42,9 @@ from typing import Any
 import aiohttp
 import kmock
 
-from ..inventory import MEMORY_LABEL
-from ..units import MiB
+from shard_contract.units import MiB
+from shard_operator.inventory import MEMORY_LABEL
+
 from .kubelet import NODES, PODS, FakeKubelet, _now, required_node
 from .network import ClusterNetwork, PodAddress, container_port, pod_dns_names, taken_ports
 

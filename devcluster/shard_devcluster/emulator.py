@@ -47,9 +47,8 @@ from typing import Any
 import aiohttp.web
 import attrs
 import jsonpatch
-import yaml
-
 import kmock
+import yaml
 from kmock._internal import aiobus, enums, rendering
 
 Res = kmock.resource
@@ -58,6 +57,7 @@ Res = kmock.resource
 # itself breaks: GET /api/v1/namespaces raises ValueError (-> HTTP 500) and /api/v1/namespaces/X
 # parses as namespace=X with no resource. Patch the parser for the v1/namespaces resource.
 from kmock._internal import parsing as _parsing
+
 _orig_parse_path = _parsing.parse_path
 
 

@@ -1,0 +1,81 @@
+"""How a worker rank is configured: environment variables, written by the operator (pod env) and
+by `shardctl` (local processes), read by `python -m shard_worker`. One code path for both.
+
+The HTTP contract between a group's ranks and the operator lives in `wire.py`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal, Mapping
+
+from pydantic import BaseModel, Field, ValidationError
+
+# field -> environment variable
+ENV_NAMES = {
+    "rank": "RANK",
+    "world_size": "WORLD_SIZE",
+    "local_rank": "LOCAL_RANK",
+    "master_addr": "MASTER_ADDR",
+    "master_port": "MASTER_PORT",
+    "tp_size": "TP_SIZE",
+    "pp_size": "PP_SIZE",
+    "replica": "SHARD_REPLICA",
+    "plan_file": "SHARD_PLAN",
+    "model_dir": "SHARD_MODEL_DIR",
+    "model_name": "SHARD_MODEL_NAME",
+    "port": "SHARD_PORT",
+    "backend": "SHARD_BACKEND",
+    "rendezvous_timeout": "SHARD_RENDEZVOUS_TIMEOUT",
+    "memory_budget_bytes": "SHARD_MEMORY_BUDGET",
+}
+
+PLAN_MOUNT = "/etc/shard-operator/plan.json"  # where pods find the plan (ConfigMap)
+MODEL_MOUNT = "/models"  # where pods find the model volume
+
+
+class WorkerEnvError(ValueError):
+    pass
+
+
+class WorkerEnv(BaseModel):
+    rank: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    local_rank: int = Field(0, ge=0)
+    master_addr: str = "127.0.0.1"
+    master_port: int = Field(29500, ge=1, le=65535)
+    tp_size: int = Field(ge=1)
+    pp_size: int = Field(ge=1)
+    replica: int = Field(0, ge=0)
+    plan_file: str
+    model_dir: str
+    model_name: str = "model"
+    port: int = Field(8000, ge=0, le=65535, description="This rank's HTTP port (API on rank 0, metrics on all).")
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    rendezvous_timeout: int = Field(600, ge=1, description="Seconds to wait for the group to assemble.")
+    memory_budget_bytes: int | None = Field(None, description="Enforced memory budget of a simulated device.")
+
+    def to_env(self) -> dict[str, str]:
+        return {ENV_NAMES[k]: str(v) for k, v in self.model_dump().items() if v is not None}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "WorkerEnv":
+        environ = os.environ if environ is None else environ
+        values = {field: environ[name] for field, name in ENV_NAMES.items() if name in environ}
+        try:
+            env = cls.model_validate(values)
+        except ValidationError as err:
+            problems = "; ".join(f"{ENV_NAMES.get(str(e['loc'][0]), e['loc'][0])}: {e['msg']}" for e in err.errors())
+            raise WorkerEnvError(f"worker environment is incomplete or invalid: {problems}") from None
+        if env.world_size != env.tp_size * env.pp_size:
+            raise WorkerEnvError(f"WORLD_SIZE={env.world_size} is not TP_SIZE x PP_SIZE = {env.tp_size * env.pp_size}")
+        if env.rank >= env.world_size:
+            raise WorkerEnvError(f"RANK={env.rank} is outside WORLD_SIZE={env.world_size}")
+        return env
+
+
+# ---------------------------------------------------------------- one-shot generation
+# `shardctl generate` hands the leader a task file and reads its result file: the group runs the
+# task and exits. Without SHARD_TASK the leader serves HTTP instead.
+TASK_ENV = "SHARD_TASK"  # path of a GenerateTask JSON file
+RESULT_ENV = "SHARD_RESULT"  # where the leader writes the GenerateResult JSON

@@ -1,0 +1,119 @@
+"""The wire types between the planes: what a group's leader answers and what it is asked.
+
+The operator reads `GET /v1/shards` from rank 0 of every ready group (`ShardsResponse`); every
+rank serves it (each knows the whole group through the heartbeats). `shardctl generate` hands the
+leader a `GenerateTask` and reads a `GenerateResult`; the HTTP server turns OpenAI requests into
+`GenerateRequest`s and answers with `Completion`s.
+
+`GET /health` is 200 while the process and every rank of its group are alive (else 503 with the
+reason); `GET /ready` is 200 once every rank has loaded and its measured memory has been checked
+against the plan. Both answer on every rank's SHARD_PORT from the moment it starts.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from .plan import PredictedBytes
+
+
+class GenerateRequest(BaseModel):
+    """One sequence to continue. temperature 0 is greedy; a seed makes sampling repeatable."""
+
+    prompt_ids: list[int] = Field(min_length=1)
+    max_new_tokens: int = Field(16, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int = 0
+    stop: list[str] = Field(default_factory=list, description="Stop strings (need tokenizer.json).")
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class GenerateTask(BaseModel):
+    requests: list[GenerateRequest] = Field(min_length=1)
+
+
+class Completion(BaseModel):
+    token_ids: list[int] = Field(description="Generated tokens only (an EOS that ended it included).")
+    text: str | None = Field(None, description="Decoded, cut before a stop string; None without a tokenizer.")
+    finish_reason: Literal["stop", "length", "cancelled"]  # cancelled: the client left (never sent to it)
+
+
+class ResidentBytes(BaseModel):
+    """Measured after load. On a CPU, weights and kv_cache are the growth of anonymous resident
+    memory while they were allocated and filled; on a GPU, of CUDA's allocated bytes."""
+
+    weights: int
+    kv_cache: int
+    rss_anon: int
+    cuda_allocated: int = 0
+    total: int = Field(description="What this rank holds above a bare `import torch` (GPU: reserved).")
+    peak: int = Field(0, description="Peak resident set above a bare `import torch` so far.")
+
+
+class RankReport(BaseModel):
+    """One rank's line in `GET /v1/shards` and in `shardctl generate --json`."""
+
+    rank: int
+    stage: int
+    tp_rank: int
+    layers: tuple[int, int]
+    node: str = ""
+    device: str = ""
+    predicted_bytes: PredictedBytes
+    resident_bytes: ResidentBytes
+    allocated_bytes: dict[str, int] = Field(default_factory=dict,
+                                            description="Bytes of the tensors themselves: weights, kv_cache.")
+    load_seconds: float
+    comm_seconds: float
+    compute_seconds: float
+    idle_seconds: float
+    comm_bytes: dict[str, int] = Field(default_factory=dict, description="By operation.")
+    last_generate: dict[str, float] = Field(default_factory=dict,
+                                            description="seconds, comm_seconds, compute_seconds, idle_seconds "
+                                                        "of the latest generate call")
+    alive: bool = True
+
+
+class GenerateResult(BaseModel):
+    completions: list[Completion]
+    ranks: list[RankReport]
+    prefill_seconds: float = Field(description="Task start to the first tokens.")
+    decode_seconds: float
+    decode_steps: int
+
+
+class ShardEntry(BaseModel):
+    """One rank in `GET /v1/shards`: its place in the plan, and once it has loaded, the rest of
+    its `RankReport` (a rank that has not loaded yet has no `resident_bytes`)."""
+
+    model_config = {"extra": "allow"}  # the rest of the RankReport, for people
+
+    rank: int
+    stage: int
+    tp_rank: int
+    layers: tuple[int, int]
+    node: str = ""
+    device: str = ""
+    predicted_bytes: PredictedBytes
+    resident_bytes: ResidentBytes | None = None
+    alive: bool = True
+    state: str = Field("starting", description="starting, loading, ready, failed or broken")
+    problems: list[str] = Field(default_factory=list, description="A failed memory check.")
+
+
+class ShardsResponse(BaseModel):
+    """`GET /v1/shards`: every rank of one group."""
+
+    model: str
+    replica: int
+    ready: bool
+    reason: str = Field("", description="Why the group is not ready.")
+    ranks: list[ShardEntry]
+
+    def resident_by_rank(self) -> dict[int, int]:
+        """rank -> measured resident bytes (total) of every rank that has measured."""
+        return {r.rank: r.resident_bytes.total for r in self.ranks if r.resident_bytes is not None}

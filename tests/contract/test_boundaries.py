@@ -1,0 +1,61 @@
+"""The packages' allowed imports (docs/architecture.md): the worker imports only the contract, the
+contract imports neither plane, and the product never imports the dev cluster."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = {"shard_contract": "contract", "shard_operator": "operator", "shard_worker": "worker",
+            "shard_devcluster": "devcluster"}
+OURS = set(PACKAGES)
+
+# package -> what it may import of the others
+ALLOWED = {
+    "shard_contract": set(),
+    "shard_worker": {"shard_contract"},
+    "shard_operator": {"shard_contract"},
+    "shard_devcluster": {"shard_contract", "shard_operator"},
+}
+# third-party modules a package must never import
+FORBIDDEN = {
+    "shard_contract": {"torch", "kopf", "kubernetes", "fastapi", "kmock"},
+    "shard_operator": {"torch", "kmock"},
+    "shard_worker": {"kopf", "kubernetes", "kmock"},
+}
+
+
+def imported_roots(path: Path) -> set[str]:
+    """Top-level names of every module a file imports, at any depth (function-level imports too)."""
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def files(package: str) -> list[Path]:
+    return sorted((REPO / PACKAGES[package] / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_a_package_imports_only_the_packages_it_may(package):
+    assert files(package), f"no modules found for {package}"
+    offenders = {}
+    for path in files(package):
+        roots = imported_roots(path)
+        bad = (roots & OURS) - ALLOWED[package] - {package} | (roots & FORBIDDEN.get(package, set()))
+        if bad:
+            offenders[str(path.relative_to(REPO))] = sorted(bad)
+    assert not offenders, offenders
+
+
+def test_the_checker_sees_a_forbidden_import(tmp_path):
+    sample = tmp_path / "m.py"
+    sample.write_text("def f():\n    from shard_operator.plan import Plan\n    import torch.nn\n")
+    assert imported_roots(sample) == {"shard_operator", "torch"}

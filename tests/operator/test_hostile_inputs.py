@@ -8,7 +8,7 @@ import re
 
 from shard_operator.kube import Kube
 from tests.support.cluster import gpu_node, sharded_model, write_model
-from tests.support.malicious import CORPUS, write_attack
+from tests.support.malicious import ATTACKS, CORPUS, write_attack
 from tests.support.operator import eventually
 
 
@@ -31,6 +31,22 @@ async def test_every_malicious_checkpoint_fails_its_model_with_a_condition_and_a
         assert condition["reason"] == "InvalidModel" and re.search(attack.error, condition["message"]), condition
         assert await world.events(attack.name) == [("Warning", "InvalidModel", condition["message"])]
         assert await world.objects("v1/pods", attack.name) == []
+
+
+async def test_a_profiling_pod_refuses_a_malicious_checkpoint_by_name(world):
+    """The operator cannot read the PVC: its profiling Pod reads the checkpoint, and fails with the error."""
+    await world.add_node(gpu_node("a"))
+    attack = ATTACKS["symlink-out-of-dir"]
+    write_attack(attack, world.tmp / "pvc" / "attack")  # the kubelet mounts <tmp>/pvc at /models
+    body = sharded_model("m1", world.tmp / "unused")
+    body["spec"]["model"] = {"path": "attack/model", "volume": {"pvc": {"claimName": "weights"}}}
+    async with world.operator() as op:
+        await world.create(body)
+        condition = degraded(await world.wait_phase("m1", "Failed"))
+        assert op.failures == 0
+    assert condition["reason"] == "InvalidModel" and "profiling pod m1-profile failed" in condition["message"]
+    assert re.search(attack.error, condition["message"]), condition
+    assert await world.events("m1") == [("Warning", "InvalidModel", condition["message"])]
 
 
 async def test_a_model_path_that_leaves_its_volume_is_refused_without_saying_what_is_outside(world):

@@ -118,7 +118,9 @@ def rank_box(svg: Svg, entry: ShardEntry, x: float, y: float, reason: str) -> No
         over = res.total > entry.capacity_bytes
         svg.rect(x + BAR_X, bar_y + 19, min(res.total * scale, BAR_W), 7, DEAD if over else RESIDENT,
                  f"measured resident {human(res.total)}")
-    measured = f" · resident {human(res.total)}" if res is not None else " · not measured yet"
+    measured = (f" · resident {human(res.total)}" if res is not None
+                else f", {p.total / max(entry.capacity_bytes, 1):.0%} of the device" if entry.state == "planned"
+                else " · not measured yet")
     svg.text(x + 10, y + 82, f"predicted {human(p.total)}{measured}", size=11, cls="memory")
     svg.text(x + 10, y + 97, f"of {human(entry.capacity_bytes)}; usable {human(entry.usable_bytes)}", size=11,
              fill="#555", cls="capacity")

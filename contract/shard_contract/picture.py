@@ -41,7 +41,7 @@ class Svg:
         self.parts.append(element)
 
     def rect(self, x: float, y: float, w: float, h: float, fill: str, title: str = "", **attrs: str) -> None:
-        extra = "".join(f" {k.replace('_', '-')}={quoteattr(v)}" for k, v in attrs.items())
+        extra = "".join(f" {'class' if k == 'cls' else k.replace('_', '-')}={quoteattr(v)}" for k, v in attrs.items())
         tip = f"<title>{escape(title)}</title>" if title else ""
         self.add(f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(w, 0):.1f}" height="{h:.1f}" fill="{fill}"{extra}>'
                  f"{tip}</rect>")

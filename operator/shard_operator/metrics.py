@@ -9,6 +9,7 @@ counters and its last status per model, and nothing is counted twice.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator, get_args
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -51,7 +52,7 @@ class ControllerCollector(Collector):
                                      "Times the operator recreated a group after a rank failed.",
                                      labels=["namespace", "model", "group"])
         degraded = GaugeMetricFamily("shard_operator_degraded",
-                                     "1 while a ShardedModel's Degraded condition is True, by its reason.",
+                                     "1 while a ShardedModel's Degraded condition is True, else 0; with the condition's reason.",
                                      labels=["namespace", "model", "reason"])
         for (namespace, model), status in sorted(statuses.items()):
             wanted.add_metric([namespace, model], status.get("replicas") or 0)
@@ -62,14 +63,16 @@ class ControllerCollector(Collector):
             for replica, n in sorted(by_replica.items()):
                 restarts.add_metric([namespace, model, str(replica)], n)
             for condition in status.get("conditions") or []:
-                if condition["type"] == "Degraded" and condition["status"] == "True":
-                    degraded.add_metric([namespace, model, condition.get("reason", "")], 1)
+                if condition["type"] == "Degraded":
+                    degraded.add_metric([namespace, model, condition.get("reason", "")],
+                                        1 if condition["status"] == "True" else 0)
         yield from (wanted, serving, restarts, degraded)
 
 
-def serve(controller: "Controller", port: int, addr: str = "0.0.0.0") -> CollectorRegistry:
-    """Expose the controller's metrics on http://<addr>:<port>/metrics (a daemon thread)."""
+def serve(controller: "Controller", port: int, addr: str = "0.0.0.0") -> WSGIServer:
+    """Expose the controller's metrics on http://<addr>:<port>/metrics (a daemon thread); returns
+    the server, to `shutdown()`."""
     registry = CollectorRegistry()
     registry.register(ControllerCollector(controller))
-    start_http_server(port, addr=addr, registry=registry)
-    return registry
+    server, _ = start_http_server(port, addr=addr, registry=registry)
+    return server

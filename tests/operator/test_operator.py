@@ -206,7 +206,7 @@ async def test_a_flapping_node_causes_no_churn(world):
 async def test_a_failed_rank_recreates_its_group_until_the_budget_is_spent(world):
     await world.add_node(gpu_node("a"))
     model_dir = write_model(world.tmp / "models" / "tiny")
-    async with world.operator(restart_budget=2):
+    async with world.operator(restart_budget=2) as op:
         await world.create(sharded_model("m1", model_dir, replicas=1))
         await world.wait_phase("m1", "Ready")
         for attempt in (1, 2):
@@ -224,6 +224,14 @@ async def test_a_failed_rank_recreates_its_group_until_the_budget_is_spent(world
         degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
         assert degraded["reason"] == "RestartBudgetExhausted" and "exit code 1" in degraded["message"]
         assert len(await world.pods("m1")) == 2  # kept for `kubectl logs`
+        registry = CollectorRegistry()
+        registry.register(ControllerCollector(op))
+        gauges = {(s.name, s.labels.get("group") or s.labels.get("reason")): s.value
+                  for family in text_string_to_metric_families(generate_latest(registry).decode())
+                  for s in family.samples if s.labels.get("model") == "m1"}
+        # what the chart's ShardRestartBudgetExhausted alert reads
+        assert gauges[("shard_operator_degraded", "RestartBudgetExhausted")] == 1
+        assert gauges[("shard_operator_group_restarts", "0")] == 2
     reasons = [e[1] for e in await world.events("m1")]
     assert reasons.count("RecreatingGroup") == 2 and "RestartBudgetExhausted" in reasons
 
@@ -489,6 +497,10 @@ async def test_the_operator_metrics_say_what_it_did_and_what_it_sees(world):
     assert samples[("shard_operator_replicas", (("model", "good"), ("namespace", "default")))] == 1
     assert samples[("shard_operator_ready_replicas", (("model", "good"), ("namespace", "default")))] == 1
     assert samples[("shard_operator_ready_replicas", (("model", "bad"), ("namespace", "default")))] == 0
+    assert samples[("shard_operator_group_restarts", (("group", "0"), ("model", "good"), ("namespace", "default")))] == 0
+    assert samples[("shard_operator_degraded", (("model", "good"), ("namespace", "default"), ("reason", "AsExpected")))] == 0
+    assert samples[("shard_operator_degraded", (("model", "bad"), ("namespace", "default"),
+                                                ("reason", "InvalidParallelism")))] == 1
     assert 0 < samples[("shard_operator_reconciles_total", ())] <= reconciles
     assert samples[("shard_operator_reconcile_failures_total", ())] == 0
     assert 0 < samples[("shard_operator_api_requests_total", (("verb", "create"),))] <= created

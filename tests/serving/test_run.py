@@ -37,6 +37,8 @@ def test_a_crashed_rank_restarts_the_group_then_exhausts_the_budget(tiny_model, 
             answer = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "model": "crashy"},
                                 timeout=60)
             assert answer.status_code == 200, answer.text
+            page = httpx.get(url + "/dashboard/layout.svg", timeout=10)  # the live page, on shardctl run's port
+            assert page.status_code == 200 and page.text.count('data-alive="true"') == 2
             ranks = worker_ranks(proc.pid)
             assert sorted(ranks) == [0, 1] and not set(ranks.values()) & set(seen)  # a fresh group each time
             seen += ranks.values()

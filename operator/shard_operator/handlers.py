@@ -54,7 +54,7 @@ from .manifests import (
 from .planner import PlanError
 from .profile import ModelProfile
 from .profiles import LocalProfiles, ModelNotFound, local_model_dir, remote_profile
-from .replan import PlanChoice, choose_plan, without_devices
+from .replan import PlanChoice, choose_plan, without_held
 from .rollout import Decision, GroupKey, Want, decide, group_state, observe_groups
 from .settings import Settings
 from .status import Observation, Problem, build_status, failed_status, status_patch
@@ -195,6 +195,8 @@ class Controller:
                 return ctx, None
             choice = self._choose(current, profile, obs.spec, world, ctx.owner, memory, obs.generation)
             obs.plan = choice.plan
+            if choice.shortfall:  # run the groups that fit, and say what the others lack
+                obs.problem = Problem("InsufficientCapacity", choice.shortfall, fatal=False)
         except SpecError as err:
             obs.problem = Problem("InvalidSpec", str(err))
             return None, None
@@ -266,7 +268,7 @@ class Controller:
         settings = self.settings
         resource = spec.placement.gpu_resource
         others = used_per_node(world.gpu_uses, resource, exclude=(owner.namespace, model_label(owner.name)))
-        inventory = without_devices(inventory_from_nodes(world.nodes, spec.placement), others)
+        inventory = without_held(inventory_from_nodes(world.nodes, spec.placement), others)
         pool, now = fingerprint(inventory), self.clock()
         if pool != memory.pool:
             # A pool that changed with the spec (nodeSelector, tolerations) was asked for: no wait.

@@ -105,6 +105,37 @@ async def test_scaling_adds_and_removes_whole_groups(world):
     assert not [o for o in await world.objects("v1/services", "m1") if o["metadata"]["labels"].get("sharding.dev/group") == "2"]
 
 
+async def test_replicas_that_do_not_all_fit_run_as_many_as_fit_whatever_the_history(world):
+    await world.add_node(gpu_node("a"))  # room for one group of tensor=2
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator():
+        await world.create(sharded_model("m1", model_dir, replicas=3))
+        status = await eventually(lambda: _degraded_serving(world, "m1", wanted=3))
+        assert status["replicas"] == 1 and len(await world.pods("m1")) == 2
+
+        await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"replicas": 0}}, subresource="scale")
+        await eventually(lambda: _pod_count(world, "m1", 0))
+        await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"replicas": 2}}, subresource="scale")
+        status = await eventually(lambda: _degraded_serving(world, "m1", wanted=2))
+        assert status["replicas"] == 1 and groups_of(await world.pods("m1")) == {0: {"a"}}
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Degraded"]["message"].startswith("2 replicas wanted, 1 fits: 1 more needs about 2 more devices")
+    assert conditions["Available"]["message"] == "1 of 2 groups ready, 2 needed; only 1 fits the pool"
+    warnings = [e[2] for e in await world.events("m1") if e[0] == "Warning"]
+    assert any(m.startswith("3 replicas wanted, 1 fits") for m in warnings)
+
+
+async def _degraded_serving(world, name, wanted):
+    """The status once one group serves and the Degraded condition says `wanted` do not all fit."""
+    model = await world.model(name)
+    status = model.get("status") or {}
+    degraded = next((c for c in status.get("conditions") or [] if c["type"] == "Degraded"), {})
+    ok = status.get("observedGeneration") == model["metadata"]["generation"] and status.get("phase") == "Degraded" \
+        and status.get("readyReplicas") == 1 and degraded.get("reason") == "InsufficientCapacity" \
+        and degraded.get("message", "").startswith(f"{wanted} replicas wanted, 1 fits")
+    return status if ok else None
+
+
 async def _ready_replicas(world, name, n):
     return (await world.status(name)).get("readyReplicas") == n
 
@@ -233,14 +264,25 @@ async def _recreated(world, name, before):
     return len(pods) == 2 and not set(uids(pods).values()) & set(before.values())
 
 
+TRAINING = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "training"},  # holds node a's 2 GPUs
+            "spec": {"nodeName": "a", "containers": [{"name": "t", "image": "x",
+                                                       "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}}
+
+
 @pytest.mark.parametrize("change,reason,words", [
-    (dict(tensor=3), "InvalidParallelism", "does not divide the 4 attention heads"),
+    (dict(tensor=3), "InvalidParallelism", "does not divide the 4 attention heads; valid: 1, 2, 4"),
+    # Parallelism no pool can run is named as such, also while other workloads hold every GPU.
+    (dict(tensor=3, held=True), "InvalidParallelism", "tensor=3 does not divide the 4 attention heads"),
+    (dict(tensor=1, pipeline=100, held=True), "InvalidParallelism", "pipeline=100 exceeds the 4 decoder layers"),
+    (dict(held=True), "NoDevices", "no usable devices in the node pool (a: other workloads hold its 2 GPUs)"),
     (dict(placement={"nodeSelector": {"pool": "nowhere"}}), "NoDevices", "not in the node pool"),
     (dict(rollout={"maxSurge": -1}), "InvalidSpec", "spec.rollout.maxSurge"),
     (dict(missing=True), "ModelNotFound", "does not exist"),
 ])
 async def test_an_invalid_spec_creates_nothing_and_says_why_once(world, change, reason, words):
     await world.add_node(gpu_node("a"))
+    if change.pop("held", False):
+        await world.emu.k8s_create("v1/pods", "default", TRAINING)
     model_dir = write_model(world.tmp / "models" / "tiny")
     if change.pop("missing", False):
         model_dir = world.tmp / "models" / "absent"
@@ -252,6 +294,8 @@ async def test_an_invalid_spec_creates_nothing_and_says_why_once(world, change, 
         assert op.failures == 0
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
     assert degraded["reason"] == reason and words in degraded["message"]
+    available = next(c for c in status["conditions"] if c["type"] == "Available")
+    assert (available["status"], available["reason"], available["message"]) == ("False", reason, degraded["message"])
     assert await world.objects("v1/pods", "bad") == [] and await world.objects("v1/services", "bad") == []
     assert [e for e in await world.events("bad") if e[0] == "Warning"] == [("Warning", reason, degraded["message"])]
 
@@ -355,10 +399,7 @@ async def test_edited_objects_are_put_back(world):
 async def test_gpus_held_by_other_workloads_are_planned_around(world):
     for n in ("a", "b"):
         await world.add_node(gpu_node(n))
-    await world.emu.k8s_create("v1/pods", "default", {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "training"},
-        "spec": {"nodeName": "a", "containers": [{"name": "t", "image": "x",
-                                                   "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}})
+    await world.emu.k8s_create("v1/pods", "default", TRAINING)
     model_dir = write_model(world.tmp / "models" / "tiny")
     async with world.operator():
         await world.create(sharded_model("m1", model_dir))
@@ -396,7 +437,7 @@ async def test_no_room_left_says_so_and_keeps_the_other_group_serving(world):
             degraded = next(c for c in (await world.status("m1"))["conditions"] if c["type"] == "Degraded")
             return degraded if degraded["reason"] == "InsufficientCapacity" else None
         degraded = await eventually(no_room)
-        assert "does not fit" in degraded["message"] and "GiB" in degraded["message"]
+        assert degraded["message"].startswith("2 replicas wanted, 1 fits") and "GiB" in degraded["message"]
         status = await world.status("m1")
         assert status["phase"] == "Degraded" and status["readyReplicas"] == 1
         serving = {n: u for n, u in uids(before).items() if "-0-" in n}

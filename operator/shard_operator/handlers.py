@@ -76,6 +76,9 @@ class Memory:
     # The status this loop last wrote: kopf's copy of the object may not show it yet, and a stale
     # status would undo restart counts and transition times.
     status: dict[str, Any] | None = None
+    # A status write failed: it may have landed or not (a timeout), so the server's status is
+    # unknown and the next write sends all of it, not the difference from `status`.
+    status_unknown: bool = False
 
 
 @dataclass
@@ -234,9 +237,11 @@ class Controller:
         """Write the status when it changed, and say what went wrong in Events."""
         status = build_status(obs, previous, _now())
         self._problem_events(body, previous, status)
-        patch = status_patch(previous, status)
+        patch = status if memory.status_unknown else status_patch(previous, status)
         if patch is not None:
+            memory.status_unknown = True
             self.kube.patch_status(owner.namespace, owner.name, patch)
+            memory.status_unknown = False
         memory.status = status
         if any(group_state(g)[0] in ("Starting", "Terminating") for g in obs.groups):
             memory.wake_in = min(memory.wake_in, 5.0)  # pods change without other events at times

@@ -11,7 +11,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shard_contract.env import WorkerEnv
+from shard_contract.plan import Plan
 from shard_devcluster.apiserver import SM
+from shard_devcluster.emulator import Faults
+from shard_operator.api import parse_spec
+from shard_operator.manifests import PLAN_KEY, Context, Owner, desired_objects, drift_patch, plan_record_name
 from shard_operator.metrics import ControllerCollector
 from shard_operator.permissions import permissions
 from tests.support.cluster import SEVEN_B, gpu_node, sharded_model, write_model
@@ -110,13 +114,13 @@ async def test_replicas_that_do_not_all_fit_run_as_many_as_fit_whatever_the_hist
     model_dir = write_model(world.tmp / "models" / "tiny")
     async with world.operator():
         await world.create(sharded_model("m1", model_dir, replicas=3))
-        status = await eventually(lambda: _degraded_serving(world, "m1", wanted=3))
+        status = await eventually(lambda: _degraded_serving(world, "m1", wanted=3, ready=1))
         assert status["replicas"] == 1 and len(await world.pods("m1")) == 2
 
         await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"replicas": 0}}, subresource="scale")
         await eventually(lambda: _pod_count(world, "m1", 0))
         await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"replicas": 2}}, subresource="scale")
-        status = await eventually(lambda: _degraded_serving(world, "m1", wanted=2))
+        status = await eventually(lambda: _degraded_serving(world, "m1", wanted=2, ready=1))
         assert status["replicas"] == 1 and groups_of(await world.pods("m1")) == {0: {"a"}}
     conditions = {c["type"]: c for c in status["conditions"]}
     assert conditions["Degraded"]["message"].startswith("2 replicas wanted, 1 fits: 1 more needs about 2 more devices")
@@ -125,14 +129,14 @@ async def test_replicas_that_do_not_all_fit_run_as_many_as_fit_whatever_the_hist
     assert any(m.startswith("3 replicas wanted, 1 fits") for m in warnings)
 
 
-async def _degraded_serving(world, name, wanted):
-    """The status once one group serves and the Degraded condition says `wanted` do not all fit."""
+async def _degraded_serving(world, name, wanted, ready):
+    """The status once `ready` groups serve and the Degraded condition says only they fit."""
     model = await world.model(name)
     status = model.get("status") or {}
     degraded = next((c for c in status.get("conditions") or [] if c["type"] == "Degraded"), {})
     ok = status.get("observedGeneration") == model["metadata"]["generation"] and status.get("phase") == "Degraded" \
-        and status.get("readyReplicas") == 1 and degraded.get("reason") == "InsufficientCapacity" \
-        and degraded.get("message", "").startswith(f"{wanted} replicas wanted, 1 fits")
+        and status.get("readyReplicas") == ready and degraded.get("reason") == "InsufficientCapacity" \
+        and degraded.get("message", "").startswith(f"{wanted} replicas wanted, {ready} fit")
     return status if ok else None
 
 
@@ -534,3 +538,100 @@ async def test_the_operator_metrics_say_what_it_did_and_what_it_sees(world):
     assert samples[("shard_operator_reconcile_failures_total", ())] == 0
     assert 0 < samples[("shard_operator_api_requests_total", (("verb", "create"),))] <= created
     assert samples[("shard_operator_reconcile_seconds_count", ())] >= 2
+
+
+# ---------------------------------------------------------------- a faulty API server
+# Of the requests: 8% fail (500), 30% of updates conflict (409), 4% time out (504) and 4% are slow
+# (answered after the operator's 0.5 s timeout: both after the write landed); every second, each
+# open watch is cut with a chance of 30%. About 30 faults in all over the scenario.
+FAULTS = dict(seed=20260101, error=0.08, conflict=0.3, timeout=0.04, slow=0.04, drop_watch=0.3,
+              delay=1.0, watch_life=1.0)
+
+
+async def test_the_operator_converges_while_the_api_server_fails_requests(world):
+    """Nodes go and come and the model scales while the API server fails a fraction of requests
+    (500, 409, 504 after the write, answers later than the client waits, cut watches): in the end
+    exactly the planned objects exist, each once, owned and labelled, and the status says so."""
+    for n in ("a", "b", "c"):
+        await world.add_node(gpu_node(n))
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator(api_timeout_seconds=0.5) as op:
+        await world.create(sharded_model("m1", model_dir, replicas=2))
+        await world.wait_phase("m1", "Ready")
+        world.emu.faults = Faults(**FAULTS)
+        lost = next(iter(groups_of(await world.pods("m1"))[0]))
+        await world.emu.k8s_delete("v1/nodes", None, lost)
+        await eventually(lambda: _phase_in(world, "m1", {"Degraded"}))
+        world.clock.advance(1.0)  # the pool has settled: group 0 moves to the free node
+        await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"replicas": 3}}, subresource="scale")
+        await eventually(lambda: _degraded_serving(world, "m1", wanted=3, ready=2))  # 2 nodes left
+        await world.add_node(gpu_node("d"))
+        status = await eventually(lambda: _as_planned(world, "m1", op.settings, replicas=3), timeout=60)
+        injected = dict(world.emu.faults.injected)
+        world.emu.faults = None
+        before, calls = await _uids(world, "m1"), (op.kube.calls["create"], op.kube.calls["delete"])
+        seen = op.reconciles
+        await eventually(lambda: op.reconciles >= seen + 3)
+        # Converged: nothing is created or deleted any more (a status write whose answer was lost
+        # is written again), and the status still tells the truth.
+        assert (await _uids(world, "m1"), (op.kube.calls["create"], op.kube.calls["delete"])) == (before, calls)
+        status = await _as_planned(world, "m1", op.settings, replicas=3)
+        assert status is not None, await world.status("m1")
+    assert sum(injected.values()) >= 10, injected  # (each kind alone: test_emulator_conformance.py)
+    assert lost not in set().union(*groups_of(await world.pods("m1")).values())
+    assert status["phase"] == "Ready" and (status["replicas"], status["readyReplicas"]) == (3, 3)
+    assert {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]} == {
+        "Available": ("True", "MinimumGroupsReady"), "Progressing": ("False", "Complete"),
+        "Degraded": ("False", "AsExpected")}
+
+
+async def test_a_status_write_whose_answer_was_lost_is_written_whole_next_time(world):
+    """A status write answered 504 may have landed: the next write must not be a difference from the
+    status last known written, or a field that goes back to its value there is never corrected."""
+    await world.add_node(gpu_node("a", gpus=4))
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator() as op:
+        await world.create(sharded_model("m1", model_dir, replicas=1))
+        await world.wait_phase("m1", "Ready")
+        world.emu.faults = Faults(timeout=1.0, delay=0.0, paths=r"/shardedmodels/m1/status$")
+        await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"replicas": 2}}, subresource="scale")
+        await eventually(lambda: _ready_replicas(world, "m1", 2))  # written, though the operator saw 504s
+        await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"replicas": 1}}, subresource="scale")
+        await eventually(lambda: _pod_count(world, "m1", 2))
+        world.emu.faults = None
+        seen = op.reconciles
+        await eventually(lambda: op.reconciles >= seen + 3)
+    assert world.emu.faults is None and op.failures > 0
+    status = await world.status("m1")
+    assert (status["phase"], status["replicas"], status["readyReplicas"], len(status["groups"])) == ("Ready", 1, 1, 1)
+
+
+async def _uids(world, name):
+    return {kind: uids(await world.objects(kind, name)) for kind in ("v1/pods", "v1/services", "v1/configmaps")}
+
+
+async def _as_planned(world, name, settings, replicas):
+    """The status, once the objects are exactly those the plan record asks for (each once, owned
+    by the model, labelled and shaped as the builders make them) and the status describes them."""
+    model = await world.model(name)
+    status = model.get("status") or {}
+    record = await world.emu.k8s_get("v1/configmaps", "default", plan_record_name(name))
+    if record is None or status.get("observedGeneration") != model["metadata"]["generation"]:
+        return None
+    plan = Plan.from_json(record["data"][PLAN_KEY])
+    ctx = Context(owner=Owner.of(model), spec=parse_spec(model["spec"]), default_image=settings.worker_image)
+    desired = {(o["kind"], o["metadata"]["name"]): o for o in desired_objects(ctx, plan)}
+    actual = {(o["kind"], o["metadata"]["name"]): o for kind in ("v1/pods", "v1/services", "v1/configmaps")
+              for o in await world.objects(kind, name)}
+    if len(plan.groups) != replicas or actual.keys() != desired.keys():
+        return None
+    for key, obj in actual.items():
+        assert obj["metadata"]["ownerReferences"] == desired[key]["metadata"]["ownerReferences"], key
+        assert drift_patch(desired[key], obj) is None, key  # labels, annotations, spec, data
+    pods = [o for (kind, _), o in actual.items() if kind == "Pod"]
+    ok = status.get("phase") == "Ready" and status.get("readyReplicas") == replicas \
+        and status["plan"]["hash"] == plan.hash and len(status["shards"]) == len(pods) \
+        and {(g["replica"], g["revision"], g["state"]) for g in status["groups"]} == \
+        {(int(p["metadata"]["labels"]["sharding.dev/group"]), p["metadata"]["labels"]["sharding.dev/revision"], "Ready")
+         for p in pods}
+    return status if ok else None

@@ -106,6 +106,12 @@ def test_impossible_parallelism_is_named_before_the_devices_are_looked_at(capsys
     assert "InvalidParallelism: spec.parallelism.pipeline=100 exceeds the 80 decoder layers; valid: 1 to 80" in err
 
 
+def test_dev_cluster_faults_are_checked_before_anything_starts(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["dev-cluster", "--faults", "error=0.1,eror=0.2"])
+    assert exit_.value.code == 2 and "unknown fault 'eror'" in capsys.readouterr().err
+
+
 def test_console_script_prints_the_crd():
     shardctl = Path(sys.executable).with_name("shardctl")
     out = subprocess.run([str(shardctl), "crd"], capture_output=True, text=True, check=True).stdout

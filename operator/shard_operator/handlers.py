@@ -237,12 +237,7 @@ class Controller:
         """Write the status when it changed, and say what went wrong in Events."""
         status = build_status(obs, previous, _now())
         self._problem_events(body, previous, status)
-        patch = status if memory.status_unknown else status_patch(previous, status)
-        if patch is not None:
-            memory.status_unknown = True
-            self.kube.patch_status(owner.namespace, owner.name, patch)
-            memory.status_unknown = False
-        memory.status = status
+        self._write_status(owner, previous, status, memory)
         if any(group_state(g)[0] in ("Starting", "Terminating") for g in obs.groups):
             memory.wake_in = min(memory.wake_in, 5.0)  # pods change without other events at times
 
@@ -252,13 +247,21 @@ class Controller:
         message = " ".join(f"{type(err).__name__}: {err}".split())[:1000]
         try:
             status = failed_status(previous, message, body["metadata"].get("generation") or 0, _now())
-            if (patch := status_patch(previous, status)) is not None:
-                self.kube.patch_status(body["metadata"]["namespace"], body["metadata"]["name"], patch)
+            self._write_status(Owner.of(body), previous, status, memory)
         except Exception:  # the API may be what failed: the next round tries again
             log.exception("reporting the failed reconcile of %s/%s failed too", body["metadata"].get("namespace"),
                           body["metadata"]["name"])
             return
         self._problem_events(body, previous, status)
+
+    def _write_status(self, owner: Owner, previous: dict[str, Any], status: dict[str, Any], memory: Memory) -> None:
+        """Patch the status from `previous` (the last written) to `status`: all of it while the fate
+        of an earlier write is unknown (it failed, maybe after landing)."""
+        patch = status if memory.status_unknown else status_patch(previous, status)
+        if patch is not None:
+            memory.status_unknown = True  # until the server answers
+            self.kube.patch_status(owner.namespace, owner.name, patch)
+            memory.status_unknown = False
         memory.status = status
 
     # ---------------------------------------------------------------- steps

@@ -606,6 +606,27 @@ async def test_a_status_write_whose_answer_was_lost_is_written_whole_next_time(w
     assert (status["phase"], status["replicas"], status["readyReplicas"], len(status["groups"])) == ("Ready", 1, 1, 1)
 
 
+async def test_a_failure_report_whose_answer_was_lost_is_corrected_once_the_api_heals(world):
+    await world.add_node(gpu_node("a"))
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator() as op:
+        await world.create(sharded_model("m1", model_dir))
+        await world.wait_phase("m1", "Ready")
+        # ConfigMap lists fail (so does the reconcile), and its ReconcileError report lands but is answered 504.
+        world.emu.faults = Faults(timeout=1.0, delay=0.0, paths=r"/configmaps$|/shardedmodels/m1/status$")
+
+        async def reported():
+            degraded = next(c for c in (await world.status("m1"))["conditions"] if c["type"] == "Degraded")
+            return degraded["reason"] == "ReconcileError"
+        await eventually(reported)
+        world.emu.faults = None
+        seen = op.reconciles
+        await eventually(lambda: op.reconciles >= seen + 3)
+    status = await world.status("m1")
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert (status["phase"], degraded["status"], degraded["reason"]) == ("Ready", "False", "AsExpected")
+
+
 async def _uids(world, name):
     return {kind: uids(await world.objects(kind, name)) for kind in ("v1/pods", "v1/services", "v1/configmaps")}
 

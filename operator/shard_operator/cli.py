@@ -27,7 +27,7 @@ from .generate import parse_ids, render_result, result_json, tokenize
 from .inventory import Inventory, inventory_from_nodes, load_nodes, local_inventory, parse_devices
 from .local import LaunchError, free_port, plan_local, run_generate
 from .manifests import Context, Owner, check, desired_objects
-from .planner import PlanError, plan
+from .planner import PlanError, plan, shortfall
 from .profile import profile_model
 from .report import render_plan
 from .run import run_local
@@ -86,6 +86,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(f"ShardedModel {name}")
         print(text)
+    if missing := shortfall(result, inventory):  # the groups that fit are planned; the rest is not
+        print(f"shardctl: InsufficientCapacity: {missing}", file=sys.stderr)
+        return EXIT_INFEASIBLE
     return 0
 
 

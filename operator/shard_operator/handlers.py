@@ -54,7 +54,7 @@ from .manifests import (
 from .planner import PlanError
 from .profile import ModelProfile
 from .profiles import LocalProfiles, ModelNotFound, local_model_dir, remote_profile
-from .replan import PlanChoice, choose_plan, without_devices
+from .replan import PlanChoice, choose_plan, without_held
 from .rollout import Decision, GroupKey, Want, decide, group_state, observe_groups
 from .settings import Settings
 from .status import Observation, Problem, build_status, failed_status, status_patch
@@ -76,6 +76,9 @@ class Memory:
     # The status this loop last wrote: kopf's copy of the object may not show it yet, and a stale
     # status would undo restart counts and transition times.
     status: dict[str, Any] | None = None
+    # A status write failed: it may have landed or not (a timeout), so the server's status is
+    # unknown and the next write sends all of it, not the difference from `status`.
+    status_unknown: bool = False
 
 
 @dataclass
@@ -195,6 +198,8 @@ class Controller:
                 return ctx, None
             choice = self._choose(current, profile, obs.spec, world, ctx.owner, memory, obs.generation)
             obs.plan = choice.plan
+            if choice.shortfall:  # run the groups that fit, and say what the others lack
+                obs.problem = Problem("InsufficientCapacity", choice.shortfall, fatal=False)
         except SpecError as err:
             obs.problem = Problem("InvalidSpec", str(err))
             return None, None
@@ -232,10 +237,7 @@ class Controller:
         """Write the status when it changed, and say what went wrong in Events."""
         status = build_status(obs, previous, _now())
         self._problem_events(body, previous, status)
-        patch = status_patch(previous, status)
-        if patch is not None:
-            self.kube.patch_status(owner.namespace, owner.name, patch)
-        memory.status = status
+        self._write_status(owner, previous, status, memory)
         if any(group_state(g)[0] in ("Starting", "Terminating") for g in obs.groups):
             memory.wake_in = min(memory.wake_in, 5.0)  # pods change without other events at times
 
@@ -245,13 +247,21 @@ class Controller:
         message = " ".join(f"{type(err).__name__}: {err}".split())[:1000]
         try:
             status = failed_status(previous, message, body["metadata"].get("generation") or 0, _now())
-            if (patch := status_patch(previous, status)) is not None:
-                self.kube.patch_status(body["metadata"]["namespace"], body["metadata"]["name"], patch)
+            self._write_status(Owner.of(body), previous, status, memory)
         except Exception:  # the API may be what failed: the next round tries again
             log.exception("reporting the failed reconcile of %s/%s failed too", body["metadata"].get("namespace"),
                           body["metadata"]["name"])
             return
         self._problem_events(body, previous, status)
+
+    def _write_status(self, owner: Owner, previous: dict[str, Any], status: dict[str, Any], memory: Memory) -> None:
+        """Patch the status from `previous` (the last written) to `status`: all of it while the fate
+        of an earlier write is unknown (it failed, maybe after landing)."""
+        patch = status if memory.status_unknown else status_patch(previous, status)
+        if patch is not None:
+            memory.status_unknown = True  # until the server answers
+            self.kube.patch_status(owner.namespace, owner.name, patch)
+            memory.status_unknown = False
         memory.status = status
 
     # ---------------------------------------------------------------- steps
@@ -266,7 +276,7 @@ class Controller:
         settings = self.settings
         resource = spec.placement.gpu_resource
         others = used_per_node(world.gpu_uses, resource, exclude=(owner.namespace, model_label(owner.name)))
-        inventory = without_devices(inventory_from_nodes(world.nodes, spec.placement), others)
+        inventory = without_held(inventory_from_nodes(world.nodes, spec.placement), others)
         pool, now = fingerprint(inventory), self.clock()
         if pool != memory.pool:
             # A pool that changed with the spec (nodeSelector, tolerations) was asked for: no wait.

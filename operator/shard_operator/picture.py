@@ -64,9 +64,8 @@ def shortfall_bars(svg: Svg, short: Shortfall, y: float) -> float:
     pool = sum(short.usable)
     left, span = PAD + 110, WIDTH - 2 * PAD - 110
     scale = span / max(short.need, sum(d.memory_bytes for d in short.devices), 1)
-    replicas = f" x {short.replicas} replicas" if short.replicas > 1 else ""
-    needed = [(short.replicas * short.weights, KINDS[0][2], f"weights{replicas}"),
-              (short.replicas * short.kv_cache, KINDS[1][2], f"KV cache{replicas}"),
+    needed = [(short.weights, KINDS[0][2], "weights"),
+              (short.kv_cache, KINDS[1][2], "KV cache"),
               (len(short.usable) * short.per_device, KINDS[3][2],
                f"runtime and activations, {human(short.per_device)} x {len(short.usable)} devices")]
     svg.text(PAD, y + 17, "needed", size=12, weight="bold")

@@ -10,10 +10,15 @@ How it decides, in order:
    memory for it. Layers are identical work, so this greedy minimises the slowest stage (the
    pipeline's throughput) while every rank fits: a device twice as big and fast gets about twice
    the layers.
-4. Among feasible layouts: the shortest critical path (one decode step through every stage,
-   collectives and hops included); layouts within `tolerance` of it count as ties and the one
-   with fewer devices wins.
-When nothing fits, `PlanError` says how much is needed, what the pool has, and what would fit.
+4. Among feasible layouts, those that place the most replicas (as many as fit, up to the spec's);
+   among them the shortest critical path (one decode step through every stage, collectives and
+   hops included); layouts within `tolerance` of it count as ties and the one with fewer devices
+   wins.
+Parallelism no pool could ever run (a tensor degree that does not divide the heads, more stages
+than layers) is an `InvalidParallelism` PlanError before any device is looked at. When not even
+one replica fits, `PlanError` says how much is needed, what the pool has, and what would fit;
+when some but not all do, the Plan has fewer groups than `replicas` and `shortfall` says what the
+others lack.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -49,9 +55,8 @@ DEFAULT_MAX_MODEL_LEN = 4096
 
 @dataclass(frozen=True)
 class Shortfall:
-    """What a request that fits nowhere needs, against what the pool offers (for its picture)."""
+    """What one replica that fits nowhere needs, against what the pool offers (for its picture)."""
 
-    replicas: int
     weights: int  # one replica's, at the runtime dtype
     kv_cache: int  # one replica's
     per_device: int  # runtime overhead and activations, on every device
@@ -60,7 +65,7 @@ class Shortfall:
 
     @property
     def need(self) -> int:
-        return self.replicas * (self.weights + self.kv_cache) + len(self.usable) * self.per_device
+        return self.weights + self.kv_cache + len(self.usable) * self.per_device
 
 
 class PlanError(ValueError):
@@ -146,17 +151,16 @@ class Candidate:
 # ---------------------------------------------------------------- entry point
 def plan(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
          options: PlannerOptions | None = None) -> Plan:
+    """The Plan of as many of `spec.replicas` groups as fit (at least one; zero when 0 are asked)."""
     options = options or PlannerOptions()
     request = _resolve_request(profile, spec)
+    check_parallelism(profile, spec)
     if not inventory.devices:
         skipped = "; ".join(f"{s.node}: {s.reason}" for s in inventory.skipped) or "no nodes"
         raise PlanError("NoDevices", f"no usable devices in the node pool ({skipped})")
     tps = _tensor_candidates(profile, spec, inventory)
     pps = _pipeline_candidates(profile, spec)
     partition = spec.parallelism.layer_partition
-    if partition is not None and sum(partition) != profile.num_layers:
-        raise PlanError("InvalidParallelism", f"spec.parallelism.layerPartition {partition} places "
-                        f"{sum(partition)} layers; the model has {profile.num_layers}")
     wanted = max(request.replicas, 1)
     costs = Costs(profile, request, options)
     found: list[Candidate] = []
@@ -164,20 +168,24 @@ def plan(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
         blocks = make_blocks(inventory.devices, tp)
         previous: float | None = None
         for pp in pps:
-            if len(blocks) < pp * wanted:
+            if len(blocks) < pp:
                 break
             candidate = _place_replicas(costs, blocks, tp, pp, wanted, partition)
             if candidate is None:
                 continue
             found.append(candidate)
-            # More stages only add hops and slower devices once a layout fits: stop when worse.
+            if len(candidate.groups) < wanted:
+                continue  # more stages may fit more replicas (smaller devices take part)
+            # More stages only add hops and slower devices once every replica fits: stop when worse.
             if previous is not None and candidate.critical_path >= previous:
                 break
             previous = candidate.critical_path
     if not found:
-        short = shortfall(profile, request, inventory, tps, options)
-        raise PlanError("InsufficientCapacity", explain_infeasible(profile, spec, request, inventory, tps, options, short),
-                        short)
+        missing = _capacity_needed(profile, request, inventory, tps, options)
+        raise PlanError("InsufficientCapacity",
+                        explain_infeasible(profile, spec, request, inventory, tps, options, missing), missing)
+    most = max(len(c.groups) for c in found)
+    found = [c for c in found if len(c.groups) == most]
     best = _choose(found, options.tolerance)
     return _to_plan(profile, spec, request, options, best, found)
 
@@ -193,6 +201,20 @@ def _resolve_request(profile: ModelProfile, spec: ShardedModelSpec) -> Request:
                    spread_replicas=spec.placement.topology.spread_replicas)
 
 
+def check_parallelism(profile: ModelProfile, spec: ShardedModelSpec) -> None:
+    """Raise InvalidParallelism for degrees this model can never run, whatever the pool."""
+    par = spec.parallelism
+    if par.tensor != "auto" and (problem := tp_problem(profile, par.tensor)):
+        valid = ", ".join(map(str, valid_tensor_degrees(profile, profile.num_heads)))
+        raise PlanError("InvalidParallelism", f"spec.parallelism.tensor: {problem}; valid: {valid}")
+    if par.pipeline != "auto" and par.pipeline > profile.num_layers:
+        raise PlanError("InvalidParallelism", f"spec.parallelism.pipeline={par.pipeline} exceeds the "
+                        f"{profile.num_layers} decoder layers; valid: 1 to {profile.num_layers}")
+    if par.layer_partition is not None and sum(par.layer_partition) != profile.num_layers:
+        raise PlanError("InvalidParallelism", f"spec.parallelism.layerPartition {par.layer_partition} places "
+                        f"{sum(par.layer_partition)} layers; the model has {profile.num_layers}")
+
+
 def _tensor_candidates(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory) -> list[int]:
     per_node: dict[str, int] = {}
     for d in inventory.devices:
@@ -201,10 +223,6 @@ def _tensor_candidates(profile: ModelProfile, spec: ShardedModelSpec, inventory:
     tensor = spec.parallelism.tensor
     if tensor == "auto":
         return valid_tensor_degrees(profile, widest)
-    problem = tp_problem(profile, tensor)
-    if problem:
-        valid = ", ".join(map(str, valid_tensor_degrees(profile, max(8, widest))))
-        raise PlanError("InvalidParallelism", f"spec.parallelism.tensor: {problem}; valid: {valid}")
     if tensor > widest:
         raise PlanError("InsufficientCapacity", f"spec.parallelism.tensor={tensor} needs {tensor} devices "
                         f"on one node; the largest node in the pool has {widest}")
@@ -217,9 +235,6 @@ def _pipeline_candidates(profile: ModelProfile, spec: ShardedModelSpec) -> list[
         return [len(partition)]
     if pipeline == "auto":
         return list(range(1, profile.num_layers + 1))
-    if pipeline > profile.num_layers:
-        raise PlanError("InvalidParallelism", f"spec.parallelism.pipeline={pipeline} exceeds the "
-                        f"{profile.num_layers} decoder layers")
     return [pipeline]
 
 
@@ -423,11 +438,11 @@ def _place_replicas(costs: Costs, blocks: list[Block], tp: int, pp: int, replica
                 if layout and (best is None or (layout.critical_path, layout.bottleneck) < (best.critical_path, best.bottleneck)):
                     best = layout
         if best is None:
-            return None
+            break  # the replicas placed so far are as many as fit this way
         groups.append(best)
         pool.taken.update(id(b) for b in best.blocks)
         used_nodes.update(b.node for b in best.blocks)
-    return Candidate(tp=tp, pp=pp, groups=groups)
+    return Candidate(tp=tp, pp=pp, groups=groups) if groups else None
 
 
 def _choose(found: list[Candidate], tolerance: float) -> Candidate:
@@ -492,18 +507,29 @@ def _reason(spec: ShardedModelSpec, best: Candidate, found: list[Candidate]) -> 
     return text
 
 
-# ---------------------------------------------------------------- when nothing fits
-def _replicas_phrase(replicas: int) -> str:
-    return "one replica needs" if replicas == 1 else f"{replicas} replicas need"
+# ---------------------------------------------------------------- when not everything fits
+def shortfall(plan: Plan, inventory: Inventory) -> str:
+    """What the replicas that do not fit lack ("" when every replica has its group)."""
+    placed, missing = len(plan.groups), plan.replicas - len(plan.groups)
+    if missing <= 0:
+        return ""
+    used = {(r.node, r.device_index) for r in plan.ranks}
+    left = Inventory(devices=[d for d in inventory.devices if (d.node, d.index) not in used])
+    like = Counter((r.capacity_bytes, r.product or r.kind) for r in plan.group(plan.groups[0].replica))
+    kinds = ", ".join(f"{n} x {gib(memory)} GiB ({product})" for (memory, product), n in sorted(like.items(), reverse=True))
+    return (f"{plan.replicas} replicas wanted, {placed} fit{'s' if placed == 1 else ''}: {missing} more "
+            f"need{'s' if missing == 1 else ''} about {missing * plan.world_size} more devices (a group takes {kinds}; "
+            f"tensor={plan.tensor_parallel} x pipeline={plan.pipeline_parallel}, tensor-parallel ranks on one node); "
+            f"unused now: {left.describe()}")
 
 
-def shortfall(profile: ModelProfile, request: Request, inventory: Inventory, tps: list[int],
-              options: PlannerOptions) -> Shortfall:
+def _capacity_needed(profile: ModelProfile, request: Request, inventory: Inventory, tps: list[int],
+                     options: PlannerOptions) -> Shortfall:
     whole = Shard(tp=1, layers=(0, profile.num_layers), embeds=True, has_lm_head=True)
     per_device = options.runtime_overhead[inventory.devices[0].kind] + \
         activation_bytes(profile, Shard(tp=max(tps), layers=(0, 0), embeds=False, has_lm_head=False),
                          request.max_len, request.batch, request.dtype)
-    return Shortfall(replicas=max(request.replicas, 1), weights=weight_bytes(profile, whole, request.dtype),
+    return Shortfall(weights=weight_bytes(profile, whole, request.dtype),
                      kv_cache=kv_cache_bytes(profile, whole, request.max_len, request.batch, request.dtype),
                      per_device=per_device, devices=tuple(inventory.devices),
                      usable=tuple(int(d.memory_bytes * (1 - request.headroom)) for d in inventory.devices))
@@ -511,10 +537,10 @@ def shortfall(profile: ModelProfile, request: Request, inventory: Inventory, tps
 
 def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: Request, inventory: Inventory,
                        tps: list[int], options: PlannerOptions, short: Shortfall) -> str:
-    weights, kv, per_device, replicas, need = short.weights, short.kv_cache, short.per_device, short.replicas, short.need
+    weights, kv, per_device, need = short.weights, short.kv_cache, short.per_device, short.need
     usable = list(short.usable)
     lines = [
-        f"{profile.name} does not fit: {_replicas_phrase(replicas)} at least {gib(need)} GiB across "
+        f"{profile.name} does not fit: one replica needs at least {gib(need)} GiB across "
         f"{len(usable)} devices ({gib(weights)} GiB of {request.dtype} weights and {gib(kv)} GiB of KV cache "
         f"for {request.max_len} tokens x {request.batch} sequences per replica, plus ~{gib(per_device)} GiB "
         f"per device for runtime and activations); the pool has {gib(sum(usable))} GiB usable "
@@ -563,7 +589,5 @@ def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: R
         options_.append(f"use dtype bfloat16 (weights {gib(weights / 2)} GiB)")
     options_.append(f"quantized 8-bit weights would need about {gib(weights * 1 / profile.dtype_bytes(request.dtype))} GiB "
                     "(not supported by this runtime yet)")
-    if request.replicas > 1:
-        options_.append("lower spec.replicas")
     lines.append("To make it fit: " + "; ".join(options_) + ".")
     return "\n".join(lines)

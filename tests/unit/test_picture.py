@@ -27,7 +27,7 @@ SVG = "{http://www.w3.org/2000/svg}"
 DOC_PICTURES = {
     "docs/plan-llama-8b.svg": 'shardctl plan -f examples/pipeline-explicit.yaml --model-dir examples/models/llama-3-8b '
                               '--devices "a:24GiB*2,b:16GiB*2@0.5" --svg docs/plan-llama-8b.svg',
-    "docs/plan-llama-70b-infeasible.svg": 'shardctl plan -f examples/llama-70b.yaml --devices "a:80GiB*2,b:24GiB*2" '
+    "docs/plan-llama-70b-infeasible.svg": 'shardctl plan -f examples/llama-70b.yaml --devices "a:80GiB*1,b:24GiB*2" '
                                           '--svg docs/plan-llama-70b-infeasible.svg',
 }
 

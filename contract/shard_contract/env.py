@@ -37,8 +37,6 @@ PLAN_MOUNT = "/etc/shard-operator/plan.json"  # where pods find the plan (Config
 MODEL_MOUNT = "/models"  # where pods find the model volume
 SECRET_MOUNT = "/var/run/secrets/sharding.dev"  # where pods find their group's Secret (a volume)
 SECRET_KEY = "group-key"  # the Secret's key, a file in SECRET_MOUNT
-
-
 GROUP_KEY_BYTES = 32  # the secret key of one group, which authenticates its ranks' heartbeat records
 
 

@@ -6,8 +6,8 @@ What a kubelet on each Node would do, for all Nodes of the one-machine cluster a
   there; one pinned to a Node that does not exist stays Pending/Unschedulable;
 * network: the pod gets its own loopback address and DNS names (network.py). A pod has its own
   network namespace and binds "every address"; here that would collide, so `SHARD_HOST` (the
-  worker's bind address) is the pod's address. `MASTER_ADDR` (a DNS name) is resolved, and
-  `MASTER_PORT` is the leader's host port for the rendezvous, before the process starts;
+  worker's bind address) is the pod's address. `MASTER_ADDR` (a DNS name) is resolved before the
+  process starts;
 * volumes: hostPath lies under `host_root` (the "node's" filesystem), configMap and secret volumes
   are written out, emptyDirs are fresh directories; env values and arguments under a mount path
   point there;
@@ -205,7 +205,7 @@ class ProcessKubelet(FakeKubelet):
             except Exception:
                 return  # gone already
         container = (spec.get("containers") or [{}])[0]
-        address = self.network.pod_address(pod)
+        address = self.network.pod_address()
         sandbox = Sandbox(uid=uid, node=node_name, address=address, directory=self.workdir / ns / f"{name}-{uid[:8]}")
         self.sandboxes[(ns, name)] = sandbox
         self.network.register(pod_dns_names(pod), uid, address)
@@ -386,10 +386,7 @@ class ProcessKubelet(FakeKubelet):
         if MEMORY_LABEL in labels and _requests_gpu(container):
             env["SHARD_MEMORY_BUDGET"] = str(int(labels[MEMORY_LABEL]) * MiB)
         if "MASTER_ADDR" in env:  # torch's rendezvous: a DNS name, resolved as the process would
-            leader = await self._resolve(env["MASTER_ADDR"], sandbox)
-            env["MASTER_ADDR"] = leader.ip
-            if env.get("MASTER_PORT", "").isdigit():
-                env["MASTER_PORT"] = str(leader.port(int(env["MASTER_PORT"])))
+            env["MASTER_ADDR"] = (await self._resolve(env["MASTER_ADDR"], sandbox)).ip
         return env
 
     async def _resolve(self, name: str, sandbox: Sandbox) -> PodAddress:
@@ -410,7 +407,7 @@ class ProcessKubelet(FakeKubelet):
         port = container_port(container, http.get("port", 80))
         if port is None:
             return False
-        url = f"http://{http.get('host') or sandbox.address.ip}:{sandbox.address.port(port)}{http.get('path', '/')}"
+        url = f"http://{http.get('host') or sandbox.address.ip}:{port}{http.get('path', '/')}"
         assert self._session is not None
         try:
             async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=probe.get("timeoutSeconds", 1))) as r:

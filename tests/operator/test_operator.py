@@ -87,6 +87,9 @@ async def test_create_wires_every_rank_and_reports_ready(world):
     assert conditions["Available"]["status"] == "True" and conditions["Degraded"]["status"] == "False"
     reasons = [e[1] for e in await world.events("m1")]
     assert "Planned" in reasons and reasons.count("CreatingGroup") == 2
+    told = str(await world.events("m1")) + str(status) + str(pods)  # the keys are in their Secrets only
+    assert not any(s["data"]["group-key"] in told or base64.b64decode(s["data"]["group-key"]).hex() in told
+                   for s in secrets.values())
 
 
 async def test_scaling_adds_and_removes_whole_groups(world):

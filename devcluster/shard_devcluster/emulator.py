@@ -20,6 +20,8 @@ HTTP.
   watch ADDED/DELETED transitions on selector changes, bookmarks, sendInitialEvents,
   timeoutSeconds, stream end on client disconnect, race-free snapshot+subscribe;
 * ClusterIP allocation for Services (when given an allocator: the dev cluster's network);
+* Secrets: `stringData` folded into base64 `data`, `type` defaulted and fixed, keys and base64
+  validated, `immutable` enforced;
 * scope checks (namespaced vs cluster-scoped), Table output for kubectl (printer columns; pods
   and nodes with kubectl's own columns),
   K8s-conformant Status errors (NotFound, AlreadyExists, Conflict, Invalid, ...);
@@ -146,6 +148,40 @@ def strategic_merge_patch(target: Any, patch: Any) -> Any:
         else:
             result[k] = strategic_merge_patch(result.get(k), v)
     return result
+
+
+SECRET_KEY = re.compile(r'^[-._a-zA-Z0-9]+$')
+
+
+def secret_write(old: dict | None, new: dict) -> dict:
+    """A Secret as the API server stores it: `stringData` merged into `data` (base64) and dropped,
+    `type` Opaque by default and then fixed, every `data` value valid base64 under a valid key, and
+    nothing of an `immutable` Secret changed (kube-apiserver's Secret strategy and validation)."""
+    new = copy.deepcopy(new)
+    data = dict(new.get('data') or {})
+    for key, value in (new.pop('stringData', None) or {}).items():
+        data[key] = base64.b64encode(str(value).encode()).decode()
+    for key, value in data.items():
+        if not SECRET_KEY.match(key):
+            raise ApiError(422, 'Invalid', f'Secret "{new["metadata"].get("name")}" is invalid: data[{key}]: Invalid '
+                           f'value: "{key}": a valid config key must consist of alphanumeric characters, \'-\', '
+                           '\'_\' or \'.\'')
+        try:
+            base64.b64decode(value, validate=True)
+        except (ValueError, TypeError):
+            raise ApiError(400, 'BadRequest', 'Secret in version "v1" cannot be handled as a Secret: illegal '
+                           'base64 data')
+    if data:
+        new['data'] = data
+    new['type'] = new.get('type') or (old or {}).get('type') or 'Opaque'
+    if old is not None:
+        problems = [f'type: Invalid value: "{new["type"]}": field is immutable'] if new['type'] != old.get('type') else []
+        if old.get('immutable'):
+            problems += [f'{f}: Forbidden: field is immutable when `immutable` is set'
+                         for f in ('data', 'immutable') if new.get(f) != old.get(f)]
+        if problems:
+            raise ApiError(422, 'Invalid', f'Secret "{old["metadata"]["name"]}" is invalid: ' + ', '.join(problems))
+    return new
 
 
 def _age(ts: str | None) -> str:
@@ -654,6 +690,9 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             body.pop('status', None)  # (kubelets register Nodes with their status: it is kept)
         for k in ('deletionTimestamp', 'deletionGracePeriodSeconds'):
             meta.pop(k, None)
+        if res == Res('v1/secrets'):
+            body = secret_write(None, body)
+            meta = body['metadata']
         if res == Res('v1/services') and self.allocate_cluster_ip is not None and not dry:
             spec = body.setdefault('spec', {})
             if not spec.get('clusterIP') and spec.get('type', 'ClusterIP') != 'ExternalName':
@@ -769,6 +808,9 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                     raise ApiError(422, 'Invalid', f'metadata.finalizers: Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers {sorted(added)}')
         new.setdefault('apiVersion', old.get('apiVersion'))
         new.setdefault('kind', old.get('kind'))
+        if res == Res('v1/secrets'):
+            new = secret_write(old, new)
+            nm = new['metadata']
         nm['resourceVersion'] = om['resourceVersion']
         if new == old:
             return old  # no-op: no new resourceVersion, no watch event

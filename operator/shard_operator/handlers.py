@@ -26,6 +26,7 @@ import kopf
 from prometheus_client import Histogram
 
 from shard_contract.checkpoint import CheckpointError
+from shard_contract.env import new_group_key
 from shard_contract.plan import Plan
 from shard_contract.wire import ShardsResponse
 
@@ -44,9 +45,11 @@ from .manifests import (
     Owner,
     check,
     drift_patch,
+    group_name,
     group_objects,
     group_plan,
     group_revision,
+    group_secret,
     model_label,
     model_objects,
     plan_record_name,
@@ -295,13 +298,20 @@ class Controller:
         return choice
 
     def _apply(self, ctx: Context, plan: Plan, decision: Decision, listing: dict[str, list]) -> None:
-        """Create what is missing, patch what drifted, delete what the decision drops."""
+        """Create what is missing, patch what drifted, delete what the decision drops.
+
+        A group's Secret (its key) is never listed or read: it is created just before pods of the
+        group are (a 409 means it is there already) and deleted with the group's Service.
+        """
         kube, ns = self.kube, ctx.owner.namespace
         existing = {(kind, o["metadata"]["name"]): o for kind, objs in listing.items() for o in objs}
         desired = model_objects(ctx, plan)
-        for (replica, _), create_pods in sorted(decision.keep.items()):
-            objs = group_objects(ctx, plan, replica)
-            desired.extend(o for o in objs if o["kind"] != "Pod" or create_pods)
+        for (replica, revision), create_pods in sorted(decision.keep.items()):
+            service, config, *pods = group_objects(ctx, plan, replica)
+            desired += [service, config]
+            missing = [p for p in pods if ("Pod", p["metadata"]["name"]) not in existing]
+            if create_pods and missing:
+                desired += [group_secret(ctx.owner, plan, replica, revision, new_group_key()), *missing]
         for obj in desired:
             actual = existing.get((obj["kind"], obj["metadata"]["name"]))
             if actual is None:
@@ -312,6 +322,8 @@ class Controller:
             for pod in _group_members(listing, key, kinds=("Pod",)):
                 kube.delete("Pod", ns, pod["metadata"]["name"])
         for key in decision.delete:
+            if _group_members(listing, key, kinds=("Service",)):  # once per group, before its Service goes
+                kube.delete("Secret", ns, group_name(ctx.owner.name, *key))
             for kind in ("Pod", "Service", "ConfigMap"):
                 for obj in _group_members(listing, key, kinds=(kind,)):
                     kube.delete(kind, ns, obj["metadata"]["name"])

@@ -73,7 +73,7 @@ class Kube:
 
     def _method(self, action: str, kind: str) -> Callable[..., Any]:
         api, snake = {"Pod": (self.core, "pod"), "Service": (self.core, "service"),
-                      "ConfigMap": (self.core, "config_map"),
+                      "ConfigMap": (self.core, "config_map"), "Secret": (self.core, "secret"),
                       NETWORK_POLICY: (self.networking, "network_policy")}[kind]
         return getattr(api, f"{action}_namespaced_{snake}")
 

@@ -142,6 +142,29 @@ async def test_patch_flavours(api):
     assert st == 415  # strategic merge is for built-in kinds only
 
 
+async def test_secrets_as_the_api_server_stores_them(api):
+    """stringData folds into base64 data, type defaults to Opaque, bad keys and base64 are refused,
+    and an immutable Secret's data cannot change (a real kube-apiserver's Secret strategy)."""
+    secrets = f"/api/v1/namespaces/{NS}/secrets"
+    st, b = await api("POST", secrets, json={"metadata": {"name": "s"}, "data": {"a": "eA=="},
+                                             "stringData": {"b": "y", "a": "z"}})
+    assert st == 201 and b["data"] == {"a": "eg==", "b": "eQ=="} and "stringData" not in b and b["type"] == "Opaque"
+    st, b = await api("POST", secrets, json={"metadata": {"name": "bad"}, "data": {"a": "not base64!"}})
+    assert (st, b["reason"]) == (400, "BadRequest")
+    st, b = await api("POST", secrets, json={"metadata": {"name": "bad"}, "data": {"a/b": "eA=="}})
+    assert (st, b["reason"]) == (422, "Invalid") and "a valid config key" in b["message"]
+    st, b = await api("PATCH", f"{secrets}/s", json={"type": "kubernetes.io/tls"}, headers=MERGE)
+    assert st == 422 and "type: Invalid value" in b["message"]
+    st, b = await api("POST", secrets, json={"metadata": {"name": "fixed"}, "immutable": True, "data": {"k": "eA=="}})
+    assert st == 201
+    st, b = await api("PATCH", f"{secrets}/fixed", json={"data": {"k": "eQ=="}}, headers=MERGE)
+    assert st == 422 and "data: Forbidden: field is immutable when `immutable` is set" in b["message"]
+    st, b = await api("PATCH", f"{secrets}/fixed", json={"metadata": {"labels": {"x": "1"}}}, headers=MERGE)
+    assert st == 200 and b["data"] == {"k": "eA=="}  # its metadata may change
+    st, _ = await api("DELETE", f"{secrets}/fixed")
+    assert st == 200
+
+
 async def test_custom_resource_generation_status_and_scale(api):
     st, b = await api("POST", SMS, json=sm())
     assert st == 201 and b.get("status") != {"phase": "Bogus"}  # status subresource: ignored on create

@@ -6,6 +6,8 @@ RBAC table in permissions.py.
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -56,7 +58,7 @@ async def test_create_wires_every_rank_and_reports_ready(world):
     uid = created["metadata"]["uid"]
     for pod in pods:
         labels = pod["metadata"]["labels"]
-        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"] if "value" in e}
         worker = WorkerEnv.from_env(env)
         assert (worker.world_size, worker.tp_size, worker.pp_size) == (2, 2, 1)
         assert str(worker.rank) == labels["sharding.dev/rank"] and str(worker.replica) == labels["sharding.dev/group"]
@@ -69,8 +71,16 @@ async def test_create_wires_every_rank_and_reports_ready(world):
     services = {s["metadata"]["name"]: s for s in await world.objects("v1/services", "m1")}
     assert services["m1"]["spec"]["selector"] == {"sharding.dev/model": "m1", "sharding.dev/role": "leader"}
     assert {p["spec"]["subdomain"] for p in pods} < set(services)
-    for kind in ("v1/services", "v1/configmaps"):
+    for kind in ("v1/services", "v1/configmaps", "v1/secrets"):
         assert all(o["metadata"]["ownerReferences"][0]["uid"] == uid for o in await world.objects(kind, "m1"))
+    # Each group's key: a Secret named as the group, mounted by its pods; a key of its own.
+    secrets = {s["metadata"]["name"]: s for s in await world.objects("v1/secrets", "m1")}
+    assert set(secrets) == {p["spec"]["subdomain"] for p in pods} and len(secrets) == 2
+    assert len({s["data"]["group-key"] for s in secrets.values()}) == 2
+    assert all(len(base64.b64decode(s["data"]["group-key"])) == 32 and s["immutable"] for s in secrets.values())
+    for pod in pods:
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert volumes["group-key"]["secret"]["secretName"] == pod["spec"]["subdomain"]
 
     assert (status["replicas"], status["readyReplicas"]) == (2, 2)
     assert (status["plan"]["tensorParallel"], status["plan"]["pipelineParallel"]) == (2, 1)
@@ -81,6 +91,9 @@ async def test_create_wires_every_rank_and_reports_ready(world):
     assert conditions["Available"]["status"] == "True" and conditions["Degraded"]["status"] == "False"
     reasons = [e[1] for e in await world.events("m1")]
     assert "Planned" in reasons and reasons.count("CreatingGroup") == 2
+    told = str(await world.events("m1")) + str(status) + str(pods)  # the keys are in their Secrets only
+    assert not any(s["data"]["group-key"] in told or base64.b64decode(s["data"]["group-key"]).hex() in told
+                   for s in secrets.values())
 
 
 async def test_scaling_adds_and_removes_whole_groups(world):
@@ -106,7 +119,9 @@ async def test_scaling_adds_and_removes_whole_groups(world):
         assert set(groups_of(kept)) == {0, 1} and (status["replicas"], status["readyReplicas"]) == (2, 2)
         scale = await world.emu.k8s_get(SM, "default", "m1")
         assert scale["spec"]["replicas"] == 2
-    assert not [o for o in await world.objects("v1/services", "m1") if o["metadata"]["labels"].get("sharding.dev/group") == "2"]
+    for kind in ("v1/services", "v1/secrets"):  # the group's key went with it
+        assert not [o for o in await world.objects(kind, "m1") if o["metadata"]["labels"].get("sharding.dev/group") == "2"]
+    assert len(await world.objects("v1/secrets", "m1")) == 2
 
 
 async def test_replicas_that_do_not_all_fit_run_as_many_as_fit_whatever_the_history(world):
@@ -346,7 +361,7 @@ async def test_deleting_the_model_removes_everything(world):
 async def _gone(world, name):
     if await world.model(name) is not None:
         return False
-    for kind in ("v1/pods", "v1/services", "v1/configmaps"):
+    for kind in ("v1/pods", "v1/services", "v1/configmaps", "v1/secrets"):
         if await world.objects(kind, name):
             return False
     return True

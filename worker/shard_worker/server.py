@@ -40,7 +40,7 @@ from shard_contract.wire import ShardEntry, ShardsResponse
 from . import dashboard, openai
 from .accounting import MemorySample
 from .batcher import EngineLoop, Pending, Sink, Unavailable
-from .health import Heartbeat, Record, Verdict, memory_problems
+from .health import Heartbeat, Record, Verdict, memory_problems, read_group_key
 from .rankmetrics import RankMetrics
 from .runtime import Worker
 from .tokenizer import TemplateError, TextCodec
@@ -72,7 +72,8 @@ class RankServer:
         self.loop: EngineLoop | None = None
         self.codec = TextCodec.load(env.model_dir) if self.leader else None
         self.heartbeat = Heartbeat(env.master_addr, env.master_port, env.rank, env.world_size, self._record,
-                                   self._lost)
+                                   read_group_key(env.group_secret_file), on_lost=self._lost,
+                                   on_rejected=self._rejected)
         self.exit_code = 0
         self.server: uvicorn.Server | None = None
         self.engine_thread = threading.Thread(target=self._engine, name="engine", daemon=True)
@@ -88,6 +89,10 @@ class RankServer:
         log(self.env.rank, f"the group is lost: {reason}")
         if self.loop is not None:
             self.loop.fail_all(reason)
+
+    def _rejected(self, reason: str) -> None:
+        log(self.env.rank, f"ignored a heartbeat record: {reason}")
+        self.metrics.heartbeat_rejected()
 
     def verdict(self) -> Verdict:
         if self.state == "failed":

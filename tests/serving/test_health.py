@@ -191,6 +191,9 @@ class ScriptedEngine:
         seqs = [SequenceState(r, (), index=i) for i, r in enumerate(requests)]
         if script == "ok":
             return self._step(seqs, seqs, hooks)
+        if script == "one fails":  # the last sequence fails alone (its token could not be chosen)
+            self._step(seqs, seqs[:-1], hooks)
+            return hooks.finished(seqs[-1], Completion(token_ids=[], finish_reason="error", error="no token"))
         self._step(seqs, [], hooks)
         for col in range(10, self.max_len + 1):
             self.tick.acquire(timeout=10)
@@ -248,6 +251,27 @@ async def test_requests_waiting_together_run_as_one_batch_and_all_end():
     loop.close()
     thread.join(5)
     assert engine.shut and not thread.is_alive()
+
+
+async def test_a_sequence_that_fails_alone_fails_its_request_only():
+    engine = ScriptedEngine(["one fails", "ok"])
+    counted = metrics()
+    loop = EngineLoop(engine, max_batch=4, max_len=64, metrics=counted, idle_seconds=0.05)
+    aio = asyncio.get_running_loop()
+    sinks = [Sink(aio, stream=False) for _ in range(3)]
+    for s in sinks:
+        loop.submit(Pending(req(3, 4), s))
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    assert [(await result(s))[0] for s in sinks[:2]] == ["done", "done"]
+    assert await result(sinks[2]) == ("error", 500, "this request failed: no token")
+    later = Sink(aio, stream=False)
+    loop.submit(Pending(req(3, 4), later))
+    assert (await result(later))[0] == "done" and not loop.lost  # the group serves on
+    assert counted.m.get("shard_requests", outcome="failed")._value.get() == 1
+    loop.close()
+    thread.join(5)
+    assert engine.shut
 
 
 def delivered(sink: Sink) -> list:

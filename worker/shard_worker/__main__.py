@@ -24,14 +24,11 @@ from .accounting import MemorySample
 from .config import ConfigError
 from .dist import RendezvousError
 from .engine import RequestError
+from .log import log
 from .runtime import PlanMismatch, Worker
 
 # Errors whose message says it all: printed as one line, no traceback.
 KNOWN_ERRORS = (CheckpointError, ConfigError, RendezvousError, RequestError, PlanMismatch)
-
-
-def log(worker_rank: int, message: str) -> None:
-    print(f"[shard_worker rank {worker_rank}] {message}", file=sys.stderr, flush=True)
 
 
 def run_task(worker: Worker, task_path: str, result_path: str) -> None:

@@ -31,6 +31,7 @@ from typing import Sequence
 from shard_contract.wire import Completion, GenerateRequest
 
 from .engine import Engine, Hooks, RequestError, SequenceState, fits_at
+from .log import first_line
 from .rankmetrics import RankMetrics
 
 MAX_WAITING = 256
@@ -209,7 +210,7 @@ class EngineLoop:
                 else:
                     self.engine.heartbeat()  # keep the followers' collective timeout from expiring
         except Exception as err:  # a collective failed: a rank died, or the group timed out
-            self.fail_all(f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
+            self.fail_all(first_line(err))
             raise
         finally:
             self._finish()
@@ -271,7 +272,10 @@ class EngineLoop:
 
     def _finished(self, seq: SequenceState, completion: Completion) -> None:
         sink = self.running[seq.index].sink
-        if sink.done(completion):
+        if completion.finish_reason == "error":
+            if sink.fail(f"this request failed: {completion.error}", 500):
+                self.metrics.outcome("failed")
+        elif sink.done(completion):
             now = time.monotonic()
             first = sink.first_token_at or now
             self.metrics.finished(now - sink.arrived, first - sink.arrived, len(completion.token_ids))

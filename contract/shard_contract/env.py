@@ -7,6 +7,7 @@ The HTTP contract between a group's ranks and the operator lives in `wire.py`.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Literal, Mapping
 
 from pydantic import BaseModel, Field, ValidationError
@@ -28,9 +29,11 @@ ENV_NAMES = {
     "backend": "SHARD_BACKEND",
     "rendezvous_timeout": "SHARD_RENDEZVOUS_TIMEOUT",
     "memory_budget_bytes": "SHARD_MEMORY_BUDGET",
+    "api_key_file": "SHARD_API_KEY_FILE",
 }
 
 PLAN_MOUNT = "/etc/shard-operator/plan.json"  # where pods find the plan (ConfigMap)
+API_KEY_MOUNT = "/etc/shard-operator/api-key/key"  # where a leader pod finds its API key (Secret)
 MODEL_MOUNT = "/models"  # where pods find the model volume
 
 
@@ -54,6 +57,8 @@ class WorkerEnv(BaseModel):
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     rendezvous_timeout: int = Field(600, ge=1, description="Seconds to wait for the group to assemble.")
     memory_budget_bytes: int | None = Field(None, description="Enforced memory budget of a simulated device.")
+    api_key_file: str | None = Field(None, description="A file holding the key the leader's OpenAI routes require "
+                                     "(Authorization: Bearer); none: no key.")
 
     def to_env(self) -> dict[str, str]:
         return {ENV_NAMES[k]: str(v) for k, v in self.model_dump().items() if v is not None}
@@ -72,6 +77,18 @@ class WorkerEnv(BaseModel):
         if env.rank >= env.world_size:
             raise WorkerEnvError(f"RANK={env.rank} is outside WORLD_SIZE={env.world_size}")
         return env
+
+
+def read_api_key(path: str | os.PathLike[str]) -> bytes:
+    """The key in an API key file (SHARD_API_KEY_FILE): its bytes, surrounding whitespace
+    stripped (a trailing newline is no part of the key); never empty."""
+    try:
+        key = Path(path).read_bytes().strip()
+    except OSError as err:
+        raise WorkerEnvError(f"SHARD_API_KEY_FILE {path}: {err.strerror or err}") from None
+    if not key:
+        raise WorkerEnvError(f"SHARD_API_KEY_FILE {path} is empty")
+    return key
 
 
 # ---------------------------------------------------------------- one-shot generation

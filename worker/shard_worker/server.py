@@ -4,7 +4,9 @@ Every rank serves `GET /health`, `GET /ready`, `GET /v1/shards` and `GET /metric
 SHARD_PORT from the moment it starts (before it has joined its group or loaded anything), so
 probes see the truth throughout: alive while loading, ready only once every rank has loaded and
 passed its memory check. Rank 0 also serves `POST /v1/completions`, `POST /v1/chat/completions`
-(when the model has a chat template) and `GET /v1/models`.
+(when the model has a chat template) and `GET /v1/models`, behind the API key when
+SHARD_API_KEY_FILE names one, and their OpenAPI document at `GET /openapi.json`. A request's own
+failure (bad input, a tokenizer error, a handler's bug) is its answer alone: an OpenAI error body.
 
 Threads of one rank: uvicorn's event loop on the main thread (it owns SIGTERM / SIGINT); the
 engine thread, which joins the group, loads, and then runs batches (leader) or follows the
@@ -29,17 +31,21 @@ from pathlib import Path
 from typing import Any, AsyncIterator, NoReturn
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from shard_contract.env import WorkerEnv
+from shard_contract.env import WorkerEnv, read_api_key
 from shard_contract.plan import Plan
 from shard_contract.wire import ShardEntry, ShardsResponse
 
 from . import openai
 from .accounting import MemorySample
 from .batcher import EngineLoop, Pending, Sink, Unavailable
+from .config import ModelConfig
 from .health import Heartbeat, Record, Verdict, memory_problems
+from .log import first_line, log
 from .rankmetrics import RankMetrics
 from .runtime import Worker
 from .tokenizer import TemplateError, TextCodec
@@ -47,15 +53,6 @@ from .tokenizer import TemplateError, TextCodec
 HOST_ENV = "SHARD_HOST"
 GRACEFUL_SECONDS = 10.0  # in-flight requests get this long to finish on SIGTERM
 JOIN_SECONDS = 15.0
-
-
-def log(rank: int, message: str) -> None:
-    print(f"[shard_worker rank {rank}] {message}", file=sys.stderr, flush=True)
-
-
-def first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 class RankServer:
@@ -70,6 +67,7 @@ class RankServer:
         self.state, self.error, self.problems = "loading", "", []
         self.loop: EngineLoop | None = None
         self.codec = TextCodec.load(env.model_dir) if self.leader else None
+        self.api_key = read_api_key(env.api_key_file) if self.leader and env.api_key_file else None
         self.heartbeat = Heartbeat(env.master_addr, env.master_port, env.rank, env.world_size, self._record,
                                    self._lost)
         self.exit_code = 0
@@ -171,37 +169,59 @@ class RankServer:
 
     # ------------------------------------------------------------ HTTP
     def app(self) -> FastAPI:
-        app = FastAPI(title=f"shard_worker rank {self.env.rank}", docs_url=None, redoc_url=None, openapi_url=None)
+        # The OpenAPI document covers the leader's OpenAI routes; the probes and /v1/shards are
+        # documented in shard_contract.wire.
+        app = FastAPI(title=f"shard_worker: {self.env.model_name}", version="v1", docs_url=None, redoc_url=None,
+                      openapi_url="/openapi.json" if self.leader else None)
 
         @app.exception_handler(openai.ApiError)
         async def api_error(_: Request, err: openai.ApiError) -> JSONResponse:
             if self.leader and err.status != 404:
                 self.metrics.outcome("rejected")
-            return JSONResponse(err.body(), status_code=err.status)
+            headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+            return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
-        @app.get("/health")
+        @app.exception_handler(Exception)
+        async def unexpected(_: Request, err: Exception) -> JSONResponse:
+            # A failure of this request's own handling (uvicorn logs its traceback); the group is fine.
+            return JSONResponse(openai.error_body(f"this request failed: {first_line(err)}", "server_error"),
+                                status_code=500)
+
+        @app.get("/health", include_in_schema=False)
         async def health() -> JSONResponse:
             v = self.verdict()
             body = {"status": ("ok" if self.state == "ready" else self.state) if v.alive else "unhealthy",
                     "rank": self.env.rank, "reason": v.reason}
             return JSONResponse(body, status_code=200 if v.alive else 503)
 
-        @app.get("/ready")
+        @app.get("/ready", include_in_schema=False)
         async def ready() -> JSONResponse:
             v = self.verdict()
             return JSONResponse({"ready": v.ready, "reason": v.reason}, status_code=200 if v.ready else 503)
 
-        @app.get("/v1/shards")
+        @app.get("/v1/shards", include_in_schema=False)
         async def shards() -> ShardsResponse:
             return self.shards()
 
-        @app.get("/metrics")
+        @app.get("/metrics", include_in_schema=False)
         async def metrics() -> Response:
             body = self.metrics.exposition(self.worker, self.verdict().ready)
             return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
         if self.leader:
-            self._api_routes(app)
+            app.include_router(self._api_routes())
+
+            def openapi() -> dict[str, Any]:
+                if app.openapi_schema is None:
+                    doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                                      description="The OpenAI-compatible API of one sharded group.")
+                    vocab = ModelConfig.from_dir(self.env.model_dir).vocab_size  # known before it loads
+                    schemas = openai.request_schemas(self.env.model_name, vocab, self.plan.max_model_len)
+                    doc.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
+                    app.openapi_schema = doc
+                return app.openapi_schema
+
+            app.openapi = openapi  # type: ignore[method-assign]
         return app
 
     def shards(self) -> ShardsResponse:
@@ -232,7 +252,10 @@ class RankServer:
     def _encode(self, text: str, param: str) -> list[int]:
         if self.codec is None:
             raise openai.ApiError(400, f"{param}: this model has no tokenizer.json; send token ids", param=param)
-        return self.codec.encode(text)
+        try:
+            return self.codec.encode(text)
+        except Exception as err:  # noqa: BLE001 -- tokenizers raises plain exceptions on text it cannot take
+            raise untokenizable(param, err) from None
 
     def _submit(self, request: openai.Sampling, prompt_ids: list[int], max_tokens: int | None,
                 param: str) -> tuple[Pending, Any]:
@@ -246,20 +269,28 @@ class RankServer:
         try:
             self.loop.submit(pending)
         except Unavailable as err:
-            raise openai.ApiError(err.status, err.reason, type="service_unavailable", code="group_unavailable")
+            raise openai.ApiError(err.status, err.reason, code="group_unavailable") from None
         decode = self.codec.decode if self.codec is not None else None
         return pending, openai.TextStream(decode, generate.stop)
 
-    def _api_routes(self, app: FastAPI) -> None:
-        name = self.env.model_name
+    def _authorize(self, credentials: HTTPAuthorizationCredentials | None = Depends(
+            HTTPBearer(auto_error=False, description="The API key (SHARD_API_KEY_FILE)"))) -> None:
+        assert self.api_key is not None
+        openai.check_api_key(credentials.credentials if credentials is not None else None, self.api_key)
 
-        @app.get("/v1/models")
+    def _api_routes(self) -> APIRouter:
+        name = self.env.model_name
+        errors = {status: {"model": openai.ErrorResponse} for status in (400, 401, 404, 429, 500, 503)}
+        router = APIRouter(dependencies=[Depends(self._authorize)] if self.api_key is not None else [],
+                           responses=errors)
+
+        @router.get("/v1/models")
         async def models() -> dict[str, Any]:
             return {"object": "list", "data": [{"id": name, "object": "model", "created": self.created,
                                                 "owned_by": "shard-operator",
                                                 "max_model_len": self.plan.max_model_len}]}
 
-        @app.post("/v1/completions")
+        @router.post("/v1/completions", openapi_extra=openai.request_body(openai.CompletionRequest))
         async def completions(request: Request) -> Response:
             body = openai.parse(openai.CompletionRequest, await request.body())
             self._check_model(body.model)
@@ -268,7 +299,7 @@ class RankServer:
             pending, text = self._submit(body, ids, 16 if body.max_tokens is None else body.max_tokens, "prompt")
             return await self._respond(request, pending, text, body, len(ids), chat=False)
 
-        @app.post("/v1/chat/completions")
+        @router.post("/v1/chat/completions", openapi_extra=openai.request_body(openai.ChatRequest))
         async def chat(request: Request) -> Response:
             body = openai.parse(openai.ChatRequest, await request.body())
             self._check_model(body.model)
@@ -279,9 +310,13 @@ class RankServer:
                 ids = self.codec.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
             except TemplateError as err:
                 raise openai.ApiError(400, f"messages: {err}", param="messages") from None
+            except Exception as err:  # noqa: BLE001 -- tokenizers raises plain exceptions on text it cannot take
+                raise untokenizable("messages", err) from None
             max_tokens = body.max_completion_tokens or body.max_tokens
             pending, text = self._submit(body, ids, max_tokens, "messages")
             return await self._respond(request, pending, text, body, len(ids), chat=True)
+
+        return router
 
     async def _answer(self, request: Request, pending: Pending) -> tuple | None:
         """The request's final event, or None when its client disconnects first: the request is
@@ -306,8 +341,7 @@ class RankServer:
                 return Response(status_code=499)  # nobody is listening: nginx's "client closed request"
             if event[0] == "error":
                 status, reason = event[1], event[2]
-                kind = "service_unavailable" if status == 503 else "invalid_request_error"
-                return JSONResponse(openai.error_body(reason, kind), status_code=status)
+                return JSONResponse(openai.error_body(reason, openai.error_type(status)), status_code=status)
             build = openai.chat_body if chat else openai.completion_body
             return JSONResponse(build(rid, created, model, event[1], prompt_tokens))
 
@@ -341,14 +375,17 @@ class RankServer:
                         yield "data: [DONE]\n\n"
                     else:
                         answered = True
-                        kind = "service_unavailable" if event[1] == 503 else "invalid_request_error"
-                        yield f"data: {json.dumps(openai.error_body(event[2], kind))}\n\n"
+                        yield f"data: {json.dumps(openai.error_body(event[2], openai.error_type(event[1])))}\n\n"
             finally:  # the client went away mid-stream: the server stopped iterating us
                 if not answered:
                     self.loop.cancel(pending)
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def untokenizable(param: str, err: Exception) -> openai.ApiError:
+    return openai.ApiError(400, f"{param}: the tokenizer cannot encode it: {first_line(err)}", param=param)
 
 
 async def _disconnected(request: Request) -> None:

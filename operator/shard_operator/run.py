@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
+from shard_contract.env import ENV_NAMES, read_api_key
 from shard_contract.plan import Plan
 from shard_contract.units import human
 
@@ -35,10 +36,11 @@ class GroupLost(RuntimeError):
     """A rank died or the group's health failed; the message says which rank and why."""
 
 
-def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 5.0) -> tuple[int, dict[str, Any]]:
+def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 5.0,
+              headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
     """(status, JSON body) of a GET (or a POST of `body`). Connection errors raise OSError."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, json.load(response)
@@ -112,9 +114,11 @@ def render_shards(shards: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def complete(base_url: str, prompt: str, max_tokens: int, timeout: float = 300) -> dict[str, Any]:
+def complete(base_url: str, prompt: str, max_tokens: int, api_key: bytes | None = None,
+             timeout: float = 300) -> dict[str, Any]:
+    headers = {"Authorization": "Bearer " + api_key.decode("latin-1")} if api_key else None
     status, body = http_json(base_url + "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens,
-                                                            "temperature": 0}, timeout=timeout)
+                                                            "temperature": 0}, timeout=timeout, headers=headers)
     if status != 200:
         raise GroupLost(f"the completion failed with HTTP {status}: {body.get('error', body)}")
     return body
@@ -122,17 +126,22 @@ def complete(base_url: str, prompt: str, max_tokens: int, timeout: float = 300) 
 
 def run_local(plan: Plan, model_dir: str | os.PathLike[str], *, port: int, host: str = "127.0.0.1",
               model_name: str | None = None, prompt: str | None = None, max_tokens: int = 24, restarts: int = 2,
-              threads_per_rank: int | None = None, ready_timeout: float = 600,
+              threads_per_rank: int | None = None, ready_timeout: float = 600, api_key_file: str | None = None,
               out: Callable[[str], None] = print, err: Callable[[str], None] = print) -> int:
     """Serve `plan` (its group 0) until Ctrl-C / SIGTERM; with `prompt`, answer it once and stop.
 
-    `model_name` is the name the API serves (the ShardedModel's; default: the plan's).
+    `model_name` is the name the API serves (the ShardedModel's; default: the plan's). With
+    `api_key_file`, the OpenAI routes require its key (`Authorization: Bearer`).
     Returns the exit status: 0, or 3 when the group failed more often than `restarts` allows.
     SIGTERM raises SystemExit(143) and Ctrl-C KeyboardInterrupt, after every rank is stopped.
     """
     base_url = f"http://{host}:{port}"
     model_name = model_name or plan.model
     env = {"SHARD_HOST": host, "SHARD_MODEL_NAME": model_name}
+    api_key = None
+    if api_key_file is not None:  # checked here, before any rank starts
+        api_key = read_api_key(api_key_file)
+        env[ENV_NAMES["api_key_file"]] = str(Path(api_key_file).resolve())
     attempt = 0
     with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="shardctl-run-") as tmp:
         while True:
@@ -145,10 +154,11 @@ def run_local(plan: Plan, model_dir: str | os.PathLike[str], *, port: int, host:
                 try:
                     shards = wait_ready(group, base_url, ready_timeout)
                     out(f"ready in {time.monotonic() - started:.1f} s: serving {base_url}/v1 "
-                        f"(model {model_name!r}; OpenAI-compatible: /v1/completions, /v1/chat/completions)")
+                        f"(model {model_name!r}; OpenAI-compatible: /v1/completions, /v1/chat/completions"
+                        f"{'; API key required' if api_key else ''})")
                     out(render_shards(shards))
                     if prompt is not None:
-                        answer = complete(base_url, prompt, max_tokens)
+                        answer = complete(base_url, prompt, max_tokens, api_key)
                         choice = answer["choices"][0]
                         out(f"\nprompt: {prompt!r}")
                         out(f"answer: {choice['text']!r}")

@@ -61,8 +61,9 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-def unavailable(reason: str) -> ApiError:
-    return ApiError(503, reason, code="group_unavailable")
+def unavailable(reason: str, status: int = 503) -> ApiError:
+    """The group cannot take the request: it is not ready, lost, shutting down (503) or busy (429)."""
+    return ApiError(status, reason, code="group_unavailable")
 
 
 def check_api_key(given: str | None, key: bytes) -> None:

@@ -66,14 +66,14 @@ float32_logits = st.lists(st.floats(width=32, allow_nan=False, allow_infinity=Fa
        seed=st.integers(SEED_MIN, SEED_MAX))
 def test_every_accepted_sampling_request_gets_a_token(logits, temperature, top_p, seed):
     """Over the whole accepted range, and logits anywhere in float32's: a distribution (finite,
-    summing to 1, the most likely token in it) and a token, never a failure."""
+    summing to 1, keeping a most likely token) and a token, never a failure."""
     row = torch.tensor(logits, dtype=torch.float32)
     request = GenerateRequest(prompt_ids=[1], temperature=temperature, top_p=top_p, seed=seed)
     if temperature > 0:
         probs = top_p_probs(row, temperature, top_p)
         assert bool(torch.isfinite(probs).all()) and bool((probs >= 0).all())
         assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-9)
-        assert probs[int(row.argmax())] > 0
+        assert probs[row == row.max()].sum() > 0  # of tied most likely tokens, top_p may keep one only
     tokens, failed = choose(row.view(1, -1), [request], [generator(request)])
     assert failed == {} and 0 <= int(tokens[0]) < len(logits)
 

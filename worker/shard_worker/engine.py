@@ -13,6 +13,9 @@ cancelled: their clients hung up) sequences: the leader's batcher chooses them, 
 tells its first-stage TP peers who joins and who is cancelled at every step, with one small
 message (an empty one costs a shared-memory round where the peers share a machine, else one
 gloo broadcast); the later stages learn of each join from a JOIN header in the pipeline.
+
+A sequence fails alone: a row whose token cannot be chosen comes back FAILED from every sampling
+rank alike (`sampling.py`), and the first stage ends that sequence while the batch runs on.
 """
 
 from __future__ import annotations
@@ -53,9 +56,9 @@ class Hooks:
     maxModelLen). step(sequences): the sequences that took a token in a step (the first batch's
     prefill, or one decode step with the prefills of those that joined at it). finished(sequence,
     completion): a sequence has stopped (finish_reason "error": it failed alone, the batch runs on);
-    its row is free from the next step on. cancelled(): the
-    sequences (by index) whose clients have gone since the last call: they stop at this step
-    boundary, unanswered, and their rows are free for those who join at it.
+    its row is free from the next step on. cancelled(): the sequences (by index) whose clients have
+    gone since the last call: they stop at this step boundary, unanswered, and their rows are free
+    for those who join at it.
     """
 
     admit: Callable[[int, int], list[GenerateRequest]]

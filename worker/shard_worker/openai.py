@@ -207,6 +207,8 @@ def request_body(model: type[WireModel]) -> dict[str, Any]:
     """An OpenAPI operation's JSON request body of `model` (see `request_schemas`)."""
     return {"requestBody": {"required": True,
                             "content": {"application/json": {"schema": {"$ref": SCHEMAS + model.__name__}}}}}
+
+
 # Union members in a validation error's location (`str`, `list[int]`, `constrained-str`...):
 # noise next to the field path.
 _TYPE_TAGS = {"str", "int", "float", "bool", "none"}

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from shard_contract.checkpoint import CheckpointError
+from shard_contract.env import ENV_NAMES
 from shard_contract.wire import GenerateRequest, GenerateTask
 
 from . import picture
@@ -153,6 +154,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                          prompt=args.prompt, max_tokens=args.max_tokens, restarts=args.restarts,
                          threads_per_rank=args.threads, ready_timeout=args.ready_timeout,
                          rendezvous_port=args.rendezvous_port or None, log_dir=args.log_dir,
+                         api_key_file=args.api_key_file,
                          out=lambda line: print(line, flush=True), err=lambda line: print(line, file=sys.stderr))
     except KeyboardInterrupt:
         print("\nshardctl: stopped every rank", file=sys.stderr)
@@ -255,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restarts", type=int, default=2, help="times a failed group is restarted (default 2)")
     p.add_argument("--threads", type=int, help="threads per rank (default: cores / ranks)")
     p.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for every rank to load")
+    p.add_argument("--api-key-file", metavar="FILE", default=os.environ.get(ENV_NAMES["api_key_file"]),
+                   help="require the key in FILE on the OpenAI routes (Authorization: Bearer); default: "
+                        f"${ENV_NAMES['api_key_file']}, else none")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("demo-model", help="write a random Llama checkpoint (several safetensors files, a trained "

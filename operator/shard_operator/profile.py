@@ -44,12 +44,18 @@ _IGNORED = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry; recom
 
 
 class LayerProfile(BaseModel):
-    """Elements of one decoder layer by how they split under tensor parallelism."""
+    """Elements of one decoder layer by how they split under tensor parallelism; and of those,
+    the projection matrices' elements and output rows (what int8 quantizes, with one scale a row)."""
 
     column: int = 0
     kv: int = 0
     row: int = 0
     replicated: int = 0
+    column_matrix: int = 0
+    kv_matrix: int = 0
+    column_rows: int = 0
+    kv_rows: int = 0
+    row_rows: int = 0
 
     @property
     def numel(self) -> int:
@@ -130,7 +136,12 @@ def _build(config: dict[str, Any], infos: dict[str, TensorInfo], source: str, na
             if layer >= len(layers):
                 raise CheckpointError(f"tensor {tensor_name} (in {info.file}) names layer {layer}, but "
                                       f"config.json has num_hidden_layers={len(layers)}")
-            setattr(layers[layer], part, getattr(layers[layer], part) + info.numel)
+            lp = layers[layer]
+            setattr(lp, part, getattr(lp, part) + info.numel)
+            if part in ("column", "kv", "row") and tensor_name.endswith(".weight") and len(info.shape) == 2:
+                if part != "row":
+                    setattr(lp, f"{part}_matrix", getattr(lp, f"{part}_matrix") + info.numel)
+                setattr(lp, f"{part}_rows", getattr(lp, f"{part}_rows") + info.shape[0])
         else:
             parts[part] += info.numel
     dtypes = {info.dtype for info in infos.values()}

@@ -143,7 +143,11 @@ def test_infeasible_says_what_is_needed_and_what_would_help():
     assert "the pool has 129.60 GiB usable (6 x 24.0 GiB on 2 nodes, 10% headroom)" in message
     assert "add about 8 more devices like the largest (24.00 GiB)" in message
     assert "allow a larger tensor degree (tensor=4 or auto)" in message
-    assert "use dtype bfloat16" in message and "quantized 8-bit weights would need" in message
+    assert "use dtype bfloat16 (weights 131.42 GiB)" in message
+    # per layer 855,638,016 projection weights at 1 byte + 83,968 rows x 4-byte scales + 2 float32
+    # norms of 8192; x 80 layers, + float32 embeddings, LM head (2 x 128256 x 8192) and final norm
+    assert "use quantization int8 (weights 71.61 GiB)" in message
+    assert "not supported" not in message
 
 
 def test_no_devices_reports_the_skipped_nodes():

@@ -99,7 +99,7 @@ class Worker:
 
         try:
             before = MemorySample.take(device)
-            stage = Stage(layout, comm, dtype, device)
+            stage = Stage(layout, comm, dtype, device, plan.quantization)
             stats = load_stage(stage, env.model_dir)
             loaded = MemorySample.take(device)
             cache = KVCache(layout.layers[1] - layout.layers[0], plan.max_batch_size, layout.kv_heads,

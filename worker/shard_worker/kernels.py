@@ -84,22 +84,21 @@ def _ours(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, row
 
 
 def _int8_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """int8 rows through torch: its int8 matrix-vector product where it has one that fits (CUDA:
-    float32 activations only; CPU: 16-bit activations, scales in their dtype), else rows dequantized a
-    bounded chunk at a time into the activations' dtype (prefill is compute-bound: the chunk
-    costs little beside the GEMM, and no full-size copy of the weight ever exists)."""
+    """int8 rows through torch. On CUDA, decode uses its int8 matrix-vector product (float32
+    activations only). Elsewhere rows are dequantized a bounded chunk at a time (int8 values are
+    exact in any float dtype) and scaled after the product, in float32: prefill is compute-bound,
+    so the chunk costs little beside the GEMM, and no full-size copy of the weight ever exists.
+    (torch's CPU `_weight_int8pack_mm` is not used: its float32 path streams at a tenth of the
+    memory's speed, and its bfloat16 one is off by more than two roundings.)"""
     k = weight.shape[1]
     x2 = x.reshape(-1, k)
     if x2.shape[0] <= MAX_ROWS and x.device.type == "cuda":
         y = torch.ops.aten._weight_int8pack_mm(x2.float(), weight, scale).to(x.dtype)
-    elif x2.shape[0] <= MAX_ROWS and x.dtype != torch.float32:  # its float32 path is slower than chunks
-        y = torch.ops.aten._weight_int8pack_mm(x2, weight, scale.to(x.dtype))
     else:
         y = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         step = max(1, DEQUANT_CHUNK_BYTES // (k * x.element_size()))
         for a in range(0, weight.shape[0], step):
-            chunk = weight[a:a + step].to(x.dtype)
-            y[:, a:a + step] = F.linear(x2, chunk) * scale[a:a + step].to(x.dtype)
+            y[:, a:a + step] = F.linear(x2, weight[a:a + step].to(x.dtype)).float() * scale[a:a + step]
     y = y.view(*x.shape[:-1], weight.shape[0])
     if bias is not None:
         y += bias

@@ -39,7 +39,7 @@ from .model import Piece, Stage
 from .quant import quantize_rows_
 
 TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-STAGING_BYTES = 8 * 2**20  # rows converted at once; the staging area holds three such buffers
+STAGING_BYTES = 4 * 2**20  # rows converted at once; the staging area holds three such buffers
 DIRECT_CHUNK_BYTES = 256 * 2**20  # Linux returns at most ~2 GiB per read call; stay well below
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 

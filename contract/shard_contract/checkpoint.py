@@ -3,6 +3,13 @@
 Both planes use it: the operator's profiler (sizes from the headers) and the worker's loader (the
 byte ranges of its own slices). A model directory holds `config.json` and either one
 `model.safetensors` or several files named by `model.safetensors.index.json`.
+
+Everything read here is checked before it is used, because a checkpoint is input from whoever
+wrote the volume: every file it names resolves, symlinks followed, inside the model directory; a
+JSON file is at most `MAX_HEADER_BYTES` long and nested at most `MAX_JSON_DEPTH` levels; a
+header's data offsets are integers inside the file's data section, one range per tensor, none
+overlapping another and each as long as its dtype x shape. Every violation is a `CheckpointError`
+that names the file (and the tensor), never a raw OSError, RecursionError or TypeError.
 """
 
 from __future__ import annotations
@@ -10,10 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import stat
 import struct
 import sys
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -28,7 +37,9 @@ DTYPE_BYTES = {
 TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 SAFETENSORS_DTYPE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
-MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+CONFIG, INDEX, SINGLE = "config.json", "model.safetensors.index.json", "model.safetensors"
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit (MAX_HEADER_SIZE); bounds every JSON file here
+MAX_JSON_DEPTH = 32  # a header nests 3 levels, an HF config.json about 4
 
 
 class CheckpointError(ValueError):
@@ -36,32 +47,140 @@ class CheckpointError(ValueError):
 
 
 class TensorInfo(BaseModel):
-    file: str
+    file: str = Field(description="The file as the index names it, relative to the model directory.")
     dtype: str
     shape: list[int]
     numel: int
     nbytes: int
+    offset: int = Field(description="Byte offset of the tensor's data in its file (past the header).")
+
+
+# ---------------------------------------------------------------- files and JSON
+def model_file(model_dir: str | os.PathLike[str], name: str, where: str = "") -> Path:
+    """The real path of file `name` of a model directory: `name` is relative, has no `..`, and
+    leads (symlinks followed) to a path inside the directory's real path.
+
+    A symlink from one file of the directory to another is fine; one that leads out of it is not
+    (a Hugging Face cache snapshot, whose files link into `../../blobs`, must be copied out with
+    its links followed; docs/operations.md says how). Nothing outside is opened or named in the
+    error, so the message cannot tell whether a path outside exists. `where` prefixes the message.
+    """
+    root = Path(os.path.realpath(model_dir))
+    parts = PurePosixPath(name).parts if isinstance(name, str) else ()
+    why = ("is not a file name" if not isinstance(name, str) or not name or "\0" in name
+           else "is an absolute path" if name.startswith("/")
+           else "has a '..' segment" if ".." in parts
+           else None)
+    if why is None:
+        real = Path(os.path.realpath(root / name))
+        if real == root or not real.is_relative_to(root):
+            why = "leads outside the model directory (through a symlink)"
+        else:
+            return real
+    raise CheckpointError(f"{where or root}: {name!r} {why}; every file must lie inside the model directory")
+
+
+def _open(path: Path) -> Any:
+    """A regular file, opened for reading (a FIFO or device named like a checkpoint file is refused
+    without blocking on it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot be read ({err.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: not a regular file")
+    return os.fdopen(fd, "rb", buffering=0)
+
+
+def _read(fh: Any, path: Path, count: int) -> bytes:
+    try:
+        return fh.read(count)
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot be read ({err.strerror})") from None
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+_SQUARE = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def _too_deep(raw: bytes, limit: int) -> bool:
+    """Whether JSON text nests more than `limit` levels, found before parsing it (Python's parser
+    recurses once per level): the innermost bracket pairs are removed, one level a pass."""
+    brackets = _JSON_STRING.sub(b"", raw).translate(_SQUARE, _NOT_BRACKETS)
+    for _ in range(limit):
+        fewer = brackets.replace(b"[]", b"")
+        if len(fewer) == len(brackets):
+            break
+        brackets = fewer
+    # A pair left after `limit` levels nests deeper; an unbalanced rest ("]]..[[") nests by its openings.
+    return b"[]" in brackets or brackets.count(b"[") > limit
+
+
+def parse_json(raw: bytes, path: Path, what: str) -> Any:
+    """`raw` as JSON, refusing text nested deeper than `MAX_JSON_DEPTH`."""
+    if _too_deep(raw, MAX_JSON_DEPTH):
+        raise CheckpointError(f"{path}: {what} nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(raw)
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({err})") from None
+
+
+def read_json(path: Path, what: str) -> Any:
+    """A JSON file of the checkpoint (config.json, the index, generation_config.json)."""
+    with _open(path) as fh:
+        raw = _read(fh, path, MAX_HEADER_BYTES + 1)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise CheckpointError(f"{path}: {what} is larger than {MAX_HEADER_BYTES} bytes")
+    return parse_json(raw, path, what)
 
 
 # ---------------------------------------------------------------- config.json
+_REQUIRED_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+_OPTIONAL_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+_OPTIONAL_STRINGS = ("torch_dtype", "dtype")
+
+
 def read_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
+    path = model_file(model_dir, CONFIG)
+    if not path.exists():
         raise CheckpointError(f"{path}: missing; a model directory needs the HF config.json")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
+    return check_config(read_json(path, "config.json"), str(path))
+
+
+def check_config(config: Any, source: str) -> dict[str, Any]:
+    """`config` if it is a config.json of a supported model with sizes of the right types."""
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{source}: not a JSON object")
     architectures = config.get("architectures") or []
-    arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        raise CheckpointError(f"{path}: architecture {architectures or 'unset'} is not supported; "
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise CheckpointError(f"{source}: architectures must be a list of class names (got {_show(architectures)})")
+    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+        raise CheckpointError(f"{source}: architecture {architectures or 'unset'} is not supported; "
                               f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "vocab_size"):
-        if not isinstance(config.get(key), int) or config[key] < 1:
-            raise CheckpointError(f"{path}: {key} must be a positive integer (got {config.get(key)!r})")
+    for key in _REQUIRED_INTS + _OPTIONAL_INTS:
+        value = config.get(key)
+        if not (_is_int(value) and value >= 1) and (key in _REQUIRED_INTS or value is not None):
+            raise CheckpointError(f"{source}: {key} must be a positive integer (got {_show(value)})")
+    for keys, kind, want in ((_OPTIONAL_BOOLS, bool, "true or false"), (_OPTIONAL_STRINGS, str, "a string")):
+        for key in keys:
+            if config.get(key) is not None and not isinstance(config[key], kind):
+                raise CheckpointError(f"{source}: {key} must be {want} (got {_show(config[key])})")
     return config
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int  # JSON's true and false are bools, which Python counts as ints
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass(frozen=True)
@@ -143,97 +262,122 @@ def expected_tensors(config: dict[str, Any]) -> dict[str, list[int]]:
 
 
 # ---------------------------------------------------------------- safetensors headers
-def read_safetensors_header(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The JSON header of one safetensors file, checked against the file's real size.
-
-    Reads 8 + header-length bytes and nothing else.
-    """
+def read_safetensors_header(path: str | os.PathLike[str], file: str | None = None) -> dict[str, TensorInfo]:
+    """Every tensor of one safetensors file (named `file` in its TensorInfos), its header checked
+    against the file's real size. Reads 8 + header-length bytes and nothing else."""
     path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb", buffering=0) as fh:
-            prefix = fh.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(f"{path}: not a safetensors file (only {len(prefix)} bytes)")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-                raise CheckpointError(f"{path}: not a safetensors file (header length {header_len} "
-                                      f"does not fit in a file of {size} bytes)")
-            raw = fh.read(header_len)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path}: not a safetensors file (header is not JSON: {err})") from None
+    with _open(path) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        prefix = _read(fh, path, 8)
+        if len(prefix) < 8:
+            raise CheckpointError(f"{path}: not a safetensors file (only {len(prefix)} bytes)")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > MAX_HEADER_BYTES:
+            raise CheckpointError(f"{path}: not a safetensors file (header length {header_len} is over "
+                                  f"safetensors' limit of {MAX_HEADER_BYTES} bytes)")
+        if 8 + header_len > size:
+            raise CheckpointError(f"{path}: not a safetensors file (header length {header_len} does not fit "
+                                  f"in a file of {size} bytes)")
+        raw = _read(fh, path, header_len)
+    header = parse_json(raw, path, "the safetensors header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: not a safetensors file (header is not a JSON object)")
-    data_bytes = size - 8 - header_len
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        if not isinstance(entry, dict) or entry.get("dtype") not in DTYPE_BYTES \
-                or not isinstance(entry.get("shape"), list) or len(entry.get("data_offsets") or []) != 2:
-            raise CheckpointError(f"{path}: tensor {name}: malformed header entry {entry!r}")
-        start, stop = entry["data_offsets"]
-        count = shape_numel(entry["shape"])
-        if stop - start != count * DTYPE_BYTES[entry["dtype"]]:
-            raise CheckpointError(f"{path}: tensor {name}: {stop - start} bytes stored for shape "
-                                  f"{entry['shape']} of {entry['dtype']}")
-        if stop > data_bytes:
-            raise CheckpointError(f"{path}: tensor {name}: truncated file (tensor ends at byte "
-                                  f"{8 + header_len + stop}, the file has {size})")
-    return header
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: __metadata__ must map strings to strings")
+    data_start = 8 + header_len
+    infos = {name: _tensor(path, file or path.name, name, entry, data_start, size - data_start)
+             for name, entry in header.items()}
+    spans = sorted((info.offset, info.offset + info.nbytes, name) for name, info in infos.items())
+    for (_, end, first), (start, stop, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise CheckpointError(f"{path}: tensor {second}: data_offsets [{start - data_start}, "
+                                  f"{stop - data_start}] overlap those of tensor {first}")
+    return infos
 
 
-def checkpoint_files(model_dir: str | os.PathLike[str]) -> dict[str, str] | None:
-    """Tensor name -> file name, from the index or the single file; None when no weights exist."""
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{index}: not a safetensors index ({err!r})") from None
-        return dict(weight_map)
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        header = read_safetensors_header(single)
-        return {name: single.name for name in header if name != "__metadata__"}
-    pickles = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
+def _tensor(path: Path, file: str, name: str, entry: Any, data_start: int, data_bytes: int) -> TensorInfo:
+    """One header entry, checked: a dtype, a shape of non-negative ints, and a byte range
+    [start, stop) of the data section exactly as long as dtype x shape."""
+    where = f"{path}: tensor {name}"
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{where}: malformed header entry {_show(entry)}")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        raise CheckpointError(f"{where}: dtype {_show(dtype)} is not a safetensors dtype")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise CheckpointError(f"{where}: shape {_show(shape)} is not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
+        raise CheckpointError(f"{where}: data_offsets {_show(offsets)} is not a pair of integers")
+    start, stop = offsets
+    if not 0 <= start <= stop:
+        raise CheckpointError(f"{where}: data_offsets {offsets} must satisfy 0 <= start <= stop")
+    numel = shape_numel(shape)
+    nbytes = numel * DTYPE_BYTES[dtype]
+    if stop - start != nbytes:
+        raise CheckpointError(f"{where}: {stop - start} bytes stored for shape {shape} of {dtype}")
+    if stop > data_bytes:
+        raise CheckpointError(f"{where}: truncated file (tensor ends at byte {data_start + stop}, "
+                              f"the file has {data_start + data_bytes})")
+    return TensorInfo(file=file, dtype=dtype, shape=shape, numel=numel, nbytes=nbytes, offset=data_start + start)
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A checkpoint's tensors as their headers say, checked: the real path of every file (inside
+    the model directory) and every tensor's file, dtype, shape and byte range."""
+
+    files: dict[str, Path]  # the file as the index names it -> its real path
+    tensors: dict[str, TensorInfo]
+
+    def path(self, tensor: str) -> Path:
+        return self.files[self.tensors[tensor].file]
+
+
+def read_weights(model_dir: str | os.PathLike[str]) -> Weights | None:
+    """The checked view of a model directory's weights, from the index or the single
+    `model.safetensors`; None when there are none (config.json alone)."""
+    root = Path(os.path.realpath(model_dir))
+    index = model_file(root, INDEX)
+    if index.exists():
+        weight_map = _weight_map(index)
+        files: dict[str, Path] = {}
+        for name, file in sorted(weight_map.items()):
+            if file not in files:
+                path = files[file] = model_file(root, file, where=f"{index}: tensor {name}")
+                if not path.exists():
+                    raise CheckpointError(f"{path}: missing (the index maps tensor {name} to it)")
+        headers = {file: read_safetensors_header(path, file) for file, path in files.items()}
+        tensors = {}
+        for name, file in sorted(weight_map.items()):
+            if name not in headers[file]:
+                raise CheckpointError(f"{files[file]}: tensor {name} is listed in the index but absent from the file")
+            tensors[name] = headers[file][name]
+        return Weights(files=files, tensors=tensors)
+    single = model_file(root, SINGLE)
+    if single.exists():
+        return Weights(files={SINGLE: single}, tensors=read_safetensors_header(single, SINGLE))
+    pickles = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pt"))
     if pickles:
-        raise CheckpointError(f"{model_dir}: only pickle checkpoints ({', '.join(pickles)}); "
+        raise CheckpointError(f"{root}: only pickle checkpoints ({', '.join(pickles)}); "
                               "shard-operator loads safetensors only (pickle can run code)")
     return None
 
 
-def read_tensor_infos(model_dir: str | os.PathLike[str]) -> dict[str, TensorInfo] | None:
-    """Every tensor's file, dtype and shape from the headers; None when no weights exist."""
-    model_dir = Path(model_dir)
-    weight_map = checkpoint_files(model_dir)
-    if weight_map is None:
-        return None
-    headers = {}
-    for file in sorted(set(weight_map.values())):
-        if not (model_dir / file).is_file():
-            first = next(n for n, f in sorted(weight_map.items()) if f == file)
-            raise CheckpointError(f"{model_dir / file}: missing (the index maps tensor {first} to it)")
-        headers[file] = read_safetensors_header(model_dir / file)
-    infos = {}
-    for name, file in sorted(weight_map.items()):
-        entry = headers[file].get(name)
-        if entry is None:
-            raise CheckpointError(f"{model_dir / file}: tensor {name} is listed in the index but absent from the file")
-        count = shape_numel(entry["shape"])
-        infos[name] = TensorInfo(file=file, dtype=entry["dtype"], shape=entry["shape"], numel=count,
-                                 nbytes=count * DTYPE_BYTES[entry["dtype"]])
-    return infos
+def _weight_map(index: Path) -> dict[str, str]:
+    data = read_json(index, "the safetensors index")
+    if not isinstance(data, dict) or not isinstance(data.get("weight_map"), dict):
+        raise CheckpointError(f"{index}: not a safetensors index (a JSON object with a weight_map object)")
+    for name, file in data["weight_map"].items():
+        if not isinstance(file, str):
+            raise CheckpointError(f"{index}: tensor {name}: the file name {_show(file)} is not a string")
+    return data["weight_map"]
 
 
 class CheckpointFacts(BaseModel):
-    """What a model directory says about itself: config.json, and every tensor's file, dtype and
-    shape from the safetensors headers (None when there are no weights yet: a model can be planned
-    from config.json alone). The profiling Pod prints this as one line of JSON."""
+    """What a model directory says about itself: config.json, and every tensor's file, dtype,
+    shape and offset from the safetensors headers (None when there are no weights yet: a model can
+    be planned from config.json alone). The profiling Pod prints this as one line of JSON."""
 
     name: str
     config: dict[str, Any]
@@ -244,23 +388,22 @@ class CheckpointFacts(BaseModel):
 def read_checkpoint(model_dir: str | os.PathLike[str]) -> CheckpointFacts:
     """Read and check a model directory: config.json, and when there are weights, every header,
     with every tensor the config implies present in its shape (a partial checkpoint fails here)."""
-    model_dir = Path(model_dir)
     config = read_config(model_dir)
-    infos = read_tensor_infos(model_dir)
-    name = model_dir.resolve().name
-    if infos is None:
-        return CheckpointFacts(name=name, config=config, tensors=None,
-                               digest=hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest())
+    weights = read_weights(model_dir)
+    name = Path(os.path.realpath(model_dir)).name
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    if weights is None:
+        return CheckpointFacts(name=name, config=config, tensors=None, digest=digest.hexdigest())
+    infos = weights.tensors
     for tensor, shape in expected_tensors(config).items():
         info = infos.get(tensor)
         if info is None:
-            files = ", ".join(sorted({i.file for i in infos.values()}))
-            raise CheckpointError(f"{model_dir}: tensor {tensor} is missing from the checkpoint ({files})")
+            files = ", ".join(sorted(weights.files))
+            raise CheckpointError(f"{os.path.realpath(model_dir)}: tensor {tensor} is missing from the checkpoint ({files})")
         if info.shape != shape:
-            raise CheckpointError(f"{model_dir / info.file}: tensor {tensor} has shape {info.shape}, "
+            raise CheckpointError(f"{weights.files[info.file]}: tensor {tensor} has shape {info.shape}, "
                                   f"config.json implies {shape}")
-    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for file in sorted({info.file for info in infos.values()}):
+    for file in sorted(weights.files):
         digest.update(json.dumps({n: i.model_dump() for n, i in infos.items() if i.file == file},
                                  sort_keys=True).encode())
     return CheckpointFacts(name=name, config=config, tensors=infos, digest=digest.hexdigest())

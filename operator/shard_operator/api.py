@@ -8,11 +8,12 @@ snake_case in Python.
 from __future__ import annotations
 
 import os
+import posixpath
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 from pydantic.alias_generators import to_camel
 
@@ -31,6 +32,10 @@ Quantization = Literal["none", "int8"]
 Auto = Literal["auto"]
 # Kubernetes int-or-string: a positive integer, or "auto" to let the planner choose.
 Degree = Annotated[int, Field(ge=1)] | Auto
+# A path without ".." segments, as the CRD's `pattern` (RE2: no lookahead): every segment is
+# anything but "..". Kubernetes refuses ".." in a hostPath for the same reason.
+_SEGMENT = r"([.]?[^/.][^/]*|[.]|[.][.][^/]+)?"
+NO_DOTDOT = rf"^{_SEGMENT}(/{_SEGMENT})*$"
 
 
 class ApiModel(BaseModel):
@@ -50,7 +55,15 @@ class PvcSource(ApiModel):
 
 
 class HostPathSource(ApiModel):
-    path: str = Field(min_length=1, description="Directory on every node of the pool.")
+    path: str = Field(min_length=1, description="Directory on every node of the pool: absolute, no '..'.",
+                      json_schema_extra={"pattern": NO_DOTDOT.replace("^", "^/", 1)})
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, path: str) -> str:
+        if not path.startswith("/") or ".." in path.split("/"):
+            raise ValueError(f"must be an absolute path without '..' segments (got {path!r})")
+        return _normal(path)
 
 
 class ImageSource(ApiModel):
@@ -79,10 +92,23 @@ class ModelVolume(ApiModel):
 
 
 class ModelSpec(ApiModel):
-    path: str = Field(min_length=1, description=(
-        "Model directory (config.json + safetensors). Relative to the volume's root when a volume "
-        "is given; otherwise a path on the node, or relative to the YAML file for `shardctl`."))
-    volume: ModelVolume | None = None
+    volume: ModelVolume | None = None  # before `path`, whose check depends on it
+    path: str = Field(min_length=1, json_schema_extra={"pattern": NO_DOTDOT}, description=(
+        "Model directory (config.json + safetensors). With a volume: a path inside it, relative "
+        "to its root (a leading / is that root), without '..' segments. Without one: an absolute "
+        "path on the node, or for `shardctl` a path relative to the YAML file (which alone may "
+        "use '..')."))
+
+    @field_validator("path")
+    @classmethod
+    def _inside_volume(cls, path: str, info: ValidationInfo) -> str:
+        in_volume = info.data.get("volume") is not None
+        if ".." in path.split("/"):
+            if in_volume:
+                raise ValueError(f"must stay inside the volume: no '..' segments (got {path!r})")
+            if path.startswith("/"):
+                raise ValueError(f"a path on the node must not have '..' segments (got {path!r})")
+        return (_normal(path).lstrip("/") or ".") if in_volume else _normal(path)
     dtype: Dtype = Field("auto", description="Runtime dtype; auto keeps the checkpoint's.")
     quantization: Quantization = Field("none", description=(
         "Weight-only quantization at load: int8 stores the decoder layers' projections as int8 with "
@@ -321,10 +347,28 @@ def load_sharded_models(path: str | os.PathLike[str]) -> list[ShardedModel]:
     return models
 
 
+def _normal(path: str) -> str:
+    """`path` without "." segments, doubled or trailing slashes (POSIX keeps a leading "//")."""
+    normal = posixpath.normpath(path)
+    return "/" + normal.lstrip("/") if normal.startswith("/") else normal
+
+
+def inside(root: Path, path: str, field: str = "spec.model.path", within: str = "the volume") -> Path:
+    """`root / path` with symlinks resolved, when it stays inside `root` (resolved too).
+
+    The message says only that `field` must stay inside: it does not tell whether anything outside
+    exists (nothing outside is named, and the answer does not depend on it)."""
+    real_root = Path(os.path.realpath(root))
+    real = Path(os.path.realpath(real_root / path))
+    if not real.is_relative_to(real_root):
+        raise SpecError(f"{field} must stay inside {within}")
+    return real
+
+
 def resolve_model_dir(model: ModelSpec, base: str | os.PathLike[str] | None = None) -> Path:
     """The local directory of the model, when it can be known without a cluster."""
     if model.volume is not None and model.volume.host_path is not None:
-        return Path(model.volume.host_path.path) / model.path
+        return inside(Path(model.volume.host_path.path), model.path)
     if model.volume is not None:
         raise SpecError("spec.model.volume is a PVC or image volume: pass --model-dir to use it locally")
     path = Path(model.path)

@@ -57,7 +57,7 @@ from .profiles import LocalProfiles, ModelNotFound, local_model_dir, remote_prof
 from .replan import PlanChoice, choose_plan, without_devices
 from .rollout import Decision, GroupKey, Want, decide, group_state, observe_groups
 from .settings import Settings
-from .status import Observation, Problem, build_status, status_patch
+from .status import Observation, Problem, build_status, failed_status, status_patch
 
 log = logging.getLogger("shard_operator")
 
@@ -132,10 +132,11 @@ class Controller:
                 try:
                     with self.reconcile_seconds.time():
                         await asyncio.to_thread(self.reconcile, snapshot, world(), memory)
-                except Exception:  # an API hiccup must not end the loop; the next round retries
+                except Exception as err:  # nothing must end the loop: say why, and the next round retries
                     self.failures += 1
                     log.exception("reconcile of %s/%s failed", *key)
                     memory.wake_in = min(memory.wake_in or settings.resync_seconds, 5.0)
+                    await asyncio.to_thread(self._report_failure, snapshot, memory, err)
                 try:  # kopf cancels this task when the model is deleted or the operator stops
                     await asyncio.wait_for(wake.wait(), timeout=memory.wake_in or settings.resync_seconds)
                 except TimeoutError:
@@ -237,6 +238,21 @@ class Controller:
         memory.status = status
         if any(group_state(g)[0] in ("Starting", "Terminating") for g in obs.groups):
             memory.wake_in = min(memory.wake_in, 5.0)  # pods change without other events at times
+
+    def _report_failure(self, body: dict[str, Any], memory: Memory, err: Exception) -> None:
+        """A reconcile raised: the Degraded condition (ReconcileError) and a Warning Event say so."""
+        previous = memory.status if memory.status is not None else body.get("status") or {}
+        message = " ".join(f"{type(err).__name__}: {err}".split())[:1000]
+        try:
+            status = failed_status(previous, message, body["metadata"].get("generation") or 0, _now())
+            if (patch := status_patch(previous, status)) is not None:
+                self.kube.patch_status(body["metadata"]["namespace"], body["metadata"]["name"], patch)
+        except Exception:  # the API may be what failed: the next round tries again
+            log.exception("reporting the failed reconcile of %s/%s failed too", body["metadata"].get("namespace"),
+                          body["metadata"]["name"])
+            return
+        self._problem_events(body, previous, status)
+        memory.status = status
 
     # ---------------------------------------------------------------- steps
     def _profile(self, ctx: Context, listing: dict[str, list]) -> ModelProfile | None:

@@ -31,6 +31,7 @@ from shard_contract.checkpoint import (
     CheckpointFacts,
     ModelShape,
     TensorInfo,
+    check_config,
     expected_tensors,
     read_checkpoint,
     shape_numel,
@@ -166,7 +167,7 @@ def profile_from_config(config: dict[str, Any], name: str = "model") -> ModelPro
     dtype = config.get("torch_dtype") or config.get("dtype") or "float32"
     st_dtype = {v: k for k, v in SAFETENSORS_DTYPE.items()}.get(dtype, "F32")
     infos = {n: TensorInfo(file="", dtype=st_dtype, shape=s, numel=shape_numel(s),
-                           nbytes=shape_numel(s) * DTYPE_BYTES[st_dtype])
+                           nbytes=shape_numel(s) * DTYPE_BYTES[st_dtype], offset=0)
              for n, s in expected_tensors(config).items()}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
     return _build(config, infos, "config", name, digest)
@@ -174,6 +175,7 @@ def profile_from_config(config: dict[str, Any], name: str = "model") -> ModelPro
 
 def profile_from_facts(facts: CheckpointFacts) -> ModelProfile:
     """The profile of a checkpoint as `read_checkpoint` (here, or in a profiling Pod) found it."""
+    check_config(facts.config, f"config.json of {facts.name}")  # a profiling Pod's output is input too
     if facts.tensors is None:
         return profile_from_config(facts.config, name=facts.name)
     return _build(facts.config, facts.tensors, "safetensors", facts.name, facts.digest)

@@ -11,7 +11,6 @@ failed profiling Pod is kept (for `kubectl logs`) until the model's source chang
 from __future__ import annotations
 
 import json
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from pydantic import ValidationError
 
 from shard_contract.checkpoint import CheckpointError, CheckpointFacts
 
-from .api import ShardedModelSpec
+from .api import ShardedModelSpec, inside
 from .kube import Kube
 from .manifests import (
     COMPONENT_LABEL,
@@ -41,16 +40,21 @@ class ModelNotFound(CheckpointError):
 
 
 def local_model_dir(spec: ShardedModelSpec, settings: Settings) -> Path | None:
-    """The model directory as the operator sees it, or None when it cannot see that volume."""
+    """The model directory as the operator sees it (symlinks resolved), or None when it cannot see
+    that volume. A path that leads out of its volume (through a symlink: the spec cannot say `..`)
+    is a SpecError that does not tell whether anything outside exists."""
     model, volume = spec.model, spec.model.volume
     if volume is None or volume.host_path is not None:
         if settings.host_path_prefix is None:
             return None
-        root = volume.host_path.path if volume is not None else ""
-        inside = os.path.join(root, model.path) if root else model.path
-        return Path(settings.host_path_prefix + inside)
+        node = Path(settings.host_path_prefix or "/")  # the node's filesystem, as mounted here
+        if volume is None:
+            return inside(node, model.path.lstrip("/"), within="the node's filesystem")
+        root = inside(node, volume.host_path.path.lstrip("/"), "spec.model.volume.hostPath.path",
+                      within="the node's filesystem")
+        return inside(root, model.path)
     if volume.pvc is not None and settings.pvc_root is not None:
-        return Path(settings.pvc_root) / volume.pvc.claim_name / model.path
+        return inside(Path(settings.pvc_root) / volume.pvc.claim_name, model.path)
     return None
 
 
@@ -59,7 +63,11 @@ def _signature(model_dir: Path) -> tuple:
     entries = []
     for path in sorted(model_dir.iterdir()):
         if path.name == "config.json" or path.suffix == ".safetensors" or path.name.endswith(".index.json"):
-            stat = path.stat()
+            try:
+                stat = path.stat()
+            except OSError:  # a dangling link, say: reading the checkpoint names the problem
+                entries.append((path.name, None, None))
+                continue
             entries.append((path.name, stat.st_size, stat.st_mtime_ns))
     return tuple(entries)
 
@@ -74,7 +82,10 @@ class LocalProfiles:
     def get(self, model_dir: Path) -> ModelProfile:
         if not model_dir.is_dir():
             raise ModelNotFound(f"model directory {model_dir} does not exist")
-        signature = _signature(model_dir)
+        try:
+            signature = _signature(model_dir)
+        except OSError as err:
+            raise CheckpointError(f"{model_dir}: cannot be listed ({err.strerror})") from None
         with self._lock:
             cached = self._cache.get(model_dir)
         if cached is not None and cached[0] == signature:

@@ -200,6 +200,16 @@ def build_status(obs: Observation, previous: dict[str, Any] | None, now: str) ->
     return wire
 
 
+def failed_status(previous: dict[str, Any] | None, message: str, generation: int, now: str) -> dict[str, Any]:
+    """The status after a reconcile raised what nothing expected: Degraded says so (ReconcileError,
+    with the message) and the rest stays as last seen, since that reconcile saw nothing new."""
+    previous = previous or {}
+    degraded = _condition("Degraded", True, "ReconcileError", message, generation, previous, now).model_dump(
+        by_alias=True, mode="json", exclude_none=True)
+    conditions = [c for c in previous.get("conditions") or [] if c.get("type") != "Degraded"]
+    return {**previous, "phase": previous.get("phase") or "Pending", "conditions": [*conditions, degraded]}
+
+
 def status_patch(previous: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any] | None:
     """The merge patch from `previous` to `new`, or None when nothing changed."""
     previous = previous or {}

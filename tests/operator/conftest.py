@@ -47,6 +47,7 @@ from shard_contract.plan import PredictedBytes  # noqa: E402
 from shard_contract.wire import ResidentBytes, ShardEntry, ShardsResponse  # noqa: E402
 from shard_devcluster.apiserver import SM, serve  # noqa: E402
 from shard_devcluster.kubelet import FakeKubelet  # noqa: E402
+from shard_operator.kube import Kube  # noqa: E402
 from shard_operator.permissions import permissions  # noqa: E402
 from tests.support.operator import ManualClock, eventually, fast_settings, running_operator  # noqa: E402
 
@@ -111,8 +112,8 @@ class World:
     def settings(self, **overrides):
         return fast_settings(leader_url=self.leaders + "/{namespace}/{pod}", **overrides)
 
-    def operator(self, **overrides):
-        return running_operator(self.url, self.settings(**overrides), clock=self.clock)
+    def operator(self, kube_type=Kube, **overrides):
+        return running_operator(self.url, self.settings(**overrides), clock=self.clock, kube_type=kube_type)
 
     async def add_node(self, node: dict) -> None:
         await self.emu.k8s_create("v1/nodes", None, node)

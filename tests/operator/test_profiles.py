@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from shard_operator.api import SpecError
 from shard_operator.profiles import LocalProfiles, ModelNotFound, local_model_dir
 from shard_operator.settings import Settings
 
@@ -37,3 +38,36 @@ def test_local_profiles_are_cached_until_a_file_changes(tmp_path):
     assert profiles.get(model).num_layers == 6
     with pytest.raises(ModelNotFound, match="does not exist"):
         profiles.get(tmp_path / "absent")
+
+
+def test_a_model_path_that_leads_out_of_its_volume_is_refused_with_one_message(tmp_path):
+    """Through a symlink in the volume (the spec itself cannot say '..'), whether the target exists
+    or not, and an absolute link that would lead into the operator's own filesystem."""
+    node = tmp_path / "node"  # the node's filesystem, mounted at the host path prefix
+    volume = node / "data" / "models"
+    write_model(volume / "tiny")
+    write_model(tmp_path / "operator-own" / "model")
+    (volume / "inside").symlink_to("tiny")
+    (volume / "exists").symlink_to(tmp_path / "operator-own" / "model")
+    (volume / "absent").symlink_to(tmp_path / "nothing")
+    (volume / "up").symlink_to("../..")  # the node's root: inside the node, outside the volume
+    settings = Settings(host_path_prefix=str(node))
+    spec = lambda path: make_spec(model={"path": path, "volume": {"hostPath": {"path": "/data/models"}}})
+    assert local_model_dir(spec("inside"), settings) == (volume / "tiny").resolve()
+    for path in ("exists", "absent", "exists/sub", "up/data"):
+        with pytest.raises(SpecError, match=r"^spec\.model\.path must stay inside the volume$"):
+            local_model_dir(spec(path), settings)
+    (tmp_path / "pvcs" / "claim").mkdir(parents=True)
+    (tmp_path / "pvcs" / "claim" / "w").symlink_to(tmp_path / "operator-own" / "model")
+    with pytest.raises(SpecError, match=r"^spec\.model\.path must stay inside the volume$"):
+        local_model_dir(make_spec(model={"path": "w", "volume": {"pvc": {"claimName": "claim"}}}),
+                        Settings(pvc_root=str(tmp_path / "pvcs")))
+
+
+def test_a_hostpath_volume_that_leads_out_of_the_node_is_refused(tmp_path):
+    node = tmp_path / "node"
+    node.mkdir()
+    (node / "data").symlink_to(tmp_path)  # absolute on the node: here it would be the operator's own
+    with pytest.raises(SpecError, match=r"^spec\.model\.volume\.hostPath\.path must stay inside the node's filesystem$"):
+        local_model_dir(make_spec(model={"path": "tiny", "volume": {"hostPath": {"path": "/data/models"}}}),
+                        Settings(host_path_prefix=str(node)))

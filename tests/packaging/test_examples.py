@@ -43,6 +43,10 @@ def test_examples_hold_objects_of_both_sorts():
 def test_example_validates(obj):
     if obj["kind"] == "ShardedModel":
         assert obj["apiVersion"] == "sharding.dev/v1alpha1"
+        if ".." in obj["spec"]["model"]["path"].split("/"):  # local-demo.yaml: for shardctl, beside the file
+            with pytest.raises(jsonschema.ValidationError, match="does not match"):
+                jsonschema.Draft4Validator(crd_schema()).validate(obj)
+            return
         jsonschema.Draft4Validator(crd_schema()).validate(obj)
         return
     try:

@@ -5,13 +5,16 @@ process left behind."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import httpx
 import pytest
 
-from shard_operator.local import free_port
+from shard_operator.local import free_port, plan_local
+from shard_operator.run import run_local
 
+from tests.support.malicious import ATTACKS, write_attack, write_good
 from tests.support.processes import alive, shardctl, worker_ranks
 
 from .conftest import get, sharded_model_yaml, stop, wait_for
@@ -65,3 +68,18 @@ def test_ctrl_c_stops_every_rank(tiny_model, tmp_path):
         stop(proc)
     assert proc.returncode == 130 and "stopped every rank" in err
     assert not any(alive(pid) for pid in ranks.values())
+
+
+def test_a_rank_refuses_a_malicious_checkpoint_and_the_run_exits_with_its_message(tmp_path):
+    """The checkpoint was good when it was planned and is malicious when the rank loads it."""
+    attack = ATTACKS["negative-offsets"]  # before: header bytes loaded silently as model.norm.weight
+    plan = plan_local(write_good(tmp_path / "planned"), 1, 1, max_model_len=64, devices="localhost:1GiB",
+                      device_kind="cpu")
+    lines: list[str] = []
+    code = run_local(plan, write_attack(attack, tmp_path / "loaded"), port=free_port(), restarts=0,
+                     ready_timeout=120, out=lines.append, err=lines.append)
+    text = "\n".join(lines)
+    assert code == 3
+    assert re.search(r"shardctl: rank 0 exited with status 1; its log ends:\n(?s:.*)CheckpointError: \S+" + attack.error,
+                     text), text
+    assert "the group failed 1 time; no restarts left" in text

@@ -31,9 +31,10 @@ def fast_settings(**overrides: Any) -> Settings:
 @contextlib.asynccontextmanager
 async def running_operator(api_url: str, settings: Settings = FAST,
                            fetch: Callable[[str, float], dict | None] | None = None,
-                           clock: Callable[[], float] | None = None) -> AsyncIterator[Controller]:
-    """The operator, logged into `api_url`, until the block ends."""
-    kube = Kube(client_for(kubernetes.client.Configuration(host=api_url)))
+                           clock: Callable[[], float] | None = None,
+                           kube_type: type[Kube] = Kube) -> AsyncIterator[Controller]:
+    """The operator, logged into `api_url`, until the block ends (its API edge a `kube_type`)."""
+    kube = kube_type(client_for(kubernetes.client.Configuration(host=api_url)))
     extra: dict[str, Any] = {"fetch": fetch} if fetch else {}
     if clock is not None:
         extra["clock"] = clock

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 
 from shard_operator import api
 from shard_operator.crd import build_crd, render
@@ -38,7 +41,11 @@ def test_examples_validate_with_the_models(doc):
 
 @pytest.mark.parametrize("doc", sharded_model_docs())
 def test_examples_validate_against_the_crd_schema(doc):
-    jsonschema.Draft4Validator(crd_schema()).validate(doc)
+    if ".." in doc["spec"]["model"]["path"].split("/"):  # local-demo.yaml: for shardctl, beside the file
+        with pytest.raises(jsonschema.ValidationError, match="does not match"):
+            jsonschema.Draft4Validator(crd_schema()).validate(doc)
+    else:
+        jsonschema.Draft4Validator(crd_schema()).validate(doc)
 
 
 # ---------------------------------------------------------------- the CRD
@@ -113,6 +120,15 @@ def test_crd_carries_defaults_bounds_and_enums():
     ({"model": {"path": "m"}, "parallelism": {"pipeline": 2, "layerPartition": [1, 2, 3]}},
      "spec.parallelism: layerPartition has 3 stages but pipeline is 2"),
     ({"model": {"path": "m"}, "worker": {"port": 70000}}, "spec.worker.port: should be less than or equal to 65535"),
+    ({"model": {"path": "../../../../tmp/x", "volume": {"hostPath": {"path": "/models"}}}},
+     "spec.model.path: must stay inside the volume: no '..' segments (got '../../../../tmp/x')"),
+    ({"model": {"path": "llama/../../x", "volume": {"pvc": {"claimName": "a"}}}},
+     "spec.model.path: must stay inside the volume"),
+    ({"model": {"path": "/models/../etc"}}, "spec.model.path: a path on the node must not have '..' segments"),
+    ({"model": {"path": "m", "volume": {"hostPath": {"path": "/data/../etc"}}}},
+     "spec.model.volume.hostPath.path: must be an absolute path without '..' segments (got '/data/../etc')"),
+    ({"model": {"path": "m", "volume": {"hostPath": {"path": "data"}}}},
+     "spec.model.volume.hostPath.path: must be an absolute path"),
 ])
 def test_validation_errors_name_the_field(spec, message):
     with pytest.raises(api.SpecError) as err:
@@ -142,3 +158,37 @@ def test_load_sharded_models_rejects_files_without_one(tmp_path):
     path.write_text("spec: [unclosed\n")
     with pytest.raises(api.SpecError, match="not valid YAML"):
         api.load_sharded_models(path)
+
+
+# ---------------------------------------------------------------- spec.model.path stays in its volume
+@pytest.mark.parametrize("path, volume, normal", [
+    ("llama", True, "llama"), ("/llama/", True, "llama"), ("./a//b/.", True, "a/b"), ("/", True, "."),
+    ("/models/llama/", False, "/models/llama"), ("//models", False, "/models"),
+    ("../.cache/demo", False, "../.cache/demo"),  # shardctl: beside the YAML file
+])
+def test_the_model_path_is_normalised_inside_its_volume(path, volume, normal):
+    model = {"path": path, **({"volume": {"pvc": {"claimName": "w"}}} if volume else {})}
+    assert api.parse_spec({"model": model}).model.path == normal
+
+
+@given(path=st.text(st.sampled_from("ab./"), min_size=1, max_size=12))
+def test_the_crd_pattern_refuses_exactly_the_paths_with_dotdot(path):
+    schema = crd_schema()["properties"]["spec"]["properties"]["model"]["properties"]
+    assert bool(re.fullmatch(schema["path"]["pattern"], path)) == (".." not in path.split("/"))
+    host = schema["volume"]["properties"]["hostPath"]["properties"]["path"]["pattern"]
+    assert bool(re.fullmatch(host, path)) == (path.startswith("/") and ".." not in path.split("/"))
+    try:
+        api.parse_spec({"model": {"path": path, "volume": {"hostPath": {"path": "/v"}}}})
+    except api.SpecError:
+        assert ".." in path.split("/")  # within a volume the check is the CRD's pattern, and no more
+
+
+def test_shardctl_follows_a_hostpath_model_only_inside_its_volume(tmp_path):
+    volume = tmp_path / "volume"
+    (volume / "real").mkdir(parents=True)
+    (volume / "inside").symlink_to("real")
+    (volume / "out").symlink_to(tmp_path / "elsewhere")  # the target need not exist: nothing is probed
+    spec = lambda path: api.parse_spec({"model": {"path": path, "volume": {"hostPath": {"path": str(volume)}}}})
+    assert api.resolve_model_dir(spec("inside").model) == (volume / "real").resolve()
+    with pytest.raises(api.SpecError, match=r"^spec\.model\.path must stay inside the volume$"):
+        api.resolve_model_dir(spec("out/llama").model)

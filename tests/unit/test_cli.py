@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from shard_operator.cli import main
+from tests.support.malicious import ATTACKS, CORPUS, write_attack
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -89,3 +91,32 @@ def test_console_script_prints_the_crd():
     shardctl = Path(sys.executable).with_name("shardctl")
     out = subprocess.run([str(shardctl), "crd"], capture_output=True, text=True, check=True).stdout
     assert out == (ROOT / "crds" / "shardedmodels.yaml").read_text()
+
+
+MODEL_IN_VOLUME = """apiVersion: sharding.dev/v1alpha1
+kind: ShardedModel
+metadata: {{name: m}}
+spec:
+  model: {{path: {path}, volume: {{hostPath: {{path: {volume}}}}}}}
+"""
+
+
+def write_sm(tmp_path: Path, path: str, volume: Path) -> Path:
+    (tmp_path / "sm.yaml").write_text(MODEL_IN_VOLUME.format(path=path, volume=volume))
+    return tmp_path / "sm.yaml"
+
+
+@pytest.mark.parametrize("attack", CORPUS, ids=lambda a: a.name)
+def test_plan_refuses_every_malicious_checkpoint_in_one_line(capsys, tmp_path, attack):
+    write_attack(attack, tmp_path)
+    code, out, err = run(capsys, "plan", "-f", str(write_sm(tmp_path, "model", tmp_path)), "--devices", "a:1GiB")
+    assert (code, out) == (1, "")
+    assert err.startswith("shardctl: ") and err.count("\n") == 1 and re.search(attack.error, err), err
+
+
+@pytest.mark.parametrize("name", ["index-parent-escape", "negative-offsets"])
+def test_run_refuses_a_malicious_checkpoint_before_any_rank_starts(capsys, tmp_path, name):
+    write_attack(ATTACKS[name], tmp_path)
+    code, out, err = run(capsys, "run", "-f", str(write_sm(tmp_path, "model", tmp_path)), "--devices", "a:1GiB")
+    assert (code, out) == (1, "")
+    assert err.count("\n") == 1 and re.search(ATTACKS[name].error, err), err

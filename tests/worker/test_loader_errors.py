@@ -18,6 +18,7 @@ from shard_worker.dist import Comm, Topology
 from shard_worker.loader import load_stage
 from shard_worker.model import Layout, Stage
 from tests.support.checkpoints import write_checkpoint
+from tests.support.malicious import CORPUS, write_attack
 
 from .conftest import MODELS
 
@@ -109,4 +110,12 @@ def test_index_naming_a_missing_file(tmp_path):
     victim = index["model.layers.1.self_attn.k_proj.weight"]
     (model_dir / victim).unlink()
     with pytest.raises(CheckpointError, match=rf"{victim}: missing \(the index maps tensor \S+ to it\)"):
+        load_stage(stage_for(model_dir), model_dir)
+
+
+@pytest.mark.parametrize("attack", CORPUS, ids=lambda a: a.name)
+def test_every_malicious_checkpoint_is_refused_by_the_loader(attack, tmp_path):
+    """What a rank does: read config.json, then load its slices (the plan came from elsewhere)."""
+    model_dir = write_attack(attack, tmp_path)
+    with pytest.raises(CheckpointError, match=attack.error):
         load_stage(stage_for(model_dir), model_dir)

@@ -7,12 +7,11 @@ module adds what only the runtime needs (norm epsilon, RoPE, sliding windows, EO
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from shard_contract.checkpoint import ModelShape, read_config
+from shard_contract.checkpoint import ModelShape, model_file, read_config, read_json
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -33,8 +32,9 @@ class ModelConfig(ModelShape):
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         model_dir = Path(model_dir)
         config = read_config(model_dir)
-        generation = model_dir / "generation_config.json"
-        extra_eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
+        generation = model_file(model_dir, "generation_config.json")
+        extra = read_json(generation, "generation_config.json") if generation.exists() else {}
+        extra_eos = extra.get("eos_token_id") if isinstance(extra, dict) else None
         return cls.from_hf(config, source=str(model_dir / "config.json"), extra_eos=extra_eos)
 
     @classmethod

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from shard_contract.checkpoint import DTYPE_BYTES, CheckpointError, checkpoint_files, read_safetensors_header
+from shard_contract.checkpoint import DTYPE_BYTES, CheckpointError, read_weights
 
 from .config import ModelConfig
 from .model import Piece, Stage
@@ -62,47 +62,31 @@ class LoadStats:
 
 
 class Checkpoint:
-    """Where every tensor lives, from the index and the safetensors headers (no tensor data)."""
+    """Where every tensor lives: the contract's checked view of the index and the safetensors
+    headers (files inside the model directory, byte ranges inside their files; no tensor data)."""
 
     def __init__(self, model_dir: str | Path, config: ModelConfig):
         self.dir, self.config = Path(model_dir), config
-        weight_map = checkpoint_files(self.dir)
-        if weight_map is None:
+        weights = read_weights(self.dir)
+        if weights is None:
             raise CheckpointError(f"{self.dir}: no model.safetensors or model.safetensors.index.json")
-        self.weight_map = weight_map
-        self._headers: dict[str, dict] = {}
-
-    def _header(self, file: str) -> tuple[dict, int]:
-        if file not in self._headers:
-            path = self.dir / file
-            if not path.is_file():
-                first = next(n for n, f in sorted(self.weight_map.items()) if f == file)
-                raise CheckpointError(f"{path}: missing (the index maps tensor {first} to it)")
-            header = read_safetensors_header(path)
-            with open(path, "rb") as fh:
-                data_start = 8 + int.from_bytes(fh.read(8), "little")
-            self._headers[file] = (header, data_start)
-        return self._headers[file]
+        self.weights = weights
 
     def entry(self, name: str) -> Entry:
-        """The checked location of tensor `name`: present, with the shape config.json implies
-        and a floating-point dtype."""
-        file = self.weight_map.get(name)
-        if file is None:
-            files = ", ".join(sorted(set(self.weight_map.values())))
-            raise CheckpointError(f"{self.dir}: tensor {name} is missing from the checkpoint ({files})")
-        header, data_start = self._header(file)
-        path = self.dir / file
-        info = header.get(name)
+        """The location of tensor `name`: present, with the shape config.json implies and a
+        floating-point dtype."""
+        info = self.weights.tensors.get(name)
         if info is None:
-            raise CheckpointError(f"{path}: tensor {name} is listed in the index but absent from the file")
+            files = ", ".join(sorted(self.weights.files))
+            raise CheckpointError(f"{self.dir}: tensor {name} is missing from the checkpoint ({files})")
+        path = self.weights.files[info.file]
         expected = self.config.tensor_shapes.get(name)
-        if expected is not None and list(info["shape"]) != list(expected):
-            raise CheckpointError(f"{path}: tensor {name} has shape {info['shape']}, config.json implies {expected}")
-        if info["dtype"] not in TORCH_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}; "
+        if expected is not None and info.shape != list(expected):
+            raise CheckpointError(f"{path}: tensor {name} has shape {info.shape}, config.json implies {expected}")
+        if info.dtype not in TORCH_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} has dtype {info.dtype}; "
                                   f"expected a float dtype ({', '.join(TORCH_DTYPES)})")
-        return Entry(name, path, info["dtype"], tuple(info["shape"]), data_start + info["data_offsets"][0])
+        return Entry(name, path, info.dtype, tuple(info.shape), info.offset)
 
 
 def load_stage(stage: Stage, model_dir: str | Path) -> LoadStats:

@@ -40,15 +40,19 @@ typedef struct {
 
 typedef void (*RowsFn)(const Job *, int64_t, int64_t);
 
-/* ---------------------------------------------------------------- scalar helpers */
-static inline float bf16_to_f32(uint16_t v) {
+/* ---------------------------------------------------------------- scalar helpers
+ * Always inlined: a call from a kernel to a function compiled for plain x86-64 costs a vzeroupper,
+ * which makes the caller spill every vector accumulator around it. */
+#define INLINE __attribute__((always_inline)) static inline
+
+INLINE float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
     float f;
     memcpy(&f, &u, 4);
     return f;
 }
 
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
+INLINE uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
     uint32_t u;
     memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
@@ -56,19 +60,19 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
     return (uint16_t)(u >> 16);
 }
 
-static inline float scale_at(const Job *j, int64_t row) {  /* int8 rows' scales are float32 */
+INLINE float scale_at(const Job *j, int64_t row) {  /* int8 rows' scales are float32 */
     return j->wtype == W_I8 ? ((const float *)j->scale)[row] : 1.0f;
 }
 
 /* y[b, row] = acc * scale, in the activation dtype */
-static inline void store(const Job *j, int64_t b, int64_t row, float acc) {
+INLINE void store(const Job *j, int64_t b, int64_t row, float acc) {
     acc *= scale_at(j, row);
     if (j->xtype == X_F32) ((float *)j->y)[b * j->ldy + row] = acc;
     else ((uint16_t *)j->y)[b * j->ldy + row] = f32_to_bf16(acc);
 }
 
 /* ---------------------------------------------------------------- portable C */
-static inline float weight_at(const Job *j, int64_t row, int64_t i) {
+INLINE float weight_at(const Job *j, int64_t row, int64_t i) {
     const int64_t at = row * j->k + i;
     switch (j->wtype) {
         case W_F32: return ((const float *)j->w)[at];
@@ -122,7 +126,7 @@ static void rows_portable(const Job *j, int64_t r0, int64_t r1) {
 #define DECLARE_ACCS ACC(0) ACC(1) ACC(2) ACC(3) ACC(4) ACC(5) ACC(6) ACC(7)
 
 /* The dot product of row `row` and vector b over [i, k), in scalar code (AVX2 row tails) */
-static inline float tail_dot(const Job *j, int64_t row, int64_t b, int64_t i) {
+INLINE float tail_dot(const Job *j, int64_t row, int64_t b, int64_t i) {
     float acc = 0.0f;
     for (; i < j->k; i++) acc += weight_at(j, row, i) * j->xf[b * j->k + i];
     return acc;
@@ -132,16 +136,19 @@ static inline float tail_dot(const Job *j, int64_t row, int64_t b, int64_t i) {
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"), always_inline)) static inline
 #define T512FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 
-/* 16 weights of a row as float32, `mask` lanes (the tail of a row) */
-T512 __m512 load16_512(int wtype, const void *w, int64_t at, __mmask16 mask) {
+/* 16 weights of a row as float32; `full` (a constant) or only the `mask` lanes (a row's tail).
+ * Masked loads cost an extra vector uop on Intel cores, so the main loop has none. */
+T512 __m512 load16_512(int wtype, const void *w, int64_t at, const int full, __mmask16 mask) {
     switch (wtype) {
-        case W_F32: return _mm512_maskz_loadu_ps(mask, (const float *)w + at);
+        case W_F32: return full ? _mm512_loadu_ps((const float *)w + at) : _mm512_maskz_loadu_ps(mask, (const float *)w + at);
         case W_BF16: {
-            __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)w + at);
+            __m256i h = full ? _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + at))
+                             : _mm256_maskz_loadu_epi16(mask, (const uint16_t *)w + at);
             return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
         }
         default: {
-            __m128i q = _mm_maskz_loadu_epi8(mask, (const int8_t *)w + at);
+            __m128i q = full ? _mm_loadu_si128((const __m128i *)((const int8_t *)w + at))
+                             : _mm_maskz_loadu_epi8(mask, (const int8_t *)w + at);
             return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
         }
     }
@@ -153,13 +160,20 @@ T512 __m512 load16_512(int wtype, const void *w, int64_t at, __mmask16 mask) {
 #define FMA(acc, w, x) _mm512_fmadd_ps(w, x, acc)
 #define SUM(acc) _mm512_reduce_add_ps(acc)
 #define TAIL(r, b) 0.0f
-#define W(r) load16_512(wtype, j->w, (row + r) * k + i, mask)
-#define X(b) _mm512_maskz_loadu_ps(mask, j->xf + b * k + i)
+#define W(r) load16_512(wtype, j->w, (row + r) * k + i, full, mask)
+#define X(b) (full ? _mm512_loadu_ps(j->xf + b * k + i) : _mm512_maskz_loadu_ps(mask, j->xf + b * k + i))
 T512 void block_512(const Job *j, int64_t row, const int R, const int M, const int wtype) {
     DECLARE_ACCS
     const int64_t k = j->k;
-    for (int64_t i = 0; i < k; i += 16) {  /* the last step masks the row's tail */
-        const __mmask16 mask = i + 16 <= k ? 0xffff : (__mmask16)((1u << (k - i)) - 1);
+    int64_t i = 0;
+    {
+        const int full = 1;
+        const __mmask16 mask = 0xffff;
+        for (; i + 16 <= k; i += 16) TILE_STEP
+    }
+    if (i < k) {  /* the row's tail */
+        const int full = 0;
+        const __mmask16 mask = (__mmask16)((1u << (k - i)) - 1);
         TILE_STEP
     }
     TILE_STORE
@@ -174,19 +188,28 @@ T512 void block_512(const Job *j, int64_t row, const int R, const int M, const i
 #define TBFFN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 #define WVEC __m512bh
 #define FMA(acc, w, x) _mm512_dpbf16_ps(acc, w, x)
-#define W(r) (__m512bh)_mm512_maskz_loadu_epi16(mask, wp + (row + r) * k + i)
-#define X(b) (__m512bh)_mm512_maskz_loadu_epi16(mask, xp + b * ldx + i)
+#define LOAD32(p) (full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(mask, p))
+#define W(r) (__m512bh)LOAD32(wp + (row + r) * k + i)
+#define X(b) (__m512bh)LOAD32(xp + b * ldx + i)
 TBF void block_bf16dp(const Job *j, int64_t row, const int R, const int M, const int wtype) {
     (void)wtype;
     DECLARE_ACCS
     const int64_t k = j->k, ldx = j->ldx;
     const uint16_t *wp = (const uint16_t *)j->w, *xp = (const uint16_t *)j->x;
-    for (int64_t i = 0; i < k; i += 32) {  /* zeroed tail lanes add nothing */
-        const __mmask32 mask = i + 32 <= k ? 0xffffffffu : (__mmask32)((1ull << (k - i)) - 1);
+    int64_t i = 0;
+    {
+        const int full = 1;
+        const __mmask32 mask = 0xffffffffu;
+        for (; i + 32 <= k; i += 32) TILE_STEP
+    }
+    if (i < k) {  /* the row's tail: zeroed lanes add nothing */
+        const int full = 0;
+        const __mmask32 mask = (__mmask32)((1ull << (k - i)) - 1);
         TILE_STEP
     }
     TILE_STORE
 }
+#undef LOAD32
 #undef VEC
 #undef WVEC
 #undef ZERO

@@ -466,71 +466,83 @@ static PyObject *py_linear(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* ---------------------------------------------------------------- the plain read (the limit) */
-typedef struct { const uint8_t *p; int64_t bytes; uint64_t sums[MAX_THREADS]; int level; } ReadTask;
+/* ---------------------------------------------------------------- the plain read (the limit)
+ * Each thread reads its share once with vector loads, summed so none is skipped, as `streams`
+ * sequential streams at once (1: one pass front to back; more: the share cut in that many parts
+ * read side by side, as a matrix-vector product reads several rows): the bench takes the faster. */
+#define MAX_STREAMS 8
+typedef struct { const uint8_t *p; int64_t bytes; int streams, level; uint64_t sums[MAX_THREADS]; } ReadTask;
 
 #if X86
-T512FN static uint64_t read_512(const uint8_t *p, int64_t bytes) {
-    __m512i a = _mm512_setzero_si512(), b = a, c = a, d = a;
+T512FN static uint64_t read_512(const uint8_t *p, int64_t per, int streams) {
+    __m512i a = _mm512_setzero_si512(), b = a;
     int64_t i = 0;
-    for (; i + 256 <= bytes; i += 256) {
-        a = _mm512_add_epi64(a, _mm512_loadu_si512(p + i));
-        b = _mm512_add_epi64(b, _mm512_loadu_si512(p + i + 64));
-        c = _mm512_add_epi64(c, _mm512_loadu_si512(p + i + 128));
-        d = _mm512_add_epi64(d, _mm512_loadu_si512(p + i + 192));
-    }
-    uint64_t s = (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(a, b), _mm512_add_epi64(c, d)));
-    for (; i < bytes; i++) s += p[i];
-    return s;
+    for (; i + 128 <= per; i += 128)
+        for (int s = 0; s < streams; s++) {
+            a = _mm512_add_epi64(a, _mm512_loadu_si512(p + s * per + i));
+            b = _mm512_add_epi64(b, _mm512_loadu_si512(p + s * per + i + 64));
+        }
+    uint64_t sum = (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a, b));
+    for (int s = 0; s < streams; s++)
+        for (int64_t t = i; t < per; t++) sum += p[s * per + t];
+    return sum;
 }
 
-T256FN static uint64_t read_256(const uint8_t *p, int64_t bytes) {
-    __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
+T256FN static uint64_t read_256(const uint8_t *p, int64_t per, int streams) {
+    __m256i a = _mm256_setzero_si256(), b = a;
     int64_t i = 0;
-    for (; i + 128 <= bytes; i += 128) {
-        a = _mm256_add_epi64(a, _mm256_loadu_si256((const __m256i *)(p + i)));
-        b = _mm256_add_epi64(b, _mm256_loadu_si256((const __m256i *)(p + i + 32)));
-        c = _mm256_add_epi64(c, _mm256_loadu_si256((const __m256i *)(p + i + 64)));
-        d = _mm256_add_epi64(d, _mm256_loadu_si256((const __m256i *)(p + i + 96)));
-    }
+    for (; i + 64 <= per; i += 64)
+        for (int s = 0; s < streams; s++) {
+            a = _mm256_add_epi64(a, _mm256_loadu_si256((const __m256i *)(p + s * per + i)));
+            b = _mm256_add_epi64(b, _mm256_loadu_si256((const __m256i *)(p + s * per + i + 32)));
+        }
     uint64_t lanes[4];
-    _mm256_storeu_si256((__m256i *)lanes, _mm256_add_epi64(_mm256_add_epi64(a, b), _mm256_add_epi64(c, d)));
-    uint64_t s = lanes[0] + lanes[1] + lanes[2] + lanes[3];
-    for (; i < bytes; i++) s += p[i];
-    return s;
+    _mm256_storeu_si256((__m256i *)lanes, _mm256_add_epi64(a, b));
+    uint64_t sum = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    for (int s = 0; s < streams; s++)
+        for (int64_t t = i; t < per; t++) sum += p[s * per + t];
+    return sum;
 }
 #endif
 
-static uint64_t read_portable(const uint8_t *p, int64_t bytes) {
-    uint64_t s = 0, word;
+static uint64_t read_portable(const uint8_t *p, int64_t per, int streams) {
+    uint64_t sum = 0, word;
     int64_t i = 0;
-    for (; i + 8 <= bytes; i += 8) { memcpy(&word, p + i, 8); s += word; }
-    for (; i < bytes; i++) s += p[i];
-    return s;
+    for (; i + 8 <= per; i += 8)
+        for (int s = 0; s < streams; s++) { memcpy(&word, p + s * per + i, 8); sum += word; }
+    for (int s = 0; s < streams; s++)
+        for (int64_t t = i; t < per; t++) sum += p[s * per + t];
+    return sum;
 }
 
 static void read_part(void *arg, int i, int n) {
     ReadTask *t = (ReadTask *)arg;
-    const int64_t per = (t->bytes / n) & ~(int64_t)255;
-    const int64_t start = i * per, len = i == n - 1 ? t->bytes - start : per;
+    const int64_t share = (t->bytes / n) & ~(int64_t)4095;
+    const int64_t start = i * share, len = i == n - 1 ? t->bytes - start : share;
+    const int64_t per = len / t->streams;
+    const uint8_t *p = t->p + start;
+    uint64_t sum;
 #if X86
-    if (t->level >= AVX512) { t->sums[i] = read_512(t->p + start, len); return; }
-    if (t->level >= AVX2) { t->sums[i] = read_256(t->p + start, len); return; }
+    if (t->level >= AVX512) sum = read_512(p, per, t->streams);
+    else if (t->level >= AVX2) sum = read_256(p, per, t->streams);
+    else
 #endif
-    t->sums[i] = read_portable(t->p + start, len);
+    sum = read_portable(p, per, t->streams);
+    for (int64_t b = per * t->streams; b < len; b++) sum += p[b];
+    t->sums[i] = sum;
 }
 
 static PyObject *py_read(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long p;
     long long bytes;
-    int threads, level;
-    if (!PyArg_ParseTuple(args, "KLii", &p, &bytes, &threads, &level)) return NULL;
-    if (level < 0 || level >= LEVELS || !supported[level] || bytes < 0) {
-        PyErr_SetString(PyExc_ValueError, "read: bad level or size");
+    int threads, level, streams;
+    if (!PyArg_ParseTuple(args, "KLiii", &p, &bytes, &threads, &level, &streams)) return NULL;
+    if (level < 0 || level >= LEVELS || !supported[level] || bytes < 0 || streams < 1 || streams > MAX_STREAMS) {
+        PyErr_SetString(PyExc_ValueError, "read: bad level, size or streams");
         return NULL;
     }
-    ReadTask task = {(const uint8_t *)(uintptr_t)p, bytes, {0}, level};
+    ReadTask task = {(const uint8_t *)(uintptr_t)p, bytes, streams, level, {0}};
     int n = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     Py_BEGIN_ALLOW_THREADS
     parallel(read_part, &task, n);
@@ -555,7 +567,8 @@ static PyObject *py_levels(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"linear", py_linear, METH_VARARGS,
      "linear(wtype, xtype, w, scale, x, y, n, k, m, ldx, ldy, threads, level): y = x W^T (* scale), by pointers"},
-    {"read", py_read, METH_VARARGS, "read(pointer, nbytes, threads, level) -> checksum: stream the bytes once"},
+    {"read", py_read, METH_VARARGS,
+     "read(pointer, nbytes, threads, level, streams) -> checksum: read the bytes once (the sum of their 8-byte words)"},
     {"levels", py_levels, METH_NOARGS, "the kernel levels this CPU runs, slowest first"},
     {NULL, NULL, 0, NULL},
 };

@@ -105,7 +105,8 @@ def _int8_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
     return y
 
 
-def read_once(buffer: torch.Tensor, threads: int, level: str | None = None) -> int:
-    """Stream `buffer` once with plain vector loads (the machine's read limit); a checksum."""
-    return _gemv.read(buffer.data_ptr(), buffer.numel() * buffer.element_size(), threads,
-                      LEVELS.index(level or LEVELS[-1]))
+def read_once(buffer: torch.Tensor, threads: int, streams: int = 1) -> int:
+    """Read `buffer` once with plain vector loads, split over `threads`, each reading its share as
+    `streams` sequential streams side by side (1-8): the machine's read limit. Returns a checksum
+    (whose value depends on the split: it only keeps the reads from being optimised away)."""
+    return _gemv.read(buffer.data_ptr(), buffer.numel() * buffer.element_size(), threads, len(LEVELS) - 1, streams)

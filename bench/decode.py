@@ -307,11 +307,11 @@ def measure(model_dir: str, precision: str, tokens: int, prompt: list[int], skip
             llama_python: Path, layers: int) -> dict:
     dtype, quantization, gguf_kind = PRECISIONS[precision]
 
-    def step(name: str, fn, *args):
+    def step(name: str, fn, *args, **kwargs):
         print(f"  {precision} {name} ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
         try:
-            value = fn(*args)
+            value = fn(*args, **kwargs)
         except Exception as err:  # one failed variant must not lose the others
             value = {"error": str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__}
         value["load"] = os.getloadavg()[0]  # 1-minute load average at the end (our own ranks included)

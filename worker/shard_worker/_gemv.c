@@ -123,6 +123,19 @@ static void rows_portable(const Job *j, int64_t r0, int64_t r1) {
         if (R > 3) store(j, b, row + 3, SUM(a3##b) + TAIL(3, b));              \
     }
 #define TILE_STORE OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5) OUT(6) OUT(7)
+/* AVX-512: WIDTH columns a step with plain loads (`full`), then the row's tail with `mask` lanes */
+#define MASKED_LOOP(WIDTH, MASK_T, ALL, TAIL_MASK)                             \
+    int64_t i = 0;                                                             \
+    {                                                                          \
+        const int full = 1;                                                    \
+        const MASK_T mask = ALL;                                               \
+        for (; i + WIDTH <= k; i += WIDTH) TILE_STEP                           \
+    }                                                                          \
+    if (i < k) {                                                               \
+        const int full = 0;                                                    \
+        const MASK_T mask = (MASK_T)(TAIL_MASK);                               \
+        TILE_STEP                                                              \
+    }
 #define DECLARE_ACCS ACC(0) ACC(1) ACC(2) ACC(3) ACC(4) ACC(5) ACC(6) ACC(7)
 
 /* The dot product of row `row` and vector b over [i, k), in scalar code (AVX2 row tails) */
@@ -165,17 +178,7 @@ T512 __m512 load16_512(int wtype, const void *w, int64_t at, const int full, __m
 T512 void block_512(const Job *j, int64_t row, const int R, const int M, const int wtype) {
     DECLARE_ACCS
     const int64_t k = j->k;
-    int64_t i = 0;
-    {
-        const int full = 1;
-        const __mmask16 mask = 0xffff;
-        for (; i + 16 <= k; i += 16) TILE_STEP
-    }
-    if (i < k) {  /* the row's tail */
-        const int full = 0;
-        const __mmask16 mask = (__mmask16)((1u << (k - i)) - 1);
-        TILE_STEP
-    }
+    MASKED_LOOP(16, __mmask16, 0xffff, (1u << (k - i)) - 1)
     TILE_STORE
 }
 #undef WVEC
@@ -196,17 +199,7 @@ TBF void block_bf16dp(const Job *j, int64_t row, const int R, const int M, const
     DECLARE_ACCS
     const int64_t k = j->k, ldx = j->ldx;
     const uint16_t *wp = (const uint16_t *)j->w, *xp = (const uint16_t *)j->x;
-    int64_t i = 0;
-    {
-        const int full = 1;
-        const __mmask32 mask = 0xffffffffu;
-        for (; i + 32 <= k; i += 32) TILE_STEP
-    }
-    if (i < k) {  /* the row's tail: zeroed lanes add nothing */
-        const int full = 0;
-        const __mmask32 mask = (__mmask32)((1ull << (k - i)) - 1);
-        TILE_STEP
-    }
+    MASKED_LOOP(32, __mmask32, 0xffffffffu, (1ull << (k - i)) - 1)  /* zeroed tail lanes add nothing */
     TILE_STORE
 }
 #undef LOAD32

@@ -143,7 +143,10 @@ class Staging:
     def close(self) -> None:
         self._buffers.clear()
         if self._map is not None:
-            self._map.close()  # every view is gone: the pages go back to the kernel
+            try:
+                self._map.close()  # every view is gone: the pages go back to the kernel
+            except BufferError:  # a view lives on in an error's traceback: unmapped when it goes
+                pass
             self._map = None
 
 

@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test crd bench clean
+.PHONY: demo test system-tools crd bench clean
 
 $(STAMP): pyproject.toml worker/shard_worker/_gemv.c  # the C kernel is built by the install
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,7 +30,18 @@ demo: $(DEMO_SETUP) $(DEMO_MODEL)/config.json
 $(DEMO_MODEL)/config.json: | $(DEMO_SETUP)
 	$(PY) -m shard_operator.cli demo-model $(DEMO_MODEL) --force
 
-test: $(STAMP)
+# Debian packages the tests run for real: chromium (the dashboards in a headless browser) and
+# prometheus (its server, and promtool for the chart's alerting rules). Installed when missing.
+SYSTEM_TOOLS := chromium prometheus
+
+system-tools:
+	@missing=""; for tool in $(SYSTEM_TOOLS); do command -v $$tool >/dev/null || missing="$$missing $$tool"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing$$missing (apt-get)"; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+	fi
+
+test: $(STAMP) system-tools
 	$(PY) -m pytest -q -x
 
 crd: $(STAMP)

@@ -336,7 +336,8 @@ def measure(model_dir: str, precision: str, tokens: int, prompt: list[int], skip
                 f"llama.cpp {threads} thread(s)", run_llama, llama_python, "time", converted["path"], str(threads),
                 str(tokens), ids)
         if "error" in converted or not RPC_SERVER.exists():
-            r["llama_rpc"] = converted if "error" in converted else {"error": f"no {RPC_SERVER} (see bench/llamacpp_peer.py)"}
+            missing = {"error": f"no {RPC_SERVER} (see bench/llamacpp_peer.py)"}
+            r["llama_rpc"] = converted if "error" in converted else missing
         else:
             r["llama_rpc"] = step("llama.cpp layers over 2 processes (RPC)", run_llama, llama_python, "time",
                                   converted["path"], "1", str(tokens), ids, rpc_layers=layers // 2)
@@ -350,7 +351,8 @@ def report(stream: dict, results: dict, shape: dict, tokens: int) -> str:
     lines = [f"Model: random Llama {shape}; batch 1, {PROMPT_TOKENS}-token prompt, {tokens} new tokens.",
              f"Streaming read (the limit): {stream['1']:.1f} GB/s on 1 core, {stream['2']:.1f} GB/s on 2 cores "
              f"({STREAM_BYTES / 2**30:.0f} GiB buffer, load {stream['load']:.1f}).", "",
-             "| precision | variant | cores | ms/token | tokens/s | share of the streaming limit | vs llama.cpp | comm share | idle share | load |",
+             "| precision | variant | cores | ms/token | tokens/s | share of the streaming limit | vs llama.cpp "
+             "| comm share | idle share | load |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     goals = []
     for precision, r in results.items():
@@ -372,7 +374,8 @@ def report(stream: dict, results: dict, shape: dict, tokens: int) -> str:
                 rows.append((f"our GEMV ({mv['kernel']}), bare; beside a read of the same bytes: "
                              f"{mv[str(n)]['read'] / mv[str(n)]['ours']:.2f}", n, mv[str(n)]["ours"] * scale,
                              limit[n], None, {"load": mv["load"]}))
-        for key, name, n in (("hf1", "HF transformers generate, 1 thread", 1), ("hf2", "HF transformers generate, 2 threads", 2),
+        for key, name, n in (("hf1", "HF transformers generate, 1 thread", 1),
+                             ("hf2", "HF transformers generate, 2 threads", 2),
                              ("tp1", "shard worker TP=1, 1 thread", 1), ("tp1x2", "shard worker TP=1, 2 threads", 2),
                              ("tp2", "shard worker TP=2 (2 processes x 1 thread)", 2),
                              ("pp2", "shard worker PP=2 (2 processes x 1 thread)", 1),

@@ -7,6 +7,10 @@ most when other jobs share the cores), and TP=2 as two ranks of one thread. Ever
 streaming completions back to back (prompts of 8-40 tokens, greedy, a fixed number of new tokens,
 EOS ignored) until the time is up; a request started in time is waited for.
 
+With `--dashboard ROUNDS`, TP=2 only: each client count runs ROUNDS times without and with a
+browser-like poller fetching what `/dashboard` polls (`/v1/shards`, `/metrics`, `/health`, the
+picture) every second, alternately, and the ratio of tokens/s with it to without is printed.
+
 Reported per layout and client count: completed requests, generated tokens/s (over the time from
 the first request to the last answer), latency and time to first token (p50 / p99, seconds), the
 mean decode batch from the leader's own `shard_batch_size` histogram, and the 1-minute load
@@ -14,6 +18,7 @@ average when the run ended (our own ranks count up to 2).
 
     .venv/bin/python bench/serve.py                      # demo model, clients 1 and 4, 30 s each
     .venv/bin/python bench/serve.py --quick              # a smoke run of the script
+    .venv/bin/python bench/serve.py --dashboard 3        # TP=2, 3 rounds without / with a /dashboard poller
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from shard_operator.local import LocalGroup, free_port, plan_local
 from shard_operator.run import wait_ready
 
 REPO = Path(__file__).resolve().parents[1]
+POLL_SECONDS = 1.0  # the page polls every 2 s; a viewer polling every second is the harder case
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -62,12 +68,29 @@ async def client(http: httpx.AsyncClient, rng: random.Random, deadline: float, m
                         "tokens": tokens})
 
 
-async def load(url: str, clients: int, seconds: float, max_tokens: int, vocab: int) -> list[dict]:
+DASHBOARD_DATA = ("/v1/shards", "/metrics", "/health", "/dashboard/layout.svg")  # what /dashboard polls
+
+
+async def poller(http: httpx.AsyncClient, deadline: float, period: float) -> int:
+    """A browser with /dashboard open, polling its data every `period` s; returns the polls made."""
+    polls = 0
+    while time.monotonic() < deadline:
+        started = time.monotonic()
+        for response in await asyncio.gather(*(http.get(path) for path in DASHBOARD_DATA)):
+            response.raise_for_status()
+        polls += 1
+        await asyncio.sleep(max(0.0, period - (time.monotonic() - started)))
+    return polls
+
+
+async def load(url: str, clients: int, seconds: float, max_tokens: int, vocab: int,
+               poll_period: float | None = None) -> list[dict]:
     results: list[dict] = []
     deadline = time.monotonic() + seconds
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        watching = [poller(http, deadline, poll_period)] if poll_period else []
         await asyncio.gather(*(client(http, random.Random(i), deadline, max_tokens, vocab, results)
-                               for i in range(clients)))
+                               for i in range(clients)), *watching)
     return results
 
 
@@ -79,7 +102,8 @@ def batch_stats(url: str) -> tuple[float, float]:
 
 
 def run_layout(model_dir: Path, tp: int, threads: int, clients_list: list[int], seconds: float, max_tokens: int,
-               vocab: int) -> list[dict]:
+               vocab: int, pollers: tuple[float | None, ...] = (None,)) -> list[dict]:
+    """Every client count, once per entry of `pollers` in turn (None: no dashboard open)."""
     plan = plan_local(model_dir, tp, 1, max_model_len=256, max_batch_size=max(clients_list),
                       devices="localhost:4GiB*2", device_kind="cpu")
     port = free_port()
@@ -90,14 +114,15 @@ def run_layout(model_dir: Path, tp: int, threads: int, clients_list: list[int], 
                                                           extra_env={"SHARD_HOST": "127.0.0.1"}) as group:
         wait_ready(group, url, 300)
         asyncio.run(load(url, 1, 0, 8, vocab))  # warm up: one request
-        for clients in clients_list:
+        for clients, poll_period in [(c, p) for c in clients_list for p in pollers]:
             count0, sum0 = batch_stats(url)
-            results = asyncio.run(load(url, clients, seconds, max_tokens, vocab))
+            results = asyncio.run(load(url, clients, seconds, max_tokens, vocab, poll_period))
             count1, sum1 = batch_stats(url)
             span = max(r["end"] for r in results) - min(r["start"] for r in results)
             latency = [r["end"] - r["start"] for r in results]
             ttft = [r["ttft"] for r in results]
-            rows.append({"layout": f"TP={tp}, {threads} thread{'s' if threads > 1 else ''} per rank", "clients": clients, "requests": len(results),
+            rows.append({"layout": f"TP={tp}, {threads} thread{'s' if threads > 1 else ''} per rank", "clients": clients,
+                         "dashboard": f"polled every {poll_period:g} s" if poll_period else "-", "requests": len(results),
                          "tokens_per_s": sum(r["tokens"] for r in results) / span,
                          "latency_p50": percentile(latency, 0.5), "latency_p99": percentile(latency, 0.99),
                          "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
@@ -107,10 +132,10 @@ def run_layout(model_dir: Path, tp: int, threads: int, clients_list: list[int], 
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| layout | clients | requests | tokens/s | latency p50 / p99 (s) | TTFT p50 / p99 (s) | mean batch | load |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| layout | clients | dashboard | requests | tokens/s | latency p50 / p99 (s) | TTFT p50 / p99 (s) | mean batch | load |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['layout']} | {r['clients']} | {r['requests']} | {r['tokens_per_s']:.1f} | "
+        lines.append(f"| {r['layout']} | {r['clients']} | {r['dashboard']} | {r['requests']} | {r['tokens_per_s']:.1f} | "
                      f"{r['latency_p50']:.2f} / {r['latency_p99']:.2f} | {r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} | "
                      f"{r['mean_batch']:.2f} | {r['load']:.1f} |")
     return "\n".join(lines)
@@ -123,6 +148,9 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="seconds of load per client count")
     parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
     parser.add_argument("--quick", action="store_true", help="a tiny model for 3 s: checks the script")
+    parser.add_argument("--dashboard", type=int, default=0, metavar="ROUNDS",
+                        help="only TP=2: each client count ROUNDS times without and with a /dashboard poller, "
+                             "interleaved; prints the throughput ratio")
     args = parser.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
     if args.quick:
@@ -134,11 +162,28 @@ def main() -> int:
         if not (model_dir / "config.json").is_file():
             write_demo_model(model_dir, DemoShape(), overwrite=True)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    if args.dashboard:
+        pollers = (None, POLL_SECONDS) * args.dashboard
+        rows = run_layout(model_dir, 2, 1, clients, args.seconds, args.max_tokens, vocab, pollers)
+        print(table(rows))
+        print(dashboard_cost(rows))
+        return 0
     layouts = [(1, 2), (1, 1), (2, 1)]  # (TP, threads per rank)
     rows = [row for tp, threads in layouts
             for row in run_layout(model_dir, tp, threads, clients, args.seconds, args.max_tokens, vocab)]
     print(table(rows))
     return 0
+
+
+def dashboard_cost(rows: list[dict]) -> str:
+    """Per client count: tokens/s with the poller over tokens/s without (each summed over rounds)."""
+    lines = []
+    for clients in sorted({r["clients"] for r in rows}):
+        with_, without = ([r["tokens_per_s"] for r in rows if r["clients"] == clients and (r["dashboard"] != "-") == on]
+                          for on in (True, False))
+        lines.append(f"{clients} client(s): tokens/s with a dashboard polling every {POLL_SECONDS:g} s / without = "
+                     f"{sum(with_) / sum(without):.3f} ({len(with_)} rounds each, interleaved)")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

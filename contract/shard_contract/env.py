@@ -7,6 +7,7 @@ The HTTP contract between a group's ranks and the operator lives in `wire.py`.
 from __future__ import annotations
 
 import os
+import secrets
 from typing import Literal, Mapping
 
 from pydantic import BaseModel, Field, ValidationError
@@ -28,10 +29,20 @@ ENV_NAMES = {
     "backend": "SHARD_BACKEND",
     "rendezvous_timeout": "SHARD_RENDEZVOUS_TIMEOUT",
     "memory_budget_bytes": "SHARD_MEMORY_BUDGET",
+    "bind_addr": "SHARD_BIND_ADDR",
+    "group_secret_file": "SHARD_GROUP_SECRET_FILE",
 }
 
 PLAN_MOUNT = "/etc/shard-operator/plan.json"  # where pods find the plan (ConfigMap)
 MODEL_MOUNT = "/models"  # where pods find the model volume
+SECRET_MOUNT = "/var/run/secrets/sharding.dev"  # where pods find their group's Secret (a volume)
+SECRET_KEY = "group-key"  # the Secret's key, a file in SECRET_MOUNT
+GROUP_KEY_BYTES = 32  # the secret key of one group, which authenticates its ranks' heartbeat records
+
+
+def new_group_key() -> bytes:
+    """A fresh group key: `shardctl run` and the operator make one for every group they start."""
+    return secrets.token_bytes(GROUP_KEY_BYTES)
 
 
 class WorkerEnvError(ValueError):
@@ -54,6 +65,10 @@ class WorkerEnv(BaseModel):
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     rendezvous_timeout: int = Field(600, ge=1, description="Seconds to wait for the group to assemble.")
     memory_budget_bytes: int | None = Field(None, description="Enforced memory budget of a simulated device.")
+    bind_addr: str | None = Field(None, description="The one address rank 0's rendezvous store listens on (the "
+                                                    "pod IP; default: the address MASTER_ADDR resolves to).")
+    group_secret_file: str | None = Field(None, description="A file holding the group's secret key, which "
+                                                            "authenticates every heartbeat record (needed to serve).")
 
     def to_env(self) -> dict[str, str]:
         return {ENV_NAMES[k]: str(v) for k, v in self.model_dump().items() if v is not None}

@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from .plan import PredictedBytes
+from .plan import PredictedBytes, RankPlan
 
 
 class GenerateRequest(BaseModel):
@@ -98,11 +98,21 @@ class ShardEntry(BaseModel):
     layers: tuple[int, int]
     node: str = ""
     device: str = ""
+    capacity_bytes: int = Field(description="The device's memory (the plan's).")
+    usable_bytes: int = Field(description="capacity minus the plan's headroom.")
     predicted_bytes: PredictedBytes
     resident_bytes: ResidentBytes | None = None
     alive: bool = True
     state: str = Field("starting", description="starting, loading, ready, failed or broken")
     problems: list[str] = Field(default_factory=list, description="A failed memory check.")
+
+    @classmethod
+    def planned(cls, rp: RankPlan, **measured: object) -> "ShardEntry":
+        """A rank's place in the plan, plus what it has `measured` (report fields, health)."""
+        return cls.model_validate({"rank": rp.rank, "stage": rp.stage, "tp_rank": rp.tp_rank, "layers": rp.layers,
+                                   "node": rp.node, "device": rp.device, "capacity_bytes": rp.capacity_bytes,
+                                   "usable_bytes": rp.usable_bytes, "predicted_bytes": rp.predicted_bytes,
+                                   **measured})
 
 
 class ShardsResponse(BaseModel):

@@ -29,6 +29,7 @@ from typing import Any, Awaitable, Callable, Iterable, TypeVar
 from shard_operator.inventory import COUNT_LABEL, KIND_LABEL, MEMORY_LABEL, PRODUCT_LABEL, SPEED_LABEL
 
 from .apiserver import serve, write_kubeconfig
+from .emulator import Faults
 from .network import ClusterNetwork
 from .processkubelet import ProcessKubelet, _die_with_parent
 from .proxy import ServiceProxy
@@ -80,7 +81,8 @@ def default_nodes() -> list[dict[str, Any]]:
 class DevCluster:
     def __init__(self, workdir: str | os.PathLike[str], *, host_root: str | os.PathLike[str] | None = None,
                  nodes: Iterable[dict[str, Any]] = (), operator_env: dict[str, str] | None = None,
-                 probe_period: float = 1.0, grace: float = 5.0, run_operator: bool = True):
+                 probe_period: float = 1.0, grace: float = 5.0, run_operator: bool = True,
+                 faults: Faults | None = None):
         self.workdir = Path(workdir).resolve()
         self.host_root = Path(host_root).resolve() if host_root else self.workdir / "host"
         self.kubeconfig = self.workdir / "kubeconfig"
@@ -88,6 +90,7 @@ class DevCluster:
         self.nodes = list(nodes)
         self.operator_env = {**OPERATOR_ENV, **(operator_env or {})}
         self.probe_period, self.grace, self.run_operator = probe_period, grace, run_operator
+        self.faults = faults  # failures the API server injects (emulator.Faults)
         self.network = ClusterNetwork()
         self.url = ""
         self.emu: Any = None
@@ -109,7 +112,7 @@ class DevCluster:
         shutil.rmtree(self.workdir / "pods", ignore_errors=True)  # a previous run's pods are gone
         try:
             self.emu, self.url = await self._stack.enter_async_context(
-                serve(allocate_cluster_ip=self.network.service_ip))
+                serve(allocate_cluster_ip=self.network.service_ip, faults=self.faults))
             write_kubeconfig(self.kubeconfig, self.url)
             for node in self.nodes:
                 await self.emu.k8s_create("v1/nodes", None, node)

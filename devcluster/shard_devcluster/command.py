@@ -30,7 +30,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "as examples/dev-cluster/nodes.yaml)")
     p.add_argument("--demo-model", action="store_true",
                    help=f"write the demo model to {MODELS}/demo-llama on the nodes' filesystem if it is missing")
+    p.add_argument("--faults", type=_faults, metavar="SPEC",
+                   help="make the API server fail a fraction of requests as a real one under load does, e.g. "
+                        "error=0.05,conflict=0.1,timeout=0.02,slow=0.02,delay=2,drop_watch=0.2,watch_life=5,seed=1 "
+                        "(docs/dev-cluster.md)")
     p.set_defaults(func=run)
+
+
+def _faults(text: str):
+    from .emulator import Faults  # (loads the emulator: only when asked)
+
+    try:
+        return Faults.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,7 +67,7 @@ async def _serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    cluster = DevCluster(workdir, host_root=host_root, nodes=nodes)
+    cluster = DevCluster(workdir, host_root=host_root, nodes=nodes, faults=args.faults)
     await cluster.start()
     try:
         assert cluster.proxy is not None and cluster.operator is not None
@@ -78,8 +91,10 @@ def banner(cluster, nodes: list[dict]) -> str:
 
     node_lines = [f"  {n['metadata']['name']}: {n['status']['allocatable'].get('nvidia.com/gpu', 0)} x "
                   f"{n['metadata']['labels'].get(MEMORY_LABEL, '?')} MiB" for n in nodes]
+    faults = cluster.emu.faults
     return "\n".join([
         f"dev cluster: API server {cluster.url}, operator log {cluster.operator_log}",
+        *([f"the API server fails requests: {faults!r}"] if faults is not None else []),
         "nodes (each GPU is a CPU memory budget the worker on it enforces):", *node_lines,
         f"hostPath volumes lie under {cluster.host_root}",
         "",

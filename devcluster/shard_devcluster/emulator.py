@@ -20,11 +20,15 @@ HTTP.
   watch ADDED/DELETED transitions on selector changes, bookmarks, sendInitialEvents,
   timeoutSeconds, stream end on client disconnect, race-free snapshot+subscribe;
 * ClusterIP allocation for Services (when given an allocator: the dev cluster's network);
+* Secrets: `stringData` folded into base64 `data`, `type` defaulted and fixed, keys and base64
+  validated, `immutable` enforced;
 * scope checks (namespaced vs cluster-scoped), Table output for kubectl (printer columns; pods
   and nodes with kubectl's own columns),
   K8s-conformant Status errors (NotFound, AlreadyExists, Conflict, Invalid, ...);
 * pods/log from `pod_logs` (the simulated kubelet fills it); every request is kept for
   assertions (`api_requests()`), e.g. that the operator uses only the permissions it declares.
+* fault injection (`faults=Faults(...)`): on a seeded fraction of requests, the 500s, 409s, 504s,
+  slow answers and cut watch streams of a real API server under load or across a restart.
 
 Not emulated: built-in controllers (Deployments, endpoints, the scheduler), RBAC, admission,
 CRD schema validation and defaulting, managedFields, graceful pod termination, protobuf bodies.
@@ -144,6 +148,40 @@ def strategic_merge_patch(target: Any, patch: Any) -> Any:
         else:
             result[k] = strategic_merge_patch(result.get(k), v)
     return result
+
+
+SECRET_KEY = re.compile(r'^[-._a-zA-Z0-9]+$')
+
+
+def secret_write(old: dict | None, new: dict) -> dict:
+    """A Secret as the API server stores it: `stringData` merged into `data` (base64) and dropped,
+    `type` Opaque by default and then fixed, every `data` value valid base64 under a valid key, and
+    nothing of an `immutable` Secret changed (kube-apiserver's Secret strategy and validation)."""
+    new = copy.deepcopy(new)
+    data = dict(new.get('data') or {})
+    for key, value in (new.pop('stringData', None) or {}).items():
+        data[key] = base64.b64encode(str(value).encode()).decode()
+    for key, value in data.items():
+        if not SECRET_KEY.match(key):
+            raise ApiError(422, 'Invalid', f'Secret "{new["metadata"].get("name")}" is invalid: data[{key}]: Invalid '
+                           f'value: "{key}": a valid config key must consist of alphanumeric characters, \'-\', '
+                           '\'_\' or \'.\'')
+        try:
+            base64.b64decode(value, validate=True)
+        except (ValueError, TypeError):
+            raise ApiError(400, 'BadRequest', 'Secret in version "v1" cannot be handled as a Secret: illegal '
+                           'base64 data')
+    if data:
+        new['data'] = data
+    new['type'] = new.get('type') or (old or {}).get('type') or 'Opaque'
+    if old is not None:
+        problems = [f'type: Invalid value: "{new["type"]}": field is immutable'] if new['type'] != old.get('type') else []
+        if old.get('immutable'):
+            problems += [f'{f}: Forbidden: field is immutable when `immutable` is set'
+                         for f in ('data', 'immutable') if new.get(f) != old.get(f)]
+        if problems:
+            raise ApiError(422, 'Invalid', f'Secret "{old["metadata"]["name"]}" is invalid: ' + ', '.join(problems))
+    return new
 
 
 def _age(ts: str | None) -> str:
@@ -267,6 +305,88 @@ BUILTIN_COLUMNS = {  # as kubectl prints them (priority 1: with -o wide)
 }
 
 
+# --- fault injection ---------------------------------------------------------------------
+
+@attrs.define(kw_only=True)
+class Faults:
+    """What a real kube-apiserver does to its clients under load or across a restart, injected into
+    a fraction of the HTTP requests on resources (discovery and the in-process API are spared, so a
+    test arranges and reads its world reliably). Draws are seeded (requests and watch streams each
+    from their own sequence): the same requests in the same order get the same faults, though
+    threads and timing may order them differently from one run to the next.
+
+    * error: 500 InternalError, nothing applied, as when etcd times out ("etcdserver: request timed
+      out") or an admission webhook fails.
+    * conflict: 409 Conflict on an update (PATCH, PUT), nothing applied, as when another writer
+      changed the object first and the server's own retries of a contended object give up.
+    * timeout: applied, then 504 Timeout after `delay` s, as the server's --request-timeout filter
+      answers while the write still lands in etcd: the client cannot tell whether it happened.
+    * slow: applied and answered after `delay` s, as an overloaded server (or etcd) does; a client
+      whose timeout is shorter gives up on a request that took effect.
+    * drop_watch: every `watch_life` s, each open watch stream is cut with this probability (its
+      connection closed mid-stream, without a last event), as when the server restarts or a load
+      balancer drops the connection; the client must watch again from its last resourceVersion.
+
+    `paths` (a regular expression) aims the request faults at the requests whose URL path it
+    matches, as a failing webhook or etcd member hits some resources only.
+    """
+
+    seed: int = 0
+    error: float = 0.0
+    conflict: float = 0.0
+    timeout: float = 0.0
+    slow: float = 0.0
+    drop_watch: float = 0.0
+    delay: float = 1.0
+    watch_life: float = 1.0
+    paths: str = ''
+    injected: dict = attrs.field(factory=dict, repr=False)  # fault -> how many times, for tests and people
+    _requests: random.Random = attrs.field(init=False, repr=False)
+    _watches: random.Random = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._requests, self._watches = random.Random(self.seed), random.Random(self.seed + 1)
+
+    @classmethod
+    def parse(cls, text: str) -> 'Faults':
+        """'error=0.05,conflict=0.05,drop_watch=0.2,seed=1': the numeric fields by name."""
+        names = [f.name for f in attrs.fields(cls) if f.init and f.name not in ('injected', 'paths')]
+        values = {}
+        for part in filter(None, (p.strip() for p in text.split(','))):
+            name, _, value = part.partition('=')
+            if name not in names:
+                raise ValueError(f'unknown fault {name!r}: expected one of {", ".join(names)}')
+            try:
+                values[name] = int(value) if name == 'seed' else float(value)
+            except ValueError:
+                raise ValueError(f'{name}={value!r}: expected a number') from None
+        return cls(**values)
+
+    def _count(self, fault: str) -> str:
+        self.injected[fault] = self.injected.get(fault, 0) + 1
+        return fault
+
+    def draw(self, method: str, path: str, watch: bool) -> str | None:
+        """The fault this request gets, if any (a watch request can only fail to start)."""
+        if self.paths and not re.search(self.paths, path):
+            return None
+        eligible = [('error', self.error), ('conflict', self.conflict if method in ('PATCH', 'PUT') else 0.0),
+                    ('timeout', 0.0 if watch else self.timeout), ('slow', 0.0 if watch else self.slow)]
+        u = self._requests.random()
+        for fault, rate in eligible:
+            if u < rate:
+                return self._count(fault)
+            u -= rate
+        return None
+
+    def cut(self) -> bool:
+        """Whether an open watch stream is cut now (asked every `watch_life` s)."""
+        if self._watches.random() >= self.drop_watch:
+            return False
+        self._count('drop_watch')
+        return True
+
+
 # --- the emulator ----------------------------------------------------------------------
 
 @attrs.define(kw_only=True)
@@ -280,6 +400,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
     load_builtin_resources: bool = True  # kmock's bundled K3s discovery snapshot (pods, nodes, ...)
     # Services without spec.clusterIP get one from this (the API server's allocator); None: none.
     allocate_cluster_ip: Any = None
+    # Failures of a real API server under load, injected into a fraction of requests (None: none).
+    faults: Faults | None = None
 
     _rv: int = attrs.field(default=0, init=False)
     _history: dict = attrs.field(factory=dict, init=False)
@@ -449,6 +571,17 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         if not self._known(res):
             return await kmock.RawHandler._handle(self, request)  # discovery, 404s, user reactions
         method = request.method.value if hasattr(request.method, 'value') else str(request.method)
+        watch = method == 'GET' and request.action == enums.action.WATCH
+        fault = self.faults.draw(method, request.url.path, watch) if self.faults is not None else None
+        if fault == 'error':
+            e = ApiError(500, 'InternalError', 'Internal error occurred: etcdserver: request timed out (injected)')
+            return aiohttp.web.json_response(e.status(), status=e.code)
+        if fault == 'conflict':
+            e = ApiError(409, 'Conflict', f'Operation cannot be fulfilled on {res.plural} "{request.name}": the object '
+                         'has been modified; please apply your changes to the latest version and try again (injected)')
+            return aiohttp.web.json_response(e.status(), status=e.code)
+        if fault in ('slow', 'timeout') and method == 'GET':
+            await asyncio.sleep(self.faults.delay)  # (a read: nothing to apply first)
         try:
             ns, name, sub = request.namespace, request.name, request.subresource
             result: tuple[int, Any] | None = None
@@ -485,6 +618,11 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             elif method == 'GET':
                 self._check_scope(res, ns, writing_named=name is not None)
         except ApiError as e:
+            return aiohttp.web.json_response(e.status(), status=e.code)
+        if fault in ('slow', 'timeout') and method != 'GET':
+            await asyncio.sleep(self.faults.delay)  # after the work: the write has landed
+        if fault == 'timeout':
+            e = ApiError(504, 'Timeout', 'Timeout: request did not complete within the allotted timeout (injected)')
             return aiohttp.web.json_response(e.status(), status=e.code)
         # Known resources are served directly: kmock's reaction matching costs ~0.1 s a request
         # with thousands of objects. (So kmock DSL reactions apply to unknown paths only.)
@@ -552,6 +690,9 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             body.pop('status', None)  # (kubelets register Nodes with their status: it is kept)
         for k in ('deletionTimestamp', 'deletionGracePeriodSeconds'):
             meta.pop(k, None)
+        if res == Res('v1/secrets'):
+            body = secret_write(None, body)
+            meta = body['metadata']
         if res == Res('v1/services') and self.allocate_cluster_ip is not None and not dry:
             spec = body.setdefault('spec', {})
             if not spec.get('clusterIP') and spec.get('type', 'ClusterIP') != 'ExternalName':
@@ -667,6 +808,9 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                     raise ApiError(422, 'Invalid', f'metadata.finalizers: Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers {sorted(added)}')
         new.setdefault('apiVersion', old.get('apiVersion'))
         new.setdefault('kind', old.get('kind'))
+        if res == Res('v1/secrets'):
+            new = secret_write(old, new)
+            nm = new['metadata']
         nm['resourceVersion'] = om['resourceVersion']
         if new == old:
             return old  # no-op: no new resourceVersion, no watch event
@@ -925,6 +1069,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         timeout = float(params['timeoutSeconds']) if params.get('timeoutSeconds') else None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout if timeout else None
+        cut_check = loop.time()  # when injected faults may cut this stream next
         yield b''  # send the headers now
 
         bus = self._buses[res]
@@ -957,6 +1102,15 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             next_bookmark = loop.time() + self.bookmark_interval
             pending: asyncio.Task | None = None
             while True:
+                raw = request._raw_request
+                transport = getattr(raw, 'transport', None) if raw is not None else None
+                faults = self.faults
+                if faults is not None and faults.drop_watch and loop.time() >= cut_check:
+                    cut_check = loop.time() + faults.watch_life
+                    if faults.cut():
+                        if transport is not None:
+                            transport.abort()  # the connection drops mid-stream: no last chunk
+                        return
                 if pending is None:
                     pending = asyncio.ensure_future(anext(stream))
                 wait = self.watch_poll_interval
@@ -969,8 +1123,6 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                     if out:
                         yield out
                     continue
-                raw = request._raw_request
-                transport = getattr(raw, 'transport', None) if raw is not None else None
                 if transport is None or transport.is_closing():
                     return  # the client has gone
                 if deadline is not None and loop.time() >= deadline:

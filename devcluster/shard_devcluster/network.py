@@ -1,16 +1,15 @@
-"""The cluster network of the one-machine cluster: pod IPs, Service IPs, DNS names, port mappings.
+"""The cluster network of the one-machine cluster: pod IPs, Service IPs, DNS names.
 
 Every address in 127.0.0.0/8 is loopback on Linux, so each pod gets an address of its own in
 127.10.0.0/16 and each ClusterIP Service one in 127.96.0.0/16 (like a cluster's pod and service
 CIDRs). A process that binds its pod's address can use the port its container declares, beside
-every other pod. A process that binds *every* address cannot: torch's TCPStore (the rendezvous)
-does, so each pod gets a host port of its own for such container ports, and the kubelet tells the
-process (and its peers) that port instead.
+every other pod: the worker's HTTP server (SHARD_HOST) and rank 0's rendezvous store
+(SHARD_BIND_ADDR, the pod IP from the downward API) both do.
 
 Cluster DNS is a table: `hostname.subdomain.namespace.svc[.cluster.local]` of every running pod
 that has both, and `service.namespace.svc[.cluster.local]` of every Service with a ClusterIP. A real
 resolver is not involved: the kubelet resolves `MASTER_ADDR` before it starts a process, and the
-Service proxy and tests ask this table. Bookkeeping only; no sockets but `free_port`.
+Service proxy and tests ask this table. Bookkeeping only: no sockets.
 """
 
 from __future__ import annotations
@@ -18,19 +17,12 @@ from __future__ import annotations
 import ipaddress
 import socket
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 POD_CIDR = "127.10.0.0/16"
 SERVICE_CIDR = "127.96.0.0/16"
 DOMAIN = "cluster.local"
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on now (the kernel's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def taken_ports(address: "PodAddress", container: dict[str, Any]) -> list[int]:
@@ -39,8 +31,6 @@ def taken_ports(address: "PodAddress", container: dict[str, Any]) -> list[int]:
     taken = []
     for p in container.get("ports") or []:
         port = int(p["containerPort"])
-        if port in address.mapped:
-            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             # As servers do (uvicorn, http.server): closed connections in TIME_WAIT do not count.
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -59,13 +49,9 @@ def _addresses(cidr: str) -> Iterator[str]:
 
 @dataclass(frozen=True)
 class PodAddress:
-    """Where a pod's processes listen: its IP, and host ports of the ports bound on every address."""
+    """Where a pod's processes listen."""
 
     ip: str
-    mapped: dict[int, int] = field(default_factory=dict)  # container port -> host port
-
-    def port(self, container_port: int) -> int:
-        return self.mapped.get(container_port, container_port)
 
 
 def pod_dns_names(pod: dict[str, Any]) -> list[str]:
@@ -97,25 +83,17 @@ def container_port(container: dict[str, Any], port: int | str) -> int | None:
 class ClusterNetwork:
     """Allocates addresses and answers DNS questions; safe to share between threads."""
 
-    def __init__(self, wildcard_ports: tuple[str, ...] = ("rendezvous",)):
-        # Container ports (by name) whose process binds every address: mapped to host ports.
-        self.wildcard_ports = wildcard_ports
+    def __init__(self) -> None:
         self._pod_ips, self._service_ips = _addresses(POD_CIDR), _addresses(SERVICE_CIDR)
         self._names: dict[str, tuple[str, PodAddress]] = {}  # DNS name -> (owner uid, address)
         self._ips: dict[str, tuple[str, PodAddress]] = {}    # IP -> (owner uid, address)
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- allocation
-    def pod_address(self, pod: dict[str, Any]) -> PodAddress:
-        """A fresh address for a pod that is about to start, with host ports for its wildcard ports."""
+    def pod_address(self) -> PodAddress:
+        """A fresh address for a pod that is about to start."""
         with self._lock:
-            ip = next(self._pod_ips)
-        mapped = {}
-        for container in (pod.get("spec") or {}).get("containers") or []:
-            for p in container.get("ports") or []:
-                if p.get("name") in self.wildcard_ports:
-                    mapped[int(p["containerPort"])] = free_port()
-        return PodAddress(ip, mapped)
+            return PodAddress(next(self._pod_ips))
 
     def service_ip(self) -> str:
         with self._lock:

@@ -6,10 +6,11 @@ What a kubelet on each Node would do, for all Nodes of the one-machine cluster a
   there; one pinned to a Node that does not exist stays Pending/Unschedulable;
 * network: the pod gets its own loopback address and DNS names (network.py). A pod has its own
   network namespace and binds "every address"; here that would collide, so `SHARD_HOST` (the
-  worker's bind address) is the pod's address. `MASTER_ADDR` (a DNS name) is resolved, and
-  `MASTER_PORT` is the leader's host port for the rendezvous, before the process starts;
-* volumes: hostPath lies under `host_root` (the "node's" filesystem), configMap volumes are written
-  out, emptyDirs are fresh directories; env values and arguments under a mount path point there;
+  worker's bind address) is the pod's address. `MASTER_ADDR` (a DNS name) is resolved before the
+  process starts;
+* volumes: hostPath lies under `host_root` (the "node's" filesystem), configMap and secret volumes
+  are written out, emptyDirs are fresh directories; env values and arguments under a mount path
+  point there;
 * devices: a container that requests a GPU gets its node's GPU memory (label
   `nvidia.com/gpu.memory`) as `SHARD_MEMORY_BUDGET`, which the worker enforces;
 * runs the first container's command (`python` is this interpreter; `$(VAR)` references to its
@@ -29,6 +30,7 @@ the GPU memory, exec/tcp probes.
 from __future__ import annotations
 
 import asyncio
+import base64
 import ctypes
 import os
 import re
@@ -49,6 +51,7 @@ from .kubelet import NODES, PODS, FakeKubelet, _now, required_node
 from .network import ClusterNetwork, PodAddress, container_port, pod_dns_names, taken_ports
 
 CONFIGMAPS = "v1/configmaps"
+SECRETS = "v1/secrets"
 LOG_TAIL_BYTES = 2048  # what FallbackToLogsOnError keeps of the log as the termination message
 
 
@@ -202,7 +205,7 @@ class ProcessKubelet(FakeKubelet):
             except Exception:
                 return  # gone already
         container = (spec.get("containers") or [{}])[0]
-        address = self.network.pod_address(pod)
+        address = self.network.pod_address()
         sandbox = Sandbox(uid=uid, node=node_name, address=address, directory=self.workdir / ns / f"{name}-{uid[:8]}")
         self.sandboxes[(ns, name)] = sandbox
         self.network.register(pod_dns_names(pod), uid, address)
@@ -320,17 +323,8 @@ class ProcessKubelet(FakeKubelet):
                     raise PodError("CreateContainerConfigError",
                                    f"hostPath {volume['hostPath']['path']} is not a directory on the node ({path})")
                 local[vname] = path
-            elif "configMap" in volume:
-                cm = await self.emu.k8s_get(CONFIGMAPS, ns, volume["configMap"]["name"])
-                if cm is None:
-                    raise PodError("CreateContainerConfigError", f"configmap {volume['configMap']['name']} not found")
-                data = cm.get("data") or {}
-                items = volume["configMap"].get("items") or [{"key": k, "path": k} for k in data]
-                for item in items:
-                    target = here / item["path"]
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    target.write_text(data.get(item["key"], ""))
-                here.mkdir(parents=True, exist_ok=True)
+            elif "configMap" in volume or "secret" in volume:
+                await self._project(volume, ns, here)
                 local[vname] = here
             elif "emptyDir" in volume:
                 here.mkdir(parents=True, exist_ok=True)
@@ -338,8 +332,8 @@ class ProcessKubelet(FakeKubelet):
             elif "persistentVolumeClaim" in volume:  # claims are directories under the host root
                 local[vname] = self.host_root / "pvc" / volume["persistentVolumeClaim"]["claimName"]
             else:
-                raise PodError("CreateContainerConfigError", f"volume {vname}: only hostPath, configMap, emptyDir "
-                               "and persistentVolumeClaim volumes run here")
+                raise PodError("CreateContainerConfigError", f"volume {vname}: only hostPath, configMap, secret, "
+                               "emptyDir and persistentVolumeClaim volumes run here")
         sandbox.directory.mkdir(parents=True, exist_ok=True)
         container = (spec.get("containers") or [{}])[0]
         mounts = {}
@@ -347,6 +341,24 @@ class ProcessKubelet(FakeKubelet):
             if mount["name"] in local:
                 mounts[mount["mountPath"]] = str(local[mount["name"]] / mount.get("subPath", ""))
         return mounts
+
+    async def _project(self, volume: dict, ns: str, here: Path) -> None:
+        """Write a configMap's or a Secret's keys (a Secret's decoded from base64) as files with the
+        volume's mode (0644 unless it says otherwise), as the kubelet does."""
+        if "configMap" in volume:
+            source, kind, name = volume["configMap"], "configmap", volume["configMap"]["name"]
+        else:
+            source, kind, name = volume["secret"], "secret", volume["secret"]["secretName"]
+        obj = await self.emu.k8s_get(CONFIGMAPS if kind == "configmap" else SECRETS, ns, name)
+        if obj is None:
+            raise PodError("CreateContainerConfigError", f"{kind} {name} not found")
+        data = {k: v.encode() if kind == "configmap" else base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
+        here.mkdir(parents=True, exist_ok=True)
+        for item in source.get("items") or [{"key": k, "path": k} for k in data]:
+            target = here / item["path"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data.get(item["key"], b""))
+            target.chmod(item.get("mode", source.get("defaultMode", 0o644)))
 
     @staticmethod
     def _path(value: str, mounts: dict[str, str]) -> str:
@@ -374,10 +386,7 @@ class ProcessKubelet(FakeKubelet):
         if MEMORY_LABEL in labels and _requests_gpu(container):
             env["SHARD_MEMORY_BUDGET"] = str(int(labels[MEMORY_LABEL]) * MiB)
         if "MASTER_ADDR" in env:  # torch's rendezvous: a DNS name, resolved as the process would
-            leader = await self._resolve(env["MASTER_ADDR"], sandbox)
-            env["MASTER_ADDR"] = leader.ip
-            if env.get("MASTER_PORT", "").isdigit():
-                env["MASTER_PORT"] = str(leader.port(int(env["MASTER_PORT"])))
+            env["MASTER_ADDR"] = (await self._resolve(env["MASTER_ADDR"], sandbox)).ip
         return env
 
     async def _resolve(self, name: str, sandbox: Sandbox) -> PodAddress:
@@ -398,7 +407,7 @@ class ProcessKubelet(FakeKubelet):
         port = container_port(container, http.get("port", 80))
         if port is None:
             return False
-        url = f"http://{http.get('host') or sandbox.address.ip}:{sandbox.address.port(port)}{http.get('path', '/')}"
+        url = f"http://{http.get('host') or sandbox.address.ip}:{port}{http.get('path', '/')}"
         assert self._session is not None
         try:
             async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=probe.get("timeoutSeconds", 1))) as r:

@@ -140,7 +140,7 @@ class ServiceProxy:
             number = next((n for c in containers if (n := container_port(c, target)) is not None), None)
             address = self.network.resolve(pod["status"]["podIP"])
             if number is not None and address is not None:
-                found.append((pod["metadata"]["name"], f"http://{address.ip}:{address.port(number)}"))
+                found.append((pod["metadata"]["name"], f"http://{address.ip}:{number}"))
         return sorted(found)
 
     async def _pick(self, key: tuple[str, str], port: dict[str, Any], tried: set[str],

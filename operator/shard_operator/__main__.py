@@ -24,7 +24,7 @@ def main() -> int:
         print(f"shard-operator: {err}", file=sys.stderr)
         return 1
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    controller = Controller(settings, Kube(load_client()))
+    controller = Controller(settings, Kube(load_client(), settings.api_timeout_seconds))
     if settings.metrics_port:
         metrics.serve(controller, settings.metrics_port)
     kopf.run(registry=build_registry(controller), settings=kopf_settings(settings),

@@ -19,14 +19,15 @@ import yaml
 from shard_contract.checkpoint import CheckpointError
 from shard_contract.wire import GenerateRequest, GenerateTask
 
+from . import picture
 from .api import ShardedModel, SpecError, load_sharded_models, resolve_model_dir
 from .crd import render as render_crd
 from .demo_model import DemoShape as DemoShapeDefaults
 from .generate import parse_ids, render_result, result_json, tokenize
 from .inventory import Inventory, inventory_from_nodes, load_nodes, local_inventory, parse_devices
-from .local import LaunchError, free_port, plan_local, run_generate
+from .local import LaunchError, check_port, free_port, plan_local, run_generate
 from .manifests import Context, Owner, check, desired_objects
-from .planner import PlanError, plan
+from .planner import PlanError, plan, shortfall
 from .profile import profile_model
 from .report import render_plan
 from .run import run_local
@@ -71,12 +72,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model = _pick_model(args.file, args.name)
     profile = profile_model(model_dir_for(args, model))
     inventory = inventory_for(args, model)
-    result = plan(profile, model.spec, inventory)
+    name = model.metadata.name
+    try:
+        result = plan(profile, model.spec, inventory)
+    except PlanError as err:
+        picture.write(picture.infeasible_svg(err, f"{name} does not fit"), f"ShardedModel {name}: no plan",
+                      f"{err.reason}: {err.message}", args.svg, args.html)
+        raise
+    text = render_plan(result, profile, inventory)
+    picture.write(picture.plan_svg(result), f"ShardedModel {name}: the plan", text, args.svg, args.html)
     if args.json:
         print(result.to_json())
     else:
-        print(f"ShardedModel {model.metadata.name}")
-        print(render_plan(result, profile, inventory))
+        print(f"ShardedModel {name}")
+        print(text)
+    if missing := shortfall(result, inventory):  # the groups that fit are planned; the rest is not
+        print(f"shardctl: InsufficientCapacity: {missing}", file=sys.stderr)
+        return EXIT_INFEASIBLE
     return 0
 
 
@@ -121,6 +133,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- run
 def cmd_run(args: argparse.Namespace) -> int:
     """Plan a ShardedModel for this machine's devices and serve it with local rank processes."""
+    # A port another process holds would fail every rank 0 this starts: say so before anything starts.
+    if args.port:
+        check_port(args.host, args.port, "--port")
+    if args.rendezvous_port:
+        check_port("127.0.0.1", args.rendezvous_port, "--rendezvous-port")
     model = _pick_model(args.file, args.name)
     model_dir = model_dir_for(args, model)
     profile = profile_model(model_dir)
@@ -135,6 +152,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return run_local(result, model_dir, port=port, host=args.host, model_name=model.metadata.name,
                          prompt=args.prompt, max_tokens=args.max_tokens, restarts=args.restarts,
                          threads_per_rank=args.threads, ready_timeout=args.ready_timeout,
+                         rendezvous_port=args.rendezvous_port or None, log_dir=args.log_dir,
                          out=lambda line: print(line, flush=True), err=lambda line: print(line, file=sys.stderr))
     except KeyboardInterrupt:
         print("\nshardctl: stopped every rank", file=sys.stderr)
@@ -177,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", help="model directory (default: from spec.model)")
     _add_inventory_args(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON (docs/planner.md)")
+    p.add_argument("--svg", metavar="FILE", help="also draw the placement (or what is missing) as SVG")
+    p.add_argument("--html", metavar="FILE", help="also draw it as a self-contained HTML page, with the text")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("crd", help="print the ShardedModel CustomResourceDefinition")
@@ -228,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-kind", choices=("gpu", "cpu"), default="cpu", help="what --devices describes (default cpu)")
     p.add_argument("--port", type=int, default=8000, help="port of the API (default 8000; 0: a free one)")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
+    p.add_argument("--rendezvous-port", type=int, default=0,
+                   help="port of rank 0's rendezvous store, on 127.0.0.1 (default: a free one)")
+    p.add_argument("--log-dir", help="where the ranks write their logs, kept (default: a temporary directory, "
+                                     "removed when the run ends cleanly and kept when a group failed)")
     p.add_argument("--prompt", help="once ready, send this prompt to /v1/completions, print the answer and stop")
     p.add_argument("--max-tokens", type=int, default=24, help="new tokens for --prompt (default 24)")
     p.add_argument("--restarts", type=int, default=2, help="times a failed group is restarted (default 2)")

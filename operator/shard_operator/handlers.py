@@ -26,6 +26,7 @@ import kopf
 from prometheus_client import Histogram
 
 from shard_contract.checkpoint import CheckpointError
+from shard_contract.env import new_group_key
 from shard_contract.plan import Plan
 from shard_contract.wire import ShardsResponse
 
@@ -44,9 +45,11 @@ from .manifests import (
     Owner,
     check,
     drift_patch,
+    group_name,
     group_objects,
     group_plan,
     group_revision,
+    group_secret,
     model_label,
     model_objects,
     plan_record_name,
@@ -54,7 +57,7 @@ from .manifests import (
 from .planner import PlanError
 from .profile import ModelProfile
 from .profiles import LocalProfiles, ModelNotFound, local_model_dir, remote_profile
-from .replan import PlanChoice, choose_plan, without_devices
+from .replan import PlanChoice, choose_plan, without_held
 from .rollout import Decision, GroupKey, Want, decide, group_state, observe_groups
 from .settings import Settings
 from .status import Observation, Problem, build_status, failed_status, status_patch
@@ -76,6 +79,9 @@ class Memory:
     # The status this loop last wrote: kopf's copy of the object may not show it yet, and a stale
     # status would undo restart counts and transition times.
     status: dict[str, Any] | None = None
+    # A status write failed: it may have landed or not (a timeout), so the server's status is
+    # unknown and the next write sends all of it, not the difference from `status`.
+    status_unknown: bool = False
 
 
 @dataclass
@@ -195,6 +201,8 @@ class Controller:
                 return ctx, None
             choice = self._choose(current, profile, obs.spec, world, ctx.owner, memory, obs.generation)
             obs.plan = choice.plan
+            if choice.shortfall:  # run the groups that fit, and say what the others lack
+                obs.problem = Problem("InsufficientCapacity", choice.shortfall, fatal=False)
         except SpecError as err:
             obs.problem = Problem("InvalidSpec", str(err))
             return None, None
@@ -232,10 +240,7 @@ class Controller:
         """Write the status when it changed, and say what went wrong in Events."""
         status = build_status(obs, previous, _now())
         self._problem_events(body, previous, status)
-        patch = status_patch(previous, status)
-        if patch is not None:
-            self.kube.patch_status(owner.namespace, owner.name, patch)
-        memory.status = status
+        self._write_status(owner, previous, status, memory)
         if any(group_state(g)[0] in ("Starting", "Terminating") for g in obs.groups):
             memory.wake_in = min(memory.wake_in, 5.0)  # pods change without other events at times
 
@@ -245,13 +250,21 @@ class Controller:
         message = " ".join(f"{type(err).__name__}: {err}".split())[:1000]
         try:
             status = failed_status(previous, message, body["metadata"].get("generation") or 0, _now())
-            if (patch := status_patch(previous, status)) is not None:
-                self.kube.patch_status(body["metadata"]["namespace"], body["metadata"]["name"], patch)
+            self._write_status(Owner.of(body), previous, status, memory)
         except Exception:  # the API may be what failed: the next round tries again
             log.exception("reporting the failed reconcile of %s/%s failed too", body["metadata"].get("namespace"),
                           body["metadata"]["name"])
             return
         self._problem_events(body, previous, status)
+
+    def _write_status(self, owner: Owner, previous: dict[str, Any], status: dict[str, Any], memory: Memory) -> None:
+        """Patch the status from `previous` (the last written) to `status`: all of it while the fate
+        of an earlier write is unknown (it failed, maybe after landing)."""
+        patch = status if memory.status_unknown else status_patch(previous, status)
+        if patch is not None:
+            memory.status_unknown = True  # until the server answers
+            self.kube.patch_status(owner.namespace, owner.name, patch)
+            memory.status_unknown = False
         memory.status = status
 
     # ---------------------------------------------------------------- steps
@@ -266,7 +279,7 @@ class Controller:
         settings = self.settings
         resource = spec.placement.gpu_resource
         others = used_per_node(world.gpu_uses, resource, exclude=(owner.namespace, model_label(owner.name)))
-        inventory = without_devices(inventory_from_nodes(world.nodes, spec.placement), others)
+        inventory = without_held(inventory_from_nodes(world.nodes, spec.placement), others)
         pool, now = fingerprint(inventory), self.clock()
         if pool != memory.pool:
             # A pool that changed with the spec (nodeSelector, tolerations) was asked for: no wait.
@@ -285,13 +298,20 @@ class Controller:
         return choice
 
     def _apply(self, ctx: Context, plan: Plan, decision: Decision, listing: dict[str, list]) -> None:
-        """Create what is missing, patch what drifted, delete what the decision drops."""
+        """Create what is missing, patch what drifted, delete what the decision drops.
+
+        A group's Secret (its key) is never listed or read: it is created just before pods of the
+        group are (a 409 means it is there already) and deleted with the group's Service.
+        """
         kube, ns = self.kube, ctx.owner.namespace
         existing = {(kind, o["metadata"]["name"]): o for kind, objs in listing.items() for o in objs}
         desired = model_objects(ctx, plan)
-        for (replica, _), create_pods in sorted(decision.keep.items()):
-            objs = group_objects(ctx, plan, replica)
-            desired.extend(o for o in objs if o["kind"] != "Pod" or create_pods)
+        for (replica, revision), create_pods in sorted(decision.keep.items()):
+            service, config, *pods = group_objects(ctx, plan, replica)
+            desired += [service, config]
+            missing = [p for p in pods if ("Pod", p["metadata"]["name"]) not in existing]
+            if create_pods and missing:
+                desired += [group_secret(ctx.owner, plan, replica, revision, new_group_key()), *missing]
         for obj in desired:
             actual = existing.get((obj["kind"], obj["metadata"]["name"]))
             if actual is None:
@@ -302,6 +322,8 @@ class Controller:
             for pod in _group_members(listing, key, kinds=("Pod",)):
                 kube.delete("Pod", ns, pod["metadata"]["name"])
         for key in decision.delete:
+            if _group_members(listing, key, kinds=("Service",)):  # once per group, before its Service goes
+                kube.delete("Secret", ns, group_name(ctx.owner.name, *key))
             for kind in ("Pod", "Service", "ConfigMap"):
                 for obj in _group_members(listing, key, kinds=(kind,)):
                     kube.delete(kind, ns, obj["metadata"]["name"])

@@ -1,8 +1,13 @@
 """The operator's only door to the Kubernetes API (besides kopf's own watches): thin and counted.
 
-Objects travel as plain dicts (the builders' output, the API's JSON) so nothing is converted twice.
-Creating what exists (409) and deleting what is gone (404) are not errors: the reconcile is
-level-triggered and may race with itself, kubectl or the garbage collector.
+Objects travel as plain dicts (the builders' output, the API's JSON) so nothing is converted twice:
+every call asks the client for the raw response and reads its JSON body itself, to the end, which
+hands the connection back to the pool (an unread response keeps it until garbage collection closes
+it mid-answer, and a real API server then logs `write: broken pipe` and aborts the request). Writes
+return the object as the server wrote it. Creating what exists (409) and deleting what is gone (404)
+are not errors: the reconcile is level-triggered and may race with itself, kubectl or the garbage
+collector. Every request has a timeout: a connection the server dropped silently (a restart, a
+load balancer) must fail the reconcile, which is retried, rather than hang the model's loop.
 """
 
 from __future__ import annotations
@@ -37,11 +42,24 @@ def client_for(config: kubernetes.client.Configuration) -> kubernetes.client.Api
     return kubernetes.client.ApiClient(config)
 
 
+def _body(response: Any) -> bytes:
+    """All of a raw (`_preload_content=False`) response's body; its connection goes back to the pool."""
+    try:
+        return response.data
+    finally:
+        response.release_conn()  # (reading to the end has done it; this also covers a failed read)
+
+
+def _json(response: Any) -> Any:
+    return json.loads(_body(response))
+
+
 class Kube:
-    def __init__(self, api_client: kubernetes.client.ApiClient):
+    def __init__(self, api_client: kubernetes.client.ApiClient, timeout: float = 30.0):
         self.core = kubernetes.client.CoreV1Api(api_client)
         self.networking = kubernetes.client.NetworkingV1Api(api_client)
         self.custom = kubernetes.client.CustomObjectsApi(api_client)
+        self.raw = {"_preload_content": False, "_request_timeout": timeout}
         self.calls: Counter = Counter()  # verb -> requests made (benchmarks, tests)
         self._lock = threading.Lock()
 
@@ -55,53 +73,53 @@ class Kube:
 
     def _method(self, action: str, kind: str) -> Callable[..., Any]:
         api, snake = {"Pod": (self.core, "pod"), "Service": (self.core, "service"),
-                      "ConfigMap": (self.core, "config_map"),
+                      "ConfigMap": (self.core, "config_map"), "Secret": (self.core, "secret"),
                       NETWORK_POLICY: (self.networking, "network_policy")}[kind]
         return getattr(api, f"{action}_namespaced_{snake}")
 
     # ---------------------------------------------------------------- reads
     def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         self._count("list")
-        response = self._method("list", kind)(namespace, label_selector=label_selector, _preload_content=False)
-        return json.loads(response.data)["items"]
+        return _json(self._method("list", kind)(namespace, label_selector=label_selector, **self.raw))["items"]
 
     def pod_log(self, namespace: str, name: str, tail_lines: int = 200) -> str:
         self._count("get")
-        response = self.core.read_namespaced_pod_log(name, namespace, tail_lines=tail_lines, _preload_content=False)
-        return response.data.decode(errors="replace")
+        return _body(self.core.read_namespaced_pod_log(name, namespace, tail_lines=tail_lines, **self.raw)) \
+            .decode(errors="replace")
 
     # ---------------------------------------------------------------- writes
-    def create(self, obj: dict[str, Any]) -> bool:
-        """Create `obj`; False when it already exists."""
+    def create(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """Create `obj`; the object as created, or None when it already exists."""
         self._count("create")
         try:
-            self._method("create", obj["kind"])(obj["metadata"]["namespace"], obj, _preload_content=False)
+            return _json(self._method("create", obj["kind"])(obj["metadata"]["namespace"], obj, **self.raw))
         except ApiException as err:
             if err.status == 409:
-                return False
+                return None
             raise
-        return True
 
-    def patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> None:
+    def patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         self._count("patch")
-        self._method("patch", kind)(name, namespace, patch, _content_type=MERGE, _preload_content=False)
+        return _json(self._method("patch", kind)(name, namespace, patch, _content_type=MERGE, **self.raw))
 
-    def delete(self, kind: str, namespace: str, name: str) -> bool:
-        """Delete an object (its dependents are collected in the background); False when gone."""
+    def delete(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """Delete an object (its dependents are collected in the background); what the server
+        answered (the object, now terminating, or a Status), or None when it was gone."""
         self._count("delete")
         try:
-            self._method("delete", kind)(name, namespace, _preload_content=False)
+            return _json(self._method("delete", kind)(name, namespace, **self.raw))
         except ApiException as err:
             if err.status == 404:
-                return False
+                return None
             raise
-        return True
 
-    def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+    def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any] | None:
+        """Merge `patch` into the model's status; the model as written, or None when it is gone."""
         self._count("patch")
         try:
-            self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": patch},
-                                                              _content_type=MERGE, _preload_content=False)
+            return _json(self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, PLURAL, name, {"status": patch}, _content_type=MERGE, **self.raw))
         except ApiException as err:
             if err.status != 404:  # deleted meanwhile: nothing to report on
                 raise
+            return None

@@ -4,12 +4,20 @@ Each rank is `python -m shard_worker`, configured exactly as in a pod: a `Worker
 environment and the Plan in a file. `LocalGroup` starts the ranks on free ports, watches them, and
 stops every process it started on every way out (return, exception, Ctrl-C, SIGTERM; and if this
 process is killed outright, the kernel kills the ranks: PR_SET_PDEATHSIG). Torch-free.
+
+The group talks over loopback only: rank 0's rendezvous store listens on 127.0.0.1 (MASTER_ADDR),
+and gloo and NCCL are pointed at the loopback interface. Each group gets a fresh secret key for
+its heartbeat records, in a file only this user can read (mode 0600 in a private directory),
+named by SHARD_GROUP_SECRET_FILE and removed when the group stops. A file rather than the key
+itself in an environment variable: every process the ranks start inherits their environment,
+and the pods read the operator's Secret from a file too, so both run one code path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from shard_contract.env import RESULT_ENV, TASK_ENV, WorkerEnv
+from shard_contract.env import RESULT_ENV, TASK_ENV, WorkerEnv, new_group_key
 from shard_contract.plan import Plan
 from shard_contract.wire import GenerateResult, GenerateTask
 
@@ -55,6 +63,27 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class PortInUse(ValueError):
+    pass
+
+
+def check_port(host: str, port: int, flag: str) -> None:
+    """Raise `PortInUse`, naming the port and its flag, when a server could not listen on it now."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAITs do not count
+        try:
+            s.bind(address)
+        except OSError as err:
+            raise PortInUse(f"{flag} {port}: cannot listen on {host}:{port} ({err.strerror}); another process "
+                            f"holds it: stop it, or choose another port ({flag} 0 takes a free one)") from None
+
+
+def loopback_interface() -> str | None:
+    """The loopback interface's name, where this machine has one ("lo" on Linux, "lo0" on macOS)."""
+    return next((name for _, name in socket.if_nameindex() if name in ("lo", "lo0")), None)
 
 
 def _die_with_parent() -> None:
@@ -95,14 +124,27 @@ class LocalGroup:
     def __init__(self, plan: Plan, model_dir: str | os.PathLike[str], workdir: str | os.PathLike[str], *,
                  replica: int = 0, extra_env: Mapping[str, str] | None = None,
                  threads_per_rank: int | None = None, rendezvous_timeout: int = 120,
-                 python: str = sys.executable, leader_port: int | None = None):
-        """`leader_port`: rank 0's HTTP port (the API); every other port is a free one."""
+                 python: str = sys.executable, leader_port: int | None = None,
+                 rendezvous_port: int | None = None):
+        """`leader_port`: rank 0's HTTP port (the API); `rendezvous_port`: its store's; every other
+        port is a free one."""
         self.plan, self.model_dir, self.workdir = plan, Path(model_dir), Path(workdir)
-        self.leader_port = leader_port
+        self.leader_port, self.rendezvous_port = leader_port, rendezvous_port
         self.replica, self.extra_env = replica, dict(extra_env or {})
         self.threads = threads_per_rank or max(1, (os.cpu_count() or 1) // plan.world_size)
         self.rendezvous_timeout, self.python = rendezvous_timeout, python
         self.ranks: list[RankProcess] = []
+        self._secret_dir: Path | None = None
+
+    @property
+    def secret_file(self) -> Path:
+        """The file with this group's secret key: made on first use, removed by `stop()`."""
+        if self._secret_dir is None:
+            self._secret_dir = Path(tempfile.mkdtemp(prefix="shard-group-"))  # mode 0700
+            fd = os.open(self._secret_dir / "key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as out:
+                out.write(new_group_key())
+        return self._secret_dir / "key"
 
     def __enter__(self) -> "LocalGroup":
         self.start()
@@ -118,16 +160,19 @@ class LocalGroup:
                         pp_size=self.plan.pipeline_parallel, replica=self.replica, plan_file=str(plan_file),
                         model_dir=str(self.model_dir.resolve()), model_name=self.plan.model,
                         port=self.leader_port if rank == 0 and self.leader_port else free_port(),
-                        backend="auto", rendezvous_timeout=self.rendezvous_timeout)
+                        backend="auto", rendezvous_timeout=self.rendezvous_timeout,
+                        group_secret_file=str(self.secret_file))
         threads = str(self.threads)
-        return {**os.environ, **env.to_env(), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+        lo = loopback_interface()
+        loopback = {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo} if lo else {}
+        return {**loopback, **os.environ, **env.to_env(), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                 "PYTHONUNBUFFERED": "1", **self.extra_env}
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         plan_file = self.workdir / "plan.json"
         plan_file.write_text(self.plan.to_json())
-        master_port = free_port()
+        master_port = self.rendezvous_port or free_port()
         try:
             for rank in range(self.plan.world_size):
                 log = self.workdir / f"rank-{rank}.log"
@@ -183,6 +228,9 @@ class LocalGroup:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self._secret_dir is not None:
+            shutil.rmtree(self._secret_dir, ignore_errors=True)
+            self._secret_dir = None
 
 
 @contextmanager

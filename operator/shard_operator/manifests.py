@@ -4,8 +4,9 @@ Per model: a ClusterIP Service selecting the ready leaders (the inference endpoi
 Service over every rank (metrics scraping), the plan record (a ConfigMap with the current Plan)
 and, when enabled, a NetworkPolicy that opens the ranks' ports to the ranks of the same model.
 Per group (replica): a headless Service that gives each rank a DNS name, a ConfigMap with the
-group's plan, and one Pod per rank running `python -m shard_worker`, configured only by the
-environment of `workerenv.WorkerEnv` and the mounted plan.
+group's plan, a Secret with the group's key (which seals its ranks' heartbeat records), and one
+Pod per rank running `python -m shard_worker`, configured only by the environment of
+`shard_contract.env.WorkerEnv`, the mounted plan and the mounted key.
 
 A group is identified by its replica index and its *revision*: a digest of its placement
 (`Plan.group_hash`) and of everything in the pod template. Any change to either gives new pod
@@ -14,13 +15,14 @@ names, so a replacement group can run beside the old one while it loads.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from shard_contract.env import ENV_NAMES, MODEL_MOUNT, PLAN_MOUNT, WorkerEnv
+from shard_contract.env import ENV_NAMES, MODEL_MOUNT, PLAN_MOUNT, SECRET_KEY, SECRET_MOUNT, WorkerEnv, new_group_key
 from shard_contract.plan import Plan
 
 from .api import API_VERSION, KIND, ShardedModelSpec, SpecError
@@ -234,6 +236,15 @@ def group_objects(ctx: Context, plan: Plan, replica: int) -> list[dict[str, Any]
     return [service, config, *pods]
 
 
+def group_secret(owner: Owner, plan: Plan, replica: int, revision: str, key: bytes) -> dict[str, Any]:
+    """The Secret holding a group's key, named as the group. Its key is random, so it is created
+    with the group's pods and never compared or patched (the operator cannot even read it back)."""
+    labels = {**group_labels(plan, replica, revision), COMPONENT_LABEL: "group"}
+    return {"apiVersion": "v1", "kind": "Secret",
+            "metadata": owner.meta(group_name(owner.name, replica, revision), labels),
+            "type": "Opaque", "immutable": True, "data": {SECRET_KEY: base64.b64encode(key).decode()}}
+
+
 def _model_volume(spec: ShardedModelSpec) -> tuple[dict[str, Any], str]:
     """The pod volume holding the checkpoint, and the model directory inside the pod."""
     model = spec.model
@@ -286,7 +297,11 @@ def rank_pod(ctx: Context, plan: Plan, replica: int, rank: int, revision: str) -
         tp_size=plan.tensor_parallel, pp_size=plan.pipeline_parallel, replica=replica,
         plan_file=PLAN_MOUNT, model_dir=model_dir, model_name=owner.name, port=worker.port,
         backend=worker.backend, rendezvous_timeout=worker.rendezvous_timeout_seconds,
+        group_secret_file=f"{SECRET_MOUNT}/{SECRET_KEY}",
     ).to_env()
+    # Rank 0's store listens on the pod's own address only (the downward API knows it at start,
+    # before the group's DNS name of the pod answers).
+    bind = {"name": ENV_NAMES["bind_addr"], "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     gpu = {spec.placement.gpu_resource: "1"}
     pod_security, container_security = _security()
     plan_dir = PLAN_MOUNT.rsplit("/", 1)[0]
@@ -317,7 +332,7 @@ def rank_pod(ctx: Context, plan: Plan, replica: int, rank: int, revision: str) -
                 # The tail of a failed rank's log becomes its termination message, which the
                 # operator quotes in its Event: the failed pod is deleted with its group.
                 "terminationMessagePolicy": "FallbackToLogsOnError",
-                "env": [{"name": k, "value": v} for k, v in env.items()] + _user_env(spec),
+                "env": [{"name": k, "value": v} for k, v in env.items()] + [bind] + _user_env(spec),
                 "ports": [{"name": "http", "containerPort": worker.port, "protocol": "TCP"},
                           {"name": "rendezvous", "containerPort": worker.rendezvous_port, "protocol": "TCP"}],
                 "resources": {"requests": {**worker.resources.requests, **gpu},
@@ -330,11 +345,15 @@ def rank_pod(ctx: Context, plan: Plan, replica: int, rank: int, revision: str) -
                 "securityContext": container_security,
                 "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True},
                                  {"name": "plan", "mountPath": plan_dir, "readOnly": True},
+                                 {"name": "group-key", "mountPath": SECRET_MOUNT, "readOnly": True},
                                  {"name": "dshm", "mountPath": "/dev/shm"},
                                  {"name": "tmp", "mountPath": "/tmp"}],
             }],
             "volumes": [volume,
                         {"name": "plan", "configMap": {"name": group, "items": [{"key": PLAN_KEY, "path": PLAN_KEY}]}},
+                        # Readable by the image's own non-root user (whose uid the pod does not
+                        # name); nothing else runs in the container.
+                        {"name": "group-key", "secret": {"secretName": group, "defaultMode": 0o444}},
                         # NCCL and the pipeline's shared-memory transport need more than 64 MiB.
                         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
                         {"name": "tmp", "emptyDir": {}}],
@@ -342,11 +361,14 @@ def rank_pod(ctx: Context, plan: Plan, replica: int, rank: int, revision: str) -
     }
 
 
-def desired_objects(ctx: Context, plan: Plan) -> list[dict[str, Any]]:
-    """Every object of a model whose groups all run `plan` (what `shardctl manifests` prints)."""
+def desired_objects(ctx: Context, plan: Plan, new_key: Callable[[], bytes] = new_group_key) -> list[dict[str, Any]]:
+    """Every object of a model whose groups all run `plan` (what `shardctl manifests` prints),
+    each group's Secret, with a key from `new_key`, before its pods."""
     objects = model_objects(ctx, plan)
     for group in plan.groups:
-        objects.extend(group_objects(ctx, plan, group.replica))
+        service, config, *pods = group_objects(ctx, plan, group.replica)
+        secret = group_secret(ctx.owner, plan, group.replica, group_revision(ctx, plan, group.replica), new_key())
+        objects.extend([service, config, secret, *pods])
     return objects
 
 

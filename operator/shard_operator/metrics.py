@@ -1,5 +1,6 @@
 """The operator's own Prometheus metrics: what it does (reconciles, failures, API requests, time
-per reconcile) and what it sees (ShardedModels by phase, wanted and serving groups per model).
+per reconcile) and what it sees (ShardedModels by phase, wanted and serving groups per model, restarts
+per group, and a Degraded condition's reason, which the chart's alerts read).
 
 Everything is read from the Controller when Prometheus scrapes: the reconcile keeps its plain
 counters and its last status per model, and nothing is counted twice.
@@ -8,6 +9,7 @@ counters and its last status per model, and nothing is counted twice.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator, get_args
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -46,16 +48,31 @@ class ControllerCollector(Collector):
                                    labels=["namespace", "model"])
         serving = GaugeMetricFamily("shard_operator_ready_replicas", "Groups of a ShardedModel that are serving.",
                                     labels=["namespace", "model"])
+        restarts = GaugeMetricFamily("shard_operator_group_restarts",
+                                     "Times the operator recreated a group after a rank failed.",
+                                     labels=["namespace", "model", "group"])
+        degraded = GaugeMetricFamily("shard_operator_degraded",
+                                     "1 while a ShardedModel's Degraded condition is True, else 0; with the condition's reason.",
+                                     labels=["namespace", "model", "reason"])
         for (namespace, model), status in sorted(statuses.items()):
             wanted.add_metric([namespace, model], status.get("replicas") or 0)
             serving.add_metric([namespace, model], status.get("readyReplicas") or 0)
-        yield wanted
-        yield serving
+            by_replica: dict[int, int] = {}  # an old and a new revision may both be listed
+            for group in status.get("groups") or []:
+                by_replica[group["replica"]] = max(by_replica.get(group["replica"], 0), group.get("restarts", 0))
+            for replica, n in sorted(by_replica.items()):
+                restarts.add_metric([namespace, model, str(replica)], n)
+            for condition in status.get("conditions") or []:
+                if condition["type"] == "Degraded":
+                    degraded.add_metric([namespace, model, condition.get("reason", "")],
+                                        1 if condition["status"] == "True" else 0)
+        yield from (wanted, serving, restarts, degraded)
 
 
-def serve(controller: "Controller", port: int) -> CollectorRegistry:
-    """Expose the controller's metrics on http://0.0.0.0:<port>/metrics (a daemon thread)."""
+def serve(controller: "Controller", port: int, addr: str = "0.0.0.0") -> WSGIServer:
+    """Expose the controller's metrics on http://<addr>:<port>/metrics (a daemon thread); returns
+    the server, to `shutdown()`."""
     registry = CollectorRegistry()
     registry.register(ControllerCollector(controller))
-    start_http_server(port, addr="0.0.0.0", registry=registry)
-    return registry
+    server, _ = start_http_server(port, addr=addr, registry=registry)
+    return server

@@ -17,6 +17,8 @@ PERMISSIONS: dict[tuple[str, str], tuple[str, ...]] = {
     ("", "pods/log"): ("get",),  # the profiling pod's output
     ("", "services"): ("list", "create", "patch", "delete"),
     ("", "configmaps"): ("list", "create", "patch", "delete"),
+    # Each group's key (manifests.group_secret): written and deleted, never read.
+    ("", "secrets"): ("create", "delete"),
     ("", "nodes"): ("list", "watch"),
     ("", "events"): ("create",),
     # kopf: resource discovery, and namespace patterns (SHARD_OPERATOR_NAMESPACES=team-*).

@@ -10,10 +10,15 @@ How it decides, in order:
    memory for it. Layers are identical work, so this greedy minimises the slowest stage (the
    pipeline's throughput) while every rank fits: a device twice as big and fast gets about twice
    the layers.
-4. Among feasible layouts: the shortest critical path (one decode step through every stage,
-   collectives and hops included); layouts within `tolerance` of it count as ties and the one
-   with fewer devices wins.
-When nothing fits, `PlanError` says how much is needed, what the pool has, and what would fit.
+4. Among feasible layouts, those that place the most replicas (as many as fit, up to the spec's);
+   among them the shortest critical path (one decode step through every stage, collectives and
+   hops included); layouts within `tolerance` of it count as ties and the one with fewer devices
+   wins.
+Parallelism no pool could ever run (a tensor degree that does not divide the heads, more stages
+than layers) is an `InvalidParallelism` PlanError before any device is looked at. When not even
+one replica fits, `PlanError` says how much is needed, what the pool has, and what would fit;
+when some but not all do, the Plan has fewer groups than `replicas` and `shortfall` says what the
+others lack.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -46,13 +52,30 @@ from .sizing import (
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
-class PlanError(ValueError):
-    """No layout fits. `reason` is a condition reason; the message says what would help."""
+@dataclass(frozen=True)
+class Shortfall:
+    """What one replica that fits nowhere needs, against what the pool offers (for its picture)."""
 
-    def __init__(self, reason: str, message: str):
+    weights: int  # one replica's, at the runtime dtype
+    kv_cache: int  # one replica's
+    per_device: int  # runtime overhead and activations, on every device
+    devices: tuple[Device, ...]
+    usable: tuple[int, ...]  # each device's memory below the headroom
+
+    @property
+    def need(self) -> int:
+        return self.weights + self.kv_cache + len(self.usable) * self.per_device
+
+
+class PlanError(ValueError):
+    """No layout fits. `reason` is a condition reason; the message says what would help; a
+    `shortfall` says it in numbers when the pool is too small."""
+
+    def __init__(self, reason: str, message: str, shortfall: Shortfall | None = None):
         super().__init__(message)
         self.reason = reason
         self.message = message
+        self.shortfall = shortfall
 
 
 @dataclass(frozen=True)
@@ -128,17 +151,16 @@ class Candidate:
 # ---------------------------------------------------------------- entry point
 def plan(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
          options: PlannerOptions | None = None) -> Plan:
+    """The Plan of as many of `spec.replicas` groups as fit (at least one; zero when 0 are asked)."""
     options = options or PlannerOptions()
     request = _resolve_request(profile, spec)
+    check_parallelism(profile, spec)
     if not inventory.devices:
         skipped = "; ".join(f"{s.node}: {s.reason}" for s in inventory.skipped) or "no nodes"
         raise PlanError("NoDevices", f"no usable devices in the node pool ({skipped})")
     tps = _tensor_candidates(profile, spec, inventory)
     pps = _pipeline_candidates(profile, spec)
     partition = spec.parallelism.layer_partition
-    if partition is not None and sum(partition) != profile.num_layers:
-        raise PlanError("InvalidParallelism", f"spec.parallelism.layerPartition {partition} places "
-                        f"{sum(partition)} layers; the model has {profile.num_layers}")
     wanted = max(request.replicas, 1)
     costs = Costs(profile, request, options)
     found: list[Candidate] = []
@@ -146,18 +168,24 @@ def plan(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
         blocks = make_blocks(inventory.devices, tp)
         previous: float | None = None
         for pp in pps:
-            if len(blocks) < pp * wanted:
+            if len(blocks) < pp:
                 break
             candidate = _place_replicas(costs, blocks, tp, pp, wanted, partition)
             if candidate is None:
                 continue
             found.append(candidate)
-            # More stages only add hops and slower devices once a layout fits: stop when worse.
+            if len(candidate.groups) < wanted:
+                continue  # more stages may fit more replicas (smaller devices take part)
+            # More stages only add hops and slower devices once every replica fits: stop when worse.
             if previous is not None and candidate.critical_path >= previous:
                 break
             previous = candidate.critical_path
     if not found:
-        raise PlanError("InsufficientCapacity", explain_infeasible(profile, spec, request, inventory, tps, options))
+        missing = _capacity_needed(profile, request, inventory, tps, options)
+        raise PlanError("InsufficientCapacity",
+                        explain_infeasible(profile, spec, request, inventory, tps, options, missing), missing)
+    most = max(len(c.groups) for c in found)
+    found = [c for c in found if len(c.groups) == most]
     best = _choose(found, options.tolerance)
     return _to_plan(profile, spec, request, options, best, found)
 
@@ -168,9 +196,24 @@ def _resolve_request(profile: ModelProfile, spec: ShardedModelSpec) -> Request:
     if max_len > profile.max_position_embeddings:
         raise PlanError("InvalidSpec", f"spec.model.maxModelLen {max_len} exceeds the model's "
                         f"max_position_embeddings {profile.max_position_embeddings}")
-    return Request(dtype=dtype, quantization=spec.model.quantization, max_len=max_len, batch=spec.model.max_batch_size,
+    return Request(dtype=dtype, quantization=spec.model.quantization, max_len=max_len,
+                   batch=spec.model.max_batch_size,
                    replicas=spec.replicas, headroom=spec.placement.memory_headroom,
                    spread_replicas=spec.placement.topology.spread_replicas)
+
+
+def check_parallelism(profile: ModelProfile, spec: ShardedModelSpec) -> None:
+    """Raise InvalidParallelism for degrees this model can never run, whatever the pool."""
+    par = spec.parallelism
+    if par.tensor != "auto" and (problem := tp_problem(profile, par.tensor)):
+        valid = ", ".join(map(str, valid_tensor_degrees(profile, profile.num_heads)))
+        raise PlanError("InvalidParallelism", f"spec.parallelism.tensor: {problem}; valid: {valid}")
+    if par.pipeline != "auto" and par.pipeline > profile.num_layers:
+        raise PlanError("InvalidParallelism", f"spec.parallelism.pipeline={par.pipeline} exceeds the "
+                        f"{profile.num_layers} decoder layers; valid: 1 to {profile.num_layers}")
+    if par.layer_partition is not None and sum(par.layer_partition) != profile.num_layers:
+        raise PlanError("InvalidParallelism", f"spec.parallelism.layerPartition {par.layer_partition} places "
+                        f"{sum(par.layer_partition)} layers; the model has {profile.num_layers}")
 
 
 def _tensor_candidates(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory) -> list[int]:
@@ -181,10 +224,6 @@ def _tensor_candidates(profile: ModelProfile, spec: ShardedModelSpec, inventory:
     tensor = spec.parallelism.tensor
     if tensor == "auto":
         return valid_tensor_degrees(profile, widest)
-    problem = tp_problem(profile, tensor)
-    if problem:
-        valid = ", ".join(map(str, valid_tensor_degrees(profile, max(8, widest))))
-        raise PlanError("InvalidParallelism", f"spec.parallelism.tensor: {problem}; valid: {valid}")
     if tensor > widest:
         raise PlanError("InsufficientCapacity", f"spec.parallelism.tensor={tensor} needs {tensor} devices "
                         f"on one node; the largest node in the pool has {widest}")
@@ -197,9 +236,6 @@ def _pipeline_candidates(profile: ModelProfile, spec: ShardedModelSpec) -> list[
         return [len(partition)]
     if pipeline == "auto":
         return list(range(1, profile.num_layers + 1))
-    if pipeline > profile.num_layers:
-        raise PlanError("InvalidParallelism", f"spec.parallelism.pipeline={pipeline} exceeds the "
-                        f"{profile.num_layers} decoder layers")
     return [pipeline]
 
 
@@ -405,11 +441,11 @@ def _place_replicas(costs: Costs, blocks: list[Block], tp: int, pp: int, replica
                 if layout and (best is None or (layout.critical_path, layout.bottleneck) < (best.critical_path, best.bottleneck)):
                     best = layout
         if best is None:
-            return None
+            break  # the replicas placed so far are as many as fit this way
         groups.append(best)
         pool.taken.update(id(b) for b in best.blocks)
         used_nodes.update(b.node for b in best.blocks)
-    return Candidate(tp=tp, pp=pp, groups=groups)
+    return Candidate(tp=tp, pp=pp, groups=groups) if groups else None
 
 
 def _choose(found: list[Candidate], tolerance: float) -> Candidate:
@@ -448,7 +484,8 @@ def _to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, op
                                 critical_path_seconds=layout.critical_path))
     return Plan(
         model=profile.name, architecture=profile.architecture, profile_digest=profile.digest,
-        dtype=request.dtype, quantization=request.quantization, num_layers=profile.num_layers, tensor_parallel=tp, pipeline_parallel=pp,
+        dtype=request.dtype, quantization=request.quantization, num_layers=profile.num_layers,
+        tensor_parallel=tp, pipeline_parallel=pp,
         replicas=request.replicas, max_model_len=request.max_len, max_batch_size=request.batch,
         memory_headroom=request.headroom, groups=groups, ranks=ranks,
         reason=_reason(spec, best, found))
@@ -474,28 +511,45 @@ def _reason(spec: ShardedModelSpec, best: Candidate, found: list[Candidate]) -> 
     return text
 
 
-# ---------------------------------------------------------------- when nothing fits
+# ---------------------------------------------------------------- when not everything fits
+def shortfall(plan: Plan, inventory: Inventory) -> str:
+    """What the replicas that do not fit lack ("" when every replica has its group)."""
+    placed, missing = len(plan.groups), plan.replicas - len(plan.groups)
+    if missing <= 0:
+        return ""
+    used = {(r.node, r.device_index) for r in plan.ranks}
+    left = Inventory(devices=[d for d in inventory.devices if (d.node, d.index) not in used])
+    like = Counter((r.capacity_bytes, r.product or r.kind) for r in plan.group(plan.groups[0].replica))
+    kinds = ", ".join(f"{n} x {gib(memory)} GiB ({product})" for (memory, product), n in sorted(like.items(), reverse=True))
+    return (f"{plan.replicas} replicas wanted, {placed} fit{'s' if placed == 1 else ''}: {missing} more "
+            f"need{'s' if missing == 1 else ''} about {missing * plan.world_size} more devices (a group takes {kinds}; "
+            f"tensor={plan.tensor_parallel} x pipeline={plan.pipeline_parallel}, tensor-parallel ranks on one node); "
+            f"unused now: {left.describe()}")
+
+
 def _weights_phrase(request: Request) -> str:
     return request.dtype if request.quantization == "none" else f"{request.quantization} ({request.dtype} activations)"
 
 
-def _replicas_phrase(replicas: int) -> str:
-    return "one replica needs" if replicas == 1 else f"{replicas} replicas need"
-
-
-def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: Request, inventory: Inventory,
-                       tps: list[int], options: PlannerOptions) -> str:
+def _capacity_needed(profile: ModelProfile, request: Request, inventory: Inventory, tps: list[int],
+                     options: PlannerOptions) -> Shortfall:
     whole = Shard(tp=1, layers=(0, profile.num_layers), embeds=True, has_lm_head=True)
-    weights = weight_bytes(profile, whole, request.dtype, request.quantization)
-    kv = kv_cache_bytes(profile, whole, request.max_len, request.batch, request.dtype)
     per_device = options.runtime_overhead[inventory.devices[0].kind] + \
         activation_bytes(profile, Shard(tp=max(tps), layers=(0, 0), embeds=False, has_lm_head=False),
                          request.max_len, request.batch, request.dtype)
-    usable = [int(d.memory_bytes * (1 - request.headroom)) for d in inventory.devices]
-    replicas = max(request.replicas, 1)
-    need = replicas * (weights + kv) + len(usable) * per_device
+    return Shortfall(weights=weight_bytes(profile, whole, request.dtype, request.quantization),
+                     kv_cache=kv_cache_bytes(profile, whole, request.max_len, request.batch, request.dtype),
+                     per_device=per_device, devices=tuple(inventory.devices),
+                     usable=tuple(int(d.memory_bytes * (1 - request.headroom)) for d in inventory.devices))
+
+
+def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: Request, inventory: Inventory,
+                       tps: list[int], options: PlannerOptions, short: Shortfall) -> str:
+    weights, kv, per_device, need = short.weights, short.kv_cache, short.per_device, short.need
+    usable = list(short.usable)
+    whole = Shard(tp=1, layers=(0, profile.num_layers), embeds=True, has_lm_head=True)
     lines = [
-        f"{profile.name} does not fit: {_replicas_phrase(replicas)} at least {gib(need)} GiB across "
+        f"{profile.name} does not fit: one replica needs at least {gib(need)} GiB across "
         f"{len(usable)} devices ({gib(weights)} GiB of {_weights_phrase(request)} weights and {gib(kv)} GiB of KV cache "
         f"for {request.max_len} tokens x {request.batch} sequences per replica, plus ~{gib(per_device)} GiB "
         f"per device for runtime and activations); the pool has {gib(sum(usable))} GiB usable "
@@ -545,7 +599,5 @@ def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: R
                         f"{gib(weight_bytes(profile, whole, 'bfloat16', request.quantization))} GiB)")
     if request.quantization == "none":
         options_.append(f"use quantization int8 (weights {gib(weight_bytes(profile, whole, request.dtype, 'int8'))} GiB)")
-    if request.replicas > 1:
-        options_.append("lower spec.replicas")
     lines.append("To make it fit: " + "; ".join(options_) + ".")
     return "\n".join(lines)

@@ -3,8 +3,11 @@
 The current plan is kept while it is valid: the spec and checkpoint still ask for it, and every
 group's devices are still in the pool. Scaling adds or drops whole groups and leaves the others
 where they are. A group whose devices left the pool is re-planned on what the others leave, with
-the same tensor and pipeline degrees; only if that fails are all groups planned afresh. A pool that
-merely grew replaces running groups only when the decode step gets clearly faster.
+the same tensor and pipeline degrees; only if that fails are all groups planned afresh. When not
+every replica fits, as many groups run as fit, whatever the history (scaling 3 -> 0 -> 2 and 1 -> 2
+on a pool of one group both run one), and `PlanChoice.shortfall` says what the others lack; they
+are placed as soon as the pool has room. A pool that merely grew replaces running groups only when
+the decode step gets clearly faster.
 
 Inventory-driven changes wait until the inventory has settled (the caller's settle window), so a
 flapping node causes no churn.
@@ -13,13 +16,14 @@ flapping node causes no churn.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable, Hashable, Mapping
 
 from shard_contract.plan import Plan
 
 from .api import Parallelism, ShardedModelSpec
-from .inventory import Device, Inventory
-from .planner import PlanError, PlannerOptions, _resolve_request, plan
+from .inventory import Device, Inventory, SkippedNode
+from .planner import PlanError, PlannerOptions, _resolve_request, plan, shortfall
 from .profile import ModelProfile
 
 
@@ -29,22 +33,34 @@ class PlanChoice:
     kind: str  # initial | unchanged | respec | scaled | repaired | improved | replanned
     message: str = ""
     waiting: bool = False  # an inventory change is seen but not acted on yet (settle window)
+    shortfall: str = ""  # what the replicas that do not fit lack ("" when all fit)
 
 
 def critical_path(p: Plan) -> float:
     return max((g.critical_path_seconds for g in p.groups), default=0.0)
 
 
-def without_devices(inventory: Inventory, taken: dict[str, int]) -> Inventory:
-    """The pool minus `taken[node]` devices per node (highest indices first)."""
+def without_devices(inventory: Inventory, taken: Mapping[Hashable, int],
+                    key: Callable[[Device], Hashable] = lambda d: d.node) -> Inventory:
+    """The pool minus `taken[key(device)]` devices of each key (highest indices first): per node
+    for GPUs other workloads hold, per (node, memory) for the devices of groups that stay."""
     left = Counter(taken)
     devices: list[Device] = []
     for d in sorted(inventory.devices, key=lambda d: (d.node, -d.index)):
-        if left[d.node] > 0:
-            left[d.node] -= 1
+        if left[key(d)] > 0:
+            left[key(d)] -= 1
         else:
             devices.append(d)
     return Inventory(devices=sorted(devices, key=lambda d: (d.node, d.index)), skipped=inventory.skipped)
+
+
+def without_held(inventory: Inventory, held: Mapping[str, int]) -> Inventory:
+    """The pool minus the GPUs other workloads hold on each node; a node left with none is listed
+    as skipped, so "no usable devices" says why."""
+    left = without_devices(inventory, held)
+    emptied = sorted({d.node for d in inventory.devices} - {d.node for d in left.devices})
+    return left.model_copy(update={"skipped": [*left.skipped, *(
+        SkippedNode(node=node, reason=f"other workloads hold its {held[node]} GPUs") for node in emptied)]})
 
 
 def incompatibility(current: Plan, profile: ModelProfile, spec: ShardedModelSpec) -> str | None:
@@ -101,11 +117,18 @@ def _merge(base: Plan, extra: Plan, slots: list[int], replicas: int) -> Plan:
 def choose_plan(current: Plan | None, profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory, *,
                 settled: bool = True, reconsider: bool = False, improvement: float = 0.10,
                 options: PlannerOptions | None = None) -> PlanChoice:
-    """The plan to run now. Raises PlanError when nothing fits.
+    """The plan to run now: as many of the spec's replicas as fit (`shortfall` says what the others
+    lack). Raises PlanError when not even one fits.
 
     settled: inventory-driven changes may be acted on. reconsider: look for a clearly faster plan
     on the current pool (the caller asks once per settled inventory).
     """
+    choice = _choose(current, profile, spec, inventory, settled, reconsider, improvement, options)
+    return replace(choice, shortfall=shortfall(choice.plan, inventory))
+
+
+def _choose(current: Plan | None, profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
+            settled: bool, reconsider: bool, improvement: float, options: PlannerOptions | None) -> PlanChoice:
     if current is None:
         fresh = plan(profile, spec, inventory, options)
         return PlanChoice(fresh, "initial", f"planned {_shape(fresh)}: {fresh.reason}")
@@ -139,7 +162,8 @@ def choose_plan(current: Plan | None, profile: ModelProfile, spec: ShardedModelS
                 fresh = plan(profile, spec, inventory, options)
             except PlanError:
                 fresh = None
-            if fresh is not None and critical_path(fresh) < critical_path(kept) * (1 - improvement):
+            if fresh is not None and len(fresh.groups) == replicas and \
+                    critical_path(fresh) < critical_path(kept) * (1 - improvement):
                 return PlanChoice(fresh, "improved", f"the pool changed: {_shape(fresh)} takes "
                                   f"{critical_path(fresh) * 1e3:.2f} ms per decode step instead of "
                                   f"{critical_path(kept) * 1e3:.2f} ms")
@@ -147,25 +171,41 @@ def choose_plan(current: Plan | None, profile: ModelProfile, spec: ShardedModelS
             return PlanChoice(kept, "scaled", f"scaled from {current.replicas} to {replicas} groups", waiting)
         return PlanChoice(kept, "unchanged", "", waiting)
 
-    taken = Counter()
-    for (node, _), n in used.items():
-        taken[node] += n
+    # Place the missing groups on what the kept ones leave, with the same degrees; if not all of
+    # them fit there, a plan made afresh wins when it runs more groups.
     pinned = spec.model_copy(update={"replicas": len(missing), "parallelism": Parallelism(
         tensor=current.tensor_parallel, pipeline=current.pipeline_parallel,
         layer_partition=spec.parallelism.layer_partition)})
-    what = (f"group {', '.join(map(str, lost))} lost {'its' if len(lost) == 1 else 'their'} devices"
-            if lost else f"scaled from {current.replicas} to {replicas} groups")
     try:
-        extra = plan(profile, pinned, without_devices(inventory, taken), options)
+        left = without_devices(inventory, used, key=lambda d: (d.node, d.memory_bytes))
+        merged = _merge(kept, plan(profile, pinned, left, options), missing, replicas)
     except PlanError:
-        fresh = plan(profile, spec, inventory, options)
-        return PlanChoice(fresh, "replanned", f"{what}; they do not fit beside the others, so every "
-                          f"group was planned again: {_shape(fresh)}")
-    merged = _merge(kept, extra, missing, replicas)
-    placed = "; ".join(f"group {r} on {', '.join(sorted({x.node for x in merged.group(r)}))}" for r in missing)
-    return PlanChoice(merged, "repaired" if lost else "scaled", f"{what}: {placed}")
+        merged = kept
+    if lost:
+        what = f"group {', '.join(map(str, lost))} lost {'its' if len(lost) == 1 else 'their'} devices"
+    elif replicas != current.replicas:
+        what = f"scaled from {current.replicas} to {replicas} groups"
+    else:
+        what = f"{len(kept.groups)} of {replicas} groups ran for want of room"
+    if len(merged.groups) < replicas:
+        try:
+            fresh = plan(profile, spec, inventory, options)
+        except PlanError:
+            if not merged.groups:
+                raise
+            fresh = merged
+        if len(fresh.groups) > len(merged.groups):
+            return PlanChoice(fresh, "replanned", f"{what}; they do not fit beside the others, so every "
+                              f"group was planned again: {_shape(fresh)}")
+    if merged.hash == current.hash and merged.replicas == current.replicas:
+        return PlanChoice(merged, "unchanged", "", waiting)
+    added = [r for r in missing if merged.group(r)]
+    placed = "; ".join(f"group {r} on {', '.join(sorted({x.node for x in merged.group(r)}))}" for r in added)
+    return PlanChoice(merged, "repaired" if lost else "scaled",
+                      f"{what}: {placed}" if added else f"{what}; the pool has no room for more groups", waiting)
 
 
 def _shape(p: Plan) -> str:
-    return (f"tensor={p.tensor_parallel} x pipeline={p.pipeline_parallel}, {p.replicas} "
+    of = f" of {p.replicas}" if len(p.groups) < p.replicas else ""
+    return (f"tensor={p.tensor_parallel} x pipeline={p.pipeline_parallel}, {len(p.groups)}{of} "
             f"group{'s' if p.replicas != 1 else ''}")

@@ -18,6 +18,12 @@ def usage_bar(used: int, usable: int, capacity: int) -> str:
     return ("█" * filled + "░" * free).ljust(BAR_WIDTH, "·")[:BAR_WIDTH]
 
 
+def _replicas(plan: Plan) -> str:
+    if len(plan.groups) < plan.replicas:
+        return f"{len(plan.groups)} of {plan.replicas} replicas (the others do not fit)"
+    return f"{plan.replicas} replica(s)"
+
+
 def render_plan(plan: Plan, profile: ModelProfile | None = None, inventory: Inventory | None = None) -> str:
     lines = []
     if profile is not None:
@@ -27,7 +33,7 @@ def render_plan(plan: Plan, profile: ModelProfile | None = None, inventory: Inve
     lines.append(f"decision {plan.reason}")
     weights = plan.dtype if plan.quantization == "none" else f"{plan.dtype} with {plan.quantization} weights"
     lines.append(f"serving  {plan.max_model_len} tokens x {plan.max_batch_size} sequences in {weights}, "
-                 f"{plan.memory_headroom:.0%} headroom per device, {plan.replicas} replica(s), plan {plan.hash}")
+                 f"{plan.memory_headroom:.0%} headroom per device, {_replicas(plan)}, plan {plan.hash}")
     if inventory is not None:
         lines.append(f"pool     {inventory.describe()}")
         for skipped in inventory.skipped:

@@ -204,7 +204,7 @@ def decide(wants: Iterable[Want], observed: Iterable[ObservedGroup], rollout: Ro
         if g.replica in wanted:
             groups[g.replica].append(g)
         elif state[g.key][0] != "Terminating":
-            decision.delete[g.key] = "scaled down"
+            decision.delete[g.key] = "no longer in the plan"
 
     def ready(r: int) -> list[ObservedGroup]:
         return [g for g in groups[r] if state[g.key][0] == "Ready"]

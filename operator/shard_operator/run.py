@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 import urllib.error
@@ -122,45 +123,71 @@ def complete(base_url: str, prompt: str, max_tokens: int, timeout: float = 300) 
 
 def run_local(plan: Plan, model_dir: str | os.PathLike[str], *, port: int, host: str = "127.0.0.1",
               model_name: str | None = None, prompt: str | None = None, max_tokens: int = 24, restarts: int = 2,
-              threads_per_rank: int | None = None, ready_timeout: float = 600,
+              threads_per_rank: int | None = None, ready_timeout: float = 600, rendezvous_port: int | None = None,
+              log_dir: str | os.PathLike[str] | None = None,
               out: Callable[[str], None] = print, err: Callable[[str], None] = print) -> int:
     """Serve `plan` (its group 0) until Ctrl-C / SIGTERM; with `prompt`, answer it once and stop.
 
-    `model_name` is the name the API serves (the ShardedModel's; default: the plan's).
+    `model_name` is the name the API serves (the ShardedModel's; default: the plan's). The ranks'
+    logs go to `log_dir` (default: a temporary directory, removed when the run ends cleanly and
+    kept, with a line saying where, when a group failed).
     Returns the exit status: 0, or 3 when the group failed more often than `restarts` allows.
     SIGTERM raises SystemExit(143) and Ctrl-C KeyboardInterrupt, after every rank is stopped.
     """
+    logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="shardctl-run-"))
+    failures: list[str] = []
+    clean = False
+    try:
+        with sigterm_unwinds():
+            code = _serve(plan, model_dir, logs, failures, port=port, host=host, model_name=model_name or plan.model,
+                          prompt=prompt, max_tokens=max_tokens, restarts=restarts, threads_per_rank=threads_per_rank,
+                          ready_timeout=ready_timeout, rendezvous_port=rendezvous_port, out=out, err=err)
+        clean = not failures
+        return code
+    except (KeyboardInterrupt, SystemExit):  # stopped by its user
+        clean = not failures
+        raise
+    finally:
+        if not clean:
+            err(f"shardctl: the ranks' logs are kept in {logs}")
+        elif log_dir is None:
+            shutil.rmtree(logs, ignore_errors=True)
+
+
+def _serve(plan: Plan, model_dir: str | os.PathLike[str], logs: Path, failures: list[str], *, port: int, host: str,
+           model_name: str, prompt: str | None, max_tokens: int, restarts: int, threads_per_rank: int | None,
+           ready_timeout: float, rendezvous_port: int | None, out: Callable[[str], None],
+           err: Callable[[str], None]) -> int:
+    """`run_local`'s groups, one after another; each failure's reason is added to `failures`."""
     base_url = f"http://{host}:{port}"
-    model_name = model_name or plan.model
     env = {"SHARD_HOST": host, "SHARD_MODEL_NAME": model_name}
-    attempt = 0
-    with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="shardctl-run-") as tmp:
-        while True:
-            workdir = Path(tmp) / f"attempt-{attempt}"
-            started = time.monotonic()
-            out(f"\nstarting {plan.world_size} rank{'s' if plan.world_size > 1 else ''} "
-                f"(python -m shard_worker; logs in {workdir})")
-            with LocalGroup(plan, model_dir, workdir, leader_port=port, threads_per_rank=threads_per_rank,
-                            extra_env=env) as group:
-                try:
-                    shards = wait_ready(group, base_url, ready_timeout)
-                    out(f"ready in {time.monotonic() - started:.1f} s: serving {base_url}/v1 "
-                        f"(model {model_name!r}; OpenAI-compatible: /v1/completions, /v1/chat/completions)")
-                    out(render_shards(shards))
-                    if prompt is not None:
-                        answer = complete(base_url, prompt, max_tokens)
-                        choice = answer["choices"][0]
-                        out(f"\nprompt: {prompt!r}")
-                        out(f"answer: {choice['text']!r}")
-                        out(f"({answer['usage']['completion_tokens']} tokens, finish_reason {choice['finish_reason']})")
-                        return 0
-                    out("Ctrl-C stops every rank.")
-                    reason = watch(group, base_url)
-                except GroupLost as lost:
-                    reason = str(lost)
-            err(f"shardctl: {reason}")
-            if attempt >= restarts:
-                err(f"shardctl: the group failed {attempt + 1} time{'s' if attempt else ''}; no restarts left")
-                return EXIT_RANKS_FAILED
-            attempt += 1
-            err(f"shardctl: every rank stopped; restarting the group ({attempt} of {restarts})")
+    while True:
+        workdir = logs / f"attempt-{len(failures)}"
+        started = time.monotonic()
+        out(f"\nstarting {plan.world_size} rank{'s' if plan.world_size > 1 else ''} "
+            f"(python -m shard_worker; logs in {workdir})")
+        with LocalGroup(plan, model_dir, workdir, leader_port=port, threads_per_rank=threads_per_rank,
+                        extra_env=env, rendezvous_port=rendezvous_port) as group:
+            try:
+                shards = wait_ready(group, base_url, ready_timeout)
+                out(f"ready in {time.monotonic() - started:.1f} s: serving {base_url}/v1 "
+                    f"(model {model_name!r}; OpenAI-compatible: /v1/completions, /v1/chat/completions)")
+                out(render_shards(shards))
+                if prompt is not None:
+                    answer = complete(base_url, prompt, max_tokens)
+                    choice = answer["choices"][0]
+                    out(f"\nprompt: {prompt!r}")
+                    out(f"answer: {choice['text']!r}")
+                    out(f"({answer['usage']['completion_tokens']} tokens, finish_reason {choice['finish_reason']})")
+                    return 0
+                out("Ctrl-C stops every rank.")
+                reason = watch(group, base_url)
+            except GroupLost as lost:
+                reason = str(lost)
+        failures.append(reason)
+        err(f"shardctl: {reason}")
+        if len(failures) > restarts:
+            err(f"shardctl: the group failed {len(failures)} time{'s' if len(failures) > 1 else ''}; "
+                "no restarts left")
+            return EXIT_RANKS_FAILED
+        err(f"shardctl: every rank stopped; restarting the group ({len(failures)} of {restarts})")

@@ -43,6 +43,9 @@ class Settings:
     # PVCs at <pvc_root>/<claimName>. Unset: a profiling Pod reads them.
     host_path_prefix: str | None = None
     pvc_root: str | None = None
+    # Seconds one Kubernetes API request may take (the operator's own requests; kopf has its own):
+    # a connection the server dropped without a word fails the reconcile, which is retried.
+    api_timeout_seconds: float = 30.0
     # Profiling pods that have not finished after this long are deleted and retried.
     profile_timeout_seconds: float = 600.0
     # kopf: standalone (no peering); a single operator replica.

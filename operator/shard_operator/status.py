@@ -117,7 +117,8 @@ def build_status(obs: Observation, previous: dict[str, Any] | None, now: str) ->
     wanted = {w.replica: w for w in obs.wants}
     states = {g.key: group_state(g)[0] for g in obs.groups}
     replicas = spec.replicas if spec else 0
-    serving = {g.replica for g in obs.groups if states[g.key] == "Ready" and g.replica < replicas}
+    # Ready groups serve whether wanted or not; an unreadable spec wants none but still has them.
+    serving = {g.replica for g in obs.groups if states[g.key] == "Ready" and (spec is None or g.replica < replicas)}
     current_ready = sum(1 for w in obs.wants if states.get(w.key) == "Ready")
     replacing = [g for g in obs.groups if g.replica in wanted and g.revision != wanted[g.replica].revision]
     extra = [g for g in obs.groups if g.replica not in wanted]
@@ -160,12 +161,17 @@ def build_status(obs: Observation, previous: dict[str, Any] | None, now: str) ->
 
     # ---- available
     need = max(1, replicas - (spec.rollout.max_unavailable if spec else 0))
-    if replicas == 0:
+    fitting = len(obs.plan.groups) if obs.plan is not None else replicas
+    if obs.problem is not None and obs.problem.fatal:  # no plan can be made: that is why
+        still = f"{ready} group{'s' if ready != 1 else ''} of an earlier plan still ready; " if ready else ""
+        available = (ready > 0, obs.problem.reason, still + obs.problem.message)
+    elif replicas == 0:
         available = (False, "ScaledToZero", "spec.replicas is 0")
     elif ready >= need:
         available = (True, "MinimumGroupsReady", f"{ready} of {replicas} groups ready")
     else:
-        available = (False, "TooFewGroupsReady", f"{ready} of {replicas} groups ready, {need} needed")
+        fits = f"; only {fitting} fit{'s' if fitting == 1 else ''} the pool" if fitting < replicas else ""
+        available = (False, "TooFewGroupsReady", f"{ready} of {replicas} groups ready, {need} needed{fits}")
 
     # ---- phase
     if obs.problem is not None and (obs.problem.fatal or not ready):

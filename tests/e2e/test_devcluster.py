@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import stat
 from pathlib import Path
 
 import httpx
@@ -68,10 +69,8 @@ def data_dir(c: DevCluster, name: str) -> Path:
 
 def test_network_allocates_distinct_addresses_and_answers_dns():
     net = ClusterNetwork()
-    a = net.pod_address({"spec": {"containers": [{"ports": [{"name": "rendezvous", "containerPort": 29500},
-                                                            {"name": "http", "containerPort": 8000}]}]}})
-    b = net.pod_address({"spec": {}})
-    assert a.ip != b.ip and a.ip.startswith("127.10.") and a.port(8000) == 8000 and a.port(29500) != 29500
+    a, b = net.pod_address(), net.pod_address()
+    assert a.ip != b.ip and a.ip.startswith("127.10.")
     net.register(["x.g.default.svc", "x.g.default.svc.cluster.local"], "uid-1", a)
     assert net.resolve("X.g.default.svc.") == a and net.resolve("x.g.default.svc.cluster.local") == a
     assert net.resolve(a.ip) == a and net.resolve("10.1.2.3") == PodAddress("10.1.2.3")
@@ -103,7 +102,7 @@ async def test_pods_get_own_addresses_a_resolved_rendezvous_volumes_and_the_devi
     leader = cluster.network.resolve(leader_name)
     assert ip0 != ip1 and {ip0, ip1} == {(await status(cluster, n))["podIP"] for n in ("r0", "r1")}
     assert addr0 == addr1 == ip0 == leader.ip                      # MASTER_ADDR: the leader's address
-    assert port0 == port1 == str(leader.port(29500)) != "29500"    # its own host port for the TCPStore
+    assert port0 == port1 == "29500"                               # as the pods say: each leader binds its own address
     assert (budget0, budget1) == (str(160 * 2**20), str(96 * 2**20))  # each node's GPU memory
     assert plan0.startswith(str(cluster.workdir)) and p0 == p1 == 'plan: {"x": 1}'
     # Both serve on port 8000, each on its own address.
@@ -111,6 +110,16 @@ async def test_pods_get_own_addresses_a_resolved_rendezvous_volumes_and_the_devi
     (data_dir(cluster, "r1") / "who").write_text("r1")
     async with httpx.AsyncClient() as http:
         assert [(await http.get(f"http://{ip}:8000/who")).text for ip in (ip0, ip1)] == ["r0", "r1"]
+
+
+async def test_secret_volumes_hold_the_decoded_keys_with_the_volume_mode(cluster):
+    await cluster.emu.k8s_create("v1/secrets", "default", {"metadata": {"name": "s"}, "stringData": {"k": "v\n"}})
+    await cluster.emu.k8s_create("v1/pods", "default", pod(
+        "p", "a", volumes=[{"name": "key", "secret": {"secretName": "s", "defaultMode": 0o440}}],
+        mounts=[{"name": "key", "mountPath": "/etc/key", "readOnly": True}]))
+    await first_line(cluster, "p")
+    key = cluster.kubelet.sandboxes[("default", "p")].directory / "volumes" / "key" / "k"
+    assert key.read_bytes() == b"v\n" and stat.S_IMODE(key.stat().st_mode) == 0o440
 
 
 async def test_probes_set_readiness_and_a_failed_liveness_probe_kills_the_container(cluster):

@@ -59,8 +59,8 @@ async def fake_leaders():
     """A real HTTP server playing every group leader's GET /v1/shards; yields its base URL."""
     predicted = PredictedBytes(weights=1, kv_cache=1, activations=1, overhead=1)
     report = ShardsResponse(model="m", replica=0, ready=True, ranks=[
-        ShardEntry(rank=r, stage=0, tp_rank=r, layers=(0, 4), predicted_bytes=predicted, state="ready",
-                   resident_bytes=ResidentBytes(weights=1, kv_cache=1, rss_anon=1, total=RESIDENT + r * 2**20))
+        ShardEntry(rank=r, stage=0, tp_rank=r, layers=(0, 4), predicted_bytes=predicted, capacity_bytes=2**30,
+                   usable_bytes=2**29, state="ready", resident_bytes=ResidentBytes(weights=1, kv_cache=1, rss_anon=1, total=RESIDENT + r * 2**20))
         for r in range(8)])
 
     async def shards(request: web.Request) -> web.Response:

@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 
 from shard_devcluster.apiserver import serve
+from shard_devcluster.emulator import Faults
 
 NS = "default"
 PODS = f"/api/v1/namespaces/{NS}/pods"
@@ -141,6 +142,29 @@ async def test_patch_flavours(api):
     assert st == 415  # strategic merge is for built-in kinds only
 
 
+async def test_secrets_as_the_api_server_stores_them(api):
+    """stringData folds into base64 data, type defaults to Opaque, bad keys and base64 are refused,
+    and an immutable Secret's data cannot change (a real kube-apiserver's Secret strategy)."""
+    secrets = f"/api/v1/namespaces/{NS}/secrets"
+    st, b = await api("POST", secrets, json={"metadata": {"name": "s"}, "data": {"a": "eA=="},
+                                             "stringData": {"b": "y", "a": "z"}})
+    assert st == 201 and b["data"] == {"a": "eg==", "b": "eQ=="} and "stringData" not in b and b["type"] == "Opaque"
+    st, b = await api("POST", secrets, json={"metadata": {"name": "bad"}, "data": {"a": "not base64!"}})
+    assert (st, b["reason"]) == (400, "BadRequest")
+    st, b = await api("POST", secrets, json={"metadata": {"name": "bad"}, "data": {"a/b": "eA=="}})
+    assert (st, b["reason"]) == (422, "Invalid") and "a valid config key" in b["message"]
+    st, b = await api("PATCH", f"{secrets}/s", json={"type": "kubernetes.io/tls"}, headers=MERGE)
+    assert st == 422 and "type: Invalid value" in b["message"]
+    st, b = await api("POST", secrets, json={"metadata": {"name": "fixed"}, "immutable": True, "data": {"k": "eA=="}})
+    assert st == 201
+    st, b = await api("PATCH", f"{secrets}/fixed", json={"data": {"k": "eQ=="}}, headers=MERGE)
+    assert st == 422 and "data: Forbidden: field is immutable when `immutable` is set" in b["message"]
+    st, b = await api("PATCH", f"{secrets}/fixed", json={"metadata": {"labels": {"x": "1"}}}, headers=MERGE)
+    assert st == 200 and b["data"] == {"k": "eA=="}  # its metadata may change
+    st, _ = await api("DELETE", f"{secrets}/fixed")
+    assert st == 200
+
+
 async def test_custom_resource_generation_status_and_scale(api):
     st, b = await api("POST", SMS, json=sm())
     assert st == 201 and b.get("status") != {"phase": "Bogus"}  # status subresource: ignored on create
@@ -266,3 +290,73 @@ async def test_tables_for_kubectl_and_pod_logs(api):
     await api("POST", PODS, json=pod("p1"))
     st, text = await api("GET", f"{PODS}/p1/log")
     assert st == 200 and text == ""
+
+
+# ---------------------------------------------------------------- injected faults
+@pytest.fixture
+async def faulty():
+    """An emulator (and a raw client of it) whose faults a test sets."""
+    async with serve() as (emu, url):
+        async with aiohttp.ClientSession(base_url=url) as session:
+            yield emu, Api(session)
+
+
+async def test_injected_errors_and_conflicts_change_nothing(faulty):
+    emu, api = faulty
+    await api("POST", PODS, json=pod("p1"))
+    emu.faults = Faults(error=1.0)
+    st, b = await api("POST", PODS, json=pod("p2"))
+    assert (st, b["reason"], b["code"]) == (500, "InternalError", 500)
+    st, _ = await api("GET", "/api/v1")  # discovery is spared
+    assert st == 200
+    emu.faults = Faults(conflict=1.0)
+    st, b = await api("PATCH", f"{PODS}/p1", json={"metadata": {"labels": {"x": "1"}}}, headers=MERGE)
+    assert (st, b["reason"]) == (409, "Conflict") and "the object has been modified" in b["message"]
+    st, _ = await api("POST", PODS, json=pod("p3"))  # only updates conflict
+    assert st == 201
+    emu.faults = None
+    st, b = await api("GET", PODS)
+    assert names(b["items"]) == ["p1", "p3"] and not b["items"][0]["metadata"].get("labels")
+    assert emu.api_requests()  # (served over HTTP: the in-process API is never faulted)
+
+
+async def test_an_injected_timeout_answers_504_after_the_write_has_landed(faulty):
+    emu, api = faulty
+    emu.faults = Faults(timeout=1.0, delay=0.2)
+    start = time.monotonic()
+    st, b = await api("POST", PODS, json=pod("p1"))
+    assert (st, b["reason"]) == (504, "Timeout") and time.monotonic() - start >= 0.2
+    emu.faults = Faults(slow=1.0, delay=0.2)
+    start = time.monotonic()
+    st, b = await api("GET", f"{PODS}/p1")  # it is there
+    assert st == 200 and time.monotonic() - start >= 0.2
+    assert emu.faults.injected == {"slow": 1}
+
+
+async def test_an_injected_watch_drop_cuts_the_connection_mid_stream(faulty):
+    emu, api = faulty
+    await api("POST", PODS, json=pod("p1"))
+    with pytest.raises(aiohttp.ClientPayloadError):  # no clean end of the chunked stream
+        async with api.s.get(f"{PODS}?watch=true", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            assert json.loads(await r.content.readline())["type"] == "ADDED"
+            emu.faults = Faults(drop_watch=1.0)  # streams already open are cut too (a restart)
+            start = time.monotonic()
+            async for _ in r.content:
+                pass
+    assert time.monotonic() - start < 2 and emu.faults.injected == {"drop_watch": 1}
+
+
+def test_faults_are_drawn_from_their_seed():
+    def sequence(seed):
+        faults = Faults.parse(f"error=0.2,conflict=0.2,slow=0.2,drop_watch=0.5,seed={seed}")
+        requests = [faults.draw(method, "/api/v1/pods", watch)
+                    for method, watch in [("PATCH", False), ("GET", True), ("POST", False)] * 30]
+        return requests, [faults.cut() for _ in range(30)]
+    assert sequence(7) == sequence(7) != sequence(8)
+    requests, cuts = sequence(7)
+    assert set(requests) == {"error", "conflict", "slow", None} and set(cuts) == {True, False}
+    with pytest.raises(ValueError, match="unknown fault 'eror'"):
+        Faults.parse("eror=0.1")
+    aimed = Faults(error=1.0, paths=r"/status$")
+    assert (aimed.draw("PATCH", "/apis/g/v1/namespaces/n/things/t/status", False),
+            aimed.draw("PATCH", "/apis/g/v1/namespaces/n/things/t", False)) == ("error", None)

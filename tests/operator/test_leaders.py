@@ -13,8 +13,9 @@ def test_resident_bytes_by_rank_skip_ranks_that_have_not_measured():
     predicted = PredictedBytes(weights=1, kv_cache=0, activations=0, overhead=0)
     measured = ResidentBytes(weights=1, kv_cache=0, rss_anon=1, total=10)
     report = ShardsResponse(model="m", replica=0, ready=False, ranks=[
-        ShardEntry(rank=0, stage=0, tp_rank=0, layers=(0, 1), predicted_bytes=predicted, resident_bytes=measured),
-        ShardEntry(rank=1, stage=0, tp_rank=1, layers=(0, 1), predicted_bytes=predicted)])
+        ShardEntry(rank=0, stage=0, tp_rank=0, layers=(0, 1), capacity_bytes=2**30, usable_bytes=2**29,
+                   predicted_bytes=predicted, resident_bytes=measured),
+        ShardEntry(rank=1, stage=0, tp_rank=1, layers=(0, 1), capacity_bytes=2**30, usable_bytes=2**29, predicted_bytes=predicted)])
     assert report.resident_by_rank() == {0: 10}
     assert ShardsResponse.model_validate_json(report.model_dump_json()).resident_by_rank() == {0: 10}
 

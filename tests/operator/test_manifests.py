@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import re
 
 import kubernetes_validate
 import pytest
 
-from shard_contract.env import MODEL_MOUNT, PLAN_MOUNT, WorkerEnv
+from shard_contract.env import MODEL_MOUNT, PLAN_MOUNT, SECRET_KEY, SECRET_MOUNT, WorkerEnv
 from shard_contract.plan import Plan
 from shard_operator.api import SpecError
 from shard_operator.manifests import (
@@ -41,7 +42,7 @@ def ctx_for(owner=OWNER, **spec):
 
 
 def env_of(pod) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    return {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"] if "value" in e}
 
 
 def pods(objects):
@@ -61,7 +62,7 @@ def test_one_pod_per_rank_with_the_worker_environment(tensor, pipeline, replicas
     objects = desired_objects(ctx, plan)
     world = tensor * pipeline
     assert len(pods(objects)) == world * replicas
-    assert len(objects) == 3 + replicas * (2 + world)  # endpoint, metrics, plan record; svc + cm + pods
+    assert len(objects) == 3 + replicas * (3 + world)  # endpoint, metrics, plan record; svc + cm + secret + pods
     for pod in pods(objects):
         labels = pod["metadata"]["labels"]
         replica, rank = int(labels[GROUP_LABEL]), int(labels[RANK_LABEL])
@@ -84,6 +85,30 @@ def test_one_pod_per_rank_with_the_worker_environment(tensor, pipeline, replicas
             "apiVersion": "sharding.dev/v1alpha1", "kind": "ShardedModel", "name": "llama", "uid": "uid-1",
             "controller": True, "blockOwnerDeletion": True}]
         assert pod["spec"]["containers"][0]["command"] == ["python", "-m", "shard_worker"]
+
+
+def test_each_group_has_a_key_of_its_own_in_a_secret_its_pods_mount():
+    plan = make_plan("a:24GiB*2,b:24GiB*2", replicas=2)
+    keys = iter([b"0" * 32, b"1" * 32])
+    objects = desired_objects(ctx_for(replicas=2), plan, new_key=lambda: next(keys))
+    secrets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Secret"}
+    assert [base64.b64decode(s["data"][SECRET_KEY]) for s in secrets.values()] == [b"0" * 32, b"1" * 32]
+    for secret in secrets.values():
+        assert secret["type"] == "Opaque" and secret["immutable"] is True
+        assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+        kubernetes_validate.validate(secret, "1.33", strict=True)
+    for pod in pods(objects):
+        group = pod["spec"]["subdomain"]
+        assert objects.index(secrets[group]) < objects.index(pod)  # created before the pods that mount it
+        assert secrets[group]["metadata"]["labels"][GROUP_LABEL] == pod["metadata"]["labels"][GROUP_LABEL]
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert volumes["group-key"] == {"name": "group-key", "secret": {"secretName": group, "defaultMode": 0o444}}
+        mounts = {m["name"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
+        assert mounts["group-key"] == {"name": "group-key", "mountPath": SECRET_MOUNT, "readOnly": True}
+        env = pod["spec"]["containers"][0]["env"]
+        assert env_of(pod)["SHARD_GROUP_SECRET_FILE"] == f"{SECRET_MOUNT}/{SECRET_KEY}"
+        # Rank 0's store binds the pod's own address, which the downward API gives it.
+        assert {"name": "SHARD_BIND_ADDR", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in env
 
 
 def test_tensor_parallel_peers_share_a_node_and_groups_spread():
@@ -139,6 +164,7 @@ def test_model_volumes(model, volume, expected_dir):
 @pytest.mark.parametrize("spec,message", [
     ({"model": {"path": "relative/dir", "volume": None}}, "must be absolute"),
     ({"worker": {"env": [{"name": "RANK", "value": "3"}]}}, "RANK set by the operator"),
+    ({"worker": {"env": [{"name": "SHARD_GROUP_SECRET_FILE", "value": "/k"}]}}, "SHARD_GROUP_SECRET_FILE set by"),
 ])
 def test_specs_no_pod_can_be_built_from(spec, message):
     with pytest.raises(SpecError, match=message):

@@ -6,12 +6,18 @@ RBAC table in permissions.py.
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shard_contract.env import WorkerEnv
+from shard_contract.plan import Plan
 from shard_devcluster.apiserver import SM
+from shard_devcluster.emulator import Faults
+from shard_operator.api import parse_spec
+from shard_operator.manifests import PLAN_KEY, Context, Owner, desired_objects, drift_patch, plan_record_name
 from shard_operator.metrics import ControllerCollector
 from shard_operator.permissions import permissions
 from tests.support.cluster import SEVEN_B, gpu_node, sharded_model, write_model
@@ -52,7 +58,7 @@ async def test_create_wires_every_rank_and_reports_ready(world):
     uid = created["metadata"]["uid"]
     for pod in pods:
         labels = pod["metadata"]["labels"]
-        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"] if "value" in e}
         worker = WorkerEnv.from_env(env)
         assert (worker.world_size, worker.tp_size, worker.pp_size) == (2, 2, 1)
         assert str(worker.rank) == labels["sharding.dev/rank"] and str(worker.replica) == labels["sharding.dev/group"]
@@ -65,8 +71,16 @@ async def test_create_wires_every_rank_and_reports_ready(world):
     services = {s["metadata"]["name"]: s for s in await world.objects("v1/services", "m1")}
     assert services["m1"]["spec"]["selector"] == {"sharding.dev/model": "m1", "sharding.dev/role": "leader"}
     assert {p["spec"]["subdomain"] for p in pods} < set(services)
-    for kind in ("v1/services", "v1/configmaps"):
+    for kind in ("v1/services", "v1/configmaps", "v1/secrets"):
         assert all(o["metadata"]["ownerReferences"][0]["uid"] == uid for o in await world.objects(kind, "m1"))
+    # Each group's key: a Secret named as the group, mounted by its pods; a key of its own.
+    secrets = {s["metadata"]["name"]: s for s in await world.objects("v1/secrets", "m1")}
+    assert set(secrets) == {p["spec"]["subdomain"] for p in pods} and len(secrets) == 2
+    assert len({s["data"]["group-key"] for s in secrets.values()}) == 2
+    assert all(len(base64.b64decode(s["data"]["group-key"])) == 32 and s["immutable"] for s in secrets.values())
+    for pod in pods:
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert volumes["group-key"]["secret"]["secretName"] == pod["spec"]["subdomain"]
 
     assert (status["replicas"], status["readyReplicas"]) == (2, 2)
     assert (status["plan"]["tensorParallel"], status["plan"]["pipelineParallel"]) == (2, 1)
@@ -77,6 +91,9 @@ async def test_create_wires_every_rank_and_reports_ready(world):
     assert conditions["Available"]["status"] == "True" and conditions["Degraded"]["status"] == "False"
     reasons = [e[1] for e in await world.events("m1")]
     assert "Planned" in reasons and reasons.count("CreatingGroup") == 2
+    told = str(await world.events("m1")) + str(status) + str(pods)  # the keys are in their Secrets only
+    assert not any(s["data"]["group-key"] in told or base64.b64decode(s["data"]["group-key"]).hex() in told
+                   for s in secrets.values())
 
 
 async def test_scaling_adds_and_removes_whole_groups(world):
@@ -102,7 +119,40 @@ async def test_scaling_adds_and_removes_whole_groups(world):
         assert set(groups_of(kept)) == {0, 1} and (status["replicas"], status["readyReplicas"]) == (2, 2)
         scale = await world.emu.k8s_get(SM, "default", "m1")
         assert scale["spec"]["replicas"] == 2
-    assert not [o for o in await world.objects("v1/services", "m1") if o["metadata"]["labels"].get("sharding.dev/group") == "2"]
+    for kind in ("v1/services", "v1/secrets"):  # the group's key went with it
+        assert not [o for o in await world.objects(kind, "m1") if o["metadata"]["labels"].get("sharding.dev/group") == "2"]
+    assert len(await world.objects("v1/secrets", "m1")) == 2
+
+
+async def test_replicas_that_do_not_all_fit_run_as_many_as_fit_whatever_the_history(world):
+    await world.add_node(gpu_node("a"))  # room for one group of tensor=2
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator():
+        await world.create(sharded_model("m1", model_dir, replicas=3))
+        status = await eventually(lambda: _degraded_serving(world, "m1", wanted=3, ready=1))
+        assert status["replicas"] == 1 and len(await world.pods("m1")) == 2
+
+        await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"replicas": 0}}, subresource="scale")
+        await eventually(lambda: _pod_count(world, "m1", 0))
+        await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"replicas": 2}}, subresource="scale")
+        status = await eventually(lambda: _degraded_serving(world, "m1", wanted=2, ready=1))
+        assert status["replicas"] == 1 and groups_of(await world.pods("m1")) == {0: {"a"}}
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Degraded"]["message"].startswith("2 replicas wanted, 1 fits: 1 more needs about 2 more devices")
+    assert conditions["Available"]["message"] == "1 of 2 groups ready, 2 needed; only 1 fits the pool"
+    warnings = [e[2] for e in await world.events("m1") if e[0] == "Warning"]
+    assert any(m.startswith("3 replicas wanted, 1 fits") for m in warnings)
+
+
+async def _degraded_serving(world, name, wanted, ready):
+    """The status once `ready` groups serve and the Degraded condition says only they fit."""
+    model = await world.model(name)
+    status = model.get("status") or {}
+    degraded = next((c for c in status.get("conditions") or [] if c["type"] == "Degraded"), {})
+    ok = status.get("observedGeneration") == model["metadata"]["generation"] and status.get("phase") == "Degraded" \
+        and status.get("readyReplicas") == ready and degraded.get("reason") == "InsufficientCapacity" \
+        and degraded.get("message", "").startswith(f"{wanted} replicas wanted, {ready} fit")
+    return status if ok else None
 
 
 async def _ready_replicas(world, name, n):
@@ -206,7 +256,7 @@ async def test_a_flapping_node_causes_no_churn(world):
 async def test_a_failed_rank_recreates_its_group_until_the_budget_is_spent(world):
     await world.add_node(gpu_node("a"))
     model_dir = write_model(world.tmp / "models" / "tiny")
-    async with world.operator(restart_budget=2):
+    async with world.operator(restart_budget=2) as op:
         await world.create(sharded_model("m1", model_dir, replicas=1))
         await world.wait_phase("m1", "Ready")
         for attempt in (1, 2):
@@ -224,6 +274,14 @@ async def test_a_failed_rank_recreates_its_group_until_the_budget_is_spent(world
         degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
         assert degraded["reason"] == "RestartBudgetExhausted" and "exit code 1" in degraded["message"]
         assert len(await world.pods("m1")) == 2  # kept for `kubectl logs`
+        registry = CollectorRegistry()
+        registry.register(ControllerCollector(op))
+        gauges = {(s.name, s.labels.get("group") or s.labels.get("reason")): s.value
+                  for family in text_string_to_metric_families(generate_latest(registry).decode())
+                  for s in family.samples if s.labels.get("model") == "m1"}
+        # what the chart's ShardRestartBudgetExhausted alert reads
+        assert gauges[("shard_operator_degraded", "RestartBudgetExhausted")] == 1
+        assert gauges[("shard_operator_group_restarts", "0")] == 2
     reasons = [e[1] for e in await world.events("m1")]
     assert reasons.count("RecreatingGroup") == 2 and "RestartBudgetExhausted" in reasons
 
@@ -233,14 +291,25 @@ async def _recreated(world, name, before):
     return len(pods) == 2 and not set(uids(pods).values()) & set(before.values())
 
 
+TRAINING = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "training"},  # holds node a's 2 GPUs
+            "spec": {"nodeName": "a", "containers": [{"name": "t", "image": "x",
+                                                       "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}}
+
+
 @pytest.mark.parametrize("change,reason,words", [
-    (dict(tensor=3), "InvalidParallelism", "does not divide the 4 attention heads"),
+    (dict(tensor=3), "InvalidParallelism", "does not divide the 4 attention heads; valid: 1, 2, 4"),
+    # Parallelism no pool can run is named as such, also while other workloads hold every GPU.
+    (dict(tensor=3, held=True), "InvalidParallelism", "tensor=3 does not divide the 4 attention heads"),
+    (dict(tensor=1, pipeline=100, held=True), "InvalidParallelism", "pipeline=100 exceeds the 4 decoder layers"),
+    (dict(held=True), "NoDevices", "no usable devices in the node pool (a: other workloads hold its 2 GPUs)"),
     (dict(placement={"nodeSelector": {"pool": "nowhere"}}), "NoDevices", "not in the node pool"),
     (dict(rollout={"maxSurge": -1}), "InvalidSpec", "spec.rollout.maxSurge"),
     (dict(missing=True), "ModelNotFound", "does not exist"),
 ])
 async def test_an_invalid_spec_creates_nothing_and_says_why_once(world, change, reason, words):
     await world.add_node(gpu_node("a"))
+    if change.pop("held", False):
+        await world.emu.k8s_create("v1/pods", "default", TRAINING)
     model_dir = write_model(world.tmp / "models" / "tiny")
     if change.pop("missing", False):
         model_dir = world.tmp / "models" / "absent"
@@ -252,6 +321,8 @@ async def test_an_invalid_spec_creates_nothing_and_says_why_once(world, change, 
         assert op.failures == 0
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
     assert degraded["reason"] == reason and words in degraded["message"]
+    available = next(c for c in status["conditions"] if c["type"] == "Available")
+    assert (available["status"], available["reason"], available["message"]) == ("False", reason, degraded["message"])
     assert await world.objects("v1/pods", "bad") == [] and await world.objects("v1/services", "bad") == []
     assert [e for e in await world.events("bad") if e[0] == "Warning"] == [("Warning", reason, degraded["message"])]
 
@@ -290,7 +361,7 @@ async def test_deleting_the_model_removes_everything(world):
 async def _gone(world, name):
     if await world.model(name) is not None:
         return False
-    for kind in ("v1/pods", "v1/services", "v1/configmaps"):
+    for kind in ("v1/pods", "v1/services", "v1/configmaps", "v1/secrets"):
         if await world.objects(kind, name):
             return False
     return True
@@ -355,10 +426,7 @@ async def test_edited_objects_are_put_back(world):
 async def test_gpus_held_by_other_workloads_are_planned_around(world):
     for n in ("a", "b"):
         await world.add_node(gpu_node(n))
-    await world.emu.k8s_create("v1/pods", "default", {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "training"},
-        "spec": {"nodeName": "a", "containers": [{"name": "t", "image": "x",
-                                                   "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}})
+    await world.emu.k8s_create("v1/pods", "default", TRAINING)
     model_dir = write_model(world.tmp / "models" / "tiny")
     async with world.operator():
         await world.create(sharded_model("m1", model_dir))
@@ -396,7 +464,7 @@ async def test_no_room_left_says_so_and_keeps_the_other_group_serving(world):
             degraded = next(c for c in (await world.status("m1"))["conditions"] if c["type"] == "Degraded")
             return degraded if degraded["reason"] == "InsufficientCapacity" else None
         degraded = await eventually(no_room)
-        assert "does not fit" in degraded["message"] and "GiB" in degraded["message"]
+        assert degraded["message"].startswith("2 replicas wanted, 1 fits") and "GiB" in degraded["message"]
         status = await world.status("m1")
         assert status["phase"] == "Degraded" and status["readyReplicas"] == 1
         serving = {n: u for n, u in uids(before).items() if "-0-" in n}
@@ -489,7 +557,129 @@ async def test_the_operator_metrics_say_what_it_did_and_what_it_sees(world):
     assert samples[("shard_operator_replicas", (("model", "good"), ("namespace", "default")))] == 1
     assert samples[("shard_operator_ready_replicas", (("model", "good"), ("namespace", "default")))] == 1
     assert samples[("shard_operator_ready_replicas", (("model", "bad"), ("namespace", "default")))] == 0
+    assert samples[("shard_operator_group_restarts", (("group", "0"), ("model", "good"), ("namespace", "default")))] == 0
+    assert samples[("shard_operator_degraded", (("model", "good"), ("namespace", "default"), ("reason", "AsExpected")))] == 0
+    assert samples[("shard_operator_degraded", (("model", "bad"), ("namespace", "default"),
+                                                ("reason", "InvalidParallelism")))] == 1
     assert 0 < samples[("shard_operator_reconciles_total", ())] <= reconciles
     assert samples[("shard_operator_reconcile_failures_total", ())] == 0
     assert 0 < samples[("shard_operator_api_requests_total", (("verb", "create"),))] <= created
     assert samples[("shard_operator_reconcile_seconds_count", ())] >= 2
+
+
+# ---------------------------------------------------------------- a faulty API server
+# Of the requests: 8% fail (500), 30% of updates conflict (409), 4% time out (504) and 4% are slow
+# (answered after the operator's 0.5 s timeout: both after the write landed); every second, each
+# open watch is cut with a chance of 30%. About 30 faults in all over the scenario.
+FAULTS = dict(seed=20260101, error=0.08, conflict=0.3, timeout=0.04, slow=0.04, drop_watch=0.3,
+              delay=1.0, watch_life=1.0)
+
+
+async def test_the_operator_converges_while_the_api_server_fails_requests(world):
+    """Nodes go and come and the model scales while the API server fails a fraction of requests
+    (500, 409, 504 after the write, answers later than the client waits, cut watches): in the end
+    exactly the planned objects exist, each once, owned and labelled, and the status says so."""
+    for n in ("a", "b", "c"):
+        await world.add_node(gpu_node(n))
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator(api_timeout_seconds=0.5) as op:
+        await world.create(sharded_model("m1", model_dir, replicas=2))
+        await world.wait_phase("m1", "Ready")
+        world.emu.faults = Faults(**FAULTS)
+        lost = next(iter(groups_of(await world.pods("m1"))[0]))
+        await world.emu.k8s_delete("v1/nodes", None, lost)
+        await eventually(lambda: _phase_in(world, "m1", {"Degraded"}))
+        world.clock.advance(1.0)  # the pool has settled: group 0 moves to the free node
+        await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"replicas": 3}}, subresource="scale")
+        await eventually(lambda: _degraded_serving(world, "m1", wanted=3, ready=2))  # 2 nodes left
+        await world.add_node(gpu_node("d"))
+        status = await eventually(lambda: _as_planned(world, "m1", op.settings, replicas=3), timeout=60)
+        injected = dict(world.emu.faults.injected)
+        world.emu.faults = None
+        before, calls = await _uids(world, "m1"), (op.kube.calls["create"], op.kube.calls["delete"])
+        seen = op.reconciles
+        await eventually(lambda: op.reconciles >= seen + 3)
+        # Converged: nothing is created or deleted any more (a status write whose answer was lost
+        # is written again), and the status still tells the truth.
+        assert (await _uids(world, "m1"), (op.kube.calls["create"], op.kube.calls["delete"])) == (before, calls)
+        status = await _as_planned(world, "m1", op.settings, replicas=3)
+        assert status is not None, await world.status("m1")
+    assert sum(injected.values()) >= 10, injected  # (each kind alone: test_emulator_conformance.py)
+    assert lost not in set().union(*groups_of(await world.pods("m1")).values())
+    assert status["phase"] == "Ready" and (status["replicas"], status["readyReplicas"]) == (3, 3)
+    assert {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]} == {
+        "Available": ("True", "MinimumGroupsReady"), "Progressing": ("False", "Complete"),
+        "Degraded": ("False", "AsExpected")}
+
+
+async def test_a_status_write_whose_answer_was_lost_is_written_whole_next_time(world):
+    """A status write answered 504 may have landed: the next write must not be a difference from the
+    status last known written, or a field that goes back to its value there is never corrected."""
+    await world.add_node(gpu_node("a", gpus=4))
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator() as op:
+        await world.create(sharded_model("m1", model_dir, replicas=1))
+        await world.wait_phase("m1", "Ready")
+        world.emu.faults = Faults(timeout=1.0, delay=0.0, paths=r"/shardedmodels/m1/status$")
+        await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"replicas": 2}}, subresource="scale")
+        await eventually(lambda: _ready_replicas(world, "m1", 2))  # written, though the operator saw 504s
+        await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"replicas": 1}}, subresource="scale")
+        await eventually(lambda: _pod_count(world, "m1", 2))
+        world.emu.faults = None
+        seen = op.reconciles
+        await eventually(lambda: op.reconciles >= seen + 3)
+    assert world.emu.faults is None and op.failures > 0
+    status = await world.status("m1")
+    assert (status["phase"], status["replicas"], status["readyReplicas"], len(status["groups"])) == ("Ready", 1, 1, 1)
+
+
+async def test_a_failure_report_whose_answer_was_lost_is_corrected_once_the_api_heals(world):
+    await world.add_node(gpu_node("a"))
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator() as op:
+        await world.create(sharded_model("m1", model_dir))
+        await world.wait_phase("m1", "Ready")
+        # ConfigMap lists fail (so does the reconcile), and its ReconcileError report lands but is answered 504.
+        world.emu.faults = Faults(timeout=1.0, delay=0.0, paths=r"/configmaps$|/shardedmodels/m1/status$")
+
+        async def reported():
+            degraded = next(c for c in (await world.status("m1"))["conditions"] if c["type"] == "Degraded")
+            return degraded["reason"] == "ReconcileError"
+        await eventually(reported)
+        world.emu.faults = None
+        seen = op.reconciles
+        await eventually(lambda: op.reconciles >= seen + 3)
+    status = await world.status("m1")
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert (status["phase"], degraded["status"], degraded["reason"]) == ("Ready", "False", "AsExpected")
+
+
+async def _uids(world, name):
+    return {kind: uids(await world.objects(kind, name)) for kind in ("v1/pods", "v1/services", "v1/configmaps")}
+
+
+async def _as_planned(world, name, settings, replicas):
+    """The status, once the objects are exactly those the plan record asks for (each once, owned
+    by the model, labelled and shaped as the builders make them) and the status describes them."""
+    model = await world.model(name)
+    status = model.get("status") or {}
+    record = await world.emu.k8s_get("v1/configmaps", "default", plan_record_name(name))
+    if record is None or status.get("observedGeneration") != model["metadata"]["generation"]:
+        return None
+    plan = Plan.from_json(record["data"][PLAN_KEY])
+    ctx = Context(owner=Owner.of(model), spec=parse_spec(model["spec"]), default_image=settings.worker_image)
+    desired = {(o["kind"], o["metadata"]["name"]): o for o in desired_objects(ctx, plan)}
+    actual = {(o["kind"], o["metadata"]["name"]): o for kind in ("v1/pods", "v1/services", "v1/configmaps")
+              for o in await world.objects(kind, name)}
+    if len(plan.groups) != replicas or actual.keys() != desired.keys():
+        return None
+    for key, obj in actual.items():
+        assert obj["metadata"]["ownerReferences"] == desired[key]["metadata"]["ownerReferences"], key
+        assert drift_patch(desired[key], obj) is None, key  # labels, annotations, spec, data
+    pods = [o for (kind, _), o in actual.items() if kind == "Pod"]
+    ok = status.get("phase") == "Ready" and status.get("readyReplicas") == replicas \
+        and status["plan"]["hash"] == plan.hash and len(status["shards"]) == len(pods) \
+        and {(g["replica"], g["revision"], g["state"]) for g in status["groups"]} == \
+        {(int(p["metadata"]["labels"]["sharding.dev/group"]), p["metadata"]["labels"]["sharding.dev/revision"], "Ready")
+         for p in pods}
+    return status if ok else None

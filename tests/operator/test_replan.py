@@ -6,7 +6,7 @@ import pytest
 
 from shard_operator.inventory import parse_devices
 from shard_operator.planner import PlanError
-from shard_operator.replan import choose_plan, critical_path, incompatibility, without_devices
+from shard_operator.replan import choose_plan, critical_path, incompatibility, without_devices, without_held
 
 from tests.support.cluster import SEVEN_B
 
@@ -61,10 +61,37 @@ def test_a_lost_node_moves_only_its_group_once_settled(profile, two_groups):
     assert lost not in nodes_of(moved.plan, 0)
 
 
-def test_no_room_for_a_lost_group_raises_with_the_numbers(profile, two_groups):
-    with pytest.raises(PlanError) as err:
-        choose_plan(two_groups, profile, make_spec(replicas=2), parse_devices("c:24GiB*2"), settled=True)
+def test_no_room_for_a_lost_group_runs_what_fits_and_says_what_is_missing(profile, two_groups):
+    choice = choose_plan(two_groups, profile, make_spec(replicas=2), parse_devices("c:24GiB*2"), settled=True)
+    assert choice.kind == "repaired" and [g.replica for g in choice.plan.groups] == [0]
+    assert nodes_of(choice.plan, 0) == {"c"} and choice.plan.replicas == 2
+    assert choice.shortfall.startswith("2 replicas wanted, 1 fits: 1 more needs about 2 more devices")
+    with pytest.raises(PlanError) as err:  # not even one
+        choose_plan(two_groups, profile, make_spec(replicas=2), parse_devices("c:24GiB*1"), settled=True)
     assert err.value.reason == "InsufficientCapacity"
+
+
+@pytest.mark.parametrize("history", [(3, 0, 2), (1, 2), (2,), (3, 2), (1, 3, 1, 2)])
+def test_replicas_that_do_not_all_fit_run_as_many_as_fit_whatever_the_history(profile, history):
+    pool = parse_devices("a:24GiB*2,b:24GiB*1")  # one group of tensor=2
+    current = None
+    for replicas in history:
+        choice = choose_plan(current, profile, make_spec(replicas=replicas), pool)
+        current = choice.plan
+    assert [g.replica for g in current.groups] == [0] and nodes_of(current, 0) == {"a"}
+    assert choice.shortfall == ("2 replicas wanted, 1 fits: 1 more needs about 2 more devices (a group takes "
+                                "2 x 24.00 GiB (gpu); tensor=2 x pipeline=1, tensor-parallel ranks on one node); "
+                                "unused now: 1 x 24.0 GiB on b")
+
+
+def test_a_grown_pool_adds_the_groups_that_did_not_fit_beside_the_running_one(profile):
+    short = choose_plan(None, profile, make_spec(replicas=2), parse_devices("a:24GiB*2")).plan
+    assert len(short.groups) == 1
+    same = choose_plan(short, profile, make_spec(replicas=2), parse_devices("a:24GiB*2"))
+    assert same.kind == "unchanged" and same.plan == short and same.shortfall
+    grown = choose_plan(short, profile, make_spec(replicas=2), parse_devices("a:24GiB*2,b:24GiB*2"))
+    assert grown.kind == "scaled" and "group 1 on b" in grown.message and not grown.shortfall
+    assert placements(grown.plan)[0] == placements(short)[0]
 
 
 def test_a_grown_pool_replaces_groups_only_when_clearly_faster():
@@ -114,3 +141,9 @@ def test_repair_that_does_not_fit_beside_the_others_replans_everything():
 def test_without_devices_takes_the_highest_indices():
     inv = without_devices(parse_devices("a:24GiB*4,b:24GiB*2"), {"a": 3})
     assert [(d.node, d.index) for d in inv.devices] == [("a", 0), ("b", 0), ("b", 1)]
+
+
+def test_a_node_whose_gpus_other_workloads_hold_is_listed_with_the_reason():
+    inv = without_held(parse_devices("a:24GiB*2,b:24GiB*2"), {"a": 2, "b": 1})
+    assert [(d.node, d.index) for d in inv.devices] == [("b", 0)]
+    assert [(s.node, s.reason) for s in inv.skipped] == [("a", "other workloads hold its 2 GPUs")]

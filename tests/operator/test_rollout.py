@@ -94,7 +94,7 @@ def test_steady_state_changes_nothing():
 def test_scaling_down_deletes_whole_groups_only():
     observed = [group(["Ready"] * 2, r, "x") for r in range(3)]
     d = decide([Want(0, "x"), Want(1, "x")], observed, SURGE, {}, 3)
-    assert d.delete == {(2, "x"): "scaled down"}
+    assert d.delete == {(2, "x"): "no longer in the plan"}
     assert d.keep == {(0, "x"): False, (1, "x"): False}
 
 

@@ -62,6 +62,49 @@ def test_invalid_spec_fails_without_a_plan():
     assert conditions(status)["Degraded"] == ("True", "InvalidSpec")
 
 
+@pytest.mark.parametrize("valid_spec, reason", [
+    (False, "InvalidSpec"),          # spec.rollout.maxSurge: -1, an unknown dtype, ...
+    (True, "InvalidParallelism"),    # tensor: 5 for 12 heads
+    (True, "ModelNotFound"),
+    (True, "InvalidModel"),
+    (True, "NoDevices"),
+    (True, "InsufficientCapacity"),  # not even one group fits, and none ran before
+])
+def test_a_model_that_cannot_be_planned_says_why_it_is_not_available(valid_spec, reason):
+    problem = Problem(reason, "what is wrong")
+    obs = Observation(name="m", generation=1, spec=make_spec(replicas=2) if valid_spec else None, problem=problem)
+    status = build_status(obs, None, NOW)
+    available = next(c for c in status["conditions"] if c["type"] == "Available")
+    assert (available["status"], available["reason"], available["message"]) == ("False", reason, "what is wrong")
+    assert status["phase"] == "Failed" and conditions(status)["Degraded"] == ("True", reason)
+    # Groups of an earlier spec that still serve are counted, and said to be there.
+    serving = Observation(name="m", generation=2, spec=obs.spec, problem=problem, groups=[group(0, "old", ["Ready"] * 2)])
+    status = build_status(serving, None, NOW)
+    available = next(c for c in status["conditions"] if c["type"] == "Available")
+    assert (available["status"], available["reason"]) == ("True", reason)
+    assert available["message"] == "1 group of an earlier plan still ready; what is wrong"
+    assert status["phase"] == "Degraded" and status["readyReplicas"] == 1
+
+
+def test_scaled_to_zero_is_said_only_of_a_valid_spec():
+    status = build_status(observation(replicas=0), None, NOW)
+    assert conditions(status)["Available"] == ("False", "ScaledToZero")
+
+
+def test_replicas_that_do_not_all_fit_run_the_groups_that_do_and_say_what_is_missing():
+    short = make_plan("a:24GiB*2", replicas=2)  # one group fits
+    obs = Observation(name="m", generation=1, spec=make_spec(replicas=2), plan=short, wants=[Want(0, "new")],
+                      groups=[group(0, "new", ["Ready"] * 2)], group_plans={(0, "new"): short},
+                      problem=Problem("InsufficientCapacity", "2 replicas wanted, 1 fits: ...", fatal=False))
+    status = build_status(obs, None, NOW)
+    assert (status["phase"], status["replicas"], status["readyReplicas"]) == ("Degraded", 1, 1)
+    assert conditions(status) == {"Available": ("False", "TooFewGroupsReady"),
+                                  "Progressing": ("False", "InsufficientCapacity"),
+                                  "Degraded": ("True", "InsufficientCapacity")}
+    available = next(c for c in status["conditions"] if c["type"] == "Available")
+    assert available["message"] == "1 of 2 groups ready, 2 needed; only 1 fits the pool"
+
+
 def test_capacity_loss_with_groups_serving_is_degraded_not_failed():
     obs = observation([group(0, "new", ["Ready"] * 2)],
                       problem=Problem("InsufficientCapacity", "needs 2 GPUs", fatal=False))

@@ -16,7 +16,7 @@ RELEASE, NAMESPACE = "so", "shard-system"
 
 # Values far from the defaults: a few watched namespaces, operator settings, a model mount,
 # monitoring on, restricted serving ports, a digest-pinned image. Rendered with
-# the Prometheus Operator's API announced, so the PodMonitor appears.
+# the Prometheus Operator's API announced, so the PodMonitor, ServiceMonitor and PrometheusRule appear.
 CUSTOM_VALUES: dict[str, Any] = {
     "image": {"repository": "registry.example/ml/shard-operator", "digest": "sha256:" + "ab" * 32,
               "pullPolicy": "Always"},
@@ -35,7 +35,8 @@ CUSTOM_VALUES: dict[str, Any] = {
     "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ops", "effect": "NoSchedule"}],
     "priorityClassName": "system-cluster-critical",
     "metrics": {"port": 9090, "podMonitor": {"enabled": True, "interval": "30s", "labels": {"release": "prometheus"}},
-                "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
+                "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+                "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}, "communicationShare": 0.6}},
     "networkPolicy": {"servingPorts": [8000, 8080],
                       "servingFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}]},
     "dashboard": {"namespace": "monitoring", "labels": {"grafana_dashboard": "1", "team": "ml"},

@@ -23,7 +23,7 @@ LABEL_VALUES = re.compile(r"^label_values\((?P<selector>.+),\s*(?P<label>\w+)\)$
 # Labels a series may carry: the worker's own, the operator's, histogram buckets', and those
 # Prometheus adds to every target scraped through the PodMonitor.
 KNOWN_LABELS = {*LABELS, *(label for _, _, extra in FAMILIES.values() for label in extra), "le",
-                "namespace", "pod", "container", "job", "instance", "phase", "verb"}
+                "namespace", "pod", "container", "job", "instance", "phase", "verb", "reason"}
 # Panels the operations guide promises (issue: packaging).
 REQUIRED_PANELS = [
     "Resident vs predicted memory per partition", "Communication throughput per rank",
@@ -39,7 +39,9 @@ class StubController:
     kube = type("Kube", (), {"calls": {"list": 3, "create": 1, "patch": 1, "delete": 1}})()
     @staticmethod
     def statuses():
-        return {("ns", "m"): {"phase": "Ready", "replicas": 1, "readyReplicas": 1}}
+        return {("ns", "m"): {"phase": "Degraded", "replicas": 1, "readyReplicas": 1,
+                              "groups": [{"replica": 0, "restarts": 3}],
+                              "conditions": [{"type": "Degraded", "status": "True", "reason": "RestartBudgetExhausted"}]}}
 
     def __init__(self):
         self.reconcile_seconds = Histogram("shard_operator_reconcile_seconds", "t", registry=None)

@@ -20,7 +20,8 @@ from .chart import CHART, MONITORING_API, NAMESPACE, REPO, SIZING_COMMAND, helm,
 
 EXAMPLES = REPO / "examples"
 MONITORING = [("monitoring.coreos.com/v1/podmonitors", "PodMonitor"),
-              ("monitoring.coreos.com/v1/servicemonitors", "ServiceMonitor")]
+              ("monitoring.coreos.com/v1/servicemonitors", "ServiceMonitor"),
+              ("monitoring.coreos.com/v1/prometheusrules", "PrometheusRule")]
 
 
 class Kubectl:

@@ -111,6 +111,7 @@ def test_ready_only_when_every_rank_has_loaded_and_a_hung_rank_is_found(tiny_mod
         kill_all(p.pid for p in procs)
         for p in procs:
             p.wait()
+        group.stop()  # removes the group's key file
 
 
 def test_a_killed_rank_is_found_and_the_request_in_flight_ends(tiny_model, tmp_path):

@@ -17,7 +17,15 @@ from shard_contract.wire import Completion, GenerateRequest, ResidentBytes
 from shard_operator.local import free_port
 from shard_worker.batcher import EngineLoop, Pending, Sink, Unavailable, take_batch, take_joiners
 from shard_worker.engine import RequestError
-from shard_worker.health import GroupMonitor, Heartbeat, Record, memory_problems
+from shard_worker.health import (
+    ForgedRecord,
+    GroupKeyError,
+    GroupMonitor,
+    Heartbeat,
+    Record,
+    memory_problems,
+    read_group_key,
+)
 from shard_worker.rankmetrics import RankMetrics
 from shard_worker.sequences import SequenceState
 
@@ -103,12 +111,83 @@ def test_memory_check(measured, total, budget, problems):
     assert got == problems
 
 
+KEY = b"k" * 32
+
+
+def test_a_sealed_record_opens_only_with_its_key_and_under_its_rank():
+    sealed = record(1, 7, "failed", error="boom").seal(KEY)
+    assert Record.open(sealed, KEY, 1) == record(1, 7, "failed", error="boom")
+    mac, body = sealed.split(b" ", 1)
+    forgeries = {
+        "another key": record(1, 7, "failed").seal(b"x" * 32),
+        "no seal": body,
+        "an edited body": mac + b" " + body.replace(b"boom", b"bam!"),
+        "an empty value": b"",
+    }
+    for what, value in forgeries.items():
+        with pytest.raises(ForgedRecord, match="does not carry the group key's seal"):
+            Record.open(value, KEY, 1)
+    with pytest.raises(ForgedRecord, match="rank 1's record was written under rank 0's key"):
+        Record.open(sealed, KEY, 0)
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "SHARD_GROUP_SECRET_FILE is not set"),
+    (b"short", "the key has 5 bytes; at least 16 are needed"),
+    ("missing", "No such file or directory"),
+])
+def test_a_rank_needs_a_usable_group_key(tmp_path, content, message):
+    path = tmp_path / "key"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    with pytest.raises(GroupKeyError, match=message):
+        read_group_key(None if content is None else str(path))
+
+
+def test_forged_and_replayed_records_in_a_real_store_are_ignored_and_counted():
+    """Rank 0 reads rank 1's records; whoever else writes under rank 1's key is not believed."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    rejected: list[str] = []
+    beat = Heartbeat("127.0.0.1", port, 0, 2, lambda seq: record(0, seq), KEY, on_rejected=rejected.append,
+                     period=0.05, stale=5)
+    key = "shard/rank/1"
+
+    try:
+        beat.start()
+        for seq in (1, 2):
+            store.set(key, record(1, seq).seal(KEY))
+            wait_until(lambda: (r := beat.records().get(1)) is not None and r.seq == seq)
+        old = record(1, 1).seal(KEY)
+        forged = [record(1, 9, "failed", error="forged").seal(b"x" * 32),  # a wrong key
+                  record(1, 9, "failed", error="forged").seal(KEY).split(b" ", 1)[1],  # no seal
+                  record(2, 9, "failed", error="forged").seal(KEY),  # another rank's record
+                  old]  # rank 1's own old record, written again
+        for n, value in enumerate(forged, 1):
+            store.set(key, value)
+            wait_until(lambda: beat.rejected == n)
+        time.sleep(0.2)  # read again and again: judged once
+        assert beat.rejected == len(forged) == len(rejected)
+        assert rejected[3] == "rank 1's record number 1 was written again after number 2"
+        assert beat.records()[1] == record(1, 2) and beat.verdict().alive  # nothing forged was believed
+    finally:
+        beat.stop()
+        del store
+
+
+def wait_until(check, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not within 10 s"
+        time.sleep(0.02)
+
+
 def test_heartbeats_through_a_real_store():
     """Two ranks beat into a real TCPStore; when one stops, the other calls the group lost."""
     port = free_port()
     master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
     lost: list[str] = []
-    beats = [Heartbeat("127.0.0.1", port, rank, 2, lambda seq, rank=rank: record(rank, seq),
+    beats = [Heartbeat("127.0.0.1", port, rank, 2, lambda seq, rank=rank: record(rank, seq), KEY,
                        on_lost=lost.append if rank == 0 else None, period=0.05, stale=0.5) for rank in (0, 1)]
     try:
         for b in beats:

@@ -1,16 +1,20 @@
 """`shardctl run` watches its group: a rank that dies is reported by rank and cause, the group is
 restarted within its budget and serves again, and past the budget shardctl exits non-zero with no
-process left behind."""
+process left behind, keeping the ranks' logs. A port another process holds fails it at once."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import socket
+from pathlib import Path
 
 import httpx
 import pytest
 
+from shard_operator.cli import main
 from shard_operator.local import free_port, plan_local
 from shard_operator.run import run_local
 
@@ -37,13 +41,15 @@ def test_a_crashed_rank_restarts_the_group_then_exhausts_the_budget(tiny_model, 
             answer = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "model": "crashy"},
                                 timeout=60)
             assert answer.status_code == 200, answer.text
+            page = httpx.get(url + "/dashboard/layout.svg", timeout=10)  # the live page, on shardctl run's port
+            assert page.status_code == 200 and page.text.count('data-alive="true"') == 2
             ranks = worker_ranks(proc.pid)
             assert sorted(ranks) == [0, 1] and not set(ranks.values()) & set(seen)  # a fresh group each time
             seen += ranks.values()
             os.kill(ranks[1], signal.SIGKILL)
             if attempt == 0:  # the group is replaced: rank 0 stops answering, then a new one is ready
                 wait_for("the old group stops", lambda: not alive(ranks[0]), timeout=60)
-        _, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=120)
     finally:
         stop(proc)
     assert proc.returncode == 3
@@ -51,6 +57,20 @@ def test_a_crashed_rank_restarts_the_group_then_exhausts_the_budget(tiny_model, 
     assert "restarting the group (1 of 1)" in err
     assert "the group failed 2 times; no restarts left" in err
     assert not any(alive(pid) for pid in seen)
+    # The logs it named are still there to read, and it says so.
+    named = logs_named(out)
+    assert [p.name for p in named] == ["attempt-0", "attempt-1"]
+    try:
+        assert f"shardctl: the ranks' logs are kept in {named[0].parent}" in err
+        for attempt in named:
+            assert "loaded in" in (attempt / "rank-1.log").read_text()  # the rank that was killed
+    finally:
+        shutil.rmtree(named[0].parent)
+
+
+def logs_named(out: str) -> list[Path]:
+    """The log directories `shardctl run` told its user about."""
+    return [Path(p) for p in re.findall(r"logs in (\S+)\)", out)]
 
 
 def test_ctrl_c_stops_every_rank(tiny_model, tmp_path):
@@ -63,11 +83,13 @@ def test_ctrl_c_stops_every_rank(tiny_model, tmp_path):
         ranks = worker_ranks(proc.pid)
         assert sorted(ranks) == [0, 1]
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=60)
     finally:
         stop(proc)
     assert proc.returncode == 130 and "stopped every rank" in err
     assert not any(alive(pid) for pid in ranks.values())
+    (logs,) = logs_named(out)
+    assert not logs.parent.exists() and "kept" not in err  # nothing failed: its temporary logs are gone
 
 
 def test_a_rank_refuses_a_malicious_checkpoint_and_the_run_exits_with_its_message(tmp_path):
@@ -83,3 +105,27 @@ def test_a_rank_refuses_a_malicious_checkpoint_and_the_run_exits_with_its_messag
     assert re.search(r"shardctl: rank 0 exited with status 1; its log ends:\n(?s:.*)CheckpointError: \S+" + attack.error,
                      text), text
     assert "the group failed 1 time; no restarts left" in text
+
+
+def test_logs_go_to_the_log_dir_and_stay(tiny_model, tmp_path):
+    yaml_file = sharded_model_yaml(tmp_path / "m.yaml", tiny_model, name="logged", tensor=1, pipeline=1)
+    proc = shardctl("run", "-f", str(yaml_file), "--port", "0", "--devices", "localhost:1GiB",
+                    "--log-dir", str(tmp_path / "logs"), "--prompt", "x", "--max-tokens", "2")
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    assert logs_named(out) == [tmp_path / "logs" / "attempt-0"]
+    assert "loaded in" in (tmp_path / "logs" / "attempt-0" / "rank-0.log").read_text()
+
+
+@pytest.mark.parametrize("flag", ["--port", "--rendezvous-port"])
+def test_a_port_another_process_holds_fails_at_once_naming_it(capsys, flag):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        other = ["--port", "0"] if flag == "--rendezvous-port" else []
+        code = main(["run", "-f", "no-such-file.yaml", flag, str(port), *other])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == ""  # before anything is planned or started
+    assert err == (f"shardctl: {flag} {port}: cannot listen on 127.0.0.1:{port} (Address already in use); another "
+                   f"process holds it: stop it, or choose another port ({flag} 0 takes a free one)\n")

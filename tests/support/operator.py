@@ -34,7 +34,7 @@ async def running_operator(api_url: str, settings: Settings = FAST,
                            clock: Callable[[], float] | None = None,
                            kube_type: type[Kube] = Kube) -> AsyncIterator[Controller]:
     """The operator, logged into `api_url`, until the block ends (its API edge a `kube_type`)."""
-    kube = kube_type(client_for(kubernetes.client.Configuration(host=api_url)))
+    kube = kube_type(client_for(kubernetes.client.Configuration(host=api_url)), settings.api_timeout_seconds)
     extra: dict[str, Any] = {"fetch": fetch} if fetch else {}
     if clock is not None:
         extra["clock"] = clock

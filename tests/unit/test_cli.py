@@ -84,7 +84,32 @@ def test_invalid_parallelism_is_bad_input_not_infeasible(capsys, tmp_path):
     (tmp_path / "sm.yaml").write_text(text)
     code, _, err = run(capsys, "plan", "-f", str(tmp_path / "sm.yaml"), "--devices", "a:80GiB*8")
     assert code == 1
-    assert "InvalidParallelism: spec.parallelism.tensor: tensor=3 does not divide the 64 attention heads" in err
+    assert "InvalidParallelism: spec.parallelism.tensor: tensor=3 does not divide the 64 attention heads; " \
+           "valid: 1, 2, 4, 8, 16, 32, 64" in err
+
+
+def test_replicas_that_do_not_all_fit_print_the_plan_of_those_that_do_and_exit_2(capsys):
+    code, out, err = run(capsys, "plan", "-f", str(EXAMPLES / "llama-70b.yaml"), "--devices", "a:80GiB*4")
+    assert code == 2
+    assert "1 of 2 replicas (the others do not fit)" in out and "group 0: critical path" in out
+    assert "group 1" not in out
+    assert err.startswith("shardctl: InsufficientCapacity: 2 replicas wanted, 1 fits: 1 more needs about")
+
+
+def test_impossible_parallelism_is_named_before_the_devices_are_looked_at(capsys, tmp_path):
+    text = (EXAMPLES / "llama-70b.yaml").read_text().replace("pipeline: auto", "pipeline: 100") \
+        .replace("sharding.dev/pool: inference", "sharding.dev/pool: nowhere")  # no node either
+    (tmp_path / "models").symlink_to(EXAMPLES / "models")
+    (tmp_path / "sm.yaml").write_text(text)
+    code, _, err = run(capsys, "plan", "-f", str(tmp_path / "sm.yaml"), "--nodes", str(EXAMPLES / "nodes.yaml"))
+    assert code == 1
+    assert "InvalidParallelism: spec.parallelism.pipeline=100 exceeds the 80 decoder layers; valid: 1 to 80" in err
+
+
+def test_dev_cluster_faults_are_checked_before_anything_starts(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["dev-cluster", "--faults", "error=0.1,eror=0.2"])
+    assert exit_.value.code == 2 and "unknown fault 'eror'" in capsys.readouterr().err
 
 
 def test_console_script_prints_the_crd():

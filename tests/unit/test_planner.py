@@ -14,8 +14,9 @@ from shard_contract.sharding import valid_tensor_degrees
 from shard_contract.units import GiB
 from shard_operator.api import parse_spec
 from shard_operator.inventory import Device, Inventory, parse_devices
-from shard_operator.planner import PlanError, PlannerOptions, plan
+from shard_operator.planner import PlanError, PlannerOptions, plan, shortfall
 from shard_operator.profile import ModelProfile, profile_from_config
+from shard_operator.replan import choose_plan
 from shard_operator.sizing import Shard, activation_bytes, kv_cache_bytes, weight_bytes
 
 LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
@@ -123,6 +124,24 @@ def test_invalid_parallelism_is_explained(parallelism, match):
         plan(profile_from_config(LLAMA_70B), spec(parallelism=parallelism), parse_devices("a:80GiB*8"))
 
 
+TWELVE_HEADS = {**LLAMA_8B, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 8,
+                "num_attention_heads": 12, "num_key_value_heads": 12}
+
+
+@pytest.mark.parametrize("pool", ["", "a:80GiB*8"])  # "": every GPU held by another model
+@pytest.mark.parametrize("parallelism, message", [
+    ({"tensor": 5}, "spec.parallelism.tensor: tensor=5 does not divide the 12 attention heads; valid: 1, 2, 3, 4, 6, 12"),
+    ({"tensor": 8}, "spec.parallelism.tensor: tensor=8 does not divide the 12 attention heads; valid: 1, 2, 3, 4, 6, 12"),
+    ({"pipeline": 100}, "spec.parallelism.pipeline=100 exceeds the 8 decoder layers; valid: 1 to 8"),
+    ({"layerPartition": [4, 5]}, "spec.parallelism.layerPartition [4, 5] places 9 layers; the model has 8"),
+])
+def test_parallelism_no_pool_can_run_is_named_before_devices_are_considered(pool, parallelism, message):
+    inventory = parse_devices(pool) if pool else Inventory()
+    with pytest.raises(PlanError) as err:
+        plan(profile_from_config(TWELVE_HEADS), spec(parallelism=parallelism), inventory)
+    assert (err.value.reason, str(err.value)) == ("InvalidParallelism", message)
+
+
 def test_kv_heads_fewer_than_tp_are_replicated():
     profile = profile_from_config({**LLAMA_8B, "num_key_value_heads": 2})
     result = plan(profile, spec(parallelism={"tensor": 8, "pipeline": 1}), parse_devices("a:80GiB*8"))
@@ -212,12 +231,13 @@ def _rank_total(profile: ModelProfile, tp: int, layers: tuple[int, int], first: 
 
 
 @st.composite
-def pools(draw, profile: ModelProfile) -> Inventory:
+def pools(draw, profile: ModelProfile, largest: float = 1.2) -> Inventory:
+    """Up to 4 devices on up to 3 nodes, each from a quarter of the whole model to `largest` x it."""
     whole = _rank_total(profile, 1, (0, profile.num_layers), True, True, 16)
     devices = []
     for node in range(draw(st.integers(1, 3))):
         for index in range(draw(st.integers(1, 2))):
-            memory = draw(st.integers(max(whole // 4, 1), whole * 6 // 5))
+            memory = draw(st.integers(max(whole // 4, 1), int(whole * largest)))
             speed = draw(st.sampled_from([0.5, 1.0, 2.0]))
             devices.append(Device(node=f"n{node}", index=index, memory_bytes=memory, speed=speed))
     return Inventory(devices=devices[:4])
@@ -233,17 +253,21 @@ def _compositions(total: int, parts: int):
         yield [b - a for a, b in zip((0, *cuts), (*cuts, total))]
 
 
-def exhaustive_fits(profile: ModelProfile, inventory: Inventory, tensor="auto") -> bool:
+def exhaustive_fits(profile: ModelProfile, inventory: Inventory, tensor="auto", pipeline="auto") -> bool:
     """Any TP group on one node, any stage order, any layer split: does something fit?"""
     per_node: dict[str, list[Device]] = {}
     for d in inventory.devices:
         per_node.setdefault(d.node, []).append(d)
+    if not per_node:
+        return False
     widest = max(len(v) for v in per_node.values())
     for tp in valid_tensor_degrees(profile, widest):
         if tensor != "auto" and tp != tensor:
             continue
         groups = [c for devs in per_node.values() for c in itertools.combinations(devs, tp)]
         for pp in range(1, min(profile.num_layers, len(groups)) + 1):
+            if pipeline != "auto" and pp != pipeline:
+                continue
             for chain in itertools.permutations(groups, pp):
                 if len({d.key for g in chain for d in g}) != tp * pp:
                     continue
@@ -283,7 +307,9 @@ def test_every_plan_places_each_layer_once_in_order_and_fits(data):
     except PlanError:
         return
     tp, pp = result.tensor_parallel, result.pipeline_parallel
-    assert len(result.groups) == replicas and len(result.ranks) == replicas * tp * pp
+    assert result.replicas == replicas and 1 <= len(result.groups) <= replicas
+    assert [g.replica for g in result.groups] == list(range(len(result.groups)))
+    assert len(result.ranks) == len(result.groups) * tp * pp
     for group in result.groups:
         ranges = [s.layers for s in group.stages]
         assert ranges[0][0] == 0 and ranges[-1][1] == profile.num_layers
@@ -317,3 +343,50 @@ def test_plans_are_deterministic(data):
         assert str(again.value) == str(err)
         return
     assert plan(profile, small_spec(), Inventory(devices=shuffled), OPTIONS) == first
+
+
+def _planned_groups(profile: ModelProfile, inventory: Inventory, replicas: int) -> int:
+    try:
+        return len(plan(profile, small_spec(replicas=replicas), inventory, OPTIONS).groups)
+    except PlanError:
+        return 0
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_as_many_groups_as_fit_are_planned(data):
+    profile = data.draw(small_profiles())
+    inventory = data.draw(pools(profile, largest=2.0))
+    wanted = data.draw(st.integers(1, 4))
+    # The reference: the largest k for which planning k replicas places every one of them.
+    fit = max((k for k in range(1, wanted + 1) if _planned_groups(profile, inventory, k) == k), default=0)
+    assert _planned_groups(profile, inventory, wanted) == fit
+    if not fit:
+        return
+    result = plan(profile, small_spec(replicas=wanted), inventory, OPTIONS)
+    used = {(r.node, r.device_index) for r in result.ranks}
+    left = Inventory(devices=[d for d in inventory.devices if (d.node, d.index) not in used])
+    # ... and no further group of the same degrees fits on the devices left (any split, any order).
+    if fit < wanted:
+        assert not exhaustive_fits(profile, left, result.tensor_parallel, result.pipeline_parallel)
+        assert shortfall(result, inventory).startswith(f"{wanted} replicas wanted, {fit} fit")
+    else:
+        assert shortfall(result, inventory) == ""
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_scaling_history_does_not_change_how_many_groups_run(data):
+    profile = data.draw(small_profiles())
+    inventory = data.draw(pools(profile, largest=2.0))
+
+    def scaled(*counts: int) -> int:
+        current = None
+        try:
+            for n in counts:
+                current = choose_plan(current, profile, small_spec(replicas=n), inventory, options=OPTIONS).plan
+        except PlanError:
+            return 0
+        return len(current.groups)
+    fresh = scaled(2)
+    assert scaled(3, 0, 2) == scaled(1, 2) == scaled(2, 1, 2) == fresh == _planned_groups(profile, inventory, 2)

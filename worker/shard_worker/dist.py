@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -265,9 +266,10 @@ def init_comm(env: WorkerEnv, topo: Topology, device: torch.device, acct: Accoun
     backend = backend_for(env, device)
     timeout = timedelta(seconds=env.rendezvous_timeout)
     where = f"{env.master_addr}:{env.master_port}"
+    listener = store_listener(env) if env.rank == 0 else None
     try:
         store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0,
-                              timeout=timeout, wait_for_workers=True)
+                              timeout=timeout, wait_for_workers=True, master_listen_fd=listener)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
                                 timeout=timeout, device_id=device if device.type == "cuda" else None)
     except (RuntimeError, TimeoutError, OSError) as err:
@@ -282,6 +284,30 @@ def init_comm(env: WorkerEnv, topo: Topology, device: torch.device, acct: Accoun
     shm_group = _shared_memory_group(topo, tp_group, env.rendezvous_timeout) if backend == "gloo" else None
     return Comm(topo, acct, tp_group=tp_group, control_group=control, backend=backend, shm_group=shm_group,
                 stage_control_group=stage_control)
+
+
+def store_listener(env: WorkerEnv) -> int:
+    """A socket listening on the one address of rank 0 the group uses (SHARD_BIND_ADDR, else what
+    MASTER_ADDR resolves to), as a file descriptor for the store's server to own and close.
+
+    Given a host name alone, torch's TCPStore server listens on every address of the machine; the
+    store takes anything written to it, so it must be reachable by the group's ranks only.
+    """
+    host = env.bind_addr or env.master_addr
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, env.master_port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a previous group's TIME_WAITs
+            sock.bind(address)
+            sock.listen(socket.SOMAXCONN)
+        except OSError:
+            sock.close()
+            raise
+    except OSError as err:
+        raise RendezvousError(f"rank 0 cannot listen on {host}:{env.master_port} for the group's store "
+                              f"(SHARD_BIND_ADDR or MASTER_ADDR, and MASTER_PORT): {err}") from None
+    return sock.detach()
 
 
 def _stage_group(topo: Topology, backend: str | None = None) -> Any:

@@ -9,16 +9,25 @@ every rank's figures without stopping generation to gather them.
 A rank whose record has not changed for `STALE_SECONDS` is dead or hung (a stopped process writes
 nothing, a killed one neither); a store that cannot be reached means rank 0 is gone. Judging
 uses only this process's clock (when did the sequence number last change), never a peer's.
+
+The store takes whatever anyone who reaches it writes, so every record is sealed with an HMAC
+(SHA-256) under the group's secret key (SHARD_GROUP_SECRET_FILE: a file `shardctl run` writes, a
+Secret the operator mounts). A record whose seal does not verify, that sits under another rank's
+key, or whose sequence number went backwards (an old record written again) is ignored and
+counted: nobody without the key can claim that a rank failed, or keep a dead rank looking alive.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 
 from shard_contract.plan import RankPlan
@@ -29,6 +38,7 @@ HEARTBEAT_SECONDS = 1.0
 STALE_SECONDS = 5.0  # a beat, a missed beat or two, and a busy machine: `/health` fails well within 10 s
 STORE_TIMEOUT_SECONDS = 3.0
 KEY_PREFIX = "shard/rank/"
+MIN_KEY_BYTES = 16  # a group key shorter than 128 bits is refused
 
 # How far measured weights + KV cache may exceed the plan's prediction before a rank is not
 # ready: 10% (the worker's tests hold it within that) plus a little for tiny models, whose
@@ -67,12 +77,44 @@ class Record:
     error: str = ""
     report: dict[str, Any] | None = None
 
-    def encode(self) -> str:
-        return json.dumps(self.__dict__)
+    def seal(self, key: bytes) -> bytes:
+        """The record as stored: the hex HMAC-SHA256 of its JSON under `key`, a space, the JSON."""
+        body = json.dumps(self.__dict__).encode()
+        return hmac.new(key, body, hashlib.sha256).hexdigest().encode() + b" " + body
 
     @classmethod
-    def decode(cls, data: bytes | str) -> "Record":
-        return cls(**json.loads(data))
+    def open(cls, data: bytes, key: bytes, rank: int) -> "Record":
+        """The record rank `rank`'s key held, if its seal verifies; else `ForgedRecord`."""
+        mac, _, body = data.partition(b" ")
+        if not hmac.compare_digest(mac, hmac.new(key, body, hashlib.sha256).hexdigest().encode()):
+            raise ForgedRecord(f"a record under rank {rank}'s key does not carry the group key's seal")
+        record = cls(**json.loads(body))
+        if record.rank != rank:
+            raise ForgedRecord(f"rank {record.rank}'s record was written under rank {rank}'s key")
+        return record
+
+
+class ForgedRecord(ValueError):
+    """A heartbeat record that was not written by a rank of this group, as it is."""
+
+
+class GroupKeyError(ValueError):
+    pass
+
+
+def read_group_key(path: str | None) -> bytes:
+    """The group's secret key from SHARD_GROUP_SECRET_FILE (raw bytes)."""
+    if not path:
+        raise GroupKeyError("SHARD_GROUP_SECRET_FILE is not set: a serving rank needs the group's secret key "
+                            "to authenticate heartbeats (shardctl run and the operator provide one)")
+    try:
+        key = Path(path).read_bytes()
+    except OSError as err:
+        raise GroupKeyError(f"SHARD_GROUP_SECRET_FILE {path}: {err.strerror}") from None
+    if len(key) < MIN_KEY_BYTES:
+        raise GroupKeyError(f"SHARD_GROUP_SECRET_FILE {path}: the key has {len(key)} bytes; at least "
+                            f"{MIN_KEY_BYTES} are needed")
+    return key
 
 
 @dataclass(frozen=True)
@@ -136,17 +178,21 @@ class GroupMonitor:
 class Heartbeat:
     """The thread that publishes this rank's record and reads everyone's into a `GroupMonitor`.
 
-    `record()` builds this rank's current record; `on_lost(reason)` is called once when the
-    group is found dead. The store appears when rank 0 creates it during rendezvous; until then
-    the thread keeps trying to connect.
+    `record()` builds this rank's current record, sealed with `key`; `on_lost(reason)` is called
+    once when the group is found dead, `on_rejected(reason)` for each record ignored (counted in
+    `rejected`). The store appears when rank 0 creates it during rendezvous; until then the
+    thread keeps trying to connect.
     """
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, record: Callable[[int], Record],
-                 on_lost: Callable[[str], None] | None = None, period: float = HEARTBEAT_SECONDS,
+                 key: bytes, on_lost: Callable[[str], None] | None = None,
+                 on_rejected: Callable[[str], None] | None = None, period: float = HEARTBEAT_SECONDS,
                  stale: float = STALE_SECONDS):
-        self.host, self.port, self.rank = host, port, rank
+        self.host, self.port, self.rank, self.key = host, port, rank, key
         self.monitor = GroupMonitor(world_size, stale)
-        self.record, self.on_lost, self.period = record, on_lost, period
+        self.record, self.on_lost, self.on_rejected, self.period = record, on_lost, on_rejected, period
+        self.rejected = 0
+        self._read: dict[int, tuple[bytes, Record | None]] = {}  # rank -> its value last read, opened
         self.lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -201,11 +247,11 @@ class Heartbeat:
             seq += 1
             records, error = {}, ""
             try:
-                store.set(keys[self.rank], self.record(seq).encode())
+                store.set(keys[self.rank], self.record(seq).seal(self.key))
                 present += [r for r in keys if r not in present and store.check([keys[r]])]
                 values = store.multi_get([keys[r] for r in present]) if present else []
-                records = {r: Record.decode(bytes(v)) for r, v in zip(present, values)}
-            except (RuntimeError, OSError, ValueError) as err:  # DistStoreError is a RuntimeError
+                records = {r: rec for r, v in zip(present, values) if (rec := self._open(r, bytes(v)))}
+            except (RuntimeError, OSError) as err:  # DistStoreError is a RuntimeError
                 error = (f"cannot reach the group's store at {self.host}:{self.port} (rank 0's process): "
                          f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}")
             with self.lock:
@@ -215,3 +261,23 @@ class Heartbeat:
                 reported = True
                 self.on_lost(verdict.reason)
             self._stop.wait(self.period)
+
+    def _open(self, rank: int, value: bytes) -> Record | None:
+        """Rank `rank`'s record in `value`, or None when it must be ignored. A value is judged once:
+        read again unchanged, it gives the same answer and is not counted again."""
+        last = self._read.get(rank)
+        if last is not None and last[0] == value:
+            return last[1]
+        try:
+            record = Record.open(value, self.key, rank)
+            newest = self.monitor.records.get(rank)
+            if newest is not None and record.seq < newest.seq:
+                raise ForgedRecord(f"rank {rank}'s record number {record.seq} was written again after number "
+                                   f"{newest.seq}")
+        except (ValueError, TypeError) as err:  # ForgedRecord is a ValueError
+            record = None
+            self.rejected += 1
+            if self.on_rejected is not None:
+                self.on_rejected(str(err))
+        self._read[rank] = (value, record)
+        return record

@@ -32,6 +32,8 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "shard_queue_depth": ("gauge", "Requests waiting to be batched (leader only).", ()),
     "shard_batch_size": ("histogram", "Sequences that took a token in each step (leader only).", ()),
     "shard_group_ready": ("gauge", "1 when every rank of the group has loaded and been checked.", ()),
+    "shard_heartbeat_rejected": ("counter", "Heartbeat records this rank ignored: not sealed with the group's "
+                                            "key, or older than one already read.", ()),
 }
 
 

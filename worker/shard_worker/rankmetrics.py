@@ -39,6 +39,7 @@ class RankMetrics:
         for kind in PREDICTED_KINDS:
             self.m.get("shard_predicted_bytes", kind=kind).set(getattr(predicted, kind))
         self.m.get("shard_group_ready").set(0)
+        self.m.get("shard_heartbeat_rejected")  # exposed at zero
         if leader:  # every family exposed from the start, zero until something happens
             for name in LEADER_FAMILIES:
                 for outcome in OUTCOMES if name == "shard_requests" else (None,):
@@ -59,6 +60,10 @@ class RankMetrics:
         self.m.get("shard_time_to_first_token_seconds").observe(ttft)
         self.m.get("shard_tokens_generated").inc(tokens)
         self.outcome("completed")
+
+    # ------------------------------------------------------------ every rank
+    def heartbeat_rejected(self) -> None:
+        self.m.get("shard_heartbeat_rejected").inc()
 
     # ------------------------------------------------------------ scrape
     def _advance(self, name: str, value: float, **labels: str) -> None:

@@ -4,7 +4,8 @@ Every rank serves `GET /health`, `GET /ready`, `GET /v1/shards` and `GET /metric
 SHARD_PORT from the moment it starts (before it has joined its group or loaded anything), so
 probes see the truth throughout: alive while loading, ready only once every rank has loaded and
 passed its memory check. Rank 0 also serves `POST /v1/completions`, `POST /v1/chat/completions`
-(when the model has a chat template) and `GET /v1/models`.
+(when the model has a chat template), `GET /v1/models` and `GET /dashboard`, the group's live page
+(`dashboard.py`).
 
 Threads of one rank: uvicorn's event loop on the main thread (it owns SIGTERM / SIGINT); the
 engine thread, which joins the group, loads, and then runs batches (leader) or follows the
@@ -36,10 +37,10 @@ from shard_contract.env import WorkerEnv
 from shard_contract.plan import Plan
 from shard_contract.wire import ShardEntry, ShardsResponse
 
-from . import openai
+from . import dashboard, openai
 from .accounting import MemorySample
 from .batcher import EngineLoop, Pending, Sink, Unavailable
-from .health import Heartbeat, Record, Verdict, memory_problems
+from .health import Heartbeat, Record, Verdict, memory_problems, read_group_key
 from .rankmetrics import RankMetrics
 from .runtime import Worker
 from .tokenizer import TemplateError, TextCodec
@@ -71,7 +72,8 @@ class RankServer:
         self.loop: EngineLoop | None = None
         self.codec = TextCodec.load(env.model_dir) if self.leader else None
         self.heartbeat = Heartbeat(env.master_addr, env.master_port, env.rank, env.world_size, self._record,
-                                   self._lost)
+                                   read_group_key(env.group_secret_file), on_lost=self._lost,
+                                   on_rejected=self._rejected)
         self.exit_code = 0
         self.server: uvicorn.Server | None = None
         self.engine_thread = threading.Thread(target=self._engine, name="engine", daemon=True)
@@ -87,6 +89,10 @@ class RankServer:
         log(self.env.rank, f"the group is lost: {reason}")
         if self.loop is not None:
             self.loop.fail_all(reason)
+
+    def _rejected(self, reason: str) -> None:
+        log(self.env.rank, f"ignored a heartbeat record: {reason}")
+        self.metrics.heartbeat_rejected()
 
     def verdict(self) -> Verdict:
         if self.state == "failed":
@@ -202,6 +208,7 @@ class RankServer:
 
         if self.leader:
             self._api_routes(app)
+            app.include_router(dashboard.router(self.shards))
         return app
 
     def shards(self) -> ShardsResponse:
@@ -211,15 +218,11 @@ class RankServer:
         ranks = []
         for rp in self.plan.group(self.env.replica):
             record = records.get(rp.rank)
-            entry: dict[str, Any] = {"rank": rp.rank, "stage": rp.stage, "tp_rank": rp.tp_rank,
-                                     "layers": rp.layers, "node": rp.node, "device": rp.device,
-                                     "predicted_bytes": rp.predicted_bytes}
-            if record is not None and record.report is not None:
-                entry.update(record.report)
-            entry["alive"] = verdict.ranks_alive.get(rp.rank, verdict.alive)
-            entry["state"] = record.state if record is not None else "starting"
-            entry["problems"] = record.problems if record is not None else []
-            ranks.append(ShardEntry.model_validate(entry))
+            measured: dict[str, Any] = dict(record.report) if record is not None and record.report else {}
+            measured["alive"] = verdict.ranks_alive.get(rp.rank, verdict.alive)
+            measured["state"] = record.state if record is not None else "starting"
+            measured["problems"] = record.problems if record is not None else []
+            ranks.append(ShardEntry.planned(rp, **measured))
         return ShardsResponse(model=self.env.model_name, replica=self.env.replica, ready=verdict.ready,
                               reason=verdict.reason, ranks=ranks)
 

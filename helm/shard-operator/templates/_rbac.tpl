@@ -36,6 +36,11 @@ grants the namespaced ones only there.
 - apiGroups: [""]
   resources: [services, configmaps]
   verbs: [list, create, patch, delete]
+# Per group the Secret with the key that authenticates its ranks' heartbeats: written and
+# deleted, never read (no get, list or watch).
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create, delete]
 # Events on ShardedModels: plan decisions, rebalances, failures.
 - apiGroups: [""]
   resources: [events]

@@ -1,0 +1,149 @@
+"""The rendezvous store of a running local group, as a stranger on this machine's network sees it:
+it listens on loopback only (nor does anything else of the ranks), and a heartbeat record written
+into it by anyone without the group's key is ignored and counted while the group stays healthy."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import stat
+import struct
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+import torch.distributed as dist
+from prometheus_client.parser import text_string_to_metric_families
+
+from shard_operator.local import LocalGroup, free_port, plan_local
+from tests.support.processes import environ
+
+from .conftest import get, wait_for
+
+pytestmark = pytest.mark.slow
+
+SIOCGIFADDR = 0x8915
+
+
+def non_loopback_addresses() -> list[str]:
+    """This machine's IPv4 addresses that are not loopback: its hostname's and its interfaces'."""
+    found = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                found.add(socket.inet_ntoa(fcntl.ioctl(s.fileno(), SIOCGIFADDR,
+                                                       struct.pack("256s", name.encode()[:15]))[20:24]))
+            except OSError:  # no IPv4 address
+                continue
+    return sorted(a for a in found if not a.startswith("127."))
+
+
+def listening(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` listens on (from /proc)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            host, port = fields[1].split(":")
+            raw = bytes.fromhex(host)
+            # /proc prints each 32-bit word in the host's byte order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+            found.append((socket.inet_ntop(socket.AF_INET if width == 4 else socket.AF_INET6, raw), int(port, 16)))
+    return found
+
+
+@pytest.fixture(scope="module")
+def group(tiny_model, tmp_path_factory):
+    port = free_port()
+    the_plan = plan_local(tiny_model, 2, 1, max_model_len=256, max_batch_size=2, devices="local:1GiB*2",
+                          device_kind="cpu")
+    with LocalGroup(the_plan, tiny_model, tmp_path_factory.mktemp("group"), leader_port=port,
+                    extra_env={"SHARD_HOST": "127.0.0.1"}) as running:
+        url = f"http://127.0.0.1:{port}"
+        wait_for("/ready", lambda: (r := get(url + "/ready")) is not None and r.status_code == 200, timeout=120)
+        running.url = url
+        yield running
+
+
+def store_port(group: LocalGroup) -> int:
+    return int(environ(group.ranks[0].process.pid)["MASTER_PORT"])
+
+
+def test_the_store_and_every_rank_listen_on_loopback_only(group):
+    port = store_port(group)
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()  # the ranks' way in
+    for rank in group.ranks:
+        where = listening(rank.process.pid)
+        assert where and all(address in ("127.0.0.1", "::1") for address, _ in where), (rank.rank, where)
+    assert ("127.0.0.1", port) in listening(group.ranks[0].process.pid)
+    outside = non_loopback_addresses()
+    if not outside:
+        pytest.skip("this machine has no address but loopback: nothing to reach the store from outside")
+    for address in outside:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((address, port), timeout=5)
+
+
+def test_the_group_key_is_a_private_file_never_on_a_command_line_or_in_the_environment(group):
+    key_file = Path(environ(group.ranks[0].process.pid)["SHARD_GROUP_SECRET_FILE"])
+    assert key_file == group.secret_file
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and stat.S_IMODE(key_file.parent.stat().st_mode) == 0o700
+    key = key_file.read_bytes()
+    assert len(key) == 32
+    for rank in group.ranks:
+        for what in ("environ", "cmdline"):
+            assert key.hex().encode() not in Path(f"/proc/{rank.process.pid}/{what}").read_bytes()
+            assert key not in Path(f"/proc/{rank.process.pid}/{what}").read_bytes()
+
+
+def rejected(group: LocalGroup) -> dict[int, float]:
+    """rank -> shard_heartbeat_rejected_total on its /metrics."""
+    counts = {}
+    for rank in group.ranks:
+        text = httpx.get(f"http://127.0.0.1:{environ(rank.process.pid)['SHARD_PORT']}/metrics", timeout=5).text
+        (family,) = [f for f in text_string_to_metric_families(text) if f.name == "shard_heartbeat_rejected"]
+        counts[rank.rank] = next(s.value for s in family.samples if s.name.endswith("_total"))
+    return counts
+
+
+def test_forged_heartbeats_are_ignored_and_counted_and_the_group_stays_healthy(group):
+    """A stranger who reaches the store writes records under rank 1's key: that it failed (with a
+    wrong seal, then none), and its own old record again (to keep a dead rank looking alive). Rank
+    1 overwrites its record every second, so each one is written until rank 0 has read it."""
+    store = dist.TCPStore("127.0.0.1", store_port(group), is_master=False, wait_for_workers=False,
+                          timeout=timedelta(seconds=5))
+    claim = json.dumps({"rank": 1, "seq": 10**9, "state": "failed", "problems": [], "error": "forged",
+                        "report": None}).encode()
+    old = store.get("shard/rank/1")
+    wait_for("rank 1 beats again", lambda: store.get("shard/rank/1") != old, timeout=10)
+    for n, forged in enumerate((b"0" * 64 + b" " + claim, claim, old)):
+        counted = rejected(group)[0]
+        deadline = time.monotonic() + 3  # well within the 5 s after which a silent rank is dead
+        while rejected(group)[0] == counted:
+            assert time.monotonic() < deadline, f"forgery {n} was never read"
+            store.set("shard/rank/1", forged)
+            time.sleep(0.02)
+        time.sleep(1.5)  # rank 1's own records get through again
+    health = get(group.url + "/health")
+    assert health.status_code == 200 and health.json()["reason"] == "", health.json()
+    answer = httpx.post(group.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    shards = get(group.url + "/v1/shards").json()
+    assert [r["state"] for r in shards["ranks"]] == ["ready", "ready"] and shards["ready"]
+    log = group.ranks[0].log.read_text()
+    assert "ignored a heartbeat record: a record under rank 1's key does not carry the group key's seal" in log
+    assert "ignored a heartbeat record: rank 1's record number" in log

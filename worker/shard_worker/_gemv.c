@@ -113,8 +113,18 @@ static void rows_portable(const Job *j, int64_t r0, int64_t r1) {
     {                                                                          \
         const WVEC w0 = W(0);                                                  \
         const WVEC w1 = R > 1 ? W(1) : w0, w2 = R > 2 ? W(2) : w0, w3 = R > 3 ? W(3) : w0; \
+        PREFETCH_NEXT                                                          \
         COL(0) COL(1) COL(2) COL(3) COL(4) COL(5) COL(6) COL(7)                \
     }
+/* The next tile's rows, at the columns this step reads, once a cache line: rows of a few KiB are
+ * too short for the hardware prefetchers to ramp up (int8 rows the most), and a tile's R rows
+ * lie just before the next tile's, so this stays one tile ahead of the loads. */
+#define PREFETCH_NEXT                                                          \
+    if (((i * (int64_t)ESIZE) & 63) == 0) {                                    \
+        const char *next = (const char *)j->w + ((row + R) * k + i) * (int64_t)ESIZE; \
+        for (int r = 0; r < R; r++) _mm_prefetch(next + r * k * (int64_t)ESIZE, _MM_HINT_T0); \
+    }
+#define ESIZE (wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1)
 #define OUT(b)                                                                 \
     if (M > b) {                                                               \
         store(j, b, row, SUM(a0##b) + TAIL(0, b));                             \

@@ -139,3 +139,24 @@ def test_shard_kernel_picks_the_path(setting, expected):
         assert out.returncode != 0 and "SHARD_KERNEL='bogus'" in out.stderr
     else:
         assert out.returncode == 0 and out.stdout.strip() == str(expected), out.stderr
+
+
+def test_a_forked_child_starts_its_own_threads():
+    """A child forked after the parent's rows were split over 2 threads has none of the parent's
+    worker threads: its own split must not wait for them (it would hang)."""
+    if not kernels.LEVELS:
+        pytest.skip("the extension is not built here")
+    code = """
+import os, torch
+from shard_worker import kernels
+torch.set_num_threads(2)
+w, x = torch.randn(4096, 1024), torch.randn(1, 1024)
+kernels.linear(x, w)
+pid = os.fork()
+if pid == 0:
+    torch.testing.assert_close(kernels.linear(x, w), torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
+    os._exit(0)
+print(os.waitpid(pid, 0)[1])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "0", out.stderr

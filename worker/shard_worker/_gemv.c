@@ -373,6 +373,17 @@ static void *worker_main(void *p) {
     return NULL;
 }
 
+/* A forked child has none of its parent's workers: it starts its own when it needs them. */
+static void forget_workers(void) {
+    pthread_mutex_init(&pool.call, NULL);
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pthread_cond_init(&pool.done, NULL);
+    pool.started = 0;
+    pool.generation = 0;
+    pool.remaining = 0;
+}
+
 /* Run task(arg, i, n) for i in [0, n) on n threads, the caller being thread 0. */
 static void parallel(void (*task)(void *, int, int), void *arg, int n) {
     if (n > MAX_THREADS) n = MAX_THREADS;
@@ -580,5 +591,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gemv", NULL, -1, me
 
 PyMODINIT_FUNC PyInit__gemv(void) {
     detect();
+    pthread_atfork(NULL, NULL, forget_workers);
     return PyModule_Create(&module);
 }

@@ -93,7 +93,7 @@ def _int8_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
     k = weight.shape[1]
     x2 = x.reshape(-1, k)
     if x2.shape[0] <= MAX_ROWS and x.device.type == "cuda":
-        y = torch.ops.aten._weight_int8pack_mm(x2.float(), weight, scale).to(x.dtype)
+        y = torch.ops.aten._weight_int8pack_mm(x2.float().contiguous(), weight, scale).to(x.dtype)
     else:
         y = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         step = max(1, DEQUANT_CHUNK_BYTES // (k * x.element_size()))

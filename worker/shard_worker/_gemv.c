@@ -100,7 +100,8 @@ static void rows_portable(const Job *j, int64_t r0, int64_t r1) {
  * statements of unused rows and vectors vanish. Each ISA defines VEC, ZERO, W(r) (row r's next
  * weights, of type WVEC), X(b) (vector b's matching inputs), FMA, SUM and TAIL, then expands
  * TILE_STEP and TILE_STORE. */
-#define ACC(b) VEC a0##b = ZERO, a1##b = ZERO, a2##b = ZERO, a3##b = ZERO;
+#define ACC(b) VEC a0##b = ZERO, a1##b = ZERO, a2##b = ZERO, a3##b = ZERO, a4##b = ZERO, a5##b = ZERO, \
+                   a6##b = ZERO, a7##b = ZERO;
 #define COL(b)                                                                 \
     if (M > b) {                                                               \
         const WVEC xv = X(b);                                                  \
@@ -108,11 +109,17 @@ static void rows_portable(const Job *j, int64_t r0, int64_t r1) {
         if (R > 1) a1##b = FMA(a1##b, w1, xv);                                 \
         if (R > 2) a2##b = FMA(a2##b, w2, xv);                                 \
         if (R > 3) a3##b = FMA(a3##b, w3, xv);                                 \
+        if (R > 4) a4##b = FMA(a4##b, w4, xv);                                 \
+        if (R > 5) a5##b = FMA(a5##b, w5, xv);                                 \
+        if (R > 6) a6##b = FMA(a6##b, w6, xv);                                 \
+        if (R > 7) a7##b = FMA(a7##b, w7, xv);                                 \
     }
 #define TILE_STEP                                                              \
     {                                                                          \
         const WVEC w0 = W(0);                                                  \
         const WVEC w1 = R > 1 ? W(1) : w0, w2 = R > 2 ? W(2) : w0, w3 = R > 3 ? W(3) : w0; \
+        const WVEC w4 = R > 4 ? W(4) : w0, w5 = R > 5 ? W(5) : w0, w6 = R > 6 ? W(6) : w0; \
+        const WVEC w7 = R > 7 ? W(7) : w0;                                     \
         PREFETCH_NEXT                                                          \
         COL(0) COL(1) COL(2) COL(3) COL(4) COL(5) COL(6) COL(7)                \
     }
@@ -131,6 +138,10 @@ static void rows_portable(const Job *j, int64_t r0, int64_t r1) {
         if (R > 1) store(j, b, row + 1, SUM(a1##b) + TAIL(1, b));              \
         if (R > 2) store(j, b, row + 2, SUM(a2##b) + TAIL(2, b));              \
         if (R > 3) store(j, b, row + 3, SUM(a3##b) + TAIL(3, b));              \
+        if (R > 4) store(j, b, row + 4, SUM(a4##b) + TAIL(4, b));              \
+        if (R > 5) store(j, b, row + 5, SUM(a5##b) + TAIL(5, b));              \
+        if (R > 6) store(j, b, row + 6, SUM(a6##b) + TAIL(6, b));              \
+        if (R > 7) store(j, b, row + 7, SUM(a7##b) + TAIL(7, b));              \
     }
 #define TILE_STORE OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5) OUT(6) OUT(7)
 /* AVX-512: WIDTH columns a step with plain loads (`full`), then the row's tail with `mask` lanes */
@@ -222,9 +233,9 @@ TBF void block_bf16dp(const Job *j, int64_t row, const int R, const int M, const
 #undef W
 #undef X
 
-/* Rows per tile: enough to share each x load, few enough that R x M accumulators fit the 32
- * vector registers beside the weights. */
-#define ROWS_FOR(M) ((M) <= 2 ? 4 : (M) <= 4 ? 3 : 2)
+/* Rows per tile: enough to share each x load (and, for one vector, 8 rows: more streams in
+ * flight), few enough that R x M accumulators fit the 32 vector registers beside the weights. */
+#define ROWS_FOR(M) ((M) == 1 ? 8 : (M) <= 2 ? 4 : (M) <= 4 ? 3 : 2)
 
 #define RUN_BLOCKS(BLOCK, M, WT)                                              \
     do {                                                                      \

@@ -116,7 +116,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Plan the model over TP x PP local ranks, run them as processes, print what they generate."""
     prompt = parse_ids(args.prompt_ids) if args.prompt_ids is not None else tokenize(args.model, args.prompt)
     partition = parse_ids(args.layer_partition) if args.layer_partition else None
-    result_plan = plan_local(args.model, args.tp, args.pp, dtype=args.dtype,
+    result_plan = plan_local(args.model, args.tp, args.pp, dtype=args.dtype, quantization=args.quantization,
                              max_model_len=len(prompt) + args.max_new_tokens, devices=args.devices,
                              device_kind=args.device_kind, layer_partition=partition)
     request = GenerateRequest(prompt_ids=prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -225,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="runtime dtype (default: the checkpoint's)")
+    p.add_argument("--quantization", choices=("none", "int8"), default="none",
+                   help="int8: weight-only int8 projections, quantized at load (default none)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)

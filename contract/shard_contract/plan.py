@@ -18,14 +18,45 @@ from pydantic import BaseModel, Field
 
 
 class PredictedBytes(BaseModel):
-    weights: int
+    weights: int = Field(description="Resident weights (an offloading rank's streamed layers are not).")
     kv_cache: int
     activations: int
     overhead: int
+    staging: int = Field(0, description="An offloading rank's staging slots for streamed layers.")
     total: int = 0
 
     def model_post_init(self, _context: object) -> None:
-        self.total = self.weights + self.kv_cache + self.activations + self.overhead
+        self.total = self.weights + self.kv_cache + self.activations + self.overhead + self.staging
+
+
+class OffloadPlan(BaseModel):
+    """How a rank streams the decoder layers it does not hold: before each step needs one, the
+    projection matrices of its slices are copied into one of `prefetch` staging slots (one
+    layer each), from host memory (GPU ranks: pinned) or read from the checkpoint files (through
+    the page cache), the next ones while the current one computes. Norms, biases, embeddings, the
+    LM head, the KV cache and activations stay resident."""
+
+    layers: list[int] = Field(description="Decoder layers whose projections stream (absolute indices).")
+    file_layers: list[int] = Field(default_factory=list, description=(
+        "Of those, the ones read from the checkpoint files; the others come from host memory."))
+    prefetch: int = Field(ge=1, description="Staging slots: the layer computing and those loading ahead.")
+    streamed_bytes: int = Field(description="Bytes copied into the rank per decode step (its slices).")
+    read_bytes: int = Field(0, description=(
+        "Bytes read from the files per decode step: a column slice is read with the rest of its rows."))
+    host_bytes: int = Field(0, description=(
+        "Host memory the streamed weights take: pinned copies (host tier) and the page cache of the "
+        "ranges read (files)."))
+    host_bandwidth: float = Field(0.0, description="Bytes/s of host-to-device copies (GPU ranks).")
+    file_bandwidth: float = Field(0.0, description="Bytes/s of reads from the checkpoint files.")
+    compute_seconds: float = Field(description="Decode step compute of the rank, streamed layers included.")
+    stream_seconds: float = Field(description="Time to stream its layers once (every tier, one after another).")
+
+    @property
+    def tier(self) -> str:
+        """host, files, or host+files."""
+        if not self.file_layers:
+            return "host"
+        return "files" if len(self.file_layers) == len(self.layers) else "host+files"
 
 
 class RankPlan(BaseModel):
@@ -44,6 +75,7 @@ class RankPlan(BaseModel):
     capacity_bytes: int
     usable_bytes: int = Field(description="capacity minus the headroom.")
     predicted_bytes: PredictedBytes
+    offload: OffloadPlan | None = Field(None, description="The layers this rank streams; None: all resident.")
 
     @property
     def num_layers(self) -> int:
@@ -53,7 +85,8 @@ class RankPlan(BaseModel):
 class StagePlan(BaseModel):
     stage: int
     layers: tuple[int, int]
-    seconds_per_token: float = Field(description="Estimated decode time of this stage per token.")
+    seconds_per_token: float = Field(description=(
+        "Estimated decode time of this stage per token: max(compute, streaming) when it streams."))
 
 
 class GroupPlan(BaseModel):
@@ -94,6 +127,11 @@ class Plan(BaseModel):
     def imbalance(self) -> float:
         return max((g.imbalance for g in self.groups), default=0.0)
 
+    @property
+    def streams(self) -> bool:
+        """Some rank streams layers (offload)."""
+        return any(r.offload is not None for r in self.ranks)
+
     def group(self, replica: int) -> list[RankPlan]:
         return [r for r in self.ranks if r.replica == replica]
 
@@ -105,7 +143,9 @@ class Plan(BaseModel):
 
     def group_hash(self, replica: int) -> str:
         """Identity of one group's placement: changes exactly when its pods must be replaced."""
-        placement = [(r.rank, r.node, r.device, r.layers, r.tp_rank, r.stage) for r in self.group(replica)]
+        placement = [(r.rank, r.node, r.device, r.layers, r.tp_rank, r.stage)
+                     + ((r.offload.layers, r.offload.file_layers, r.offload.prefetch) if r.offload else ())
+                     for r in self.group(replica)]
         key = json.dumps([self.model, self.profile_digest, self.dtype, self.quantization, self.tensor_parallel,
                           self.pipeline_parallel, self.max_model_len, self.max_batch_size, placement])
         return hashlib.sha256(key.encode()).hexdigest()[:10]

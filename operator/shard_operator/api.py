@@ -17,6 +17,8 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
                       model_validator)
 from pydantic.alias_generators import to_camel
 
+from shard_contract.units import parse_bytes
+
 GROUP = "sharding.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -147,6 +149,36 @@ class Topology(ApiModel):
     spread_replicas: bool = Field(True, description="Prefer different nodes for different replicas.")
 
 
+class Offload(ApiModel):
+    """Streaming the decoder layers that do not fit the devices as each step needs them (docs/planner.md)."""
+
+    policy: Literal["never", "auto", "always"] = Field("never", description=(
+        "never: every layer resident, or InsufficientCapacity. auto: stream the layers that do not "
+        "fit, only when the model does not fit otherwise. always: stream every decoder layer (the "
+        "smallest device footprint)."))
+    host_memory: str | None = Field(None, description=(
+        "Host memory per rank for the streamed weights of GPU ranks (pinned copies), a quantity "
+        "such as 64Gi; unset: as much as they need (the pods request it). What does not fit is read "
+        "from the files, when fromFiles allows."), json_schema_extra={"pattern": r"^[0-9]*[.]?[0-9]+([kKmMgGtT][iI]?)?[bB]?$"})
+    from_files: bool = Field(True, description=(
+        "The checkpoint files may serve as the slowest tier, read on demand through the page cache "
+        "(the only tier of CPU ranks, whose device memory is host memory)."))
+    prefetch: Annotated[int, Field(ge=1, le=16)] | Auto = Field("auto", description=(
+        "Staging slots per rank, each one layer: the layer computing and those loading ahead. auto: "
+        "2 (double buffering)."))
+
+    @field_validator("host_memory")
+    @classmethod
+    def _quantity(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_bytes(value)  # raises with what to write
+        return value
+
+    @property
+    def host_memory_bytes(self) -> int | None:
+        return None if self.host_memory is None else parse_bytes(self.host_memory)
+
+
 class Placement(ApiModel):
     node_selector: dict[str, str] = Field(default_factory=dict, description="Labels that define the node pool.")
     tolerations: list[Toleration] = Field(default_factory=list)
@@ -154,6 +186,7 @@ class Placement(ApiModel):
     memory_headroom: float = Field(0.1, ge=0.0, lt=1.0, description=(
         "Fraction of every device's memory kept free (allocator fragmentation, spikes)."))
     topology: Topology = Field(default_factory=Topology)
+    offload: Offload = Field(default_factory=Offload)
 
 
 class Rollout(ApiModel):
@@ -207,6 +240,19 @@ class ShardedModelSpec(ApiModel):
     placement: Placement = Field(default_factory=Placement)
     rollout: Rollout = Field(default_factory=Rollout)
     worker: WorkerSpec = Field(default_factory=WorkerSpec)
+
+    @model_validator(mode="after")
+    def _offload_streams_checkpoint_weights(self) -> "ShardedModelSpec":
+        if self.placement.offload.policy == "always" and self.model.quantization == "int8":
+            raise ValueError(OFFLOAD_INT8)
+        return self
+
+
+# Streaming reads the checkpoint's own weights at every step: int8 ones would be quantized again
+# at every step, from more bytes than bfloat16's, which is slower than streaming bfloat16.
+OFFLOAD_INT8 = ("placement.offload.policy always cannot stream int8 weights (spec.model.quantization int8): "
+                "streamed layers are read from the checkpoint at every step and would be quantized again "
+                "each time; use quantization none with offload, or int8 without it")
 
 
 # ---------------------------------------------------------------- status

@@ -4,6 +4,11 @@ A device is one GPU (or one CPU rank budget on a laptop). Its `speed` is its mem
 TB/s, because decoding reads every weight once per token: a device twice as fast streams its layers
 in half the time. Known GPU products get their datasheet bandwidth; anything else gets 1.0 unless
 the node says otherwise (label `sharding.dev/gpu-speed`).
+
+Two more rates matter when layers are streamed (offload): copies from host memory into a GPU
+(`host_gbps`: PCIe) and reads of the checkpoint files (`file_gbps`), in GB/s. Defaults below;
+labels `sharding.dev/host-bandwidth` and `sharding.dev/file-bandwidth` on a node, or
+`+host=GBPS` and `+files=GBPS` in `--devices`, set them.
 """
 
 from __future__ import annotations
@@ -30,6 +35,14 @@ COUNT_LABEL = "nvidia.com/gpu.count"
 # dev cluster): ranks run on the CPU, and the planner counts a CPU process's overhead.
 KIND_LABEL = "sharding.dev/device-kind"
 CPU_SPEED = 0.015  # TB/s: one core streaming decode-shaped matmuls (measured, ~15 GB/s)
+HOST_BANDWIDTH_LABEL = "sharding.dev/host-bandwidth"
+FILE_BANDWIDTH_LABEL = "sharding.dev/file-bandwidth"
+# GB/s of pinned host-to-device copies: PCIe 4.0 x16 (32 GB/s raw, ~25 in practice). PCIe 5.0
+# GPUs (H100, H200, B200) copy about twice as fast: label their nodes.
+HOST_GBPS = 25.0
+# GB/s of `preadv` from page-cached checkpoint files into a rank's buffer, one thread (measured on
+# our 2-core build machines, under load: 2.5-3.2). A cold file reads at its disk's rate instead.
+FILE_GBPS = 3.0
 
 # HBM bandwidth in TB/s from the vendors' datasheets (NVIDIA), matched as substrings of the GFD
 # product label, most specific first.
@@ -49,6 +62,8 @@ class Device(BaseModel):
     product: str = ""
     memory_bytes: int = Field(gt=0)
     speed: float = Field(1.0, gt=0, description="Memory bandwidth in TB/s (relative speed).")
+    host_gbps: float = Field(HOST_GBPS, gt=0, description="GB/s of copies from host memory into the device.")
+    file_gbps: float = Field(FILE_GBPS, gt=0, description="GB/s of reads from the checkpoint files.")
     zone: str = ""
 
     @property
@@ -129,7 +144,17 @@ def _skip_reason(node: dict[str, Any], placement: Placement) -> str | None:
         return f"no {MEMORY_LABEL} label (GPU feature discovery not running?)"
     if labels.get(KIND_LABEL, "gpu") not in ("gpu", "cpu"):
         return f"{KIND_LABEL}={labels[KIND_LABEL]}: expected gpu or cpu"
+    for label in (SPEED_LABEL, HOST_BANDWIDTH_LABEL, FILE_BANDWIDTH_LABEL):
+        if label in labels and not _positive(labels[label]):
+            return f"{label}={labels[label]}: expected a positive number"
     return None
+
+
+def _positive(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
 
 
 def devices_from_node(node: dict[str, Any], placement: Placement) -> list[Device]:
@@ -144,8 +169,10 @@ def devices_from_node(node: dict[str, Any], placement: Placement) -> list[Device
     memory = int(labels[MEMORY_LABEL]) * MiB
     zone = labels.get("topology.kubernetes.io/zone", "")
     kind = labels.get(KIND_LABEL, "gpu")
+    rates = {field: float(labels[label]) for field, label in (("host_gbps", HOST_BANDWIDTH_LABEL),
+                                                              ("file_gbps", FILE_BANDWIDTH_LABEL)) if label in labels}
     return [Device(node=meta["name"], index=i, kind=kind, product=product, memory_bytes=memory,
-                   speed=speed, zone=zone) for i in range(count)]
+                   speed=speed, zone=zone, **rates) for i in range(count)]
 
 
 def inventory_from_nodes(nodes: Iterable[dict[str, Any]], placement: Placement | None = None) -> Inventory:
@@ -176,13 +203,17 @@ def load_nodes(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------- compact string
 _DEVICE_SPEC = re.compile(r"^(?P<node>[A-Za-z0-9._-]+):(?P<mem>[0-9.]+[A-Za-z]*)"
-                          r"(?:\*(?P<count>\d+))?(?:@(?P<speed>[0-9.]+))?(?::(?P<product>[A-Za-z0-9._-]+))?$")
+                          r"(?:\*(?P<count>\d+))?(?:@(?P<speed>[0-9.]+))?(?::(?P<product>[A-Za-z0-9._-]+))?"
+                          r"(?P<rates>(?:\+(?:host|files)=[0-9.]+)*)$")
+_RATE_FIELDS = {"host": "host_gbps", "files": "file_gbps"}
 
 
 def parse_devices(text: str, kind: Literal["gpu", "cpu"] = "gpu") -> Inventory:
-    """Devices from "node-a:80GiB*4,node-b:24GiB*2@0.5": NODE:MEMORY[*COUNT][@SPEED][:PRODUCT].
+    """Devices from "node-a:80GiB*4,node-b:24GiB*2@0.5":
+    NODE:MEMORY[*COUNT][@SPEED][:PRODUCT][+host=GBPS][+files=GBPS].
 
     SPEED is relative memory bandwidth (TB/s for GPUs); PRODUCT sets it from the known table.
+    host and files are the GB/s of streamed layers (offload) from host memory and from the files.
     """
     devices: list[Device] = []
     next_index: dict[str, int] = {}
@@ -191,8 +222,8 @@ def parse_devices(text: str, kind: Literal["gpu", "cpu"] = "gpu") -> Inventory:
             continue
         match = _DEVICE_SPEC.match(item)
         if not match:
-            raise ValueError(f"device spec {item!r}: write NODE:MEMORY[*COUNT][@SPEED][:PRODUCT], "
-                             "e.g. node-a:80GiB*4 or node-b:24GiB*2@0.3")
+            raise ValueError(f"device spec {item!r}: write NODE:MEMORY[*COUNT][@SPEED][:PRODUCT]"
+                             "[+host=GBPS][+files=GBPS], e.g. node-a:80GiB*4 or node-b:24GiB*2@0.3+host=50")
         memory = parse_bytes(match["mem"])
         if memory <= 0:
             raise ValueError(f"device spec {item!r}: memory must be positive")
@@ -201,12 +232,18 @@ def parse_devices(text: str, kind: Literal["gpu", "cpu"] = "gpu") -> Inventory:
         speed = float(match["speed"]) if match["speed"] else default_speed
         if speed <= 0:
             raise ValueError(f"device spec {item!r}: speed must be positive")
+        rates = {}
+        for part in filter(None, match["rates"].split("+")):
+            name, _, value = part.partition("=")
+            rates[_RATE_FIELDS[name]] = float(value)
+            if rates[_RATE_FIELDS[name]] <= 0:
+                raise ValueError(f"device spec {item!r}: {name} must be positive GB/s")
         node = match["node"]
         for _ in range(int(match["count"] or 1)):
             index = next_index.get(node, 0)
             next_index[node] = index + 1
             devices.append(Device(node=node, index=index, kind=kind, product=product,
-                                  memory_bytes=memory, speed=speed))
+                                  memory_bytes=memory, speed=speed, **rates))
     if not devices:
         raise ValueError("no devices given")
     return Inventory(devices=devices)

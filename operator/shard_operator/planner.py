@@ -14,6 +14,9 @@ How it decides, in order:
    among them the shortest critical path (one decode step through every stage, collectives and
    hops included); layouts within `tolerance` of it count as ties and the one with fewer devices
    wins.
+With `spec.placement.offload` (policy auto, when nothing fits otherwise; always) a stage may hold
+more layers than its memory by streaming some in at every step (`offload.py`): the same search,
+with each stage's time max(compute, streaming) and its layers resident as far as they fit.
 Parallelism no pool could ever run (a tensor degree that does not divide the heads, more stages
 than layers) is an `InvalidParallelism` PlanError before any device is looked at. When not even
 one replica fits, `PlanError` says how much is needed, what the pool has, and what would fit;
@@ -27,15 +30,17 @@ import heapq
 import itertools
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 from shard_contract.plan import GroupPlan, Plan, PredictedBytes, RankPlan, StagePlan
 from shard_contract.sharding import tp_problem, valid_tensor_degrees
 from shard_contract.units import gib
 
-from .api import ShardedModelSpec
+from . import offload
+from .api import OFFLOAD_INT8, ShardedModelSpec
 from .inventory import Device, Inventory
+from .offload import OffloadRequest, OffloadStage
 from .profile import ModelProfile
 from .sizing import (
     ALLREDUCE_SECONDS,
@@ -45,6 +50,8 @@ from .sizing import (
     Shard,
     activation_bytes,
     kv_cache_bytes,
+    layer_read_bytes,
+    layer_streamed_bytes,
     layer_weight_bytes,
     weight_bytes,
 )
@@ -96,16 +103,19 @@ class Block:
     speed: float
     kind: str
     order: tuple  # (node, first device index): the stable tie-breaker
+    host_gbps: float = 0.0  # copies from host memory and reads of the files (offload)
+    file_gbps: float = 0.0
 
     @classmethod
     def of(cls, node: str, devices: tuple[Device, ...]) -> "Block":
         return cls(node=node, devices=devices, memory=min(d.memory_bytes for d in devices),
-                   speed=min(d.speed for d in devices), kind=devices[0].kind, order=(node, devices[0].index))
+                   speed=min(d.speed for d in devices), kind=devices[0].kind, order=(node, devices[0].index),
+                   host_gbps=min(d.host_gbps for d in devices), file_gbps=min(d.file_gbps for d in devices))
 
     @property
     def shape(self) -> tuple:
         """Blocks with equal shape are interchangeable."""
-        return (self.memory, self.speed, self.kind)
+        return (self.memory, self.speed, self.kind, self.host_gbps, self.file_gbps)
 
 
 @dataclass(frozen=True)
@@ -119,6 +129,7 @@ class Request:
     replicas: int
     headroom: float
     spread_replicas: bool
+    offload: OffloadRequest = OffloadRequest()
 
 
 @dataclass
@@ -160,9 +171,56 @@ def plan(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
         raise PlanError("NoDevices", f"no usable devices in the node pool ({skipped})")
     tps = _tensor_candidates(profile, spec, inventory)
     pps = _pipeline_candidates(profile, spec)
-    partition = spec.parallelism.layer_partition
-    wanted = max(request.replicas, 1)
+    policy = request.offload.policy
     costs = Costs(profile, request, options)
+    found = [] if policy == "always" else _search(costs, inventory, tps, pps, spec)
+    placed = max((len(c.groups) for c in found), default=0)
+    if policy == "always" or (policy == "auto" and placed < max(request.replicas, 1)
+                              and request.quantization == "none"):
+        streaming = Costs(profile, request, options, streaming=True)
+        more = _search(streaming, inventory, tps, pps, spec)
+        # auto: only when streaming places more replicas than holding every layer does
+        if max((len(c.groups) for c in more), default=0) > placed:
+            found, costs = more, streaming
+    if not found:
+        missing = _capacity_needed(profile, request, inventory, tps, options)
+        note = _offload_note(profile, spec, request, inventory, tps, pps, options)
+        raise PlanError("InsufficientCapacity",
+                        explain_infeasible(profile, spec, request, inventory, tps, options, missing, note), missing)
+    most = max(len(c.groups) for c in found)
+    found = [c for c in found if len(c.groups) == most]
+    best = _choose(found, options.tolerance)
+    return _to_plan(profile, spec, request, costs, best, found)
+
+
+def _offload_note(profile: ModelProfile, spec: ShardedModelSpec, request: Request, inventory: Inventory,
+                  tps: list[int], pps: list[int], options: PlannerOptions) -> str:
+    """What offload would do for a model that does not fit: fit it (at what speed), or why not."""
+    if request.quantization != "none":
+        return "" if request.offload.policy == "never" else OFFLOAD_INT8.replace("always", request.offload.policy)
+    if request.offload.policy != "never":
+        return ("offload streams the decoder layers' projections only: each rank keeps its KV cache, "
+                "activations, runtime, embeddings or LM head and its staging slots resident")
+    auto = replace(request, offload=replace(request.offload, policy="auto"))
+    costs = Costs(profile, auto, options, streaming=True)
+    found = _search(costs, inventory, tps, pps, spec)
+    if not found:
+        return ""
+    most = max(len(c.groups) for c in found)
+    best = _choose([c for c in found if len(c.groups) == most], options.tolerance)
+    fitted = _to_plan(profile, spec, auto, costs, best, found)
+    per_step = sum(r.offload.streamed_bytes for r in fitted.group(0) if r.offload)
+    step = fitted.groups[0].critical_path_seconds
+    return (f"set spec.placement.offload.policy auto: streaming {gib(per_step)} GiB per decode step "
+            f"({offload.layer_count(fitted)}) fits it at tensor={best.tp} x pipeline={best.pp}, est. "
+            f"{step * 1e3:.2f} ms per decode step ({1 / step:.1f} tokens/s per sequence)")
+
+
+def _search(costs: "Costs", inventory: Inventory, tps: list[int], pps: list[int],
+            spec: ShardedModelSpec) -> list[Candidate]:
+    """Every (TP, PP) layout worth comparing, each with as many replicas as fit."""
+    partition = spec.parallelism.layer_partition
+    wanted = max(costs.request.replicas, 1)
     found: list[Candidate] = []
     for tp in tps:
         blocks = make_blocks(inventory.devices, tp)
@@ -180,14 +238,7 @@ def plan(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
             if previous is not None and candidate.critical_path >= previous:
                 break
             previous = candidate.critical_path
-    if not found:
-        missing = _capacity_needed(profile, request, inventory, tps, options)
-        raise PlanError("InsufficientCapacity",
-                        explain_infeasible(profile, spec, request, inventory, tps, options, missing), missing)
-    most = max(len(c.groups) for c in found)
-    found = [c for c in found if len(c.groups) == most]
-    best = _choose(found, options.tolerance)
-    return _to_plan(profile, spec, request, options, best, found)
+    return found
 
 
 def _resolve_request(profile: ModelProfile, spec: ShardedModelSpec) -> Request:
@@ -196,10 +247,14 @@ def _resolve_request(profile: ModelProfile, spec: ShardedModelSpec) -> Request:
     if max_len > profile.max_position_embeddings:
         raise PlanError("InvalidSpec", f"spec.model.maxModelLen {max_len} exceeds the model's "
                         f"max_position_embeddings {profile.max_position_embeddings}")
+    off = spec.placement.offload
     return Request(dtype=dtype, quantization=spec.model.quantization, max_len=max_len,
                    batch=spec.model.max_batch_size,
                    replicas=spec.replicas, headroom=spec.placement.memory_headroom,
-                   spread_replicas=spec.placement.topology.spread_replicas)
+                   spread_replicas=spec.placement.topology.spread_replicas,
+                   offload=OffloadRequest(policy=off.policy, host_budget=off.host_memory_bytes,
+                                          from_files=off.from_files,
+                                          prefetch=offload.DEFAULT_PREFETCH if off.prefetch == "auto" else off.prefetch))
 
 
 def check_parallelism(profile: ModelProfile, spec: ShardedModelSpec) -> None:
@@ -276,11 +331,13 @@ class StageModel:
 
 
 class Costs:
-    """Stage models of one planning run, memoised: blocks of one shape cost the same."""
+    """Stage models of one planning run, memoised: blocks of one shape cost the same. With
+    `streaming`, a stage whose layers do not all fit streams some (offload)."""
 
-    def __init__(self, profile: ModelProfile, request: Request, options: PlannerOptions):
-        self.profile, self.request, self.options = profile, request, options
+    def __init__(self, profile: ModelProfile, request: Request, options: PlannerOptions, streaming: bool = False):
+        self.profile, self.request, self.options, self.streaming = profile, request, options, streaming
         self._cache: dict[tuple, StageModel] = {}
+        self._offload: dict[tuple, OffloadStage] = {}
         self._partitions: dict[tuple, list[int] | None] = {}
         self._layer_bytes: dict[int, int] = {}
 
@@ -297,7 +354,14 @@ class Costs:
         if key not in self._partitions:
             last = len(shapes) - 1
             stages = [self._stage_of(shape, tp, i == 0, i == last) for i, shape in enumerate(shapes)]
-            if given is not None:
+            if self.streaming:
+                streamed = [self.offload_stage(shape, tp, i == 0, i == last) for i, shape in enumerate(shapes)]
+                if given is not None:
+                    fits = all(n >= 1 and s.at(n) is not None for n, s in zip(given, streamed))
+                    self._partitions[key] = list(given) if fits else None
+                else:
+                    self._partitions[key] = offload.partition(streamed, self.profile.num_layers)
+            elif given is not None:
                 fits = all(1 <= n <= s.capacity() for n, s in zip(given, stages))
                 self._partitions[key] = list(given) if fits else None
             else:
@@ -305,8 +369,28 @@ class Costs:
         counts = self._partitions[key]
         return None if counts is None else list(counts)
 
-    def stage(self, block: Block, tp: int, embeds: bool, has_lm_head: bool) -> StageModel:
-        return self._stage_of(block.shape, tp, embeds, has_lm_head)
+    def seconds(self, block: Block, tp: int, embeds: bool, has_lm_head: bool, n: int) -> float:
+        """Decode time of a stage of `n` layers on `block` (streaming ones included)."""
+        if self.streaming:
+            return self.offload_stage(block.shape, tp, embeds, has_lm_head).at(n).seconds
+        return self._stage_of(block.shape, tp, embeds, has_lm_head).seconds(n)
+
+    def offload_stage(self, shape: tuple, tp: int, embeds: bool, has_lm_head: bool) -> OffloadStage:
+        key = (shape, tp, embeds, has_lm_head)
+        if key not in self._offload:
+            model = self._stage_of(shape, tp, embeds, has_lm_head)
+            profile, request = self.profile, self.request
+            one = Shard(tp=tp, layers=(0, 1), embeds=False, has_lm_head=False)
+            layers = range(profile.num_layers)  # alike in these families: take the largest
+            self._offload[key] = OffloadStage(
+                kind=shape[2], usable=model.usable, fixed=model.fixed_bytes,
+                kv=kv_cache_bytes(profile, one, request.max_len, request.batch, request.dtype),
+                layer=self.layer_bytes(tp),
+                streamed=max(layer_streamed_bytes(profile, i, tp, request.dtype) for i in layers),
+                read=max(layer_read_bytes(profile, i, tp) for i in layers),
+                fixed_seconds=model.fixed_seconds, layer_seconds=model.layer_seconds,
+                host_rate=shape[3] * 1e9, file_rate=shape[4] * 1e9, request=request.offload)
+        return self._offload[key]
 
     def _stage_of(self, shape: tuple, tp: int, embeds: bool, has_lm_head: bool) -> StageModel:
         key = (shape, tp, embeds, has_lm_head)
@@ -315,7 +399,7 @@ class Costs:
         return self._cache[key]
 
     def _stage(self, shape: tuple, tp: int, embeds: bool, has_lm_head: bool) -> StageModel:
-        memory, speed, kind = shape
+        memory, speed, kind = shape[:3]
         profile, request = self.profile, self.request
         empty = Shard(tp=tp, layers=(0, 0), embeds=embeds, has_lm_head=has_lm_head)
         one = Shard(tp=tp, layers=(0, 1), embeds=False, has_lm_head=False)
@@ -364,7 +448,7 @@ def _layout(costs: Costs, blocks: list[Block], tp: int, partition: list[int] | N
     if counts is None:
         return None
     last = len(blocks) - 1
-    seconds = [costs.stage(b, tp, i == 0, i == last).seconds(n) for i, (b, n) in enumerate(zip(blocks, counts))]
+    seconds = [costs.seconds(b, tp, i == 0, i == last, n) for i, (b, n) in enumerate(zip(blocks, counts))]
     hops = sum(_hop_seconds(a, b) for a, b in zip(blocks, blocks[1:]))
     return GroupLayout(blocks=blocks, counts=counts, stage_seconds=seconds, critical_path=sum(seconds) + hops)
 
@@ -455,9 +539,11 @@ def _choose(found: list[Candidate], tolerance: float) -> Candidate:
 
 
 # ---------------------------------------------------------------- the Plan
-def _to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, options: PlannerOptions,
+def _to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, costs: Costs,
              best: Candidate, found: list[Candidate]) -> Plan:
-    tp, pp = best.tp, best.pp
+    tp, pp, options = best.tp, best.pp, costs.options
+    streamed = [layer_streamed_bytes(profile, i, tp, request.dtype) for i in range(profile.num_layers)]
+    read = [layer_read_bytes(profile, i, tp) for i in range(profile.num_layers)]
     groups, ranks = [], []
     for replica, layout in enumerate(best.groups if request.replicas else []):
         starts = list(itertools.accumulate([0, *layout.counts]))
@@ -466,11 +552,15 @@ def _to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, op
             layers = (starts[stage], starts[stage + 1])
             stages.append(StagePlan(stage=stage, layers=layers, seconds_per_token=layout.stage_seconds[stage]))
             shard = Shard(tp=tp, layers=layers, embeds=stage == 0, has_lm_head=stage == pp - 1)
+            off = offload.rank_offload(costs.offload_stage(block.shape, tp, shard.embeds, shard.has_lm_head),
+                                       layers, streamed, read) if costs.streaming else None
             predicted = PredictedBytes(
-                weights=weight_bytes(profile, shard, request.dtype, request.quantization),
+                weights=weight_bytes(profile, shard, request.dtype, request.quantization)
+                - (sum(streamed[i] for i in off.layers) if off else 0),
                 kv_cache=kv_cache_bytes(profile, shard, request.max_len, request.batch, request.dtype),
                 activations=activation_bytes(profile, shard, request.max_len, request.batch, request.dtype),
-                overhead=options.runtime_overhead[block.kind])
+                overhead=options.runtime_overhead[block.kind],
+                staging=off.prefetch * max(streamed[i] for i in off.layers) if off else 0)
             for tp_rank, device in enumerate(block.devices):
                 ranks.append(RankPlan(
                     replica=replica, rank=stage * tp + tp_rank, stage=stage, tp_rank=tp_rank,
@@ -478,7 +568,7 @@ def _to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, op
                     product=device.product, layers=layers, embeds=shard.embeds,
                     has_lm_head=shard.has_lm_head, capacity_bytes=device.memory_bytes,
                     usable_bytes=int(device.memory_bytes * (1 - request.headroom)),
-                    predicted_bytes=predicted))
+                    predicted_bytes=predicted, offload=off))
         mean = sum(layout.stage_seconds) / pp
         groups.append(GroupPlan(replica=replica, stages=stages, imbalance=layout.bottleneck / mean - 1,
                                 critical_path_seconds=layout.critical_path))
@@ -488,7 +578,7 @@ def _to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, op
         tensor_parallel=tp, pipeline_parallel=pp,
         replicas=request.replicas, max_model_len=request.max_len, max_batch_size=request.batch,
         memory_headroom=request.headroom, groups=groups, ranks=ranks,
-        reason=_reason(spec, best, found))
+        reason="; ".join(filter(None, [_reason(spec, best, found), offload.summary(ranks, request.offload.policy)])))
 
 
 def _reason(spec: ShardedModelSpec, best: Candidate, found: list[Candidate]) -> str:
@@ -544,7 +634,7 @@ def _capacity_needed(profile: ModelProfile, request: Request, inventory: Invento
 
 
 def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: Request, inventory: Inventory,
-                       tps: list[int], options: PlannerOptions, short: Shortfall) -> str:
+                       tps: list[int], options: PlannerOptions, short: Shortfall, offload_note: str = "") -> str:
     weights, kv, per_device, need = short.weights, short.kv_cache, short.per_device, short.need
     usable = list(short.usable)
     whole = Shard(tp=1, layers=(0, profile.num_layers), embeds=True, has_lm_head=True)
@@ -574,7 +664,7 @@ def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: R
     for d in inventory.devices:
         per_node[d.node] = per_node.get(d.node, 0) + 1
     tps_possible = valid_tensor_degrees(profile, max(per_node.values()))
-    options_: list[str] = []
+    options_: list[str] = [offload_note] if offload_note else []
     largest = max(usable) - per_device
     deficit = need - sum(usable)
     if deficit > 0 and largest > 0:

@@ -38,8 +38,9 @@ def render_plan(plan: Plan, profile: ModelProfile | None = None, inventory: Inve
         lines.append(f"pool     {inventory.describe()}")
         for skipped in inventory.skipped:
             lines.append(f"         skipped {skipped.node}: {skipped.reason}")
+    staging = f" {'stg':>6}" if plan.streams else ""  # offload's staging slots
     header = (f"{'rank':>4}  {'node':<14} {'device':<7} {'stage':>5} {'tp':>3} {'layers':<10} "
-              f"{'weights':>8} {'kv':>7} {'act':>7} {'ovh':>6} {'total':>8} {'capacity':>8} {'use':>5}  GiB")
+              f"{'weights':>8} {'kv':>7} {'act':>7} {'ovh':>6}{staging} {'total':>8} {'capacity':>8} {'use':>5}  GiB")
     for group in plan.groups:
         lines.append("")
         lines.append(f"group {group.replica}: critical path est. {group.critical_path_seconds * 1e3:.2f} ms per "
@@ -48,12 +49,38 @@ def render_plan(plan: Plan, profile: ModelProfile | None = None, inventory: Inve
         for r in plan.group(group.replica):
             p = r.predicted_bytes
             layers = f"[{r.layers[0]}, {r.layers[1]})"
+            stg = f" {gib(p.staging):>6}" if plan.streams else ""
             lines.append(
                 f"{r.rank:>4}  {r.node[:14]:<14} {r.device:<7} {r.stage:>5} {r.tp_rank:>3} {layers:<10} "
-                f"{gib(p.weights):>8} {gib(p.kv_cache):>7} {gib(p.activations):>7} {gib(p.overhead):>6} "
+                f"{gib(p.weights):>8} {gib(p.kv_cache):>7} {gib(p.activations):>7} {gib(p.overhead):>6}{stg} "
                 f"{gib(p.total):>8} {gib(r.capacity_bytes):>8} {p.total / r.capacity_bytes:>5.0%}  "
                 f"{usage_bar(p.total, r.usable_bytes, r.capacity_bytes)}")
+        lines += _offload_lines(plan, group.replica)
     if not plan.groups:
         lines.append("")
         lines.append("no groups: spec.replicas is 0")
     return "\n".join(lines)
+
+
+def _offload_lines(plan: Plan, replica: int) -> list[str]:
+    """The streaming ranks of a group: what they stream per decode step, from where, and the
+    step time it predicts, max(compute, streaming), with the rates it assumed."""
+    ranks = [r for r in plan.group(replica) if r.offload is not None]
+    if not ranks:
+        return []
+    lines = ["offload: the layers each rank streams per decode step (their projections), from where, at what "
+             "rate (GB/s), and the predicted step: max(compute, stream) in ms",
+             f"{'rank':>4}  {'streamed layers':<24} {'slots':>5} {'GiB/step':>8} {'from':<10} {'GB/s':>12} "
+             f"{'compute':>8} {'stream':>8} {'step':>8}"]
+    for r in ranks:
+        o = r.offload
+        rate = "+".join(f"{x / 1e9:.1f}" for x in (o.host_bandwidth, o.file_bandwidth) if x)
+        lines.append(f"{r.rank:>4}  {_layer_list(o.layers):<24} {o.prefetch:>5} {gib(o.streamed_bytes):>8} "
+                     f"{o.tier:<10} {rate:>12} {o.compute_seconds * 1e3:>8.2f} {o.stream_seconds * 1e3:>8.2f} "
+                     f"{max(o.compute_seconds, o.stream_seconds) * 1e3:>8.2f}")
+    return lines
+
+
+def _layer_list(layers: list[int]) -> str:
+    text = ",".join(map(str, layers))
+    return text if len(text) <= 24 else f"{len(layers)} of them"

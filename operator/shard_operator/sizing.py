@@ -64,6 +64,23 @@ def layer_weight_bytes(profile: ModelProfile, layer: int, tp: int, dtype: str = 
     return matrices + scales * SCALE_BYTES + others * size
 
 
+def layer_streamed_bytes(profile: ModelProfile, layer: int, tp: int, dtype: str = "auto") -> int:
+    """What an offloading rank streams of one layer: its slices of the projection matrices (biases
+    and norms stay resident), in the runtime dtype."""
+    lp = profile.layers[layer]
+    kv_share = kv_heads_per_rank(profile, tp) / profile.num_kv_heads
+    return (lp.column_matrix // tp + round(lp.kv_matrix * kv_share) + lp.row // tp) * profile.dtype_bytes(dtype)
+
+
+def layer_read_bytes(profile: ModelProfile, layer: int, tp: int) -> int:
+    """Checkpoint bytes read to stream one layer from the files: the rank's row slices, and the
+    row-parallel matrices' whole rows (a column slice is read with its rows' other columns, one
+    `preadv` for many rows)."""
+    lp = profile.layers[layer]
+    kv_share = kv_heads_per_rank(profile, tp) / profile.num_kv_heads
+    return (lp.column_matrix // tp + round(lp.kv_matrix * kv_share) + lp.row) * profile.dtype_bytes("auto")
+
+
 def outside_layers_numel(profile: ModelProfile, shard: Shard) -> int:
     """Embeddings, final norm, LM head and unknown tensors: never quantized."""
     numel = 0

@@ -1,0 +1,231 @@
+"""Offload: a stage that holds some decoder layers and streams the others in as each step needs
+them. Pure arithmetic for the planner.
+
+A streamed layer keeps its norms and biases resident (and its KV cache: every layer's stays);
+its projection matrices are copied, before each step needs them, into one of `prefetch` staging
+slots of one layer each, from host memory (GPU ranks: pinned copies, at `host_gbps`) or read
+from the checkpoint files (at `file_gbps`; the only tier of a CPU rank, whose device memory is
+host memory). With two or more slots the next layers load while the current one computes, so a
+stage of n layers, r of them resident, takes
+
+    max(compute of all n layers, streaming the n - r others)          (prefetch >= 2)
+    max(compute, streaming + computing the streamed layers)           (prefetch 1: a layer's load
+                                                                       cannot overlap its own compute)
+
+Streaming s layers needs s >= prefetch to save memory at all (the slots take `prefetch` layers),
+so a stage either holds every layer or streams more than `prefetch` of them.
+
+Choosing layers per stage (`partition`): first the smallest slowest-stage time (greedy: each layer
+to the stage that would finish soonest with it; optimal because every stage's time grows with its
+layers), then among the partitions that keep every stage within that time, the fewest streamed
+bytes (an exact dynamic program). Which layers of a stage stream: spread evenly, so each load has
+resident layers' compute to hide behind.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+from shard_contract.plan import OffloadPlan
+from shard_contract.units import gib
+
+DEFAULT_PREFETCH = 2  # double buffering: one slot computes while the next loads
+POLICIES = ("never", "auto", "always")
+
+
+@dataclass(frozen=True)
+class OffloadRequest:
+    """What the spec allows, resolved."""
+
+    policy: str = "never"
+    host_budget: int | None = None  # bytes per rank for host-tier layers; None: unlimited
+    from_files: bool = True
+    prefetch: int = DEFAULT_PREFETCH
+
+
+@dataclass(frozen=True)
+class Streaming:
+    """A stage of `n` layers: `resident` held, `host` + `files` streamed per step."""
+
+    n: int
+    resident: int
+    host: int
+    files: int
+    compute: float
+    stream: float
+    seconds: float
+
+    @property
+    def streamed(self) -> int:
+        return self.host + self.files
+
+
+@dataclass(frozen=True)
+class OffloadStage:
+    """A stage's memory and time as functions of its layers, with streaming allowed. Bytes per
+    rank; `layer` is a whole resident layer, `streamed` its part that streams, `read` what the
+    files give for that part."""
+
+    kind: str
+    usable: int
+    fixed: int  # weights outside the layers, activations, runtime overhead
+    kv: int  # KV cache per layer
+    layer: int
+    streamed: int
+    read: int
+    fixed_seconds: float
+    layer_seconds: float
+    host_rate: float  # bytes/s
+    file_rate: float
+    request: OffloadRequest
+
+    def slots(self, streamed_layers: int) -> int:
+        return min(self.request.prefetch, streamed_layers)
+
+    def file_seconds(self) -> float:
+        """One layer from the files: read; a GPU copies it on while the next is read."""
+        read = self.read / self.file_rate
+        return max(read, self.streamed / self.host_rate) if self.kind == "gpu" else read
+
+    def at(self, n: int) -> Streaming | None:
+        """The stage holding `n` layers: as many resident as fit (every one when all fit, none
+        with policy always); None when even streaming cannot make it fit its memory or tiers."""
+        compute = self.fixed_seconds + n * self.layer_seconds
+        always = self.request.policy == "always"
+        if not always and self.fixed + n * (self.kv + self.layer) <= self.usable:
+            return Streaming(n, n, 0, 0, compute, 0.0, compute)
+        rest = self.layer - self.streamed  # what a streamed layer keeps resident
+        free = self.usable - self.fixed - n * (self.kv + rest)
+        if always:
+            resident = 0 if free >= self.slots(n) * self.streamed else -1
+        else:
+            resident = math.floor((free - self.request.prefetch * self.streamed) / self.streamed) \
+                if self.streamed else -1
+        if resident < 0:
+            return None
+        s = n - resident
+        host = 0
+        if self.kind == "gpu":
+            budget = self.request.host_budget
+            host = s if budget is None else min(s, budget // self.streamed)
+        files = s - host
+        if files and not self.request.from_files:
+            return None
+        stream = host * self.streamed / self.host_rate + files * self.file_seconds()
+        busy = stream if self.request.prefetch >= 2 else stream + s * self.layer_seconds
+        return Streaming(n, resident, host, files, compute, stream, max(compute, busy))
+
+    def table(self, most: int) -> list[Streaming | None]:
+        """at(n) for n = 0..most."""
+        return [None] + [self.at(n) for n in range(1, most + 1)]
+
+
+def partition(stages: list[OffloadStage], num_layers: int) -> list[int] | None:
+    """Layers per stage: the smallest slowest stage, then the fewest streamed bytes (module
+    docstring); None when no split fits."""
+    tables = [s.table(num_layers) for s in stages]
+    if any(t[1] is None for t in tables) or num_layers < len(stages):
+        return None
+    counts = [1] * len(stages)
+    heap = [(t[2].seconds, i) for i, t in enumerate(tables) if num_layers > 1 and t[2] is not None]
+    heapq.heapify(heap)
+    for _ in range(num_layers - len(stages)):
+        if not heap:
+            return None
+        _, i = heapq.heappop(heap)
+        counts[i] += 1
+        nxt = counts[i] + 1
+        if nxt <= num_layers and tables[i][nxt] is not None:
+            heapq.heappush(heap, (tables[i][nxt].seconds, i))
+    slowest = max(t[n].seconds for t, n in zip(tables, counts))
+    caps = [max(n for n in range(1, num_layers + 1) if t[n] is not None and t[n].seconds <= slowest * (1 + 1e-9))
+            for t in tables]
+    fewest = _fewest_streamed(tables, caps, num_layers)
+    if sum(t[n].streamed for t, n in zip(tables, fewest)) < sum(t[n].streamed for t, n in zip(tables, counts)):
+        return fewest
+    return counts
+
+
+def _fewest_streamed(tables: list[list[Streaming | None]], caps: list[int], num_layers: int) -> list[int]:
+    """Counts 1 <= n_i <= caps[i] summing to num_layers with the fewest streamed layers (every
+    stage streams layers of one size). Dynamic program over stages and layers placed so far."""
+    stages = len(tables)
+    best = {0: 0}  # layers placed -> fewest streamed
+    choice: list[dict[int, int]] = []
+    for i in range(stages):
+        nxt: dict[int, int] = {}
+        picked: dict[int, int] = {}
+        room = num_layers - (stages - i - 1)
+        for placed, cost in best.items():
+            for n in range(1, min(caps[i], room - placed) + 1):
+                total, c = placed + n, cost + tables[i][n].streamed
+                if c < nxt.get(total, c + 1):
+                    nxt[total], picked[total] = c, n
+        best = nxt
+        choice.append(picked)
+    counts, left = [], num_layers
+    for i in reversed(range(stages)):
+        n = choice[i][left]
+        counts.append(n)
+        left -= n
+    return counts[::-1]
+
+
+def spread(layers: tuple[int, int], count: int) -> list[int]:
+    """`count` of the layers [start, stop), spread evenly (each followed by resident ones)."""
+    start, stop = layers
+    n = stop - start
+    return [start + (2 * i + 1) * n // (2 * count) for i in range(count)] if count else []
+
+
+def rank_offload(stage: OffloadStage, layers: tuple[int, int], streamed_bytes: list[int],
+                 read_bytes: list[int]) -> OffloadPlan | None:
+    """The OffloadPlan of a rank of `stage` holding `layers`; `streamed_bytes`/`read_bytes` per
+    layer of the model. None when it holds every layer."""
+    at = stage.at(layers[1] - layers[0])
+    assert at is not None, "the partition placed a stage that does not fit"
+    if at.streamed == 0:
+        return None
+    streamed = spread(layers, at.streamed)
+    files = [streamed[i] for i in spread((0, at.streamed), at.files)]
+    host_bytes = sum(streamed_bytes[j] for j in streamed if j not in files)
+    read = sum(read_bytes[j] for j in files)
+    bounce = stage.slots(at.streamed) * stage.streamed if stage.kind == "gpu" and files else 0
+    return OffloadPlan(layers=streamed, file_layers=files, prefetch=stage.slots(at.streamed),
+                       streamed_bytes=sum(streamed_bytes[j] for j in streamed), read_bytes=read,
+                       host_bytes=host_bytes + read + bounce, host_bandwidth=stage.host_rate if stage.kind == "gpu" else 0.0,
+                       file_bandwidth=stage.file_rate if files else 0.0,
+                       compute_seconds=at.compute, stream_seconds=at.stream)
+
+
+def summary(ranks: list, policy: str) -> str:
+    """One phrase for the plan's reason and the Events: which ranks stream how much, from where."""
+    streaming = [r for r in ranks if r.offload is not None]
+    if not streaming:
+        return ""
+    alike: dict[tuple[int, int], list[int]] = {}
+    for r in streaming:
+        alike.setdefault((len(r.offload.layers), r.num_layers), []).append(r.rank)
+    who = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} stream{'' if len(rs) > 1 else 's'} "
+                    f"{k} of {'their' if len(rs) > 1 else 'its'} {n} layers" for (k, n), rs in alike.items())
+    tiers = " and ".join(sorted({TIER_WORDS[t] for r in streaming for t in r.offload.tier.split("+")}))
+    slowest = max(streaming, key=lambda r: max(r.offload.compute_seconds, r.offload.stream_seconds))
+    why = "offload always" if policy == "always" else "offload auto: the devices cannot hold every layer"
+    return (f"{why}: {who}; {gib(sum(r.offload.streamed_bytes for r in streaming))} GiB per decode step from "
+            f"{tiers}, est. {slowest.offload.stream_seconds * 1e3:.2f} ms of streaming against "
+            f"{slowest.offload.compute_seconds * 1e3:.2f} ms of compute on the slowest rank")
+
+
+def layer_count(plan) -> str:
+    """e.g. "26 of the 32 layers on every rank", for group 0 of a plan that streams."""
+    counts = sorted({(len(r.offload.layers) if r.offload else 0, r.num_layers) for r in plan.group(0)})
+    if len(counts) == 1:
+        (k, n), = counts
+        return f"{k} of the {n} layers on {'every rank' if plan.world_size > 1 else 'its one rank'}"
+    streamed = sum(len(r.offload.layers) for r in plan.group(0) if r.offload and r.tp_rank == 0)
+    return f"{streamed} of the {plan.num_layers} layers"
+
+
+TIER_WORDS = {"host": "host memory", "files": "the checkpoint files"}

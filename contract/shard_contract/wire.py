@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from .plan import PredictedBytes, RankPlan
+from .plan import OffloadPlan, PredictedBytes, RankPlan
 
 # The sampling parameters' accepted ranges, OpenAI's: the server's request schema and every
 # request the engine runs share them, and the engine samples safely over all of them.
@@ -66,6 +66,7 @@ class ResidentBytes(BaseModel):
 
     weights: int
     kv_cache: int
+    staging: int = Field(0, description="An offloading rank's staging slots (and a GPU's pinned host copies: 0).")
     rss_anon: int
     cuda_allocated: int = 0
     total: int = Field(description="What this rank holds above a bare `import torch` (GPU: reserved).")
@@ -90,9 +91,13 @@ class RankReport(BaseModel):
     compute_seconds: float
     idle_seconds: float
     comm_bytes: dict[str, int] = Field(default_factory=dict, description="By operation.")
+    streamed_bytes: int = Field(0, description="Offload: bytes of streamed layers copied into staging slots.")
+    stream_seconds: float = Field(0.0, description="Offload: seconds spent streaming them.")
+    stall_seconds: float = Field(0.0, description="Offload: seconds a forward pass waited for a streamed layer.")
     last_generate: dict[str, float] = Field(default_factory=dict,
                                             description="seconds, comm_seconds, compute_seconds, idle_seconds "
-                                                        "of the latest generate call")
+                                                        "(and offload's streamed_bytes, stream_seconds, "
+                                                        "stall_seconds) of the latest generate call")
     alive: bool = True
 
 
@@ -119,6 +124,7 @@ class ShardEntry(BaseModel):
     capacity_bytes: int = Field(description="The device's memory (the plan's).")
     usable_bytes: int = Field(description="capacity minus the plan's headroom.")
     predicted_bytes: PredictedBytes
+    offload: OffloadPlan | None = Field(None, description="The layers this rank streams (the plan's).")
     resident_bytes: ResidentBytes | None = None
     alive: bool = True
     state: str = Field("starting", description="starting, loading, ready, failed or broken")
@@ -130,7 +136,7 @@ class ShardEntry(BaseModel):
         return cls.model_validate({"rank": rp.rank, "stage": rp.stage, "tp_rank": rp.tp_rank, "layers": rp.layers,
                                    "node": rp.node, "device": rp.device, "capacity_bytes": rp.capacity_bytes,
                                    "usable_bytes": rp.usable_bytes, "predicted_bytes": rp.predicted_bytes,
-                                   **measured})
+                                   "offload": rp.offload, **measured})
 
 
 class ShardsResponse(BaseModel):

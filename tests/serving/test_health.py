@@ -100,7 +100,7 @@ def resident(weights: int, kv: int, total: int) -> ResidentBytes:
 @pytest.mark.parametrize("measured,total,budget,problems", [
     ((100, 20), 150, None, []),
     ((110, 20), 150, None, []),  # within 10%
-    ((200, 20), 250, None, ["rank 1 holds 220.0 MiB of weights and KV cache, more than the plan's 120.0 MiB (+10%)"]),
+    ((200, 20), 250, None, ["rank 1 holds 220.0 MiB of weights, KV cache and staging, more than the plan's 120.0 MiB (+10%)"]),
     ((100, 20), 300, None, ["rank 1 holds 300.0 MiB in all, more than its device's capacity (cpu:1 on n): 256.0 MiB"]),
     ((100, 20), 200, 160, ["rank 1 holds 200.0 MiB in all, more than its memory budget (SHARD_MEMORY_BUDGET): "
                            "160.0 MiB"]),

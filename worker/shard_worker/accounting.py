@@ -7,6 +7,7 @@ so they stay on in production; the metrics families of `metrics.py` are filled f
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,28 +22,48 @@ class Counters:
     comm_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COMM_OPS, 0.0))
     compute_seconds: float = 0.0
     idle_seconds: float = 0.0  # blocked in recv: waiting for another pipeline stage
+    # offload: bytes copied into staging slots, seconds spent on it, seconds a forward pass waited
+    streamed_bytes: int = 0
+    stream_seconds: float = 0.0
+    stall_seconds: float = 0.0
 
     @property
     def comm_total(self) -> float:
         return sum(self.comm_seconds.values())
 
     def copy(self) -> "Counters":
-        return Counters(dict(self.comm_bytes), dict(self.comm_seconds), self.compute_seconds, self.idle_seconds)
+        return Counters(dict(self.comm_bytes), dict(self.comm_seconds), self.compute_seconds, self.idle_seconds,
+                        self.streamed_bytes, self.stream_seconds, self.stall_seconds)
 
     def minus(self, earlier: "Counters") -> "Counters":
         return Counters({k: v - earlier.comm_bytes[k] for k, v in self.comm_bytes.items()},
                         {k: v - earlier.comm_seconds[k] for k, v in self.comm_seconds.items()},
                         self.compute_seconds - earlier.compute_seconds,
-                        self.idle_seconds - earlier.idle_seconds)
+                        self.idle_seconds - earlier.idle_seconds,
+                        self.streamed_bytes - earlier.streamed_bytes,
+                        self.stream_seconds - earlier.stream_seconds,
+                        self.stall_seconds - earlier.stall_seconds)
 
     def summary(self) -> dict[str, float]:
         return {"comm_seconds": self.comm_total, "compute_seconds": self.compute_seconds,
-                "idle_seconds": self.idle_seconds, "comm_bytes": sum(self.comm_bytes.values())}
+                "idle_seconds": self.idle_seconds, "comm_bytes": sum(self.comm_bytes.values()),
+                "streamed_bytes": self.streamed_bytes, "stream_seconds": self.stream_seconds,
+                "stall_seconds": self.stall_seconds}
 
 
 class Accounting:
     def __init__(self) -> None:
         self.counters = Counters()
+        self._streaming = threading.Lock()  # the prefetch thread and the forward pass both count
+
+    def streamed(self, nbytes: int, seconds: float) -> None:
+        with self._streaming:
+            self.counters.streamed_bytes += nbytes
+            self.counters.stream_seconds += seconds
+
+    def stalled(self, seconds: float) -> None:
+        with self._streaming:
+            self.counters.stall_seconds += seconds
 
     def comm(self, op: str, nbytes: int, seconds: float) -> None:
         self.counters.comm_bytes[op] += nbytes
@@ -55,11 +76,11 @@ class Accounting:
     def computing(self) -> Iterator[None]:
         """Time a region as compute, less what it spent communicating or waiting inside."""
         c = self.counters
-        start, waited = time.perf_counter(), c.comm_total + c.idle_seconds
+        start, waited = time.perf_counter(), c.comm_total + c.idle_seconds + c.stall_seconds
         try:
             yield
         finally:
-            c.compute_seconds += time.perf_counter() - start - (c.comm_total + c.idle_seconds - waited)
+            c.compute_seconds += time.perf_counter() - start - (c.comm_total + c.idle_seconds + c.stall_seconds - waited)
 
 
 # ---------------------------------------------------------------- memory

@@ -51,11 +51,11 @@ def memory_problems(rank_plan: RankPlan, resident: ResidentBytes, budget_bytes: 
     """Why this rank's measured memory disagrees with its plan (empty when it agrees)."""
     problems = []
     predicted = rank_plan.predicted_bytes
-    expected = predicted.weights + predicted.kv_cache
-    measured = resident.weights + resident.kv_cache
+    expected = predicted.weights + predicted.kv_cache + predicted.staging
+    measured = resident.weights + resident.kv_cache + resident.staging
     if measured > expected * (1 + MEMORY_TOLERANCE) + MEMORY_SLACK_BYTES:
-        problems.append(f"rank {rank_plan.rank} holds {human(measured)} of weights and KV cache, more than the "
-                        f"plan's {human(expected)} (+{MEMORY_TOLERANCE:.0%})")
+        problems.append(f"rank {rank_plan.rank} holds {human(measured)} of weights, KV cache and staging, more "
+                        f"than the plan's {human(expected)} (+{MEMORY_TOLERANCE:.0%})")
     limits = [(rank_plan.capacity_bytes, f"its device's capacity ({rank_plan.device} on {rank_plan.node})")]
     if budget_bytes is not None:
         limits.append((budget_bytes, "its memory budget (SHARD_MEMORY_BUDGET)"))

@@ -3,7 +3,9 @@ loader fills it), and keeps weights in `nn.Linear`'s [out, in] layout, which bot
 kernels and `F.linear` stream row by row (`kernels.linear` picks one).
 
 With `quantized`, a projection holds int8 weights and one float32 scale per output row
-(weight-only, symmetric: W ~ q * scale); activations stay in the runtime dtype.
+(weight-only, symmetric: W ~ q * scale); activations stay in the runtime dtype. With `streamed`
+(offload), it holds no weight: `weight` is an empty placeholder until a streamer points it at a
+staging slot for the one forward pass that needs it.
 
 Plain classes rather than `nn.Module`: no hooks, no per-call dispatch, and the collective each
 layer needs is the one line you see in its `__call__`.
@@ -23,11 +25,15 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
 
 
 class Projection:
-    """A weight [out, in] in the runtime dtype, or int8 with a float32 scale per output row."""
+    """A weight [out, in] in the runtime dtype, or int8 with a float32 scale per output row; or,
+    `streamed`, none of its own (see the module docstring)."""
 
     def __init__(self, out_features: int, in_features: int, bias: bool, quantized: bool, dtype: torch.dtype,
-                 device: torch.device):
-        self.weight = _empty(out_features, in_features, dtype=torch.int8 if quantized else dtype, device=device)
+                 device: torch.device, streamed: bool = False):
+        self.shape = (out_features, in_features)
+        self.streamed = streamed
+        rows = 0 if streamed else out_features
+        self.weight = _empty(rows, in_features, dtype=torch.int8 if quantized else dtype, device=device)
         self.scale = _empty(out_features, dtype=torch.float32, device=device) if quantized else None
         self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
 
@@ -37,8 +43,8 @@ class ColumnParallelLinear(Projection):
     output stays split, ready for a row-parallel layer."""
 
     def __init__(self, in_features: int, out_local: int, bias: bool, dtype: torch.dtype, device: torch.device,
-                 quantized: bool = False):
-        super().__init__(out_local, in_features, bias, quantized, dtype, device)
+                 quantized: bool = False, streamed: bool = False):
+        super().__init__(out_local, in_features, bias, quantized, dtype, device, streamed)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.scale, self.bias)
@@ -50,8 +56,8 @@ class RowParallelLinear(Projection):
     holds the same), so the quantization does not depend on the tensor-parallel degree."""
 
     def __init__(self, in_local: int, out_features: int, bias: bool, comm: Comm, dtype: torch.dtype,
-                 device: torch.device, quantized: bool = False):
-        super().__init__(out_features, in_local, bias, quantized, dtype, device)
+                 device: torch.device, quantized: bool = False, streamed: bool = False):
+        super().__init__(out_features, in_local, bias, quantized, dtype, device, streamed)
         self.comm = comm
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

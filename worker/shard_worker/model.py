@@ -7,12 +7,17 @@ HF does five), o and down are row-parallel: two all-reduces a layer, written whe
 `Layout` says which slices of each checkpoint tensor this rank holds (the rules of
 `shard_operator.sizing`), and `Stage.pieces()` turns that into the name-mapping table the loader
 follows: destination tensor -> checkpoint tensors, slice, and destination row.
+
+A streamed layer (offload) holds its norms and biases but not its four projection matrices: a
+streamer (`offload.py`) lends it a staging slot with them for each forward pass.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -198,13 +203,13 @@ class KVCache:
 # ---------------------------------------------------------------- layers
 class Attention:
     def __init__(self, layout: Layout, window: int | None, comm: Comm, dtype: torch.dtype, device: torch.device,
-                 quantized: bool):
+                 quantized: bool, streamed: bool = False):
         c = layout.config
         self.heads, self.kv_heads, self.head_dim, self.window = layout.heads, layout.kv_heads, c.head_dim, window
         self.q_size, self.kv_size = self.heads * c.head_dim, self.kv_heads * c.head_dim
         self.qkv = ColumnParallelLinear(c.hidden_size, self.q_size + 2 * self.kv_size, c.qkv_bias, dtype, device,
-                                        quantized)
-        self.o = RowParallelLinear(self.q_size, c.hidden_size, c.o_bias, comm, dtype, device, quantized)
+                                        quantized, streamed)
+        self.o = RowParallelLinear(self.q_size, c.hidden_size, c.o_bias, comm, dtype, device, quantized, streamed)
 
     def __call__(self, x: torch.Tensor, step: Step, cache: KVCache, layer: int) -> torch.Tensor:
         n, s, _ = x.shape
@@ -219,26 +224,40 @@ class Attention:
 
 
 class MLP:
-    def __init__(self, layout: Layout, comm: Comm, dtype: torch.dtype, device: torch.device, quantized: bool):
+    def __init__(self, layout: Layout, comm: Comm, dtype: torch.dtype, device: torch.device, quantized: bool,
+                 streamed: bool = False):
         c = layout.config
         self.gate_up = ColumnParallelLinear(c.hidden_size, 2 * layout.intermediate, c.mlp_bias, dtype, device,
-                                            quantized)
-        self.down = RowParallelLinear(layout.intermediate, c.hidden_size, c.mlp_bias, comm, dtype, device, quantized)
+                                            quantized, streamed)
+        self.down = RowParallelLinear(layout.intermediate, c.hidden_size, c.mlp_bias, comm, dtype, device, quantized,
+                                      streamed)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
 
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's matrices: what a streamed layer borrows
+
+
 class DecoderLayer:
     def __init__(self, layout: Layout, index: int, comm: Comm, dtype: torch.dtype, device: torch.device,
-                 quantized: bool):
+                 quantized: bool, streamed: bool = False):
         c = layout.config
-        self.index = index
+        self.index, self.streamed = index, streamed
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.attn = Attention(layout, c.sliding_windows[index], comm, dtype, device, quantized)
+        self.attn = Attention(layout, c.sliding_windows[index], comm, dtype, device, quantized, streamed)
         self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.mlp = MLP(layout, comm, dtype, device, quantized)
+        self.mlp = MLP(layout, comm, dtype, device, quantized, streamed)
+        self._placeholders = {name: p.weight for name, p in self.projections().items()}
+
+    def projections(self) -> dict[str, "ColumnParallelLinear | RowParallelLinear"]:
+        return {"qkv": self.attn.qkv, "o": self.attn.o, "gate_up": self.mlp.gate_up, "down": self.mlp.down}
+
+    def borrow(self, weights: dict[str, torch.Tensor] | None) -> None:
+        """A streamed layer's projections use `weights` (a staging slot), or nothing again (None)."""
+        for name, projection in self.projections().items():
+            projection.weight = self._placeholders[name] if weights is None else weights[name]
 
     def __call__(self, x: torch.Tensor, step: Step, cache: KVCache, slot: int) -> torch.Tensor:
         x = x + self.attn(self.input_norm(x), step, cache, slot)
@@ -251,14 +270,21 @@ class Stage:
     scales; embeddings, norms and the LM head stay in `dtype`."""
 
     def __init__(self, layout: Layout, comm: Comm, dtype: torch.dtype, device: torch.device,
-                 quantization: str = "none"):
+                 quantization: str = "none", streamed: Iterable[int] = ()):
         check_tp(layout.config, layout.tp)
         c = layout.config
         self.layout, self.config, self.dtype, self.device = layout, c, dtype, device
         quantized = quantization == "int8"
+        streamed = set(streamed)
+        if streamed and quantized:
+            raise ValueError("int8 layers cannot be streamed (they would be quantized again at every step)")
+        if not streamed <= set(range(*layout.layers)):
+            raise ValueError(f"streamed layers {sorted(streamed)} are not all in this stage's {list(layout.layers)}")
         self.embed = VocabParallelEmbedding(layout.vocab_start, layout.vocab_rows, c.hidden_size, comm, dtype,
                                             device) if layout.embeds else None
-        self.layers = [DecoderLayer(layout, i, comm, dtype, device, quantized) for i in range(*layout.layers)]
+        self.layers = [DecoderLayer(layout, i, comm, dtype, device, quantized, i in streamed)
+                       for i in range(*layout.layers)]
+        self.streamer: Any = None  # lends streamed layers their weights (offload.Streamer)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device) if layout.has_lm_head else None
         self.lm_head = None
         if layout.has_lm_head:
@@ -272,7 +298,8 @@ class Stage:
         if self.embed is not None:
             x = self.embed(x)
         for slot, layer in enumerate(self.layers):
-            x = layer(x, step, cache, slot)
+            with self.streamer.lend(layer) if layer.streamed else nullcontext():
+                x = layer(x, step, cache, slot)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -291,7 +318,8 @@ class Stage:
             for name, module in (("input_norm", layer.input_norm), ("post_norm", layer.post_norm),
                                  ("qkv", layer.attn.qkv), ("o", layer.attn.o),
                                  ("gate_up", layer.mlp.gate_up), ("down", layer.mlp.down)):
-                out[p + name + ".weight"] = module.weight
+                if not getattr(module, "streamed", False):
+                    out[p + name + ".weight"] = module.weight
                 if getattr(module, "scale", None) is not None:
                     out[p + name + ".scale"] = module.scale
                 if getattr(module, "bias", None) is not None:
@@ -302,9 +330,17 @@ class Stage:
                 out["lm_head.weight"] = self.lm_head.weight
         return out
 
-    def pieces(self) -> dict[str, list[Piece]]:
+    def streamed_pieces(self) -> dict[int, dict[str, list[Piece]]]:
+        """For each streamed layer, the checkpoint slices of each of its projections (by the names
+        of PROJECTIONS)."""
+        table = self.pieces(streamed=True)
+        return {layer.index: {name: table[f"layers.{layer.index}.{name}.weight"] for name in PROJECTIONS}
+                for layer in self.layers if layer.streamed}
+
+    def pieces(self, streamed: bool = False) -> dict[str, list[Piece]]:
         """The name-mapping table: for each of our tensors (but int8 scales, which the loader
-        computes beside their weights), the checkpoint slices that fill it."""
+        computes beside their weights), the checkpoint slices that fill it; with `streamed`, the
+        streamed layers' projections too (which `tensors()` does not hold)."""
         lay, c = self.layout, self.config
         hd, r = c.head_dim, lay.tp_rank
         q = (r * lay.heads * hd, (r + 1) * lay.heads * hd)
@@ -342,4 +378,9 @@ class Stage:
             if not lay.shares_embedding:
                 source = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
                 table["lm_head.weight"] = [Piece(source, 0, *vocab)]
+        if not streamed:
+            for layer in self.layers:
+                if layer.streamed:
+                    for name in PROJECTIONS:
+                        del table[f"layers.{layer.index}.{name}.weight"]
         return table

@@ -19,6 +19,7 @@ from .dist import Comm, Topology
 from .engine import Engine
 from .loader import load_stage
 from .model import KVCache, Layout, Rotary, Stage
+from .offload import Streamer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,6 +73,7 @@ class Worker:
     resident: ResidentBytes
     allocated: dict[str, int]
     load_seconds: float
+    streamer: Streamer | None = None
     engine: Engine = field(init=False)
 
     def __post_init__(self) -> None:
@@ -102,37 +104,48 @@ class Worker:
                         embeds=rank_plan.embeds, has_lm_head=rank_plan.has_lm_head)
         on_cuda = device.type == "cuda"
 
+        streamer = None
         try:
             before = MemorySample.take(device)
-            stage = Stage(layout, comm, dtype, device, plan.quantization)
+            offload = rank_plan.offload
+            stage = Stage(layout, comm, dtype, device, plan.quantization, streamed=offload.layers if offload else ())
             stats = load_stage(stage, env.model_dir)
             loaded = MemorySample.take(device)
             cache = KVCache(layout.layers[1] - layout.layers[0], plan.max_batch_size, layout.kv_heads,
                             plan.max_model_len, config.head_dim, dtype, device)
             cached = MemorySample.take(device)
+            if offload is not None:  # the staging slots (and a GPU's pinned host copies)
+                streamer = stage.streamer = Streamer(stage, offload, env.model_dir, acct)
+            staged = MemorySample.take(device)
             rotary = Rotary(config, plan.max_model_len, device)
 
             resident = ResidentBytes(
                 weights=loaded.held(on_cuda) - before.held(on_cuda),
                 kv_cache=cached.held(on_cuda) - loaded.held(on_cuda),
-                rss_anon=cached.rss_anon, cuda_allocated=cached.cuda_allocated,
-                total=cached.cuda_reserved if on_cuda else cached.rss_anon - baseline.rss_anon,
-                peak=cached.peak_rss - baseline.rss)
+                staging=staged.held(on_cuda) - cached.held(on_cuda),
+                rss_anon=staged.rss_anon, cuda_allocated=staged.cuda_allocated,
+                total=staged.cuda_reserved if on_cuda else staged.rss_anon - baseline.rss_anon,
+                peak=staged.peak_rss - baseline.rss)
             allocated = {"weights": sum(t.numel() * t.element_size() for t in stage.tensors().values()),
-                         "kv_cache": cache.nbytes}
+                         "kv_cache": cache.nbytes, "staging": streamer.nbytes if streamer else 0}
             check_budget("measured resident bytes after loading", resident.total, env.memory_budget_bytes)
         except BaseException:
+            if streamer is not None:
+                streamer.close()
             dist_mod.shutdown()  # leave no half-built group behind
             raise
         return cls(env=env, plan=plan, rank_plan=rank_plan, comm=comm, stage=stage, cache=cache, rotary=rotary,
-                   acct=acct, baseline=baseline, resident=resident, allocated=allocated, load_seconds=stats.seconds)
+                   acct=acct, baseline=baseline, resident=resident, allocated=allocated, load_seconds=stats.seconds,
+                   streamer=streamer.start() if streamer else None)
 
     def loaded(self, ready_seconds: float) -> str:
         """What the rank says once it has loaded (`ready_seconds` since it started)."""
         r, rp = self.resident, self.rank_plan
+        streams = (f"; streams layers {rp.offload.layers} from {rp.offload.tier} through {rp.offload.prefetch} "
+                   f"slots ({r.staging / 2**20:.1f} MiB)") if rp.offload else ""
         return (f"stage {rp.stage} tp {rp.tp_rank} layers {list(rp.layers)}: loaded in {self.load_seconds:.2f}s "
                 f"(ready in {ready_seconds:.2f}s); weights {r.weights / 2**20:.1f} MiB, "
-                f"KV cache {r.kv_cache / 2**20:.1f} MiB resident")
+                f"KV cache {r.kv_cache / 2**20:.1f} MiB resident{streams}")
 
     def report(self) -> dict:
         now = MemorySample.take(self.stage.device)
@@ -143,7 +156,10 @@ class Worker:
             predicted_bytes=rp.predicted_bytes, resident_bytes=resident, allocated_bytes=self.allocated,
             load_seconds=self.load_seconds, comm_seconds=c.comm_total, compute_seconds=c.compute_seconds,
             idle_seconds=c.idle_seconds, comm_bytes=dict(c.comm_bytes), last_generate=self.engine.last_generate,
+            streamed_bytes=c.streamed_bytes, stream_seconds=c.stream_seconds, stall_seconds=c.stall_seconds,
         ).model_dump(mode="json")
 
     def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
         dist_mod.shutdown()

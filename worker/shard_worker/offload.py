@@ -1,0 +1,240 @@
+"""Offload: lend a stage's streamed layers their projection weights, one forward pass at a time.
+
+The plan (`RankPlan.offload`) names the layers this rank streams. Their projection matrices (the
+rank's slices) never stay in the process: `prefetch` staging slots, one layer each, cycle through
+them in forward order (every forward pass of the stage runs its layers in order), and a prefetch
+thread fills the next free slot while the layers before it compute. A forward pass borrows the
+slot of each streamed layer (`Streamer.lend`), waiting only if its load is not done (a stall,
+measured), and gives it back when the layer is done, so the thread can fill it with the next one.
+
+Where the weights come from:
+- a CPU rank reads them from the checkpoint with `preadv` (the loader's `SliceReader`: exact byte
+  ranges, converted to the runtime dtype when the checkpoint's differs) straight into the slot, so
+  the page cache, not the process, holds the streamed layers;
+- a GPU rank keeps its host-tier layers in pinned host memory (read once, at load) and reads its
+  file-tier layers into a pinned buffer per slot; the thread then enqueues the copy into the slot
+  on a side CUDA stream, which first waits for the compute stream to be done with the slot, and
+  records an event the compute stream waits on before the layer runs. The host never waits for a
+  copy, and the copies overlap the kernels of the layers before. (Written for CUDA, not yet run on
+  a GPU: the machines this was built on have none.)
+
+Counted per rank (`Accounting`): bytes streamed into slots, seconds spent streaming (CPU: the
+thread's reads; GPU: host reads plus the side stream's copies, timed by CUDA events), and seconds
+a forward pass stalled waiting for a slot (GPU: what the compute stream waited, by events).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from shard_contract.plan import OffloadPlan
+
+from .accounting import Accounting
+from .loader import Checkpoint, Entry, LoadStats, SliceReader
+from .model import PROJECTIONS, DecoderLayer, Stage
+
+FREE, LOADING, READY, LENT = "free", "loading", "ready", "lent"
+
+
+@dataclass
+class Slot:
+    """One layer's projections on the device, and (GPU) the pinned buffer files are read into."""
+
+    weights: dict[str, torch.Tensor]
+    pinned: dict[str, torch.Tensor] | None = None
+    layer: int = -1
+    state: str = FREE
+    ready: Any = None  # CUDA: the latest copy into `weights` is done (an event per copy, timed later)
+    free: Any = None  # CUDA: the compute stream is done with `weights`
+
+
+@dataclass
+class _Pending:
+    """CUDA events timed once they have run (never waited on)."""
+
+    spans: list[tuple[Any, Any, str]] = field(default_factory=list)  # (start, end, counter)
+
+
+class Streamer:
+    def __init__(self, stage: Stage, plan: OffloadPlan, model_dir: str | Path, acct: Accounting):
+        self.stage, self.plan, self.acct = stage, plan, acct
+        self.device = stage.device
+        self.cuda = self.device.type == "cuda"
+        self.order = list(plan.layers)
+        self.layers = {layer.index: layer for layer in stage.layers if layer.streamed}
+        if sorted(self.layers) != sorted(self.order):
+            raise ValueError(f"the plan streams layers {self.order}; this stage streams {sorted(self.layers)}")
+        self.pieces = stage.streamed_pieces()
+        checkpoint = Checkpoint(model_dir, stage.config)
+        # Every entry up front: a checkpoint that lacks a streamed tensor fails the load, not a step.
+        self.entries: dict[str, Entry] = {p.tensor: checkpoint.entry(p.tensor)
+                                          for table in self.pieces.values() for ps in table.values() for p in ps}
+        self.stats = LoadStats()
+        self.reader = SliceReader(self.stats)
+        shapes = {name: projection.shape for name, projection in next(iter(self.layers.values())).projections().items()}
+        self.slots = [self._slot(shapes) for _ in range(plan.prefetch)]
+        self.host: dict[int, dict[str, torch.Tensor]] = {}  # GPU: host-tier layers, pinned
+        if self.cuda:
+            self.side = torch.cuda.Stream(self.device)
+            self.pending = _Pending()
+            for j in self.order:
+                if j not in plan.file_layers:
+                    self.host[j] = {n: torch.empty(s, dtype=stage.dtype, pin_memory=True) for n, s in shapes.items()}
+                    self._read(j, self.host[j])
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.slots[0].weights.values()) * len(self.slots)
+        self._cond = threading.Condition()
+        self._next = 0  # position in `order` of the next layer to load
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
+
+    def _slot(self, shapes: dict[str, tuple[int, int]]) -> Slot:
+        # zeros: resident from the start, so what the rank measures after load is what it holds
+        weights = {n: torch.zeros(s, dtype=self.stage.dtype, device=self.device) for n, s in shapes.items()}
+        if not self.cuda:
+            return Slot(weights)
+        pinned = {n: torch.empty(s, dtype=self.stage.dtype, pin_memory=True) for n, s in shapes.items()} \
+            if self.plan.file_layers else None
+        slot = Slot(weights, pinned, ready=torch.cuda.Event(enable_timing=True), free=torch.cuda.Event())
+        slot.ready.record(torch.cuda.current_stream(self.device))  # nothing to wait for yet
+        slot.free.record(torch.cuda.current_stream(self.device))
+        return slot
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> "Streamer":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        self.reader.__exit__()
+
+    # ------------------------------------------------------------ the forward pass's side
+    @contextmanager
+    def lend(self, layer: DecoderLayer) -> Iterator[None]:
+        """`layer` computes with its weights in a slot, for the duration of the block."""
+        slot = self._acquire(layer.index)
+        layer.borrow(slot.weights)
+        if self.cuda:
+            stream = torch.cuda.current_stream(self.device)
+            waiting = torch.cuda.Event(enable_timing=True)
+            waiting.record(stream)
+            stream.wait_event(slot.ready)
+            self.pending.spans.append((waiting, slot.ready, "stall"))
+        try:
+            yield
+        finally:
+            layer.borrow(None)
+            if self.cuda:
+                slot.free.record(torch.cuda.current_stream(self.device))
+                self._settle()
+            with self._cond:
+                slot.state = FREE
+                self._cond.notify_all()
+
+    def _acquire(self, j: int) -> Slot:
+        start = time.perf_counter()
+        waited = False
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    raise RuntimeError(f"streaming layer weights failed: {self._error}") from self._error
+                ready = [s for s in self.slots if s.layer == j and s.state == READY]
+                if ready:
+                    slot = ready[0]
+                    break
+                if not any(s.layer == j and s.state in (LOADING, READY) for s in self.slots):
+                    # Out of the cycle's order (a forward pass ended early): drop what was loaded
+                    # ahead and load from `j` on.
+                    for s in self.slots:
+                        if s.state == READY:
+                            s.state = FREE
+                    self._next = self.order.index(j)
+                    self._cond.notify_all()
+                self._cond.wait()
+                waited = True
+            slot.state = LENT
+        if waited:
+            self.acct.stalled(time.perf_counter() - start)
+        return slot
+
+    # ------------------------------------------------------------ the prefetch thread
+    def _run(self) -> None:
+        torch.set_num_threads(1)  # conversions on this thread stay off the compute threads
+        try:
+            if self.cuda:
+                torch.cuda.set_device(self.device)  # CUDA's current device is per thread
+            while True:
+                with self._cond:
+                    while not self._stopped and not any(s.state == FREE for s in self.slots):
+                        self._cond.wait()
+                    if self._stopped:
+                        return
+                    slot = next(s for s in self.slots if s.state == FREE)
+                    j = self.order[self._next]
+                    self._next = (self._next + 1) % len(self.order)
+                    slot.layer, slot.state = j, LOADING
+                self._load(j, slot)
+                with self._cond:
+                    slot.state = READY
+                    self._cond.notify_all()
+        except BaseException as err:  # the forward pass that needs it raises it
+            with self._cond:
+                self._error = err
+                self._cond.notify_all()
+
+    def _load(self, j: int, slot: Slot) -> None:
+        if not self.cuda:
+            start = time.perf_counter()
+            self._read(j, slot.weights)
+            self.acct.streamed(self._bytes(slot.weights), time.perf_counter() - start)
+            return
+        source = self.host.get(j)
+        if source is None:  # files: into this slot's pinned buffer, once its last copy is done
+            slot.ready.synchronize()
+            start = time.perf_counter()
+            self._read(j, slot.pinned)
+            self.acct.streamed(0, time.perf_counter() - start)
+            source = slot.pinned
+        started, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.side):
+            self.side.wait_event(slot.free)
+            started.record(self.side)
+            for name, dst in slot.weights.items():
+                dst.copy_(source[name], non_blocking=True)
+            ready.record(self.side)
+        slot.ready = ready  # read by the forward pass once the slot is READY (under the lock)
+        self.acct.streamed(self._bytes(slot.weights), 0.0)
+        self.pending.spans.append((started, ready, "stream"))
+
+    def _read(self, j: int, into: dict[str, torch.Tensor]) -> None:
+        for name in PROJECTIONS:
+            for piece in self.pieces[j][name]:
+                self.reader.read(self.entries[piece.tensor], piece, into[name])
+
+    def _settle(self) -> None:
+        """Count the CUDA spans whose events have run (in order: the oldest first)."""
+        spans = self.pending.spans
+        while spans and spans[0][1].query() and spans[0][0].query():
+            start, end, what = spans.pop(0)
+            seconds = max(0.0, start.elapsed_time(end) / 1e3)
+            if what == "stall":
+                self.acct.stalled(seconds)
+            else:
+                self.acct.streamed(0, seconds)
+
+    @staticmethod
+    def _bytes(tensors: dict[str, torch.Tensor]) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+

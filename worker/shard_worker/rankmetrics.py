@@ -24,8 +24,8 @@ OUTCOMES = ("completed", "rejected", "failed", "cancelled")  # cancelled: the cl
 # Families only the leader records (it alone sees requests); the other ranks expose them empty.
 LEADER_FAMILIES = ("shard_tokens_generated", "shard_requests", "shard_request_latency_seconds",
                    "shard_time_to_first_token_seconds", "shard_queue_depth", "shard_batch_size")
-PREDICTED_KINDS = ("weights", "kv_cache", "activations", "overhead", "total")
-RESIDENT_KINDS = ("weights", "kv_cache", "rss_anon", "cuda_allocated", "total", "peak")
+PREDICTED_KINDS = ("weights", "kv_cache", "activations", "overhead", "staging", "total")
+RESIDENT_KINDS = ("weights", "kv_cache", "staging", "rss_anon", "cuda_allocated", "total", "peak")
 
 
 class RankMetrics:
@@ -90,4 +90,7 @@ class RankMetrics:
                     self._advance("shard_comm_seconds", c.comm_seconds[op], op=op)
                 self._advance("shard_compute_seconds", c.compute_seconds)
                 self._advance("shard_idle_seconds", c.idle_seconds)
+                self._advance("shard_streamed_bytes", c.streamed_bytes)
+                self._advance("shard_stream_seconds", c.stream_seconds)
+                self._advance("shard_prefetch_stall_seconds", c.stall_seconds)
             return generate_latest(self.m.registry)

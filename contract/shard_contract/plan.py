@@ -14,7 +14,9 @@ import hashlib
 import json
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_PREFETCH = 2  # staging slots: one computes while the next loads (double buffering)
 
 
 class PredictedBytes(BaseModel):
@@ -27,6 +29,18 @@ class PredictedBytes(BaseModel):
 
     def model_post_init(self, _context: object) -> None:
         self.total = self.weights + self.kv_cache + self.activations + self.overhead + self.staging
+
+
+class OffloadSettings(BaseModel):
+    """What the spec allows (`spec.placement.offload`), resolved. The plan keeps it, so that a spec
+    that asks otherwise is planned again."""
+
+    model_config = ConfigDict(frozen=True)
+
+    policy: Literal["never", "auto", "always"] = "never"
+    host_memory: int | None = Field(None, description="Bytes per rank for host-tier layers; None: no limit.")
+    from_files: bool = True
+    prefetch: int = Field(DEFAULT_PREFETCH, ge=1, description="Staging slots per streaming rank.")
 
 
 class OffloadPlan(BaseModel):
@@ -104,6 +118,7 @@ class Plan(BaseModel):
     quantization: Literal["none", "int8"] = Field("none", description=(
         "int8: the decoder layers' projection weights are int8 with one float32 scale per output "
         "row (weight-only); embeddings, norms and the LM head stay in dtype."))
+    offload: OffloadSettings = Field(default_factory=OffloadSettings)
     num_layers: int
     tensor_parallel: int
     pipeline_parallel: int

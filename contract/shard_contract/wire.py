@@ -126,6 +126,9 @@ class ShardEntry(BaseModel):
     predicted_bytes: PredictedBytes
     offload: OffloadPlan | None = Field(None, description="The layers this rank streams (the plan's).")
     resident_bytes: ResidentBytes | None = None
+    streamed_bytes: int = 0
+    stream_seconds: float = 0.0
+    stall_seconds: float = 0.0
     alive: bool = True
     state: str = Field("starting", description="starting, loading, ready, failed or broken")
     problems: list[str] = Field(default_factory=list, description="A failed memory check.")
@@ -148,6 +151,18 @@ class ShardsResponse(BaseModel):
     reason: str = Field("", description="Why the group is not ready.")
     ranks: list[ShardEntry]
 
-    def resident_by_rank(self) -> dict[int, int]:
-        """rank -> measured resident bytes (total) of every rank that has measured."""
-        return {r.rank: r.resident_bytes.total for r in self.ranks if r.resident_bytes is not None}
+    def measured_by_rank(self) -> dict[int, "Measured"]:
+        """rank -> what it measured, for every rank that has measured."""
+        return {r.rank: Measured(resident=r.resident_bytes.total, streamed_bytes=r.streamed_bytes,
+                                 stream_seconds=r.stream_seconds, stall_seconds=r.stall_seconds)
+                for r in self.ranks if r.resident_bytes is not None}
+
+
+class Measured(BaseModel):
+    """What the operator keeps of a rank's report for the status: its resident bytes (total) and,
+    when it streams layers, its streaming counters."""
+
+    resident: int
+    streamed_bytes: int = 0
+    stream_seconds: float = 0.0
+    stall_seconds: float = 0.0

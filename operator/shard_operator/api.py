@@ -272,6 +272,18 @@ class PlanSummary(ApiModel):
     max_predicted_bytes: int = 0
 
 
+class ShardOffload(ApiModel):
+    """What a rank streams (offload): from its plan, and what it measured since it started."""
+
+    layers: list[int] = Field(description="The decoder layers whose projections it streams.")
+    tier: str = Field(description="Where they come from: host (memory), files, or host+files.")
+    bytes_per_step: int = Field(description="Bytes it streams per decode step (the plan's).")
+    step_seconds: float = Field(description="The plan's decode step of this rank: max(compute, streaming).")
+    streamed_bytes: int | None = Field(None, description="Bytes streamed so far (measured).")
+    stream_seconds: float | None = Field(None, description="Seconds spent streaming so far (measured).")
+    stall_seconds: float | None = Field(None, description="Seconds a forward pass waited for a layer (measured).")
+
+
 class ShardStatus(ApiModel):
     group: int
     rank: int
@@ -284,6 +296,7 @@ class ShardStatus(ApiModel):
     predicted_bytes: int = 0
     quantization: Quantization = Field("none", description="How this shard's weights are stored (from its plan).")
     resident_bytes: int | None = None
+    offload: ShardOffload | None = None
     state: str = "Pending"
 
 

@@ -28,7 +28,7 @@ from prometheus_client import Histogram
 from shard_contract.checkpoint import CheckpointError
 from shard_contract.env import new_group_key
 from shard_contract.plan import Plan
-from shard_contract.wire import ShardsResponse
+from shard_contract.wire import Measured, ShardsResponse
 
 from . import leaders
 from .api import GROUP, PLURAL, VERSION, ShardedModelSpec, SpecError, parse_spec
@@ -74,7 +74,7 @@ class Memory:
     generation: int = -1         # the spec generation the pool was last seen with
     reconsidered: str = ""       # the pool fingerprint a better plan was last looked for on
     last_poll: float = float("-inf")
-    measured: dict[str, int] = field(default_factory=dict)
+    measured: dict[str, Measured] = field(default_factory=dict)
     wake_in: float = 0.0         # seconds until the next reconcile is due anyway
     # The status this loop last wrote: kopf's copy of the object may not show it yet, and a stale
     # status would undo restart counts and transition times.
@@ -328,7 +328,7 @@ class Controller:
                 for obj in _group_members(listing, key, kinds=(kind,)):
                     kube.delete(kind, ns, obj["metadata"]["name"])
 
-    def _poll(self, owner: Owner, obs: Observation, memory: Memory) -> dict[str, int]:
+    def _poll(self, owner: Owner, obs: Observation, memory: Memory) -> dict[str, Measured]:
         """Measured resident bytes per pod from each ready leader, every status_poll_seconds."""
         period = self.settings.status_poll_seconds
         if period <= 0 or obs.spec is None:
@@ -342,7 +342,7 @@ class Controller:
             return memory.measured
         memory.last_poll = now
         memory.wake_in = min(memory.wake_in, period)
-        measured: dict[str, int] = {}
+        measured: dict[str, Measured] = {}
         for group in ready:
             leader = next((r for r in group.ranks if r.rank == 0), None)
             if leader is None or not leader.pod_ip:
@@ -353,9 +353,9 @@ class Controller:
             if report is None:
                 continue
             pods = {r.rank: r.pod for r in group.ranks}
-            for rank, resident in report.resident_by_rank().items():
+            for rank, figures in report.measured_by_rank().items():
                 if rank in pods:
-                    measured[pods[rank]] = resident
+                    measured[pods[rank]] = figures
         memory.measured = measured
         return measured
 

@@ -15,34 +15,19 @@ stage of n layers, r of them resident, takes
 Streaming s layers needs s >= prefetch to save memory at all (the slots take `prefetch` layers),
 so a stage either holds every layer or streams more than `prefetch` of them.
 
-Choosing layers per stage (`partition`): first the smallest slowest-stage time (greedy: each layer
-to the stage that would finish soonest with it; optimal because every stage's time grows with its
-layers), then among the partitions that keep every stage within that time, the fewest streamed
-bytes (an exact dynamic program). Which layers of a stage stream: spread evenly, so each load has
-resident layers' compute to hide behind.
+Choosing layers per stage (`partition`): the fewest streamed bytes per step (every stage's
+streamed layers are alike), then the shortest decode step, the sum of the stages' times (a decode
+step passes through them one after another), exactly, by a dynamic program. Which layers of a
+stage stream: spread evenly, so each load has resident layers' compute to hide behind.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 
-from shard_contract.plan import OffloadPlan
+from shard_contract.plan import OffloadPlan, OffloadSettings
 from shard_contract.units import gib
-
-DEFAULT_PREFETCH = 2  # double buffering: one slot computes while the next loads
-POLICIES = ("never", "auto", "always")
-
-
-@dataclass(frozen=True)
-class OffloadRequest:
-    """What the spec allows, resolved."""
-
-    policy: str = "never"
-    host_budget: int | None = None  # bytes per rank for host-tier layers; None: unlimited
-    from_files: bool = True
-    prefetch: int = DEFAULT_PREFETCH
 
 
 @dataclass(frozen=True)
@@ -79,7 +64,7 @@ class OffloadStage:
     layer_seconds: float
     host_rate: float  # bytes/s
     file_rate: float
-    request: OffloadRequest
+    request: OffloadSettings
 
     def slots(self, streamed_layers: int) -> int:
         return min(self.request.prefetch, streamed_layers)
@@ -108,7 +93,7 @@ class OffloadStage:
         s = n - resident
         host = 0
         if self.kind == "gpu":
-            budget = self.request.host_budget
+            budget = self.request.host_memory
             host = s if budget is None else min(s, budget // self.streamed)
         files = s - host
         if files and not self.request.from_files:
@@ -123,53 +108,33 @@ class OffloadStage:
 
 
 def partition(stages: list[OffloadStage], num_layers: int) -> list[int] | None:
-    """Layers per stage: the smallest slowest stage, then the fewest streamed bytes (module
-    docstring); None when no split fits."""
+    """Layers per stage (at least one each): the fewest streamed layers, then the shortest decode
+    step (the stages' times summed: a decode step passes through them one after another); None
+    when no split fits. A dynamic program over the stages and the layers placed so far."""
     tables = [s.table(num_layers) for s in stages]
-    if any(t[1] is None for t in tables) or num_layers < len(stages):
-        return None
-    counts = [1] * len(stages)
-    heap = [(t[2].seconds, i) for i, t in enumerate(tables) if num_layers > 1 and t[2] is not None]
-    heapq.heapify(heap)
-    for _ in range(num_layers - len(stages)):
-        if not heap:
-            return None
-        _, i = heapq.heappop(heap)
-        counts[i] += 1
-        nxt = counts[i] + 1
-        if nxt <= num_layers and tables[i][nxt] is not None:
-            heapq.heappush(heap, (tables[i][nxt].seconds, i))
-    slowest = max(t[n].seconds for t, n in zip(tables, counts))
-    caps = [max(n for n in range(1, num_layers + 1) if t[n] is not None and t[n].seconds <= slowest * (1 + 1e-9))
-            for t in tables]
-    fewest = _fewest_streamed(tables, caps, num_layers)
-    if sum(t[n].streamed for t, n in zip(tables, fewest)) < sum(t[n].streamed for t, n in zip(tables, counts)):
-        return fewest
-    return counts
-
-
-def _fewest_streamed(tables: list[list[Streaming | None]], caps: list[int], num_layers: int) -> list[int]:
-    """Counts 1 <= n_i <= caps[i] summing to num_layers with the fewest streamed layers (every
-    stage streams layers of one size). Dynamic program over stages and layers placed so far."""
-    stages = len(tables)
-    best = {0: 0}  # layers placed -> fewest streamed
-    choice: list[dict[int, int]] = []
-    for i in range(stages):
-        nxt: dict[int, int] = {}
+    best: dict[int, tuple[int, float]] = {0: (0, 0.0)}  # layers placed -> (streamed, seconds)
+    picks: list[dict[int, int]] = []
+    for i, table in enumerate(tables):
+        room = num_layers - (len(stages) - i - 1)  # leave a layer for each later stage
+        nxt: dict[int, tuple[int, float]] = {}
         picked: dict[int, int] = {}
-        room = num_layers - (stages - i - 1)
-        for placed, cost in best.items():
-            for n in range(1, min(caps[i], room - placed) + 1):
-                total, c = placed + n, cost + tables[i][n].streamed
-                if c < nxt.get(total, c + 1):
-                    nxt[total], picked[total] = c, n
+        for placed, (streamed, seconds) in best.items():
+            for n in range(1, room - placed + 1):
+                at = table[n]
+                if at is None:
+                    break  # more layers fit no better
+                cost = (streamed + at.streamed, seconds + at.seconds)
+                total = placed + n
+                if total not in nxt or cost < nxt[total]:
+                    nxt[total], picked[total] = cost, n
         best = nxt
-        choice.append(picked)
+        picks.append(picked)
+    if num_layers not in best:
+        return None
     counts, left = [], num_layers
-    for i in reversed(range(stages)):
-        n = choice[i][left]
-        counts.append(n)
-        left -= n
+    for picked in reversed(picks):
+        counts.append(picked[left])
+        left -= counts[-1]
     return counts[::-1]
 
 

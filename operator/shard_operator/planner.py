@@ -33,14 +33,14 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Iterable
 
-from shard_contract.plan import GroupPlan, Plan, PredictedBytes, RankPlan, StagePlan
+from shard_contract.plan import DEFAULT_PREFETCH, GroupPlan, OffloadSettings, Plan, PredictedBytes, RankPlan, StagePlan
 from shard_contract.sharding import tp_problem, valid_tensor_degrees
 from shard_contract.units import gib
 
 from . import offload
 from .api import OFFLOAD_INT8, ShardedModelSpec
 from .inventory import Device, Inventory
-from .offload import OffloadRequest, OffloadStage
+from .offload import OffloadStage
 from .profile import ModelProfile
 from .sizing import (
     ALLREDUCE_SECONDS,
@@ -129,7 +129,7 @@ class Request:
     replicas: int
     headroom: float
     spread_replicas: bool
-    offload: OffloadRequest = OffloadRequest()
+    offload: OffloadSettings = OffloadSettings()
 
 
 @dataclass
@@ -201,7 +201,7 @@ def _offload_note(profile: ModelProfile, spec: ShardedModelSpec, request: Reques
     if request.offload.policy != "never":
         return ("offload streams the decoder layers' projections only: each rank keeps its KV cache, "
                 "activations, runtime, embeddings or LM head and its staging slots resident")
-    auto = replace(request, offload=replace(request.offload, policy="auto"))
+    auto = replace(request, offload=request.offload.model_copy(update={"policy": "auto"}))
     costs = Costs(profile, auto, options, streaming=True)
     found = _search(costs, inventory, tps, pps, spec)
     if not found:
@@ -211,9 +211,9 @@ def _offload_note(profile: ModelProfile, spec: ShardedModelSpec, request: Reques
     fitted = _to_plan(profile, spec, auto, costs, best, found)
     per_step = sum(r.offload.streamed_bytes for r in fitted.group(0) if r.offload)
     step = fitted.groups[0].critical_path_seconds
-    return (f"set spec.placement.offload.policy auto: streaming {gib(per_step)} GiB per decode step "
-            f"({offload.layer_count(fitted)}) fits it at tensor={best.tp} x pipeline={best.pp}, est. "
-            f"{step * 1e3:.2f} ms per decode step ({1 / step:.1f} tokens/s per sequence)")
+    return (f"set spec.placement.offload.policy auto: streaming {offload.layer_count(fitted)} "
+            f"({gib(per_step)} GiB per decode step over the group) fits it at tensor={best.tp} x pipeline={best.pp}, "
+            f"est. {step * 1e3:.2f} ms per decode step ({1 / step:.1f} tokens/s per sequence)")
 
 
 def _search(costs: "Costs", inventory: Inventory, tps: list[int], pps: list[int],
@@ -252,9 +252,9 @@ def _resolve_request(profile: ModelProfile, spec: ShardedModelSpec) -> Request:
                    batch=spec.model.max_batch_size,
                    replicas=spec.replicas, headroom=spec.placement.memory_headroom,
                    spread_replicas=spec.placement.topology.spread_replicas,
-                   offload=OffloadRequest(policy=off.policy, host_budget=off.host_memory_bytes,
-                                          from_files=off.from_files,
-                                          prefetch=offload.DEFAULT_PREFETCH if off.prefetch == "auto" else off.prefetch))
+                   offload=OffloadSettings(policy=off.policy, host_memory=off.host_memory_bytes,
+                                           from_files=off.from_files,
+                                           prefetch=DEFAULT_PREFETCH if off.prefetch == "auto" else off.prefetch))
 
 
 def check_parallelism(profile: ModelProfile, spec: ShardedModelSpec) -> None:
@@ -574,7 +574,8 @@ def _to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, co
                                 critical_path_seconds=layout.critical_path))
     return Plan(
         model=profile.name, architecture=profile.architecture, profile_digest=profile.digest,
-        dtype=request.dtype, quantization=request.quantization, num_layers=profile.num_layers,
+        dtype=request.dtype, quantization=request.quantization, offload=request.offload,
+        num_layers=profile.num_layers,
         tensor_parallel=tp, pipeline_parallel=pp,
         replicas=request.replicas, max_model_len=request.max_len, max_batch_size=request.batch,
         memory_headroom=request.headroom, groups=groups, ranks=ranks,

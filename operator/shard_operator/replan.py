@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Hashable, Mapping
 
 from shard_contract.plan import Plan
+from shard_contract.units import gib
 
 from .api import Parallelism, ShardedModelSpec
 from .inventory import Device, Inventory, SkippedNode
@@ -75,6 +76,8 @@ def incompatibility(current: Plan, profile: ModelProfile, spec: ShardedModelSpec
                            ("memoryHeadroom", current.memory_headroom, request.headroom)):
         if old != new:
             return f"{what} changed from {old} to {new}"
+    if current.offload != request.offload:
+        return "placement.offload changed"
     par = spec.parallelism
     if par.tensor != "auto" and par.tensor != current.tensor_parallel:
         return f"tensor changed from {current.tensor_parallel} to {par.tensor}"
@@ -166,7 +169,12 @@ def _choose(current: Plan | None, profile: ModelProfile, spec: ShardedModelSpec,
                     critical_path(fresh) < critical_path(kept) * (1 - improvement):
                 return PlanChoice(fresh, "improved", f"the pool changed: {_shape(fresh)} takes "
                                   f"{critical_path(fresh) * 1e3:.2f} ms per decode step instead of "
-                                  f"{critical_path(kept) * 1e3:.2f} ms")
+                                  f"{critical_path(kept) * 1e3:.2f} ms{_streaming_change(kept, fresh)}")
+            # offload: a pool that now holds more of the model streams less, at no cost in speed
+            if fresh is not None and len(fresh.groups) == replicas and streamed(fresh) < streamed(kept) \
+                    and critical_path(fresh) <= critical_path(kept):
+                return PlanChoice(fresh, "improved", f"the pool changed: {_shape(fresh)}"
+                                  f"{_streaming_change(kept, fresh)}")
         if replicas != current.replicas:
             return PlanChoice(kept, "scaled", f"scaled from {current.replicas} to {replicas} groups", waiting)
         return PlanChoice(kept, "unchanged", "", waiting)
@@ -203,6 +211,19 @@ def _choose(current: Plan | None, profile: ModelProfile, spec: ShardedModelSpec,
     placed = "; ".join(f"group {r} on {', '.join(sorted({x.node for x in merged.group(r)}))}" for r in added)
     return PlanChoice(merged, "repaired" if lost else "scaled",
                       f"{what}: {placed}" if added else f"{what}; the pool has no room for more groups", waiting)
+
+
+def streamed(p: Plan) -> int:
+    """Bytes a decode step streams in, over every rank of the plan (offload)."""
+    return sum(r.offload.streamed_bytes for r in p.ranks if r.offload is not None)
+
+
+def _streaming_change(kept: Plan, fresh: Plan) -> str:
+    if streamed(fresh) == streamed(kept):
+        return ""
+    if not fresh.streams:
+        return f"; it holds every layer (streaming {gib(streamed(kept))} GiB per step before)"
+    return f"; it streams {gib(streamed(fresh))} GiB per decode step instead of {gib(streamed(kept))} GiB"
 
 
 def _shape(p: Plan) -> str:

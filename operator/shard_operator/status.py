@@ -10,13 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from shard_contract.plan import Plan
+from shard_contract.plan import Plan, RankPlan
+from shard_contract.wire import Measured
 
-from .api import Condition, GroupStatus, PlanSummary, ShardedModelSpec, ShardedModelStatus, ShardStatus, StageStatus
+from .api import (Condition, GroupStatus, PlanSummary, ShardedModelSpec, ShardedModelStatus, ShardOffload, ShardStatus,
+                  StageStatus)
 from .manifests import MODEL_LABEL, ROLE_LABEL, model_label
 from .rollout import Decision, GroupKey, ObservedGroup, Want, group_state
 
 MEASURE_TOLERANCE = 0.01  # resident bytes within 1% of the reported value are not re-reported
+# Streaming counters grow while a rank serves: re-reported once they grew by 10%, so a steady
+# state writes the status a number of times that grows with the log of its uptime, not with it.
+COUNTER_GROWTH = 0.10
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,7 @@ class Observation:
     group_plans: dict[GroupKey, Plan] = field(default_factory=dict)
     decision: Decision | None = None
     restarts: dict[GroupKey, int] = field(default_factory=dict)
-    measured: dict[str, int] = field(default_factory=dict)  # pod -> resident bytes
+    measured: dict[str, Measured] = field(default_factory=dict)  # pod -> what its rank measured
 
 
 def plan_summary(plan: Plan) -> PlanSummary:
@@ -62,8 +67,29 @@ def _stable(previous: int | None, measured: int | None) -> int | None:
     return measured
 
 
+def _grown(previous: float | None, measured: float | None) -> float | None:
+    if measured is None or (previous is not None and measured <= previous * (1 + COUNTER_GROWTH)):
+        return previous
+    return measured
+
+
+def _offload(rp: RankPlan | None, measured: Measured | None, before: dict[str, Any]) -> ShardOffload | None:
+    """A streaming rank's offload status: the plan's, and its counters as they grew."""
+    if rp is None or rp.offload is None:
+        return None
+    o = rp.offload
+    counters = {key: _grown(before.get(key), getattr(measured, field, None) if measured else None)
+                for key, field in (("streamedBytes", "streamed_bytes"), ("streamSeconds", "stream_seconds"),
+                                   ("stallSeconds", "stall_seconds"))}
+    return ShardOffload(layers=o.layers, tier=o.tier, bytes_per_step=o.streamed_bytes,
+                        step_seconds=round(max(o.compute_seconds, o.stream_seconds), 6),
+                        streamed_bytes=counters["streamedBytes"], stream_seconds=counters["streamSeconds"],
+                        stall_seconds=counters["stallSeconds"])
+
+
 def _shards(obs: Observation, previous: dict[str, Any]) -> list[ShardStatus]:
-    before = {s.get("pod"): s.get("residentBytes") for s in previous.get("shards") or []}
+    shown = {s.get("pod"): s for s in previous.get("shards") or []}
+    before = {pod: s.get("residentBytes") for pod, s in shown.items()}
     observed = {g.key: g for g in obs.groups}
     keys = sorted(set(observed) | {w.key for w in obs.wants})
     shards = []
@@ -74,12 +100,14 @@ def _shards(obs: Observation, previous: dict[str, Any]) -> list[ShardStatus]:
         for rank in sorted(set(ranks) | set(planned)):
             rs, rp = ranks.get(rank), planned.get(rank)
             pod = rs.pod if rs else ""
+            measured = obs.measured.get(pod) if pod else None
             shards.append(ShardStatus(
                 group=key[0], rank=rank, pod=pod, node=(rs.node if rs and rs.node else rp.node if rp else ""),
                 device=rp.device if rp else "", stage=rp.stage if rp else 0, tp_rank=rp.tp_rank if rp else 0,
                 layers=list(rp.layers) if rp else [], predicted_bytes=rp.predicted_bytes.total if rp else 0,
                 quantization=plan.quantization if plan else "none",
-                resident_bytes=_stable(before.get(pod), obs.measured.get(pod)) if pod else None,
+                resident_bytes=_stable(before.get(pod), measured.resident if measured else None) if pod else None,
+                offload=_offload(rp, measured, (shown.get(pod) or {}).get("offload") or {}),
                 state=rs.state if rs else "Missing"))
     return shards
 

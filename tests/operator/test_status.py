@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from shard_contract.wire import Measured
 from shard_operator.rollout import Decision, ObservedGroup, RankState, Want
 from shard_operator.status import Observation, Problem, build_status, status_patch
 
@@ -116,7 +117,7 @@ def test_capacity_loss_with_groups_serving_is_degraded_not_failed():
 
 def test_shards_and_groups_report_plan_and_pods():
     obs = observation([group(0, "new", ["Ready", "Running"])], replicas=1,
-                      measured={"m-0-new-0": 123456789}, restarts={(0, "new"): 1})
+                      measured={"m-0-new-0": Measured(resident=123456789)}, restarts={(0, "new"): 1})
     status = build_status(obs, None, NOW)
     plan = obs.plan
     assert [(s["group"], s["rank"], s["pod"], s["state"]) for s in status["shards"]] == [
@@ -141,13 +142,35 @@ def test_shards_say_how_their_weights_are_stored():
     assert {s["quantization"] for s in status["shards"]} == {"int8"} and status["plan"]["quantization"] == "int8"
 
 
+def test_streaming_shards_say_what_they_stream_and_their_counters_as_they_grow():
+    plan = make_plan("a:24GiB*2", replicas=1, placement={"offload": {"policy": "always"}})
+    obs = Observation(name="m", generation=3, spec=make_spec(replicas=1), plan=plan, wants=[Want(0, "new")],
+                      groups=[group(0, "new", ["Ready"] * 2)], group_plans={(0, "new"): plan},
+                      measured={"m-0-new-0": Measured(resident=10, streamed_bytes=1000, stream_seconds=2.0,
+                                                      stall_seconds=0.1)})
+    first = build_status(obs, None, NOW)
+    rank0, rank1 = first["shards"]
+    planned = plan.rank_plan(0, 0).offload
+    assert rank0["offload"] == {"layers": planned.layers, "tier": "host", "bytesPerStep": planned.streamed_bytes,
+                                "stepSeconds": round(max(planned.compute_seconds, planned.stream_seconds), 6),
+                                "streamedBytes": 1000, "streamSeconds": 2.0, "stallSeconds": 0.1}
+    assert "streamedBytes" not in rank1["offload"] and rank1["offload"]["layers"] == planned.layers
+    # counters that grew by 10% or less are not written again; more, they are
+    obs.measured = {"m-0-new-0": Measured(resident=10, streamed_bytes=1100, stream_seconds=2.2, stall_seconds=0.11)}
+    assert status_patch(first, build_status(obs, first, LATER)) is None
+    obs.measured = {"m-0-new-0": Measured(resident=10, streamed_bytes=1101, stream_seconds=2.2, stall_seconds=0.11)}
+    moved = build_status(obs, first, LATER)
+    assert moved["shards"][0]["offload"]["streamedBytes"] == 1101
+    assert moved["shards"][0]["offload"]["streamSeconds"] == 2.0  # each counter on its own
+
+
 def test_a_steady_world_writes_nothing():
-    obs = observation([group(0, "new", ["Ready"] * 2), group(1, "new", ["Ready"] * 2)], measured={"m-0-new-0": 1000})
+    obs = observation([group(0, "new", ["Ready"] * 2), group(1, "new", ["Ready"] * 2)], measured={"m-0-new-0": Measured(resident=1000)})
     first = build_status(obs, None, NOW)
     assert status_patch(None, first) is not None
-    again = build_status(observation(obs.groups, measured={"m-0-new-0": 1005}), first, LATER)
+    again = build_status(observation(obs.groups, measured={"m-0-new-0": Measured(resident=1005)}), first, LATER)
     assert status_patch(first, again) is None  # same state; memory within 1%; times kept
-    moved = build_status(observation(obs.groups, measured={"m-0-new-0": 2000}), first, LATER)
+    moved = build_status(observation(obs.groups, measured={"m-0-new-0": Measured(resident=2000)}), first, LATER)
     assert status_patch(first, moved) == {"shards": moved["shards"]}
 
 

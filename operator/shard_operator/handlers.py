@@ -30,7 +30,7 @@ from shard_contract.env import new_group_key
 from shard_contract.plan import Plan
 from shard_contract.wire import Measured, ShardsResponse
 
-from . import leaders
+from . import leaders, offload
 from .api import GROUP, PLURAL, VERSION, ShardedModelSpec, SpecError, parse_spec
 from .capacity import GpuUse, fingerprint, free_gpus, gpu_use, healthy_nodes, slim_node, used_per_node
 from .inventory import inventory_from_nodes
@@ -367,6 +367,8 @@ class Controller:
             reason = {"initial": "Planned", "improved": "Rebalancing", "repaired": "Rebalancing",
                       "replanned": "Rebalancing", "respec": "Replanned", "scaled": "Scaled"}.get(choice.kind, "Planned")
             _event(body, "Normal", reason, choice.message)
+            if (streaming := offload.event(current, choice.plan)) is not None:
+                _event(body, "Normal", *streaming)
         states = {g.key: group_state(g) for g in obs.groups}
         for key, create_pods in decision.keep.items():
             if create_pods and states.get(key, ("Empty",))[0] == "Empty":

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shard_contract.plan import OffloadPlan, OffloadSettings
+from shard_contract.plan import OffloadPlan, OffloadSettings, Plan, RankPlan
 from shard_contract.units import gib
 
 
@@ -165,7 +165,7 @@ def rank_offload(stage: OffloadStage, layers: tuple[int, int], streamed_bytes: l
                        compute_seconds=at.compute, stream_seconds=at.stream)
 
 
-def summary(ranks: list, policy: str) -> str:
+def summary(ranks: list[RankPlan], policy: str) -> str:
     """One phrase for the plan's reason and the Events: which ranks stream how much, from where."""
     streaming = [r for r in ranks if r.offload is not None]
     if not streaming:
@@ -183,7 +183,17 @@ def summary(ranks: list, policy: str) -> str:
             f"{slowest.offload.compute_seconds * 1e3:.2f} ms of compute on the slowest rank")
 
 
-def layer_count(plan) -> str:
+def event(previous: Plan | None, plan: Plan) -> tuple[str, str] | None:
+    """The Event a newly adopted plan deserves about streaming: Offloading (which ranks stream how
+    much) when it streams, FullyResident when the plan before it streamed and it does not."""
+    if plan.streams:
+        return "Offloading", summary(plan.ranks, plan.offload.policy)
+    if previous is not None and previous.streams:
+        return "FullyResident", "every layer is resident again: the pool holds the whole model"
+    return None
+
+
+def layer_count(plan: Plan) -> str:
     """e.g. "26 of the 32 layers on every rank", for group 0 of a plan that streams."""
     counts = sorted({(len(r.offload.layers) if r.offload else 0, r.num_layers) for r in plan.group(0)})
     if len(counts) == 1:

@@ -226,9 +226,9 @@ async def test_an_added_node_rebalances_only_when_the_plan_improves(world):
     assert reasons.count("Rebalancing") == 1 and "DeletingGroup" in reasons
 
 
-async def _on_nodes(world, name, nodes):
+async def _on_nodes(world, name, nodes, ranks=2):
     pods = await world.pods(name)
-    return pods and set().union(*groups_of(pods).values()) == nodes and len(pods) == 2
+    return pods and set().union(*groups_of(pods).values()) == nodes and len(pods) == ranks
 
 
 async def test_a_flapping_node_causes_no_churn(world):
@@ -470,6 +470,39 @@ async def test_no_room_left_says_so_and_keeps_the_other_group_serving(world):
         serving = {n: u for n, u in uids(before).items() if "-0-" in n}
         assert {n: u for n, u in uids(await world.pods("m1")).items() if "-0-" in n} == serving
     assert "InsufficientCapacity" in [e[1] for e in await world.events("m1") if e[0] == "Warning"]
+
+
+async def test_offload_auto_runs_what_does_not_fit_and_holds_it_all_again_when_the_pool_grows(world):
+    """A 7B model on one 8 GiB GPU: InsufficientCapacity (whose message says what offload would do);
+    with offload auto it runs, streaming the layers that do not fit (status and an Event say which
+    rank streams how much); a node that holds it all makes it fully resident again."""
+    await world.add_node(gpu_node("small", gpus=1, memory_mib=8192, product="NVIDIA-L4"))
+    model_dir = write_model(world.tmp / "models" / "seven", **SEVEN_B)
+    async with world.operator() as op:
+        await world.create(sharded_model("m1", model_dir, tensor=1, pipeline=1))
+        status = await world.wait_phase("m1", "Failed")
+        degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+        assert degraded["reason"] == "InsufficientCapacity"
+        assert "set spec.placement.offload.policy auto: streaming" in degraded["message"]
+
+        await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"placement": {"offload": {"policy": "auto"}}}})
+        status = await world.wait_phase("m1", "Ready")
+        (shard,) = status["shards"]
+        assert shard["offload"]["tier"] == "host" and 0 < len(shard["offload"]["layers"]) < 32
+        assert shard["predictedBytes"] <= 8192 * 2**20 * 0.9
+        assert "stream" in status["plan"]["reason"]
+        offloading = [e for e in await world.events("m1") if e[1] == "Offloading"]
+        assert len(offloading) == 1 and "rank 0 streams" in offloading[0][2]
+
+        await world.add_node(gpu_node("big", gpus=1, memory_mib=81559, product="NVIDIA-H100-80GB-HBM3"))
+        seen = op.reconciles
+        await eventually(lambda: op.reconciles >= seen + 2)  # seen: the settle window starts
+        world.clock.advance(1.0)
+        await eventually(lambda: _on_nodes(world, "m1", {"big"}, ranks=1))
+        status = await world.wait_phase("m1", "Ready")
+        assert [s.get("offload") for s in status["shards"]] == [None]
+    reasons = [e[1] for e in await world.events("m1")]
+    assert reasons.count("FullyResident") == 1 and "Rebalancing" in reasons
 
 
 async def test_the_rbac_table_is_exactly_what_the_operator_uses(world):

@@ -163,7 +163,7 @@ class Offload(ApiModel):
     from_files: bool = Field(True, description=(
         "The checkpoint files may serve as the slowest tier, read on demand through the page cache "
         "(the only tier of CPU ranks, whose device memory is host memory)."))
-    prefetch: Annotated[int, Field(ge=1, le=16)] | Auto = Field("auto", description=(
+    prefetch: Degree = Field("auto", description=(
         "Staging slots per rank, each one layer: the layer computing and those loading ahead. auto: "
         "2 (double buffering)."))
 

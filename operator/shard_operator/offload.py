@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 
 from shard_contract.plan import OffloadPlan, OffloadSettings, Plan, RankPlan
-from shard_contract.units import gib
+from shard_contract.units import human
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def summary(ranks: list[RankPlan], policy: str) -> str:
     tiers = " and ".join(sorted({TIER_WORDS[t] for r in streaming for t in r.offload.tier.split("+")}))
     slowest = max(streaming, key=lambda r: max(r.offload.compute_seconds, r.offload.stream_seconds))
     why = "offload always" if policy == "always" else "offload auto: the devices cannot hold every layer"
-    return (f"{why}: {who}; {gib(sum(r.offload.streamed_bytes for r in streaming))} GiB per decode step from "
+    return (f"{why}: {who}; {human(sum(r.offload.streamed_bytes for r in streaming))} per decode step from "
             f"{tiers}, est. {slowest.offload.stream_seconds * 1e3:.2f} ms of streaming against "
             f"{slowest.offload.compute_seconds * 1e3:.2f} ms of compute on the slowest rank")
 

@@ -35,7 +35,7 @@ from typing import Iterable
 
 from shard_contract.plan import DEFAULT_PREFETCH, GroupPlan, OffloadSettings, Plan, PredictedBytes, RankPlan, StagePlan
 from shard_contract.sharding import tp_problem, valid_tensor_degrees
-from shard_contract.units import gib
+from shard_contract.units import gib, human
 
 from . import offload
 from .api import OFFLOAD_INT8, ShardedModelSpec
@@ -212,7 +212,7 @@ def _offload_note(profile: ModelProfile, spec: ShardedModelSpec, request: Reques
     per_step = sum(r.offload.streamed_bytes for r in fitted.group(0) if r.offload)
     step = fitted.groups[0].critical_path_seconds
     return (f"set spec.placement.offload.policy auto: streaming {offload.layer_count(fitted)} "
-            f"({gib(per_step)} GiB per decode step over the group) fits it at tensor={best.tp} x pipeline={best.pp}, "
+            f"({human(per_step)} per decode step over the group) fits it at tensor={best.tp} x pipeline={best.pp}, "
             f"est. {step * 1e3:.2f} ms per decode step ({1 / step:.1f} tokens/s per sequence)")
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shard_contract.env import ENV_NAMES, read_api_key
-from shard_contract.plan import Plan
+from shard_contract.plan import OffloadPlan, Plan
 from shard_contract.units import human
 
 from .local import LaunchError, LocalGroup, sigterm_unwinds
@@ -100,17 +100,19 @@ def watch(group: LocalGroup, base_url: str, should_stop: Callable[[], bool] = la
 
 def render_shards(shards: dict[str, Any]) -> str:
     """Per rank: what the plan predicted and what the rank measured after load."""
-    header = ("rank", "stage", "tp", "layers", "predicted", "measured", "total held", "load s")
+    header = ("rank", "stage", "tp", "layers", "predicted", "measured", "total held", "load s", "streams")
     rows = [header]
     for r in shards.get("ranks", []):
         predicted, resident = r["predicted_bytes"], r.get("resident_bytes") or {}
-        measured = resident.get("weights", 0) + resident.get("kv_cache", 0)
+        kinds = ("weights", "kv_cache", "staging")
+        offload = r.get("offload")
         rows.append((str(r["rank"]), str(r["stage"]), str(r["tp_rank"]), f"{r['layers'][0]}-{r['layers'][1] - 1}",
-                     human(predicted["weights"] + predicted["kv_cache"]), human(measured),
-                     human(resident.get("total", 0)), f"{r.get('load_seconds', 0):.2f}"))
+                     human(sum(predicted.get(k, 0) for k in kinds)), human(sum(resident.get(k, 0) for k in kinds)),
+                     human(resident.get("total", 0)), f"{r.get('load_seconds', 0):.2f}",
+                     f"{len(offload['layers'])} layers from {OffloadPlan.model_validate(offload).tier}" if offload else "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["weights + KV cache per rank, predicted by the plan and measured resident after load "
-             "(total held: everything the rank holds above a bare `import torch`):"]
+    lines = ["weights + KV cache (+ offload's staging slots) per rank, predicted by the plan and measured resident "
+             "after load (total held: everything the rank holds above a bare `import torch`):"]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     return "\n".join(lines)
 

@@ -15,10 +15,12 @@ import httpx
 import pytest
 
 from shard_operator.cli import main
+from shard_operator.demo_model import DemoShape, write_demo_model
 from shard_operator.local import free_port, plan_local
 from shard_operator.run import run_local
 
 from tests.support.malicious import ATTACKS, write_attack, write_good
+from tests.support.offload import streaming_plan
 from tests.support.processes import alive, shardctl, worker_ranks
 
 from .conftest import get, sharded_model_yaml, stop, wait_for
@@ -129,3 +131,32 @@ def test_a_port_another_process_holds_fails_at_once_naming_it(capsys, flag):
     assert code == 1 and out == ""  # before anything is planned or started
     assert err == (f"shardctl: {flag} {port}: cannot listen on 127.0.0.1:{port} (Address already in use); another "
                    f"process holds it: stop it, or choose another port ({flag} 0 takes a free one)\n")
+
+
+def test_a_model_twice_the_devices_budget_is_served_by_streaming_half_its_layers(tmp_path):
+    """`shardctl run` on a --devices budget that holds half the model's layers (offload auto): it
+    plans to stream the other half, serves, and answers exactly as with every layer resident."""
+    model = write_demo_model(tmp_path / "deep", DemoShape(layers=8, hidden=128, intermediate=256, heads=4, kv_heads=2,
+                                                          vocab=600, max_positions=512, files=2))
+    budget = streaming_plan(model, 1, 1, 0.5).ranks[0].capacity_bytes
+    yaml_file = tmp_path / "m.yaml"
+    yaml_file.write_text(f"""apiVersion: sharding.dev/v1alpha1
+kind: ShardedModel
+metadata:
+  name: deep
+spec:
+  model: {{path: {model}, dtype: float32, maxModelLen: 64, maxBatchSize: 1}}
+  parallelism: {{tensor: 1, pipeline: 1}}
+  placement: {{offload: {{policy: auto}}}}
+""")
+    answers = {}
+    for devices in (f"localhost:{budget}", "localhost:1GiB"):
+        proc = shardctl("run", "-f", str(yaml_file), "--port", "0", "--devices", devices, "--prompt", "the model",
+                        "--max-tokens", "8")
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+        answers[devices] = re.search(r"answer: (.*)", out)[1]
+        if devices != "localhost:1GiB":
+            assert "offload auto: the devices cannot hold every layer: rank 0 streams 4 of its 8 layers" in out
+            assert re.search(r"^\s+0\s+1,3,5,7\s+2\s", out, re.M), out  # the table: layers 1, 3, 5, 7 in 2 slots
+    assert answers[f"localhost:{budget}"] == answers["localhost:1GiB"]

@@ -54,14 +54,19 @@ from tests.support.operator import ManualClock, eventually, fast_settings, runni
 RESIDENT = 100 * 2**20  # what the fake leaders report per rank, plus rank * 1 MiB
 
 
-@contextlib.asynccontextmanager
-async def fake_leaders():
-    """A real HTTP server playing every group leader's GET /v1/shards; yields its base URL."""
+def leader_report() -> ShardsResponse:
+    """What a fake leader's GET /v1/shards answers: RESIDENT + rank MiB for each of 8 ranks."""
     predicted = PredictedBytes(weights=1, kv_cache=1, activations=1, overhead=1)
-    report = ShardsResponse(model="m", replica=0, ready=True, ranks=[
+    return ShardsResponse(model="m", replica=0, ready=True, ranks=[
         ShardEntry(rank=r, stage=0, tp_rank=r, layers=(0, 4), predicted_bytes=predicted, capacity_bytes=2**30,
                    usable_bytes=2**29, state="ready", resident_bytes=ResidentBytes(weights=1, kv_cache=1, rss_anon=1, total=RESIDENT + r * 2**20))
         for r in range(8)])
+
+
+@contextlib.asynccontextmanager
+async def fake_leaders():
+    """A real HTTP server playing every group leader's GET /v1/shards; yields its base URL."""
+    report = leader_report()
 
     async def shards(request: web.Request) -> web.Response:
         return web.Response(text=report.model_dump_json(), content_type="application/json")

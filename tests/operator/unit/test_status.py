@@ -7,7 +7,7 @@ import pytest
 from shard_operator.rollout import Decision, ObservedGroup, RankState, Want
 from shard_operator.status import Observation, Problem, build_status, status_patch
 
-from .conftest import make_plan, make_spec
+from tests.operator.conftest import make_plan, make_spec
 
 NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 

@@ -28,11 +28,10 @@ from shard_operator.handlers import Controller, Loop
 from shard_operator.manifests import MODEL_LABEL
 from shard_operator.reconcile import Event, World
 from shard_operator.settings import Settings
+from tests.operator.conftest import RESIDENT, leader_report
 from tests.support.cluster import gpu_node, sharded_model, write_model
 from tests.support.operator import ManualClock
 from tests.support.store import MODEL, Store, merge
-
-from .conftest import RESIDENT, leader_report
 
 # Distinct periods, so a table's next-run time says which rule set it: the settle window (30 s,
 # +0.01), the leader poll (20 s), pods that start or stop (5 s, also after a failure), resync (60 s).

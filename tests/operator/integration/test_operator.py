@@ -20,10 +20,11 @@ from shard_operator.api import parse_spec
 from shard_operator.manifests import PLAN_KEY, Context, Owner, desired_objects, drift_patch, plan_record_name
 from shard_operator.metrics import ControllerCollector
 from shard_operator.permissions import permissions
+from tests.operator.conftest import RESIDENT
 from tests.support.cluster import SEVEN_B, gpu_node, sharded_model, write_model
 from tests.support.operator import eventually
 
-from .conftest import RESIDENT, permission_of
+from .conftest import permission_of
 
 NETPOL = "networking.k8s.io/v1/networkpolicies"
 

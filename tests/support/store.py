@@ -17,22 +17,10 @@ from typing import Any
 
 from kubernetes.client import ApiException
 
+from shard_devcluster.emulator import merge_patch
 from shard_operator.manifests import NODE_ANNOTATION
 
 MODEL = "ShardedModel"
-
-
-def merge(target: Any, patch: Any) -> Any:
-    """RFC 7386: objects merge key by key, null removes a key, anything else replaces."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    out = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merge(out.get(key), value)
-    return out
 
 
 @dataclass
@@ -76,7 +64,7 @@ class Store:
         key = (kind, namespace, name)
         if key not in self.objects:
             raise ApiException(status=404, reason="Not Found")
-        self._write("patch", key, lambda: self.objects.__setitem__(key, merge(self.objects[key], patch)))
+        self._write("patch", key, lambda: self.objects.__setitem__(key, merge_patch(self.objects[key], patch)))
         return copy.deepcopy(self.objects[key])
 
     def delete(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
@@ -91,7 +79,7 @@ class Store:
     def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any] | None:
         key = (MODEL, namespace, name)
         self._write("patch_status", key, lambda: self.objects.__setitem__(
-            key, merge(self.objects[key], {"status": patch})) if key in self.objects else None)
+            key, merge_patch(self.objects[key], {"status": patch})) if key in self.objects else None)
         return copy.deepcopy(self.objects.get(key))
 
     @property

@@ -23,6 +23,7 @@ from typing import Callable
 import pytest
 
 from shard_contract.checkpoint import read_checkpoint
+from shard_devcluster.emulator import merge_patch
 from shard_operator.capacity import gpu_use, slim_node
 from shard_operator.handlers import Controller, Loop
 from shard_operator.manifests import MODEL_LABEL
@@ -31,7 +32,7 @@ from shard_operator.settings import Settings
 from tests.operator.conftest import RESIDENT, leader_report
 from tests.support.cluster import gpu_node, sharded_model, write_model
 from tests.support.operator import ManualClock
-from tests.support.store import MODEL, Store, merge
+from tests.support.store import MODEL, Store
 
 # Distinct periods, so a table's next-run time says which rule set it: the settle window (30 s,
 # +0.01), the leader poll (20 s), pods that start or stop (5 s, also after a failure), resync (60 s).
@@ -58,7 +59,7 @@ class Sim:
 
     def edit(self, **spec) -> None:
         model = self.store.get(MODEL, "m1")
-        model["spec"] = merge(model["spec"], spec)
+        model["spec"] = merge_patch(model["spec"], spec)
         model["metadata"]["generation"] += 1
 
     def pods(self, group: int | None = None) -> list[str]:
@@ -315,4 +316,4 @@ def test_scenario(tmp_path, name):
         round_.then(sim)
         # What the server holds is what the loop believes it wrote, lost answers or not (merged as
         # the server merges it: a null removes the field).
-        assert sim.store.get(MODEL, "m1")["status"] == merge({}, sim.loop.memory.status), f"round {i}"
+        assert sim.store.get(MODEL, "m1")["status"] == merge_patch({}, sim.loop.memory.status), f"round {i}"

@@ -31,7 +31,7 @@ from .kube import Kube
 from .manifests import MODEL_LABEL, Owner, model_label
 from .reconcile import Event, Memory, Reads, Result, World, failed, reconcile
 from .settings import Settings
-from .timing import RECHECK_SECONDS
+from .timing import retry_after
 from .writes import send
 
 log = logging.getLogger("shard_operator")
@@ -142,13 +142,14 @@ class Controller:
             log.exception("reconcile of %s/%s failed", owner.namespace, owner.name)
             if writing_status:  # it failed, maybe after it landed
                 loop.memory = dataclasses.replace(loop.memory, status_unknown=True)
-            self._report_failure(loop, body, err)
-            return min(result.requeue_after if result else self.settings.resync_seconds, RECHECK_SECONDS)
+            wait = retry_after(self.settings.resync_seconds, result.requeue_after if result else None)
+            self._report_failure(loop, body, err, wait)
+            return wait
 
-    def _report_failure(self, loop: Loop, body: dict[str, Any], err: Exception) -> None:
+    def _report_failure(self, loop: Loop, body: dict[str, Any], err: Exception, wait: float) -> None:
         """The Degraded condition (ReconcileError) and a Warning Event say what went wrong."""
         try:
-            report = failed(body, loop.memory, err, stamp())
+            report = failed(body, loop.memory, err, stamp(), wait)
             self._write_status(Owner.of(body), loop, report)
         except Exception:  # the API may be what failed: the next round tries again
             log.exception("reporting the failed reconcile of %s/%s failed too", body["metadata"].get("namespace"),

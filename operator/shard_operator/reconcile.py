@@ -150,14 +150,14 @@ def reconcile(body: dict[str, Any], world: World, memory: Memory, now: float, st
         memory=dataclasses.replace(memory, pool=planned.pool, last_poll=polled.last_poll, measured=polled.measured))
 
 
-def failed(body: dict[str, Any], memory: Memory, err: Exception, stamp: str) -> Result:
+def failed(body: dict[str, Any], memory: Memory, err: Exception, stamp: str, requeue_after: float) -> Result:
     """A reconcile raised what nothing expected: the Degraded condition (ReconcileError, with the
     exception) and a Warning Event say so; the rest of the status stays as last seen."""
     previous = memory.previous(body)
     message = " ".join(f"{type(err).__name__}: {err}".split())[:1000]
     status = failed_status(previous, message, body["metadata"].get("generation") or 0, stamp)
     return Result(writes=[], events=problem_events(previous, status), status=status,
-                  status_patch=memory.patch_for(previous, status), requeue_after=RECHECK_SECONDS, memory=memory)
+                  status_patch=memory.patch_for(previous, status), requeue_after=requeue_after, memory=memory)
 
 
 # ---------------------------------------------------------------- observe

@@ -60,3 +60,8 @@ def poll_in(last: float, now: float, period: float) -> float | None:
 def requeue_after(resync: float, *waits: float | None) -> float:
     """When to run again: the earliest of the rules' waits, at the latest after `resync`."""
     return min([resync, *(w for w in waits if w is not None)])
+
+
+def retry_after(resync: float, planned: float | None) -> float:
+    """When to run again after a reconcile failed: soon, and no later than it had planned to."""
+    return min(resync if planned is None else planned, RECHECK_SECONDS)

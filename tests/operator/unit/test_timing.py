@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from shard_operator.timing import Pool, poll_in, requeue_after, settle
+from shard_operator.timing import Pool, poll_in, requeue_after, retry_after, settle
 
 WINDOW = 30.0
 
@@ -59,3 +59,9 @@ def test_requeue_after_is_the_earliest_wait_at_most_the_resync():
     assert requeue_after(60.0) == 60.0
     assert requeue_after(60.0, None, 20.0, 5.0) == 5.0
     assert requeue_after(10.0, 30.01, None) == 10.0
+
+
+def test_a_failed_reconcile_runs_again_soon_and_no_later_than_planned():
+    assert retry_after(60.0, None) == 5.0
+    assert retry_after(0.5, None) == 0.5  # a short resync (tests) is sooner still
+    assert retry_after(60.0, 0.31) == 0.31  # the settle window it was waiting for

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from shard_contract.wire import Measured
 from shard_operator.rollout import Decision, ObservedGroup, RankState, Want
 from shard_operator.status import Observation, Problem, build_status, status_patch
 
-from .conftest import make_plan, make_spec
+from tests.operator.conftest import make_plan, make_spec
 
 NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
@@ -137,8 +139,7 @@ def test_shards_say_how_their_weights_are_stored():
     obs = observation([group(0, "new", ["Ready"] * 2)], replicas=1)
     assert {s["quantization"] for s in build_status(obs, None, NOW)["shards"]} == {"none"}
     int8 = obs.plan.model_copy(update={"quantization": "int8"})
-    obs.plan, obs.group_plans = int8, {key: int8 for key in obs.group_plans}
-    status = build_status(obs, None, NOW)
+    status = build_status(replace(obs, plan=int8, group_plans={key: int8 for key in obs.group_plans}), None, NOW)
     assert {s["quantization"] for s in status["shards"]} == {"int8"} and status["plan"]["quantization"] == "int8"
 
 
@@ -156,10 +157,12 @@ def test_streaming_shards_say_what_they_stream_and_their_counters_as_they_grow()
                                 "streamedBytes": 1000, "streamSeconds": 2.0, "stallSeconds": 0.1}
     assert "streamedBytes" not in rank1["offload"] and rank1["offload"]["layers"] == planned.layers
     # counters that grew by 10% or less are not written again; more, they are
-    obs.measured = {"m-0-new-0": Measured(resident=10, streamed_bytes=1100, stream_seconds=2.2, stall_seconds=0.11)}
-    assert status_patch(first, build_status(obs, first, LATER)) is None
-    obs.measured = {"m-0-new-0": Measured(resident=10, streamed_bytes=1101, stream_seconds=2.2, stall_seconds=0.11)}
-    moved = build_status(obs, first, LATER)
+    grown = replace(obs, measured={"m-0-new-0": Measured(resident=10, streamed_bytes=1100, stream_seconds=2.2,
+                                                                      stall_seconds=0.11)})
+    assert status_patch(first, build_status(grown, first, LATER)) is None
+    more = replace(obs, measured={"m-0-new-0": Measured(resident=10, streamed_bytes=1101, stream_seconds=2.2,
+                                                                     stall_seconds=0.11)})
+    moved = build_status(more, first, LATER)
     assert moved["shards"][0]["offload"]["streamedBytes"] == 1101
     assert moved["shards"][0]["offload"]["streamSeconds"] == 2.0  # each counter on its own
 

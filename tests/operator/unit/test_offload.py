@@ -19,7 +19,7 @@ from shard_operator.profile import profile_from_config
 from shard_operator.replan import choose_plan
 from shard_operator.sizing import layer_read_bytes, layer_streamed_bytes, layer_weight_bytes
 from tests.support.cluster import gpu_node
-from tests.unit.test_planner import LLAMA_8B, OPTIONS, _rank_total
+from tests.operator.unit.test_planner import LLAMA_8B, OPTIONS, _rank_total
 
 EIGHT_B = profile_from_config(LLAMA_8B, "llama-3-8b")
 

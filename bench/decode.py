@@ -198,8 +198,8 @@ def child_torch_tp(model_dir: str, dtype: str, tokens: int, prompt: list[int], r
 
 
 # ---------------------------------------------------------------- the parent
-def run_child(*args: str, timeout: float = 1800, threads: int = 2) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True,
+def run_child(*args: str, timeout: float = 1800, threads: int = 2, script: str = __file__) -> dict:
+    proc = subprocess.run([sys.executable, script, "--child", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     if proc.returncode != 0:
         raise RuntimeError(f"child {args[0]} failed:\n{proc.stderr[-3000:]}")
@@ -279,16 +279,17 @@ def run_llama(python: Path, *args: str, rpc_layers: int | None = None) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def ensure_checkpoint(directory: Path, shape: dict) -> Path:
+def ensure_checkpoint(directory: Path, shape: dict, dtype: str = "float32") -> Path:
     marker = directory / "bench-shape.json"
-    if marker.exists() and json.loads(marker.read_text()) == shape:
+    written = {**shape, **({"dtype": dtype} if dtype != "float32" else {})}
+    if marker.exists() and json.loads(marker.read_text()) == written:
         return directory
     from tests.support.checkpoints import write_checkpoint
 
     print(f"writing a random checkpoint to {directory} ...", file=sys.stderr, flush=True)
     shutil.rmtree(directory / "gguf", ignore_errors=True)
-    write_checkpoint(directory, "llama", seed=0, max_shard_size="2GB", **shape)
-    marker.write_text(json.dumps(shape))
+    write_checkpoint(directory, "llama", seed=0, max_shard_size="2GB", dtype=dtype, **shape)
+    marker.write_text(json.dumps(written))
     return directory
 
 

@@ -182,7 +182,8 @@ def _add_inventory_args(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--nodes", metavar="NODES.yaml", help="Nodes as written by `kubectl get nodes -o yaml`")
     source.add_argument("--devices", metavar="SPEC",
                         help='compact device list, e.g. "node-a:80GiB*4,node-b:24GiB*2@0.3" '
-                             "(NODE:MEMORY[*COUNT][@SPEED_TBPS][:PRODUCT])")
+                             "(NODE:MEMORY[*COUNT][@SPEED_TBPS][:PRODUCT][+host=GBPS][+files=GBPS]; host and "
+                             "files: the rates of streamed layers, docs/planner.md)")
     parser.add_argument("--device-kind", choices=("gpu", "cpu"), default="gpu",
                         help="what --devices describes (default gpu)")
 

@@ -87,7 +87,7 @@ class Streamer:
             for j in self.order:
                 if j not in plan.file_layers:
                     self.host[j] = {n: torch.empty(s, dtype=stage.dtype, pin_memory=True) for n, s in shapes.items()}
-                    self._read(j, self.host[j])
+                    self.read(j, self.host[j])
         self.nbytes = sum(t.numel() * t.element_size() for t in self.slots[0].weights.values()) * len(self.slots)
         self._cond = threading.Condition()
         self._next = 0  # position in `order` of the next layer to load
@@ -171,7 +171,6 @@ class Streamer:
 
     # ------------------------------------------------------------ the prefetch thread
     def _run(self) -> None:
-        torch.set_num_threads(1)  # conversions on this thread stay off the compute threads
         try:
             if self.cuda:
                 torch.cuda.set_device(self.device)  # CUDA's current device is per thread
@@ -197,14 +196,14 @@ class Streamer:
     def _load(self, j: int, slot: Slot) -> None:
         if not self.cuda:
             start = time.perf_counter()
-            self._read(j, slot.weights)
+            self.read(j, slot.weights)
             self.acct.streamed(self._bytes(slot.weights), time.perf_counter() - start)
             return
         source = self.host.get(j)
         if source is None:  # files: into this slot's pinned buffer, once its last copy is done
             slot.ready.synchronize()
             start = time.perf_counter()
-            self._read(j, slot.pinned)
+            self.read(j, slot.pinned)
             self.acct.streamed(0, time.perf_counter() - start)
             source = slot.pinned
         started, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -218,7 +217,9 @@ class Streamer:
         self.acct.streamed(self._bytes(slot.weights), 0.0)
         self.pending.spans.append((started, ready, "stream"))
 
-    def _read(self, j: int, into: dict[str, torch.Tensor]) -> None:
+    def read(self, j: int, into: dict[str, torch.Tensor]) -> None:
+        """Layer `j`'s projections from the checkpoint into `into` (host tensors): what the prefetch
+        thread does for a CPU rank or a file-tier layer (a benchmark times it alone)."""
         for name in PROJECTIONS:
             for piece in self.pieces[j][name]:
                 self.reader.read(self.entries[piece.tensor], piece, into[name])

@@ -7,7 +7,7 @@ very entries `/v1/shards` answers (measured resident bytes and health added). Pu
 SVG text out, no script and no external reference, so the text can be embedded anywhere.
 
 Each rank's bar is scaled to its own device: predicted weights / KV cache / activations / overhead
-stacked, the headroom (capacity minus usable) shaded at the right end, and the measured resident
+(and the staging slots of a rank that streams layers) stacked, the headroom (capacity minus usable) shaded at the right end, and the measured resident
 total as a thin bar beneath. A rank that is not alive, or failed, is drawn red with the reason.
 """
 
@@ -22,6 +22,7 @@ from .wire import ShardEntry
 
 KINDS = (("weights", "weights", "#4e79a7"), ("kv_cache", "KV cache", "#59a14f"),
          ("activations", "activations", "#f28e2b"), ("overhead", "overhead", "#9c9c9c"))
+STAGING = ("staging", "staging (streamed layers)", "#b07aa1")  # drawn only where a rank streams
 RESIDENT = "#7b3294"
 HEADROOM = "#e6e6e6"
 DEAD, DEAD_FILL = "#d62728", "#fde3e3"
@@ -67,9 +68,9 @@ class Svg:
                 f'<rect width="100%" height="100%" fill="#fff"/>{"".join(self.parts)}</svg>\n')
 
 
-def legend(svg: Svg, left: float, y: float, width: float, measured: bool) -> float:
+def legend(svg: Svg, left: float, y: float, width: float, measured: bool, staging: bool = False) -> float:
     """The colours' key, wrapped within `width`; returns the y below it."""
-    items = [(label, color) for _, label, color in KINDS] + [("headroom", HEADROOM)]
+    items = [(label, color) for _, label, color in (*KINDS, *([STAGING] if staging else []))] + [("headroom", HEADROOM)]
     if measured:
         items.append(("measured resident", RESIDENT))
     x = left
@@ -106,7 +107,7 @@ def rank_box(svg: Svg, entry: ShardEntry, x: float, y: float, reason: str) -> No
     svg.rect(left, bar_y, BAR_W, 16, "#fff", stroke="#bbb")
     svg.rect(left + entry.usable_bytes * scale, bar_y, (entry.capacity_bytes - entry.usable_bytes) * scale, 16,
              HEADROOM, f"headroom {human(entry.capacity_bytes - entry.usable_bytes)}")
-    for kind, label, color in KINDS:
+    for kind, label, color in (*KINDS, *([STAGING] if p.staging else [])):
         n = getattr(p, kind)
         width = min(n * scale, x + BAR_X + BAR_W - left)  # a plan never overfills; clipped all the same
         svg.rect(left, bar_y, width, 16, color, f"predicted {label} {human(n)}")
@@ -150,7 +151,8 @@ def group_svg(ranks: Sequence[ShardEntry], title: str = "", reason: str = "") ->
         members = sorted((r for r in ranks if r.stage == stage), key=lambda r: r.tp_rank)
         x = PAD + column * (BOX_W + GAP_X)
         start, stop = members[0].layers
-        parts = [f"layers {start}–{stop - 1}" if stop > start else "no layers"]
+        streamed = f" ({len(members[0].offload.layers)} streamed)" if members[0].offload else ""
+        parts = [f"layers {start}–{stop - 1}{streamed}" if stop > start else "no layers"]
         parts += ["embeddings"] if stage == stages[0] else []
         parts += ["LM head"] if stage == stages[-1] else []
         svg.text(x, top + 12, f"stage {stage}", size=13, weight="bold")
@@ -162,5 +164,6 @@ def group_svg(ranks: Sequence[ShardEntry], title: str = "", reason: str = "") ->
             svg.add(f'<path d="M{x - GAP_X + 6:.1f},{mid:.1f} H{x - 8:.1f} l-7,-5 v10 l7,-5" stroke="#666" '
                     f'fill="#666"/>')
     bottom = legend(svg, PAD, top + 22 + tp * (BOX_H + GAP_Y) + 10, width - 2 * PAD,
-                    measured=any(r.resident_bytes is not None for r in ranks))
+                    measured=any(r.resident_bytes is not None for r in ranks),
+                    staging=any(r.predicted_bytes.staging for r in ranks))
     return svg.render(width, bottom + PAD)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from shard_contract.plan import Plan
 from shard_operator.api import SpecError, parse_spec
-from shard_operator.inventory import Device, Inventory, inventory_from_nodes, parse_devices
+from shard_operator.inventory import FILE_GBPS, HOST_GBPS, Device, Inventory, inventory_from_nodes, parse_devices
 from shard_operator.offload import spread
 from shard_operator.planner import Costs, PlanError, _resolve_request, plan
 from shard_operator.profile import profile_from_config
@@ -44,7 +44,7 @@ def test_a_model_that_does_not_fit_streams_what_the_device_cannot_hold():
     assert off.streamed_bytes == len(off.layers) * layer and p.staging == 2 * layer
     assert p.weights == result_weights(rank, layer)
     assert p.total <= rank.usable_bytes < p.total + layer  # one more resident layer would not fit
-    assert off.stream_seconds == pytest.approx(off.streamed_bytes / 25e9)  # PCIe's default rate
+    assert off.stream_seconds == pytest.approx(off.streamed_bytes / (HOST_GBPS * 1e9))  # PCIe's default rate
     assert result.groups[0].critical_path_seconds == pytest.approx(max(off.compute_seconds, off.stream_seconds))
     assert off.host_bytes == off.streamed_bytes  # pinned copies of what it streams: what its pod asks for
     assert "offload auto: the devices cannot hold every layer: rank 0 streams" in result.reason
@@ -89,7 +89,7 @@ def test_always_streams_every_layer_of_every_rank():
 def test_rates_come_from_the_devices():
     slow = plan(EIGHT_B, spec(), parse_devices("a:8GiB:L4")).ranks[0].offload
     fast = plan(EIGHT_B, spec(), parse_devices("a:8GiB:L4+host=50")).ranks[0].offload
-    assert (slow.host_bandwidth, fast.host_bandwidth) == (25e9, 50e9)
+    assert (slow.host_bandwidth, fast.host_bandwidth) == (HOST_GBPS * 1e9, 50e9)
     assert fast.stream_seconds == pytest.approx(slow.stream_seconds / 2)
     labelled = inventory_from_nodes([gpu_node("n", gpus=1, memory_mib=8192, labels={
         "sharding.dev/host-bandwidth": "50", "sharding.dev/file-bandwidth": "7"})])
@@ -104,8 +104,9 @@ def test_a_host_budget_sends_the_rest_to_the_files_or_fails_without_them():
     off = plan(EIGHT_B, spec(hostMemory=f"{10 * layer}"), parse_devices("a:8GiB:L4")).ranks[0].offload
     assert off.layers == whole.layers and len(off.file_layers) == len(off.layers) - 10
     assert off.tier == "host+files" and off.read_bytes == len(off.file_layers) * layer_read_bytes(EIGHT_B, 0, 1)
-    # a file layer reads at 3 GB/s while the copy of the one before runs: host 10 layers, files the rest
-    assert off.stream_seconds == pytest.approx(10 * layer / 25e9 + len(off.file_layers) * layer / 3e9)
+    # a file layer is read while the copy of the one before runs: host 10 layers, files the rest
+    assert off.stream_seconds == pytest.approx(10 * layer / (HOST_GBPS * 1e9) + len(off.file_layers) * max(
+        layer_read_bytes(EIGHT_B, 0, 1) / (FILE_GBPS * 1e9), layer / (HOST_GBPS * 1e9)))
     with pytest.raises(PlanError, match="offload streams the decoder layers' projections only"):
         plan(EIGHT_B, spec(hostMemory=f"{10 * layer}", fromFiles=False), parse_devices("a:8GiB:L4"))
 
@@ -113,7 +114,7 @@ def test_a_host_budget_sends_the_rest_to_the_files_or_fails_without_them():
 def test_cpu_ranks_read_from_the_files_with_the_row_parallel_rows_whole():
     result = plan(EIGHT_B, spec(parallelism={"tensor": 2}), parse_devices("a:6GiB*2", kind="cpu"))
     off = result.ranks[0].offload
-    assert off.tier == "files" and off.host_bandwidth == 0 and off.file_bandwidth == 3e9
+    assert off.tier == "files" and off.host_bandwidth == 0 and off.file_bandwidth == FILE_GBPS * 1e9
     lp = EIGHT_B.layers[0]
     assert layer_read_bytes(EIGHT_B, 0, 2) == (lp.column_matrix // 2 + lp.kv_matrix // 2 + lp.row) * 2
     assert off.read_bytes == len(off.layers) * layer_read_bytes(EIGHT_B, 0, 2)
@@ -278,3 +279,13 @@ def _block_shape(result, rank, devices) -> tuple:
 def _splits(total: int, parts: int):
     for cuts in itertools.combinations(range(1, total), parts - 1):
         yield [b - a for a, b in zip((0, *cuts), (*cuts, total))]
+
+
+def test_the_picture_shows_what_a_rank_streams_and_its_staging():
+    from shard_operator.picture import plan_svg
+
+    streaming = plan_svg(plan(EIGHT_B, spec(), parse_devices("a:8GiB:L4")))
+    assert "layers 0–31 (26 streamed)" in streaming and "staging (streamed layers)" in streaming
+    assert "predicted staging" in streaming
+    resident = plan_svg(plan(EIGHT_B, spec("never"), parse_devices("a:24GiB:L4")))
+    assert "streamed" not in resident and "staging" not in resident

@@ -9,6 +9,9 @@ reads beside it), for 0%, 25%, 50% and 100% of the layers streamed, it measures:
 * the limit: max(compute, streamed bytes / read bandwidth), where compute is the decode step of
   the fully resident rank (the 0% run) and the read bandwidth is the rank's own reads of every
   layer's projections from the page-cached checkpoint (`Streamer.read`, best of 3 passes, alone);
+* a bound that limit leaves out on a CPU: compute and copies share the memory bus, and a copy
+  reads and writes its bytes, which the compute then reads again, so a step moves at least
+  (decode bytes + 2 x streamed bytes) at the 2-core streaming read bandwidth (bench/decode.py's);
 * our rank: tokens/s, and the shares of a decode step spent streaming (on the prefetch thread) and
   stalled (the forward pass waiting for a layer); the plan's predicted step beside it;
 * HF accelerate's offload of the same checkpoint at the same budget: `from_pretrained(device_map=
@@ -37,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from decode import CACHE, FULL, PROMPT_TOKENS, _hf_decode_seconds, ensure_checkpoint
+from decode import CACHE, FULL, PROMPT_TOKENS, STREAM_BYTES, _hf_decode_seconds, decode_bytes, ensure_checkpoint
 from decode import run_child as run_script_child
 
 QUICK = dict(hidden_size=256, intermediate_size=768, num_layers=16, num_heads=4, num_kv_heads=2, vocab_size=8000,
@@ -89,7 +92,10 @@ def child_accelerate(model_dir: str, dtype: str, budget: int, tokens: int, promp
     placed = {}
     for device in model.hf_device_map.values():
         placed[str(device)] = placed.get(str(device), 0) + 1
-    return {**_hf_decode_seconds(model, prompt, tokens), "placed": placed}
+    disk = [key for key, device in model.hf_device_map.items() if str(device) == "disk"]
+    on_disk = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                  if any(name.startswith(key + ".") for key in disk))
+    return {**_hf_decode_seconds(model, prompt, tokens), "placed": placed, "disk_bytes": on_disk}
 
 
 # ---------------------------------------------------------------- the parent
@@ -128,7 +134,8 @@ def measure(model_dir: str, dtype: str, tokens: int, prompt: list[int], skip: se
         print(f"  {dtype} {name}: {value}", file=sys.stderr, flush=True)
         return value
 
-    out: dict = {"read": step("reads of every layer", run_child, "read", model_dir, dtype, "3", threads=1)}
+    out: dict = {"read": step("reads of every layer", run_child, "read", model_dir, dtype, "3", threads=1),
+                 "bytes": decode_bytes(model_dir, dtype, "none")}
     for fraction in FRACTIONS:
         plan = streaming_plan(model_dir, dtype, fraction, len(prompt) + tokens)
         rank = plan.ranks[0]
@@ -146,12 +153,14 @@ def measure(model_dir: str, dtype: str, tokens: int, prompt: list[int], skip: se
     return out
 
 
-def report(results: dict, shape: dict, tokens: int) -> str:
+def report(results: dict, bus: dict, shape: dict, tokens: int) -> str:
     lines = [f"Model: random Llama {shape}; batch 1, {PROMPT_TOKENS}-token prompt, {tokens} new tokens; one rank "
-             "(one compute thread, its prefetch thread beside it); accelerate with one thread.", "",
-             "| dtype | streamed | MiB/step | read GB/s | limit ms | ours ms/token | tokens/s | limit / ours "
-             "| streaming share | stall share | plan's ms | accelerate ms/token | accelerate / ours | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(one compute thread, its prefetch thread beside it); accelerate with one thread.",
+             f"Streaming read on 2 cores (the shared bus): {bus.get('2', 0):.1f} GB/s (load {bus.get('load', 0):.1f}).",
+             "", "| dtype | streamed | MiB/step | read GB/s | limit ms | bus bound ms | ours ms/token | tokens/s "
+             "| limit / ours | streaming share | stall share | plan's ms | accelerate ms/token (MiB off) "
+             "| accelerate / ours | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     goals = []
     for dtype, r in results.items():
         read = r["read"].get("gbps")
@@ -161,15 +170,17 @@ def report(results: dict, shape: dict, tokens: int) -> str:
             ours, acc = row["ours"], row.get("accelerate", {"error": "skipped"})
             t = ours.get("seconds_per_token")
             if t is None or compute is None or read is None:
-                lines.append(f"| {dtype} | {fraction:.0%} | | | | {ours.get('error', '')} | | | | | | | | |")
+                lines.append(f"| {dtype} | {fraction:.0%} | | | | | {ours.get('error', '')} | | | | | | | | |")
                 continue
             limit = max(compute, row["streamed_bytes"] / (read * 1e9))
+            bound = (r["bytes"] + 2 * row["streamed_bytes"]) / (bus["2"] * 1e9) if bus.get("2") else 0.0
             a = acc.get("seconds_per_token")
+            off = f" ({acc['disk_bytes'] / 2**20:.0f})" if a else ""
             lines.append(
                 f"| {dtype} | {fraction:.0%} ({row['layers']} layers) | {row['streamed_bytes'] / 2**20:.0f} | {read:.1f} "
-                f"| {limit * 1e3:.1f} | {t * 1e3:.1f} | {1 / t:.2f} | {limit / t:.2f} | {ours['stream_share']:.1%} "
-                f"| {ours['stall_share']:.1%} | {row['predicted'] * 1e3:.1f} "
-                f"| {f'{a * 1e3:.1f}' if a else acc.get('error', '')} | {f'{a / t:.2f}' if a else ''} "
+                f"| {limit * 1e3:.1f} | {bound * 1e3:.1f} | {t * 1e3:.1f} | {1 / t:.2f} | {limit / t:.2f} "
+                f"| {ours['stream_share']:.1%} | {ours['stall_share']:.1%} | {row['predicted'] * 1e3:.1f} "
+                f"| {f'{a * 1e3:.1f}{off}' if a else acc.get('error', '')} | {f'{a / t:.2f}' if a else ''} "
                 f"| {ours['load']:.1f} |")
             if fraction > 0:
                 goals.append(f"| {dtype} | {fraction:.0%}: within 25% of the limit (limit / ours) | {limit / t:.2f} "
@@ -185,7 +196,7 @@ def report(results: dict, shape: dict, tokens: int) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small model of 16 layers, to check the script")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--tokens", type=int, default=64)
@@ -207,16 +218,19 @@ def main() -> int:
     prompt = [(7 * i + 3) % shape["vocab_size"] for i in range(PROMPT_TOKENS)]
     skip = set(filter(None, args.skip.split(",")))
     load = os.getloadavg()
+    bus = run_script_child("stream", str(STREAM_BYTES), "3", threads=2)  # bench/decode.py's streaming read
+    bus["load"] = os.getloadavg()[0]
     results = {}
     for dtype in args.dtypes.split(","):
         directory = CACHE / f"bench-offload{'-quick' if args.quick else ''}-{dtype}"
         model_dir = str(ensure_checkpoint(directory, shape, dtype))
         results[dtype] = measure(model_dir, dtype, args.tokens, prompt, skip)
-    text = report(results, shape, args.tokens)
+    text = report(results, bus, shape, args.tokens)
     print(f"load average before: {load[0]:.2f}, after: {os.getloadavg()[0]:.2f}\n")
     print(text)
     if args.out:
-        args.out.write_text(json.dumps({"shape": shape, "tokens": args.tokens, "results": results}, indent=2))
+        args.out.write_text(json.dumps({"shape": shape, "tokens": args.tokens, "bus": bus, "results": results},
+                                       indent=2))
     return 0
 
 

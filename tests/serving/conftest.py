@@ -65,6 +65,21 @@ def wait_for(what: str, check, timeout: float, period: float = 0.1):
         time.sleep(period)
 
 
+def wait_group_ready(group, url: str, timeout: float = 120) -> None:
+    """Until the LocalGroup `group` answers /ready at `url`. A rank that exits fails at once with its
+    log; the deadline fails with every rank's log (so a failure on CI says why)."""
+    def ready() -> bool:
+        failure = group.failure()
+        assert failure is None, str(failure)
+        response = get(url + "/ready")
+        return response is not None and response.status_code == 200
+    try:
+        wait_for("/ready", ready, timeout)
+    except AssertionError as error:
+        logs = "\n".join(f"--- rank {r.rank} (port {r.port}):\n{r.tail()}" for r in group.ranks)
+        raise AssertionError(f"{error}\n{logs}") from None
+
+
 def get(url: str, **kwargs) -> httpx.Response | None:
     try:
         return httpx.get(url, timeout=kwargs.pop("timeout", 5.0), **kwargs)

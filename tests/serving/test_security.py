@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shard_operator.local import LocalGroup, free_port, plan_local
 from tests.support.processes import environ
 
-from .conftest import get, wait_for
+from .conftest import get, wait_for, wait_group_ready
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +74,7 @@ def group(tiny_model, tmp_path_factory):
     with LocalGroup(the_plan, tiny_model, tmp_path_factory.mktemp("group"), leader_port=port,
                     extra_env={"SHARD_HOST": "127.0.0.1"}) as running:
         url = f"http://127.0.0.1:{port}"
-        wait_for("/ready", lambda: (r := get(url + "/ready")) is not None and r.status_code == 200, timeout=120)
+        wait_group_ready(running, url)
         running.url = url
         yield running
 

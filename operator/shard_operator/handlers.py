@@ -32,7 +32,8 @@ from shard_contract.wire import ShardsResponse
 
 from . import leaders
 from .api import GROUP, PLURAL, VERSION, ShardedModelSpec, SpecError, parse_spec
-from .capacity import GpuUse, fingerprint, free_gpus, gpu_use, healthy_nodes, slim_node, used_per_node
+from .capacity import GpuUse, fingerprint, free_gpus, gpu_use, healthy_nodes, node_names, slim_node, used_per_node
+from .events import event_body, instance
 from .inventory import inventory_from_nodes
 from .kube import KINDS, NETWORK_POLICY, Kube
 from .manifests import (
@@ -58,9 +59,9 @@ from .planner import PlanError
 from .profile import ModelProfile
 from .profiles import LocalProfiles, ModelNotFound, local_model_dir, remote_profile
 from .replan import PlanChoice, choose_plan, without_held
-from .rollout import Decision, GroupKey, Want, decide, group_state, observe_groups
+from .rollout import Decision, GroupKey, Want, decide, deletion_grace, group_state, observe_groups
 from .settings import Settings
-from .status import Observation, Problem, build_status, failed_status, status_patch
+from .status import Observation, Problem, build_status, failed_status, newly_ready, status_patch
 
 log = logging.getLogger("shard_operator")
 
@@ -99,6 +100,7 @@ class Controller:
                  fetch: Callable[[str, float], ShardsResponse | None] = leaders.fetch,
                  clock: Callable[[], float] = time.monotonic):
         self.settings, self.kube, self.fetch, self.clock = settings, kube, fetch, clock
+        self.reporter = instance()
         self.local_profiles = LocalProfiles()
         self.wakeups: dict[tuple[str, str], asyncio.Event] = {}
         self.generations: dict[tuple[str, str], int] = {}  # the spec generation last reconciled
@@ -178,10 +180,10 @@ class Controller:
 
     def _observe(self, owner: Owner, generation: int, listing: dict[str, list], world: World) -> Observation:
         """The model's groups as its pods, Services and ConfigMaps show them."""
-        obs = Observation(name=owner.name, generation=generation, spec=None)
+        obs = Observation(name=owner.name, namespace=owner.namespace, generation=generation, spec=None)
         group_objs = [o for o in listing["Service"] + listing["ConfigMap"]
                       if (o["metadata"].get("labels") or {}).get(COMPONENT_LABEL) == "group"]
-        obs.groups = observe_groups(listing["Pod"], group_objs, healthy_nodes(world.nodes))
+        obs.groups = observe_groups(listing["Pod"], group_objs, healthy_nodes(world.nodes), node_names(world.nodes))
         obs.group_plans = _group_plans(listing["ConfigMap"])
         return obs
 
@@ -227,7 +229,7 @@ class Controller:
         restarts = {(g["replica"], g["revision"]): g.get("restarts", 0) for g in previous.get("groups") or []}
         free = free_gpus(world.nodes, world.gpu_uses, ctx.spec.placement.gpu_resource)
         decision = decide(obs.wants, obs.groups, ctx.spec.rollout, restarts, self.settings.restart_budget, free)
-        self._apply(ctx, plan, decision, listing)
+        self._apply(ctx, plan, decision, listing, node_names(world.nodes))
         for key in decision.restart:
             restarts[key] = restarts.get(key, 0) + 1
         alive = {g.key for g in obs.groups} | {w.key for w in obs.wants}
@@ -240,6 +242,9 @@ class Controller:
         """Write the status when it changed, and say what went wrong in Events."""
         status = build_status(obs, previous, _now())
         self._problem_events(body, previous, status)
+        for group in newly_ready(previous, status):
+            self._event(body, "Normal", "GroupReady", f"group {group['replica']} revision {group['revision']} "
+                                                      f"serves ({group['ranks']} ranks)")
         self._write_status(owner, previous, status, memory)
         if any(group_state(g)[0] in ("Starting", "Terminating") for g in obs.groups):
             memory.wake_in = min(memory.wake_in, 5.0)  # pods change without other events at times
@@ -297,11 +302,12 @@ class Controller:
             memory.reconsidered = pool
         return choice
 
-    def _apply(self, ctx: Context, plan: Plan, decision: Decision, listing: dict[str, list]) -> None:
+    def _apply(self, ctx: Context, plan: Plan, decision: Decision, listing: dict[str, list], nodes: set[str]) -> None:
         """Create what is missing, patch what drifted, delete what the decision drops.
 
         A group's Secret (its key) is never listed or read: it is created just before pods of the
-        group are (a 409 means it is there already) and deleted with the group's Service.
+        group are (a 409 means it is there already) and deleted with the group's Service. A pod
+        whose node no longer exists is deleted with grace 0: no kubelet is left to end it.
         """
         kube, ns = self.kube, ctx.owner.namespace
         existing = {(kind, o["metadata"]["name"]): o for kind, objs in listing.items() for o in objs}
@@ -319,14 +325,14 @@ class Controller:
             elif obj["kind"] != "Pod" and (patch := drift_patch(obj, actual)) is not None:
                 kube.patch(obj["kind"], ns, obj["metadata"]["name"], patch)
         for key in decision.restart:
-            for pod in _group_members(listing, key, kinds=("Pod",)):
-                kube.delete("Pod", ns, pod["metadata"]["name"])
+            for pod in _group_members(listing, key, kinds=("Pod",), nodes=nodes):
+                kube.delete("Pod", ns, pod["metadata"]["name"], deletion_grace(pod, nodes))
         for key in decision.delete:
             if _group_members(listing, key, kinds=("Service",)):  # once per group, before its Service goes
                 kube.delete("Secret", ns, group_name(ctx.owner.name, *key))
             for kind in ("Pod", "Service", "ConfigMap"):
-                for obj in _group_members(listing, key, kinds=(kind,)):
-                    kube.delete(kind, ns, obj["metadata"]["name"])
+                for obj in _group_members(listing, key, kinds=(kind,), nodes=nodes):
+                    kube.delete(kind, ns, obj["metadata"]["name"], deletion_grace(obj, nodes))
 
     def _poll(self, owner: Owner, obs: Observation, memory: Memory) -> dict[str, int]:
         """Measured resident bytes per pod from each ready leader, every status_poll_seconds."""
@@ -366,15 +372,15 @@ class Controller:
                                    choice.plan.replicas != current.replicas):
             reason = {"initial": "Planned", "improved": "Rebalancing", "repaired": "Rebalancing",
                       "replanned": "Rebalancing", "respec": "Replanned", "scaled": "Scaled"}.get(choice.kind, "Planned")
-            _event(body, "Normal", reason, choice.message)
+            self._event(body, "Normal", reason, choice.message)
         states = {g.key: group_state(g) for g in obs.groups}
         for key, create_pods in decision.keep.items():
             if create_pods and states.get(key, ("Empty",))[0] == "Empty":
-                _event(body, "Normal", "CreatingGroup", f"group {key[0]} revision {key[1]}")
+                self._event(body, "Normal", "CreatingGroup", f"group {key[0]} revision {key[1]}")
         for key in decision.restart:
-            _event(body, "Warning", "RecreatingGroup", f"group {key[0]}: {states[key][1]}")
+            self._event(body, "Warning", "RecreatingGroup", f"group {key[0]}: {states[key][1]}")
         for key, why in decision.delete.items():
-            _event(body, "Normal", "DeletingGroup", f"group {key[0]} revision {key[1]}: {why}")
+            self._event(body, "Normal", "DeletingGroup", f"group {key[0]} revision {key[1]}: {why}")
 
     def _problem_events(self, body: dict[str, Any], previous: dict[str, Any], status: dict[str, Any]) -> None:
         """A Warning whenever the Degraded or a blocked Progressing condition says something new."""
@@ -384,18 +390,21 @@ class Controller:
                   (cond["type"] == "Progressing" and cond.get("reason") in ("Blocked", "Failed"))
             old = before.get(cond["type"]) or {}
             if bad and (old.get("reason"), old.get("message")) != (cond.get("reason"), cond.get("message")):
-                _event(body, "Warning", cond["reason"], cond.get("message", ""))
+                self._event(body, "Warning", cond["reason"], cond.get("message", ""))
+
+    def _event(self, body: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        """Post an Event about the model; one that cannot be posted is logged, never fatal."""
+        log.info("%s/%s %s: %s", body["metadata"].get("namespace"), body["metadata"]["name"], reason, message)
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        try:
+            self.kube.event(event_body(body, type_, reason, message, stamp, self.reporter))
+        except Exception as err:  # events are for people: a lost one must not fail the reconcile
+            log.warning("event %s about %s not posted: %s", reason, body["metadata"]["name"], err)
 
 
 # ---------------------------------------------------------------- helpers
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _event(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
-    log.info("%s/%s %s: %s", body["metadata"].get("namespace"), body["metadata"]["name"], reason, message)
-    ref = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ShardedModel", **body}
-    kopf.event(ref, type=type_, reason=reason, message=message[:1000])
 
 
 def _current_plan(configmaps: list[dict[str, Any]], name: str) -> Plan | None:
@@ -421,13 +430,16 @@ def _group_plans(configmaps: list[dict[str, Any]]) -> dict[GroupKey, Plan]:
     return out
 
 
-def _group_members(listing: dict[str, list], key: GroupKey, kinds: tuple[str, ...]) -> list[dict[str, Any]]:
+def _group_members(listing: dict[str, list], key: GroupKey, kinds: tuple[str, ...],
+                   nodes: set[str] | None = None) -> list[dict[str, Any]]:
+    """The group's objects of those kinds not being deleted yet (or, on a node that is gone,
+    waiting for a kubelet that will not come: they need a deletion with grace 0)."""
     out = []
     for kind in kinds:
         for obj in listing[kind]:
             labels = obj["metadata"].get("labels") or {}
             if (labels.get(GROUP_LABEL), labels.get(REVISION_LABEL)) == (str(key[0]), key[1]) \
-                    and not obj["metadata"].get("deletionTimestamp"):
+                    and (not obj["metadata"].get("deletionTimestamp") or deletion_grace(obj, nodes) == 0):
                 out.append(obj)
     return out
 
@@ -476,9 +488,9 @@ def build_registry(controller: Controller, login: Callable[..., Any] | None = No
 
 def kopf_settings(settings: Settings) -> kopf.OperatorSettings:
     ks = kopf.OperatorSettings()
-    # Our Events are explicit (kopf.event); kopf's per-handler log lines would be writes on every
-    # reconcile.
-    ks.posting.level = logging.WARNING
+    # Our Events go through Controller._event (events.py): kopf's own would carry no action, and its
+    # per-handler log lines would be writes on every reconcile.
+    ks.posting.enabled = False
     ks.peering.standalone = settings.standalone
     ks.watching.server_timeout = 300
     ks.persistence.finalizer = "sharding.dev/operator"

@@ -46,7 +46,7 @@ from aiohttp import web  # noqa: E402
 from shard_contract.plan import PredictedBytes  # noqa: E402
 from shard_contract.wire import ResidentBytes, ShardEntry, ShardsResponse  # noqa: E402
 from shard_devcluster.apiserver import SM, serve  # noqa: E402
-from shard_devcluster.kubelet import FakeKubelet  # noqa: E402
+from tests.support.fakekubelet import FakeKubelet  # noqa: E402
 from shard_operator.kube import Kube  # noqa: E402
 from shard_operator.permissions import permissions  # noqa: E402
 from tests.support.operator import ManualClock, eventually, fast_settings, running_operator  # noqa: E402

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from shard_devcluster.apiserver import serve, write_kubeconfig
-from shard_devcluster.kubelet import FakeKubelet
+from tests.support.fakekubelet import FakeKubelet
 from tests.support.cluster import gpu_node, write_model
-from tests.support.k8s_binaries import binary
+from tests.support.k8s_binaries import binary, rows
 from tests.support.operator import eventually, fast_settings, running_operator
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,15 +38,16 @@ async def test_kubectl_applies_the_example_and_reads_the_printer_columns(tmp_pat
             assert "shardedmodel.sharding.dev/tiny-llama created" in await kubectl(config, "apply", "-f", str(EXAMPLE))
 
             async def row(ready: str):
-                lines = (await kubectl(config, "get", "shardedmodels")).splitlines()
-                columns = dict(zip(lines[0].split(), lines[1].split()))
+                (columns,) = rows(await kubectl(config, "get", "shardedmodels", "-o", "wide"))
                 return columns if columns["PHASE"] == "Ready" and columns["READY"] == ready else None
-            columns = await eventually(lambda: row("1"), timeout=30)
-            assert list(columns) == ["NAME", "PHASE", "TP", "PP", "READY", "REPLICAS", "AGE"]
-            assert (columns["NAME"], columns["TP"], columns["PP"], columns["REPLICAS"]) == ("tiny-llama", "1", "1", "1")
+            columns = await eventually(lambda: row("1/1"), timeout=30)
+            assert list(columns) == ["NAME", "PHASE", "TP", "PP", "READY", "URL", "REASON", "REPLICAS", "AGE"]
+            assert (columns["NAME"], columns["TP"], columns["PP"], columns["REASON"], columns["REPLICAS"]) == (
+                "tiny-llama", "1", "1", "", "1")
+            assert columns["URL"] == "http://tiny-llama.default.svc:8000"
 
             await kubectl(config, "scale", "sm/tiny-llama", "--replicas=2")
-            columns = await eventually(lambda: row("2"), timeout=30)
+            columns = await eventually(lambda: row("2/2"), timeout=30)
             assert columns["REPLICAS"] == "2"
             pods = await kubectl(config, "get", "pods", "-l", "sharding.dev/model=tiny-llama,sharding.dev/role=leader",
                                  "-o", "name")

@@ -427,12 +427,15 @@ class ProcessKubelet:
         """DELETE with grace 0, on condition that it is still this pod: what lets a deleted pod go."""
         meta = pod["metadata"]
         self._finalized.add(meta["uid"])
-        try:
-            await self.api.delete(path(PODS, meta["namespace"], meta["name"]),
-                                  {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}})
-        except (ApiStatusError, aiohttp.ClientError, asyncio.TimeoutError) as err:
-            self._finalized.discard(meta["uid"])  # the next event about it tries again
-            log.warning("pod %s/%s: final delete failed: %s", meta["namespace"], meta["name"], err)
+        for attempt in range(20):  # (as long as the API server fails it: nothing else will)
+            try:
+                await self.api.delete(path(PODS, meta["namespace"], meta["name"]),
+                                      {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}})
+                return
+            except (ApiStatusError, aiohttp.ClientError, asyncio.TimeoutError) as err:
+                log.warning("pod %s/%s: final delete failed: %s", meta["namespace"], meta["name"], err)
+                await asyncio.sleep(0.5)
+        self._finalized.discard(meta["uid"])  # the next event about it tries again
 
     async def _forget(self, sandbox: Sandbox) -> None:
         """The pod is gone from the API: its process and everything of it go."""

@@ -100,10 +100,22 @@ class Scheduler:
     def __init__(self, emu: FidelityEmulator):
         self.emu = emu
         self.wake = asyncio.Event()
-        self.pods = Cache(emu, PODS, lambda *_: self.wake.set())
+        self.pods = Cache(emu, PODS, self._pod_event)
         self.nodes = Cache(emu, NODES, lambda *_: self.wake.set())
+        self.used: dict[str, Counter] = {}                    # node -> what the pods bound there request
         self.assumed: dict[tuple[str | None, str], str] = {}  # bound by us, not yet seen bound
         self.said: dict[tuple[str | None, str], str] = {}     # the last Unschedulable message of each pod
+
+    def _pod_event(self, type_: str, pod: dict, old: dict | None) -> None:
+        """Keep `used` as the pods come, bind, finish and go (the scheduler cache's job)."""
+        for obj, sign in ((old, -1), (pod if type_ != "DELETED" else None, 1)):
+            if obj is not None and holds_resources(obj):
+                usage = self.used.setdefault(obj["spec"]["nodeName"], Counter())
+                for name, amount in requests(obj).items():
+                    usage[name] += sign * amount
+        if type_ == "DELETED" or self.pending(pod) or (old is not None and holds_resources(old)
+                                                       and not holds_resources(pod)):
+            self.wake.set()
 
     def tasks(self) -> list:
         return [self.pods.run(), self.nodes.run(), self._loop()]
@@ -125,11 +137,9 @@ class Scheduler:
         pods = self.pods.objects
         for key in [k for k, node in self.assumed.items() if k not in pods or (pods[k].get("spec") or {}).get("nodeName")]:
             del self.assumed[key]
-        used: dict[str, Counter] = {}
-        for key, pod in pods.items():
-            node = (pod.get("spec") or {}).get("nodeName") or self.assumed.get(key)
-            if node and (holds_resources(pod) or key in self.assumed):
-                used.setdefault(node, Counter()).update(requests(pod))
+        used = {node: Counter(usage) for node, usage in self.used.items()}
+        for key, node in self.assumed.items():
+            used.setdefault(node, Counter()).update(requests(pods[key]))
         nodes = sorted(self.nodes.objects.values(), key=lambda n: n["metadata"]["name"])
         waiting = sorted((p for k, p in pods.items() if self.pending(p) and k not in self.assumed),
                          key=lambda p: (p["metadata"].get("creationTimestamp") or "", p["metadata"]["name"]))
@@ -333,23 +343,55 @@ class EndpointsController:
         self.emu = emu
         self.dirty: set[tuple[str | None, str]] = set()
         self.wake = asyncio.Event()
+        # Indexes, so a pod's change costs the Services that select it, not all of them.
+        self.services_by_label: dict[tuple, set[tuple[str | None, str]]] = {}  # (ns, key, value) -> Services
+                                                                                 # whose selector has it
+        self.pods_by_label: dict[tuple, set[tuple[str | None, str]]] = {}      # (ns, key, value) -> pods
+        self.slices_of: dict[tuple[str | None, str], dict[str, dict]] = {}    # Service -> its slices by name
         self.services = Cache(emu, SERVICES, self._service_event)
         self.pods = Cache(emu, PODS, self._pod_event)
+        self.slices = Cache(emu, SLICES, self._slice_event)
 
     def tasks(self) -> list:
-        return [self.services.run(), self.pods.run(), self._loop()]
+        return [self.slices.run(), self.services.run(), self.pods.run(), self._loop()]
+
+    @staticmethod
+    def _selector_items(service: dict) -> list[tuple]:
+        selector = (service.get("spec") or {}).get("selector") or {}
+        return [(service["metadata"]["namespace"], k, v) for k, v in sorted(selector.items())]
 
     def _service_event(self, type_: str, service: dict, old: dict | None) -> None:
-        self.dirty.add(key_of(service))
+        key = key_of(service)
+        for item in self._selector_items(old) if old is not None else ():
+            self.services_by_label.get(item, set()).discard(key)
+        for item in self._selector_items(service) if type_ != "DELETED" else ():
+            self.services_by_label.setdefault(item, set()).add(key)
+        self.dirty.add(key)
         self.wake.set()
 
     def _pod_event(self, type_: str, pod: dict, old: dict | None) -> None:
-        ns = pod["metadata"]["namespace"]
+        ns, key = pod["metadata"]["namespace"], key_of(pod)
         labels = [pod["metadata"].get("labels") or {}, ((old or {}).get("metadata") or {}).get("labels") or {}]
-        for key, service in self.services.objects.items():
-            if key[0] == ns and any(_selects(service, l) for l in labels):
-                self.dirty.add(key)
-                self.wake.set()
+        for item in labels[1].items():
+            self.pods_by_label.get((ns, *item), set()).discard(key)
+        if type_ != "DELETED":
+            for item in labels[0].items():
+                self.pods_by_label.setdefault((ns, *item), set()).add(key)
+        for lbls in labels:  # the Services whose every selector item the pod has (had)
+            hits = Counter(s for item in lbls.items() for s in self.services_by_label.get((ns, *item), ()))
+            for service_key, n in hits.items():
+                service = self.services.objects.get(service_key)
+                if service is not None and n == len((service.get("spec") or {}).get("selector") or {}):
+                    self.dirty.add(service_key)
+                    self.wake.set()
+
+    def _slice_event(self, type_: str, endpoint_slice: dict, old: dict | None) -> None:
+        meta = endpoint_slice["metadata"]
+        owner = (meta["namespace"], (meta.get("labels") or {}).get(SERVICE_NAME_LABEL))
+        if type_ == "DELETED":
+            self.slices_of.get(owner, {}).pop(meta["name"], None)
+        else:
+            self.slices_of.setdefault(owner, {})[meta["name"]] = endpoint_slice
 
     async def _loop(self) -> None:
         while True:
@@ -365,13 +407,13 @@ class EndpointsController:
 
     async def sync(self, ns: str, name: str) -> None:
         service = self.services.objects.get((ns, name))
-        existing = await self.emu.k8s_list(SLICES, ns, f"{SERVICE_NAME_LABEL}={name}")
         if service is None or not (service.get("spec") or {}).get("selector"):
             if service is None and await self.emu.k8s_get(ENDPOINTS, ns, name) is not None:
                 await self.emu.k8s_delete(ENDPOINTS, ns, name)
             return  # (the slices go with the Service: they are owned by it)
-        pods = [p for (pns, _), p in self.pods.objects.items()
-                if pns == ns and _selects(service, p["metadata"].get("labels") or {})]
+        first, *_ = self._selector_items(service)
+        pods = [p for key in self.pods_by_label.get(first, set()) if (p := self.pods.objects.get(key)) is not None
+                and _selects(service, p["metadata"].get("labels") or {})]
         subsets, slices = service_endpoints(service, pods)
         endpoints = {"metadata": {"name": name, "labels": dict(service["metadata"].get("labels") or {})},
                      "subsets": subsets}
@@ -380,24 +422,26 @@ class EndpointsController:
             await self.emu.k8s_create(ENDPOINTS, ns, endpoints)
         elif current.get("subsets") != subsets:
             await self.emu.k8s_patch(ENDPOINTS, ns, name, {"subsets": subsets or None})
-        await self._slices(service, slices, existing)
+        await self._slices(service, slices, sorted(self.slices_of.get((ns, name), {}).values(),
+                                                   key=lambda s: s["metadata"]["name"]))
 
     async def _slices(self, service: dict, wanted: list[tuple[list, list]], existing: list[dict]) -> None:
+        """One slice per port mapping: the existing ones updated, more created, the rest deleted."""
         meta = service["metadata"]
         ns, name = meta["namespace"], meta["name"]
-        by_ports = {str(s.get("ports") or []): s for s in existing}
-        for ports, endpoints in wanted or [([], [])]:
-            current = by_ports.pop(str(ports), None)
-            if current is None:
-                await self.emu.k8s_create(SLICES, ns, {
-                    "metadata": {"name": f"{name}-{''.join(random.choices(string.ascii_lowercase + string.digits, k=5))}",
-                                 "labels": {SERVICE_NAME_LABEL: name, **MANAGED_BY},
-                                 "ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": name,
-                                                      "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True}]},
-                    "addressType": "IPv4", "ports": ports, "endpoints": endpoints})
-            elif current.get("endpoints") != endpoints:
-                await self.emu.k8s_patch(SLICES, ns, current["metadata"]["name"], {"endpoints": endpoints})
-        for stale in by_ports.values():
+        wanted = wanted or [([], [])]  # (a Service with no endpoints still has an empty slice)
+        for (ports, endpoints), current in zip(wanted, existing):
+            if (current.get("ports") or [], current.get("endpoints") or []) != (ports, endpoints):
+                await self.emu.k8s_patch(SLICES, ns, current["metadata"]["name"],
+                                         {"ports": ports or None, "endpoints": endpoints or None})
+        for ports, endpoints in wanted[len(existing):]:
+            await self.emu.k8s_create(SLICES, ns, {
+                "metadata": {"name": f"{name}-{''.join(random.choices(string.ascii_lowercase + string.digits, k=5))}",
+                             "labels": {SERVICE_NAME_LABEL: name, **MANAGED_BY},
+                             "ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": name,
+                                                  "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True}]},
+                "addressType": "IPv4", "ports": ports, "endpoints": endpoints})
+        for stale in existing[len(wanted):]:
             await self.emu.k8s_delete(SLICES, ns, stale["metadata"]["name"])
 
 

@@ -417,6 +417,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
     _scale_paths: dict = attrs.field(factory=dict, init=False)
     _bg_tasks: set = attrs.field(factory=set, init=False)
     _known_cache: dict = attrs.field(factory=dict, init=False)
+    _info_cache: dict = attrs.field(factory=dict, init=False)
     _by_resource: dict = attrs.field(factory=dict, init=False)  # resource -> keys in self._objects
 
     def __attrs_post_init__(self) -> None:
@@ -442,6 +443,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             subresources={s for s, on in (('status', status), ('scale', scale)) if on})
         self._custom.add(res)
         self._known_cache.clear()
+        self._info_cache.clear()
         self._printer_columns[res] = list(printer_columns)
         if schema is not None:
             self._schemas[res] = schema
@@ -469,7 +471,9 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         return list(self._requests)
 
     def _info(self, res: Res) -> kmock.ResourceInfo | None:
-        return self.resources[res] if res in self.resources else None
+        if res not in self._info_cache:  # (kmock's lookup is slow, and asked on every request)
+            self._info_cache[res] = self.resources[res] if res in self.resources else None
+        return self._info_cache[res]
 
     def _namespaced(self, res: Res) -> bool:
         info = self._info(res)

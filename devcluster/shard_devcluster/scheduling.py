@@ -123,12 +123,28 @@ def why_not(pod: dict[str, Any], node: dict[str, Any], used: Counter) -> str | N
     return None
 
 
+def named_nodes(pod: dict[str, Any]) -> set[str] | None:
+    """The nodes a required node affinity names by metadata.name in every term (NodeAffinity's
+    PreFilter: the others cannot match); None when it names none."""
+    required = ((((pod.get("spec") or {}).get("affinity") or {}).get("nodeAffinity") or {})
+                .get("requiredDuringSchedulingIgnoredDuringExecution") or {})
+    names: set[str] = set()
+    for term in required.get("nodeSelectorTerms") or []:
+        fields = [e for e in term.get("matchFields") or [] if e.get("key") == "metadata.name" and e.get("operator") == "In"]
+        if not fields:
+            return None
+        names |= set(fields[0].get("values") or [])
+    return names or None
+
+
 def place(pod: dict[str, Any], nodes: list[dict[str, Any]], used: dict[str, Counter]) -> tuple[str | None, str]:
     """(the node to bind `pod` to, "") or (None, the scheduler's message why none fits)."""
     feasible, reasons = [], Counter()
+    named = named_nodes(pod)
     for node in nodes:
         name = node["metadata"]["name"]
-        why = why_not(pod, node, used.get(name, Counter()))
+        why = "node(s) didn't match Pod's node affinity/selector" if named is not None and name not in named \
+            else why_not(pod, node, used.get(name, Counter()))
         if why is None:
             feasible.append(node)
         else:

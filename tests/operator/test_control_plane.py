@@ -77,8 +77,8 @@ async def test_the_scheduler_binds_within_affinity_selectors_taints_and_extended
                                                       {"key": "kubernetes.io/hostname", "operator": "NotIn",
                                                        "values": ["a"]}]}]}}}))
     surge = await eventually(lambda: _unschedulable(emu, "surge"))
-    assert surge["message"] == ("0/3 nodes are available: 1 Insufficient nvidia.com/gpu, 1 node(s) didn't match "
-                                "Pod's node affinity/selector, 1 node(s) had untolerated taint {dedicated: training}.")
+    assert surge["message"] == ("0/3 nodes are available: 1 Insufficient nvidia.com/gpu, "
+                                "2 node(s) didn't match Pod's node affinity/selector.")  # (pinned by name: a PreFilter)
     nowhere = await eventually(lambda: _unschedulable(emu, "nowhere"))
     assert nowhere["message"] == ("0/3 nodes are available: 1 node(s) had untolerated taint {dedicated: training}, "
                                   "2 node(s) didn't match Pod's node affinity/selector.")

@@ -147,9 +147,16 @@ async def test_probes_set_readiness_and_a_failed_liveness_probe_kills_the_contai
     data = data_dir(cluster, "p")
     (data / "alive").write_text("ok")
     await asyncio.sleep(1.0)
-    assert (await status(cluster, "p"))["phase"] == "Running" and not ready(await status(cluster, "p"))
+    running = await status(cluster, "p")
+    assert running["phase"] == "Running" and not ready(running)
+    await asyncio.sleep(1.0)  # (so that a transition time a second later would differ)
     (data / "ready").write_text("ok")
     await eventually(lambda: _is(cluster, "p", True), timeout=10)
+    became = await status(cluster, "p")
+    since = {c["type"]: c["lastTransitionTime"] for c in became["conditions"]}
+    assert since["Ready"] > since["Initialized"] == {c["type"]: c["lastTransitionTime"] for c in running["conditions"]}["Initialized"]
+    # The process started when it started, whenever it turned Ready.
+    assert became["containerStatuses"][0]["state"] == running["containerStatuses"][0]["state"]
     (data / "ready").unlink()
     await eventually(lambda: _is(cluster, "p", False), timeout=10)
     (data / "alive").unlink()
@@ -238,9 +245,12 @@ async def test_a_service_routes_to_ready_endpoints_and_retries_a_dead_one(cluste
         (data_dir(cluster, name) / "ready").write_text(name)
     for name in ("w0", "w1", "w3"):
         await eventually(lambda: _is(cluster, name, True), timeout=10)
+    # A Service without a selector (as the `kubernetes` one) has endpoints the proxy does not know of.
+    await cluster.emu.k8s_create("v1/services", "default", {"metadata": {"name": "manual"}, "spec": {
+        "ports": [{"port": 443}]}})
     url = await eventually(lambda: cluster.service_url("web"), timeout=10)
     assert url == f"http://{cluster.network.local(created['spec']['clusterIP'])}:80"
-    assert not [key for _, key in cluster.proxy.listeners.values() if key[1] == "grp"]  # headless: names only
+    assert {key[1] for _, key in cluster.proxy.listeners.values()} == {"web"}  # headless: names only
     async with httpx.AsyncClient() as http:
         answers = [(await http.get(url + "/ready")) for _ in range(6)]
         assert {r.text for r in answers} == {"w0", "w1"} and all(r.status_code == 200 for r in answers)
@@ -422,3 +432,20 @@ async def test_the_kubelet_and_proxies_attach_to_another_api_server_without_the_
             proc.send_signal(signal.SIGTERM)
             await asyncio.wait_for(proc.wait(), 60)
         assert proc.returncode == 0, "".join(out) + (await proc.stdout.read()).decode()
+
+
+def test_the_node_components_need_no_emulator():
+    """The kubelet, the proxies and DNS import without the emulator (or kmock) and call nothing of it:
+    they speak the Kubernetes HTTP API only (the attach test above runs them so)."""
+    import subprocess
+    import sys
+
+    modules = ["processkubelet", "proxy", "dns", "gateway", "kubeapi", "kubeletserver", "network", "cluster"]
+    code = ("import sys; sys.modules['shard_devcluster.emulator'] = None; sys.modules['kmock'] = None\n"
+            + "".join(f"import shard_devcluster.{m}\n" for m in modules))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    root = Path(__file__).resolve().parents[2] / "devcluster" / "shard_devcluster"
+    for module in modules[:-1]:
+        source = (root / f"{module}.py").read_text()
+        assert "emu" not in source.replace("emulated", "").replace("emulator", "") and "kmock" not in source, module

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from shard_devcluster.apiserver import serve, write_kubeconfig
 from tests.support.fakekubelet import FakeKubelet
@@ -148,3 +149,15 @@ async def test_kubectls_everyday_verbs_behave_as_on_a_cluster(tmp_path):
 
         await kubectl(config, "delete", "node", "sim-d")
         assert [r["NAME"] for r in rows(await kubectl(config, "get", "nodes"))] == ["sim-a", "sim-b", "sim-c"]
+
+        bad = yaml.safe_load(DEV_MODEL.read_text())
+        bad["metadata"]["name"], bad["spec"]["parallelism"] = "bad", {"tensor": 3, "pipeline": 1}
+        (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+        async with running_operator(url, settings):
+            await kubectl(config, "apply", "-f", str(tmp_path / "bad.yaml"))
+
+            async def failed():
+                row = {r["NAME"]: r for r in rows(await kubectl(config, "get", "sm"))}.get("bad") or {}
+                return row if row.get("PHASE") == "Failed" else None
+            row = await eventually(failed, timeout=30)
+        assert (row["READY"], row["REASON"]) == ("0/1", "InvalidParallelism")  # why, on the row

@@ -263,6 +263,16 @@ async def test_a_service_routes_to_ready_endpoints_and_retries_a_dead_one(cluste
         assert [r.text for r in answers] == ["w1"] * 4
     assert stats.failed == 0
 
+async def output_line(proc: asyncio.subprocess.Process, seen: list[str], text: str) -> str:
+    """The next line of `dev-cluster`'s output that holds `text` (each line read is kept in `seen`)."""
+    while True:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+        assert line, "dev-cluster ended early:\n" + "".join(seen)
+        seen.append(line)
+        if text in line:
+            return line
+
+
 def _children(pid: int) -> set[int]:
     """Every descendant process of `pid` (from /proc)."""
     parents: dict[int, int] = {}
@@ -292,12 +302,7 @@ async def test_shardctl_dev_cluster_starts_a_cluster_kubectl_can_use_and_stops_e
     seen: list[str] = []
 
     async def line_with(text: str) -> str:
-        while True:
-            line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
-            assert line, "dev-cluster ended early:\n" + "".join(seen)
-            seen.append(line)
-            if text in line:
-                return line
+        return await output_line(proc, seen, text)
 
     async def kubectl(*args: str) -> str:
         run = await asyncio.create_subprocess_exec(str(binary("kubectl")), *args, env={**os.environ, "KUBECONFIG": kubeconfig},
@@ -395,12 +400,7 @@ async def test_the_kubelet_and_proxies_attach_to_another_api_server_without_the_
         out: list[str] = []
 
         async def line_with(text: str) -> str:
-            while True:
-                line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-                assert line, "dev-cluster ended early:\n" + "".join(out)
-                out.append(line)
-                if text in line:
-                    return line
+            return await output_line(proc, out, text)
         try:
             await line_with("attached to the API server")
             await emu.k8s_create("v1/services", "default", GROUP_SERVICE)

@@ -262,6 +262,11 @@ async def test_a_service_routes_to_ready_endpoints_and_retries_a_dead_one(cluste
         answers = [(await http.get(url + "/ready")) for _ in range(4)]
         assert [r.text for r in answers] == ["w1"] * 4
     assert stats.failed == 0
+    # From outside the pods, the cluster network's proxy takes a Service's name and a pod's IP.
+    w1 = (await status(cluster, "w1"))["podIP"]
+    async with httpx.AsyncClient(proxy=cluster.gateway.url) as http:
+        assert (await http.get("http://web.default.svc.cluster.local/ready")).text == "w1"
+        assert (await http.get(f"http://{w1}:8000/ready")).text == "w1"
 
 async def output_line(proc: asyncio.subprocess.Process, seen: list[str], text: str) -> str:
     """The next line of `dev-cluster`'s output that holds `text` (each line read is kept in `seen`)."""

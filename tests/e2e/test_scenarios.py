@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -143,6 +144,10 @@ def test_1_kubectl_apply_the_example_serves_the_tokens_of_shardctl_generate(h, d
     choice = served.json()["choices"][0]
     assert choice["text"] == result["text"]
     assert tokens_of(served) == tuple(result["token_ids"])
+    # The model's URL (its row's URL column), as a pod would call it, through the cluster network's proxy.
+    proxied = httpx.post(columns["URL"] + "/v1/completions", json=completion_body(PROMPT, max_tokens=8),
+                         proxy=h.cluster.gateway.url, timeout=120)
+    assert proxied.status_code == 200 and tokens_of(proxied) == tokens_of(served)
 
 
 # ---------------------------------------------------------------- 4

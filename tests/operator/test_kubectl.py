@@ -141,7 +141,8 @@ async def test_kubectls_everyday_verbs_behave_as_on_a_cluster(tmp_path):
         assert ours and all(e["action"] != "Action?" and e["reportingComponent"] == "sharding.dev/shard-operator"
                             for e in ours)
         endpoints = {r["NAME"]: r for r in rows(await kubectl(config, "get", "endpoints"))}
-        assert set(endpoints["demo"]["ENDPOINTS"].split(",")) == {"10.244.0.10:8000"}  # (the FakeKubelet's pod IP)
+        leader = json.loads(await kubectl(config, "get", "pods", "-l", "sharding.dev/role=leader", "-o", "json"))["items"]
+        assert endpoints["demo"]["ENDPOINTS"] == f"{leader[0]['status']['podIP']}:8000"  # the ready leader's
 
         rank = next(r["NAME"] for r in rows(await kubectl(config, "get", "pods")) if r["NAME"].startswith("demo-0-"))
         kubelet.logs[("default", rank)] = LogBuffer(bytearray(b"loading\nready\n"), ended=True)

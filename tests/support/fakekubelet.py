@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import itertools
 import os
 import signal
 import sys
@@ -57,6 +58,7 @@ class FakeKubelet:
         self.logs: dict[tuple[str, str], LogBuffer] = {}
         self.procs: dict[tuple[str, str], asyncio.subprocess.Process] = {}
         self.started: dict[tuple[str, str], str] = {}  # pod -> uid, once started
+        self.addresses = itertools.count(10)  # pod IPs: 10.244.0.10, .11, ...
         self._pki = tempfile.TemporaryDirectory(prefix="fake-kubelet-")
         self.server = KubeletServer(lambda ns, name, container: self.logs.get((ns, name)), Path(self._pki.name))
         self._tasks: set[asyncio.Task] = set()
@@ -182,7 +184,8 @@ class FakeKubelet:
         meta, spec = pod["metadata"], pod.get("spec") or {}
         ns, name = meta["namespace"], meta["name"]
         c = (spec.get("containers") or [{}])[0]
-        base = {"hostIP": "127.0.0.1", "podIP": "10.244.0.10", "startTime": _now()}
+        ip = next(self.addresses)
+        base = {"hostIP": "127.0.0.1", "podIP": f"10.244.{ip // 250}.{ip % 250}", "startTime": _now()}
         if not self.run_processes(pod):
             ready = bool(self.ready(pod))
             await self._set_status(ns, name, {**base, "phase": "Running", "conditions": [

@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: demo test system-tools crd bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml worker/shard_worker/_gemv.c  # the C kernel is built by the install
 	test -x $(PY) || python3 -m venv $(VENV)
 	# The CPU wheel of torch lies on disk; an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0

@@ -28,6 +28,7 @@ SHORT_NAMES = ["sm"]
 PHASES = ("Pending", "Planning", "Loading", "Ready", "Rebalancing", "Degraded", "Failed")
 Phase = Literal["Pending", "Planning", "Loading", "Ready", "Rebalancing", "Degraded", "Failed"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Quantization = Literal["none", "int8"]
 Auto = Literal["auto"]
 # Kubernetes int-or-string: a positive integer, or "auto" to let the planner choose.
 Degree = Annotated[int, Field(ge=1)] | Auto
@@ -109,6 +110,10 @@ class ModelSpec(ApiModel):
                 raise ValueError(f"a path on the node must not have '..' segments (got {path!r})")
         return (_normal(path).lstrip("/") or ".") if in_volume else _normal(path)
     dtype: Dtype = Field("auto", description="Runtime dtype; auto keeps the checkpoint's.")
+    quantization: Quantization = Field("none", description=(
+        "Weight-only quantization at load: int8 stores the decoder layers' projections as int8 with "
+        "one scale per output row (about half of bfloat16's bytes); embeddings, norms and the LM "
+        "head stay in dtype, and so do activations."))
     max_model_len: int | None = Field(None, ge=1, description=(
         "Longest sequence (prompt + generated) served; sizes the KV cache. Default: the model's "
         "max_position_embeddings, at most 4096."))
@@ -174,6 +179,12 @@ class Resources(ApiModel):
         return value
 
 
+class SecretKeyRef(ApiModel):
+    name: str = Field(max_length=253, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+                      description="A Secret in the model's namespace.")
+    key: str = Field(max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="The Secret's key that holds it.")
+
+
 class WorkerSpec(ApiModel):
     image: str | None = Field(None, description="Worker image; default: the operator's setting.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
@@ -183,6 +194,10 @@ class WorkerSpec(ApiModel):
     rendezvous_port: int = Field(29500, ge=1, le=65535, description="torch.distributed MASTER_PORT.")
     rendezvous_timeout_seconds: int = Field(600, ge=1)
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL on GPUs, gloo on CPUs.")
+    api_key_secret: SecretKeyRef | None = Field(
+        None, description="An API key the OpenAI routes require (Authorization: Bearer): mounted from this Secret "
+                          "into each group's leader pod, which the operator never reads. Health, readiness, "
+                          "metrics and /v1/shards stay open.")
 
 
 class ShardedModelSpec(ApiModel):
@@ -203,6 +218,7 @@ class StageStatus(ApiModel):
 class PlanSummary(ApiModel):
     tensor_parallel: int
     pipeline_parallel: int
+    quantization: Quantization = "none"
     stages: list[StageStatus] = Field(default_factory=list)
     imbalance: float = 0.0
     hash: str = ""
@@ -220,6 +236,7 @@ class ShardStatus(ApiModel):
     tp_rank: int = 0
     layers: list[int] = Field(default_factory=list)
     predicted_bytes: int = 0
+    quantization: Quantization = Field("none", description="How this shard's weights are stored (from its plan).")
     resident_bytes: int | None = None
     state: str = "Pending"
 

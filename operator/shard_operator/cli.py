@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from shard_contract.checkpoint import CheckpointError
+from shard_contract.env import ENV_NAMES
 from shard_contract.wire import GenerateRequest, GenerateTask
 
 from . import picture
@@ -115,7 +116,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Plan the model over TP x PP local ranks, run them as processes, print what they generate."""
     prompt = parse_ids(args.prompt_ids) if args.prompt_ids is not None else tokenize(args.model, args.prompt)
     partition = parse_ids(args.layer_partition) if args.layer_partition else None
-    result_plan = plan_local(args.model, args.tp, args.pp, dtype=args.dtype,
+    result_plan = plan_local(args.model, args.tp, args.pp, dtype=args.dtype, quantization=args.quantization,
                              max_model_len=len(prompt) + args.max_new_tokens, devices=args.devices,
                              device_kind=args.device_kind, layer_partition=partition)
     request = GenerateRequest(prompt_ids=prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -153,6 +154,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                          prompt=args.prompt, max_tokens=args.max_tokens, restarts=args.restarts,
                          threads_per_rank=args.threads, ready_timeout=args.ready_timeout,
                          rendezvous_port=args.rendezvous_port or None, log_dir=args.log_dir,
+                         api_key_file=args.api_key_file,
                          out=lambda line: print(line, flush=True), err=lambda line: print(line, file=sys.stderr))
     except KeyboardInterrupt:
         print("\nshardctl: stopped every rank", file=sys.stderr)
@@ -223,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="runtime dtype (default: the checkpoint's)")
+    p.add_argument("--quantization", choices=("none", "int8"), default="none",
+                   help="int8: weight-only int8 projections, quantized at load (default none)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -255,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restarts", type=int, default=2, help="times a failed group is restarted (default 2)")
     p.add_argument("--threads", type=int, help="threads per rank (default: cores / ranks)")
     p.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for every rank to load")
+    p.add_argument("--api-key-file", metavar="FILE", default=os.environ.get(ENV_NAMES["api_key_file"]),
+                   help="require the key in FILE on the OpenAI routes (Authorization: Bearer); default: "
+                        f"${ENV_NAMES['api_key_file']}, else none")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("demo-model", help="write a random Llama checkpoint (several safetensors files, a trained "

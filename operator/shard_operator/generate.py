@@ -51,6 +51,8 @@ def render_result(result: GenerateResult) -> str:
              "token ids: " + " ".join(map(str, done.token_ids))]
     if done.text is not None:
         lines.append(f"text: {done.text!r}")
+    if done.error is not None:
+        lines.append(f"error: {done.error}")
     header = ("rank", "stage", "tp", "layers", "predicted", "resident", "load s", "comm s", "compute s", "idle s")
     rows = [header]
     for r in result.ranks:

@@ -45,8 +45,7 @@ from .sizing import (
     Shard,
     activation_bytes,
     kv_cache_bytes,
-    layer_weight_numel,
-    stage_seconds,
+    layer_weight_bytes,
     weight_bytes,
 )
 
@@ -114,6 +113,7 @@ class Request:
     """What the spec asks for, resolved against the profile."""
 
     dtype: str
+    quantization: str
     max_len: int
     batch: int
     replicas: int
@@ -196,7 +196,8 @@ def _resolve_request(profile: ModelProfile, spec: ShardedModelSpec) -> Request:
     if max_len > profile.max_position_embeddings:
         raise PlanError("InvalidSpec", f"spec.model.maxModelLen {max_len} exceeds the model's "
                         f"max_position_embeddings {profile.max_position_embeddings}")
-    return Request(dtype=dtype, max_len=max_len, batch=spec.model.max_batch_size,
+    return Request(dtype=dtype, quantization=spec.model.quantization, max_len=max_len,
+                   batch=spec.model.max_batch_size,
                    replicas=spec.replicas, headroom=spec.placement.memory_headroom,
                    spread_replicas=spec.placement.topology.spread_replicas)
 
@@ -281,12 +282,14 @@ class Costs:
         self.profile, self.request, self.options = profile, request, options
         self._cache: dict[tuple, StageModel] = {}
         self._partitions: dict[tuple, list[int] | None] = {}
-        self._layer_numel: dict[int, int] = {}
+        self._layer_bytes: dict[int, int] = {}
 
-    def layer_numel(self, tp: int) -> int:
-        if tp not in self._layer_numel:  # layers are alike in these families; take the largest
-            self._layer_numel[tp] = max(layer_weight_numel(self.profile, i, tp) for i in range(self.profile.num_layers))
-        return self._layer_numel[tp]
+    def layer_bytes(self, tp: int) -> int:
+        if tp not in self._layer_bytes:  # layers are alike in these families; take the largest
+            r = self.request
+            self._layer_bytes[tp] = max(layer_weight_bytes(self.profile, i, tp, r.dtype, r.quantization)
+                                        for i in range(self.profile.num_layers))
+        return self._layer_bytes[tp]
 
     def partition(self, shapes: tuple[tuple, ...], tp: int, given: list[int] | None) -> list[int] | None:
         """Layers per stage for stages of these block shapes (memoised: replicas repeat shapes)."""
@@ -316,7 +319,7 @@ class Costs:
         profile, request = self.profile, self.request
         empty = Shard(tp=tp, layers=(0, 0), embeds=embeds, has_lm_head=has_lm_head)
         one = Shard(tp=tp, layers=(0, 1), embeds=False, has_lm_head=False)
-        layer_bytes = self.layer_numel(tp) * profile.dtype_bytes(request.dtype)
+        layer_bytes = self.layer_bytes(tp)
         fixed = (weight_bytes(profile, empty, request.dtype)
                  + activation_bytes(profile, empty, request.max_len, request.batch, request.dtype)
                  + self.options.runtime_overhead[kind])
@@ -464,7 +467,7 @@ def _to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, op
             stages.append(StagePlan(stage=stage, layers=layers, seconds_per_token=layout.stage_seconds[stage]))
             shard = Shard(tp=tp, layers=layers, embeds=stage == 0, has_lm_head=stage == pp - 1)
             predicted = PredictedBytes(
-                weights=weight_bytes(profile, shard, request.dtype),
+                weights=weight_bytes(profile, shard, request.dtype, request.quantization),
                 kv_cache=kv_cache_bytes(profile, shard, request.max_len, request.batch, request.dtype),
                 activations=activation_bytes(profile, shard, request.max_len, request.batch, request.dtype),
                 overhead=options.runtime_overhead[block.kind])
@@ -481,7 +484,8 @@ def _to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, op
                                 critical_path_seconds=layout.critical_path))
     return Plan(
         model=profile.name, architecture=profile.architecture, profile_digest=profile.digest,
-        dtype=request.dtype, num_layers=profile.num_layers, tensor_parallel=tp, pipeline_parallel=pp,
+        dtype=request.dtype, quantization=request.quantization, num_layers=profile.num_layers,
+        tensor_parallel=tp, pipeline_parallel=pp,
         replicas=request.replicas, max_model_len=request.max_len, max_batch_size=request.batch,
         memory_headroom=request.headroom, groups=groups, ranks=ranks,
         reason=_reason(spec, best, found))
@@ -523,13 +527,17 @@ def shortfall(plan: Plan, inventory: Inventory) -> str:
             f"unused now: {left.describe()}")
 
 
+def _weights_phrase(request: Request) -> str:
+    return request.dtype if request.quantization == "none" else f"{request.quantization} ({request.dtype} activations)"
+
+
 def _capacity_needed(profile: ModelProfile, request: Request, inventory: Inventory, tps: list[int],
                      options: PlannerOptions) -> Shortfall:
     whole = Shard(tp=1, layers=(0, profile.num_layers), embeds=True, has_lm_head=True)
     per_device = options.runtime_overhead[inventory.devices[0].kind] + \
         activation_bytes(profile, Shard(tp=max(tps), layers=(0, 0), embeds=False, has_lm_head=False),
                          request.max_len, request.batch, request.dtype)
-    return Shortfall(weights=weight_bytes(profile, whole, request.dtype),
+    return Shortfall(weights=weight_bytes(profile, whole, request.dtype, request.quantization),
                      kv_cache=kv_cache_bytes(profile, whole, request.max_len, request.batch, request.dtype),
                      per_device=per_device, devices=tuple(inventory.devices),
                      usable=tuple(int(d.memory_bytes * (1 - request.headroom)) for d in inventory.devices))
@@ -539,9 +547,10 @@ def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: R
                        tps: list[int], options: PlannerOptions, short: Shortfall) -> str:
     weights, kv, per_device, need = short.weights, short.kv_cache, short.per_device, short.need
     usable = list(short.usable)
+    whole = Shard(tp=1, layers=(0, profile.num_layers), embeds=True, has_lm_head=True)
     lines = [
         f"{profile.name} does not fit: one replica needs at least {gib(need)} GiB across "
-        f"{len(usable)} devices ({gib(weights)} GiB of {request.dtype} weights and {gib(kv)} GiB of KV cache "
+        f"{len(usable)} devices ({gib(weights)} GiB of {_weights_phrase(request)} weights and {gib(kv)} GiB of KV cache "
         f"for {request.max_len} tokens x {request.batch} sequences per replica, plus ~{gib(per_device)} GiB "
         f"per device for runtime and activations); the pool has {gib(sum(usable))} GiB usable "
         f"({inventory.describe()}, {request.headroom:.0%} headroom).",
@@ -550,7 +559,7 @@ def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: R
     if partition is not None:
         tp = tps[0]
         starts = list(itertools.accumulate([0, *partition]))
-        needs = [sum((weight_bytes(profile, shard, request.dtype),
+        needs = [sum((weight_bytes(profile, shard, request.dtype, request.quantization),
                       kv_cache_bytes(profile, shard, request.max_len, request.batch, request.dtype),
                       activation_bytes(profile, shard, request.max_len, request.batch, request.dtype),
                       options.runtime_overhead[inventory.devices[0].kind]))
@@ -586,8 +595,9 @@ def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: R
         options_.append(f"lower maxModelLen or maxBatchSize (the KV cache is {gib(kv)} GiB at "
                         f"{request.max_len} tokens x {request.batch}; {request.max_len // 2} tokens halves it)")
     if request.dtype == "float32":
-        options_.append(f"use dtype bfloat16 (weights {gib(weights / 2)} GiB)")
-    options_.append(f"quantized 8-bit weights would need about {gib(weights * 1 / profile.dtype_bytes(request.dtype))} GiB "
-                    "(not supported by this runtime yet)")
+        options_.append(f"use dtype bfloat16 (weights "
+                        f"{gib(weight_bytes(profile, whole, 'bfloat16', request.quantization))} GiB)")
+    if request.quantization == "none":
+        options_.append(f"use quantization int8 (weights {gib(weight_bytes(profile, whole, request.dtype, 'int8'))} GiB)")
     lines.append("To make it fit: " + "; ".join(options_) + ".")
     return "\n".join(lines)

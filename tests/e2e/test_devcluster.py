@@ -318,7 +318,7 @@ async def test_a_service_never_replays_a_post_that_reached_an_endpoint(cluster):
         endpoint["spec"]["containers"][0]["command"] = ["python", "-c", RECORDER, "/data"]
         await cluster.emu.k8s_create("v1/pods", "default", endpoint)
         await eventually(lambda: _is(cluster, name, True), timeout=10)
-        ip = (await status(cluster, name))["podIP"]
+        ip = cluster.network.local((await status(cluster, name))["podIP"])
         await eventually(lambda: _answers(f"http://{ip}:8000/"), timeout=30)
     url = await eventually(lambda: cluster.service_url("api"), timeout=10)
 

@@ -99,7 +99,7 @@ class DevCluster:
                  probe_period: float = 1.0, grace: float = 5.0, run_operator: bool = True,
                  faults: Faults | None = None, attach: str | os.PathLike[str] | None = None,
                  node_monitor_grace: float = 40.0, pod_gc_quarantine: float = 40.0, renew_seconds: float = 10.0,
-                 pod_cidr: str = DEFAULT_POD_CIDR):
+                 pod_cidr: str = DEFAULT_POD_CIDR, node_selector: str = ""):
         self.workdir = Path(workdir).resolve()
         self.host_root = Path(host_root).resolve() if host_root else self.workdir / "host"
         self.attach = Path(attach).resolve() if attach else None
@@ -111,6 +111,7 @@ class DevCluster:
         self.faults = faults  # failures the API server injects (emulator.Faults)
         self.node_monitor_grace, self.pod_gc_quarantine = node_monitor_grace, pod_gc_quarantine
         self.renew_seconds = renew_seconds
+        self.node_selector = node_selector  # the Nodes this cluster's kubelet serves (all: "")
         self.network = ClusterNetwork(pod_cidr)
         self.url = ""
         self.emu: Any = None
@@ -155,7 +156,7 @@ class DevCluster:
             self._stack.callback(lambda: [task.cancel() for task in tasks])
             self.kubelet = ProcessKubelet(self.api, self.network, self.workdir / "pods", host_root=str(self.host_root),
                                           probe_period=self.probe_period, grace=self.grace, extra_env=RANK_ENV,
-                                          renew_seconds=self.renew_seconds)
+                                          renew_seconds=self.renew_seconds, node_selector=self.node_selector)
             await self._stack.enter_async_context(self.kubelet)
             self.proxy = ServiceProxy(self.api, self.network)
             await self.proxy.start()

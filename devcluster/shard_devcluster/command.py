@@ -38,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="attach to the API server (and its scheduler and controllers) this kubeconfig names instead "
                         "of starting the emulated one: the kubelet, the Service proxy and the operator run here "
                         "(docs/dev-cluster.md)")
+    p.add_argument("--node-selector", default="", metavar="LABELS",
+                   help="the kubelet serves only the Nodes these labels select (default: every Node), e.g. "
+                        "sharding.dev/device-kind=cpu beside real kubelets")
     p.set_defaults(func=run)
     actions = p.add_subparsers(dest="action", metavar="{add-node}")
     add = actions.add_parser("add-node", help="add a Node of simulated GPUs to the running dev cluster")
@@ -110,7 +113,8 @@ async def _serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    cluster = DevCluster(workdir, host_root=host_root, nodes=nodes, faults=args.faults, attach=args.kubeconfig)
+    cluster = DevCluster(workdir, host_root=host_root, nodes=nodes, faults=args.faults, attach=args.kubeconfig,
+                         node_selector=args.node_selector)
     await cluster.start()
     try:
         assert cluster.proxy is not None and cluster.operator is not None

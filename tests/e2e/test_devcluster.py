@@ -471,10 +471,11 @@ async def test_the_kubelet_and_proxies_attach_to_another_api_server_without_the_
         kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", url)
         nodes = tmp_path / "nodes.yaml"
         nodes.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": [
-            gpu_node("a", gpus=2, memory_mib=160, labels=SIM)]}))
+            gpu_node("a", gpus=2, memory_mib=160, labels=SIM), gpu_node("real", gpus=2)]}))  # (a real kubelet's)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", ATTACHED, "dev-cluster", "--kubeconfig", str(kubeconfig), "--nodes", str(nodes),
-            "--dir", str(tmp_path / "state"), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            "--node-selector", "sharding.dev/device-kind=cpu", "--dir", str(tmp_path / "state"),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         out: list[str] = []
 
         async def line_with(text: str) -> str:
@@ -501,11 +502,13 @@ async def test_the_kubelet_and_proxies_attach_to_another_api_server_without_the_
             async with httpx.AsyncClient() as http:
                 r = await http.get(local + "/")  # the stand-in serves its /data directory
             assert r.status_code == 200 and r.headers["x-upstream-pod"] == "w"
+            await emu.k8s_create("v1/pods", "default", pod("elsewhere", "real"))  # not its node: not its pod
             await emu.k8s_delete("v1/pods", "default", "w")
 
             async def gone():  # the attached kubelet stopped it and deleted it with grace 0
                 return await emu.k8s_get("v1/pods", "default", "w") is None
             await eventually(gone, timeout=30)
+            assert not (await emu.k8s_get("v1/pods", "default", "elsewhere")).get("status")
         finally:
             proc.send_signal(signal.SIGTERM)
             await asyncio.wait_for(proc.wait(), 60)

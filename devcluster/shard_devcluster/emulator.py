@@ -3,9 +3,9 @@ served over HTTP on loopback.
 
 `FidelityEmulator` extends kmock's KubernetesEmulator (pinned: kmock==0.8, whose internals this
 relies on) with the API-server semantics the real kopf operator, the real `kubernetes` client and
-real `kubectl` rely on (checked against kube-apiserver v1.36). `tests/operator/
-test_emulator_conformance.py` probes each of them over raw HTTP, and says which real behaviour each
-mimics.
+real `kubectl` rely on (checked against kube-apiserver v1.36).
+`tests/operator/integration/test_emulator_conformance.py` probes each of them over raw HTTP, and
+says which real behaviour each mimics.
 
 * server-populated metadata: uid, resourceVersion (global counter), creationTimestamp,
   generation, namespace from the URL, generateName; kind/apiVersion on lists & items;

@@ -130,10 +130,6 @@ class Sink:
         except RuntimeError:  # the loop is closed: the server has gone
             pass
 
-    @property
-    def ended(self) -> bool:
-        return self._closed
-
     def step(self, tokens: list[int]) -> int:
         """Its sequence's tokens so far (all of them); returns how many are new."""
         with self._lock:
@@ -252,7 +248,7 @@ class EngineLoop:
                     self._run(batch)
                 else:
                     self.engine.heartbeat()  # keep the followers' collective timeout from expiring
-                    self._publish()  # the last throughput line of a burst
+                    self._publish(0, 0)  # the last throughput line of a burst
         except Exception as err:  # a collective failed: a rank died, or the group timed out
             self.fail_all(first_line(err))
             raise
@@ -276,7 +272,7 @@ class EngineLoop:
             self.running = [self.waiting.popleft() for _ in range(n)]
             self.metrics.waiting(len(self.waiting))
         self.throughput.busy(time.monotonic())
-        self._publish()
+        self._publish(len(self.running), sum(len(p.request.prompt_ids) for p in self.running))
         return list(self.running)
 
     def _run(self, batch: list[Pending]) -> None:
@@ -320,7 +316,7 @@ class EngineLoop:
             prompt += len(seq.request.prompt_ids) if sink.generated == 0 else 0  # prefilled in this step
             generated += sink.step(seq.tokens)
         self.throughput.step(time.monotonic(), prompt, generated)
-        self._publish()
+        self._publish(len(seqs), sum(len(seq.request.prompt_ids) + len(seq.tokens) for seq in seqs))
 
     def _finished(self, seq: SequenceState, completion: Completion) -> None:
         pending = self.running[seq.index]
@@ -340,15 +336,13 @@ class EngineLoop:
     def _ran(self) -> None:
         with self.cond:
             self.running, self.cancelling = [], []
-        self._publish()
+        self._publish(0, 0)
 
-    def _publish(self) -> None:
-        """The gauges of the running requests and the KV cache's use, and the throughput line when
-        one is due. On the engine thread: `running` is its own."""
-        live = [p for p in self.running if not p.sink.ended]
-        kv_tokens = sum(len(p.request.prompt_ids) + p.sink.generated for p in live)
-        self.metrics.running(len(live), kv_tokens)
-        line = self.throughput.line(time.monotonic(), len(live), len(self.waiting), self.max_batch, kv_tokens,
+    def _publish(self, running: int, kv_tokens: int) -> None:
+        """The gauges of the `running` requests (those that took a token in the last step) and of
+        the KV-cache positions they take, and the throughput line when one is due."""
+        self.metrics.running(running, kv_tokens)
+        line = self.throughput.line(time.monotonic(), running, len(self.waiting), self.max_batch, kv_tokens,
                                     self.max_batch * self.max_len)
         if line is not None:
             log(LEADER, line)

@@ -3,7 +3,7 @@ served over HTTP on loopback.
 
 `FidelityEmulator` extends kmock's KubernetesEmulator (pinned: kmock==0.8, whose internals this
 relies on) with the API-server semantics the real kopf operator, the real `kubernetes` client and
-real `kubectl` rely on. `tests/operator/test_emulator_conformance.py` probes each of them over raw
+real `kubectl` rely on. `tests/operator/integration/test_emulator_conformance.py` probes each of them over raw
 HTTP.
 
 * server-populated metadata: uid, resourceVersion (global counter), creationTimestamp,

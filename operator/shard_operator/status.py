@@ -28,9 +28,9 @@ class Problem:
     fatal: bool = True  # nothing can run until the spec or the pool changes
 
 
-@dataclass
+@dataclass(frozen=True)
 class Observation:
-    """Everything the status is computed from."""
+    """Everything the status is computed from: what the reconcile's steps saw and decided."""
 
     name: str
     generation: int

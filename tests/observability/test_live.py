@@ -18,7 +18,7 @@ import yaml
 from shard_contract.units import human
 from shard_operator import metrics
 from shard_operator.local import free_port
-from tests.operator.conftest import world  # noqa: F401 -- the emulated cluster the operator runs against
+from tests.operator.integration.conftest import world  # noqa: F401 -- the emulated cluster the operator runs against
 from tests.packaging.chart import MONITORING_API, one, render
 from tests.packaging.test_dashboard import LABEL_VALUES, dashboard, panels
 from tests.support.cluster import gpu_node, sharded_model, write_model

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from shard_operator import api
 from shard_operator.crd import build_crd, render
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.yaml"))
 
 

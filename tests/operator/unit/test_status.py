@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from shard_operator.rollout import Decision, ObservedGroup, RankState, Want
 from shard_operator.status import Observation, Problem, build_status, status_patch
 
-from .conftest import make_plan, make_spec
+from tests.operator.conftest import make_plan, make_spec
 
 NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
@@ -136,8 +138,7 @@ def test_shards_say_how_their_weights_are_stored():
     obs = observation([group(0, "new", ["Ready"] * 2)], replicas=1)
     assert {s["quantization"] for s in build_status(obs, None, NOW)["shards"]} == {"none"}
     int8 = obs.plan.model_copy(update={"quantization": "int8"})
-    obs.plan, obs.group_plans = int8, {key: int8 for key in obs.group_plans}
-    status = build_status(obs, None, NOW)
+    status = build_status(replace(obs, plan=int8, group_plans={key: int8 for key in obs.group_plans}), None, NOW)
     assert {s["quantization"] for s in status["shards"]} == {"int8"} and status["plan"]["quantization"] == "int8"
 
 

@@ -13,7 +13,7 @@ from tests.support.cluster import gpu_node, write_model
 from tests.support.k8s_binaries import binary
 from tests.support.operator import eventually, fast_settings, running_operator
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "shardedmodel.yaml"
 
 

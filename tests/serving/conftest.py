@@ -20,7 +20,7 @@ import pytest
 
 from shard_operator.demo_model import DemoShape, write_demo_model
 from shard_operator.local import free_port
-from tests.support.processes import environ, shardctl, worker_ranks
+from tests.support.processes import shardctl, worker_ranks
 
 TINY = DemoShape(layers=4, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=600, max_positions=512, files=3)
 
@@ -50,10 +50,6 @@ spec:
 
 
 # ---------------------------------------------------------------- processes
-def rank_port(pid: int) -> int:
-    return int(environ(pid)["SHARD_PORT"])
-
-
 def wait_for(what: str, check, timeout: float, period: float = 0.1):
     """Poll `check()` until it returns something truthy; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -27,6 +27,7 @@ from shard_contract.wire import ShardsResponse
 from . import leaders
 from .api import GROUP, PLURAL, VERSION
 from .capacity import GpuUse, gpu_use, slim_node
+from .events import event_body, instance
 from .kube import Kube
 from .manifests import MODEL_LABEL, Owner, model_label
 from .reconcile import Event, Memory, Reads, Result, World, failed, reconcile
@@ -37,14 +38,6 @@ from .writes import send
 log = logging.getLogger("shard_operator")
 
 Recorder = Callable[[dict[str, Any], Event], None]  # (the model's body, the Event)
-
-
-def post_event(body: dict[str, Any], event: Event) -> None:
-    """The production recorder: a Kubernetes Event about the model (kopf posts it), and a log line."""
-    meta = body["metadata"]
-    log.info("%s/%s %s: %s", meta.get("namespace"), meta["name"], event.reason, event.message)
-    ref = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ShardedModel", **body}
-    kopf.event(ref, type=event.type, reason=event.reason, message=event.message[:1000])
 
 
 def stamp() -> str:
@@ -68,8 +61,10 @@ class Controller:
 
     def __init__(self, settings: Settings, kube: Kube,
                  fetch: Callable[[str, float], ShardsResponse | None] = leaders.fetch,
-                 clock: Callable[[], float] = time.monotonic, recorder: Recorder = post_event):
-        self.settings, self.kube, self.clock, self.recorder = settings, kube, clock, recorder
+                 clock: Callable[[], float] = time.monotonic, recorder: Recorder | None = None):
+        self.settings, self.kube, self.clock = settings, kube, clock
+        self.recorder = recorder or self.post_event
+        self.reporter = instance()
         self.reads = Reads(kube, fetch)
         self.loops: dict[tuple[str, str], Loop] = {}  # (namespace, model label) -> its running loop
         self.reconciles = 0
@@ -77,6 +72,17 @@ class Controller:
         # Read by the metrics endpoint (metrics.py), with each model's last status.
         self.reconcile_seconds = Histogram("shard_operator_reconcile_seconds", "Time of one reconcile of one model.",
                                            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=None)
+
+    def post_event(self, body: dict[str, Any], event: Event) -> None:
+        """The production recorder: a core/v1 Event about the model (events.py: with an action and
+        the reporting controller), and a log line. One that cannot be posted is logged, never fatal."""
+        meta = body["metadata"]
+        log.info("%s/%s %s: %s", meta.get("namespace"), meta["name"], event.reason, event.message)
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        try:
+            self.kube.event(event_body(body, event.type, event.reason, event.message, now, self.reporter))
+        except Exception as err:  # events are for people: a lost one must not fail the reconcile
+            log.warning("event %s about %s not posted: %s", event.reason, meta["name"], err)
 
     def statuses(self) -> dict[tuple[str, str], dict[str, Any]]:
         """(namespace, name) -> the status each running model loop last wrote."""
@@ -212,9 +218,9 @@ def build_registry(controller: Controller, login: Callable[..., Any] | None = No
 
 def kopf_settings(settings: Settings) -> kopf.OperatorSettings:
     ks = kopf.OperatorSettings()
-    # Our Events are explicit (kopf.event); kopf's per-handler log lines would be writes on every
-    # reconcile.
-    ks.posting.level = logging.WARNING
+    # Our Events go through the recorder (Controller.post_event, events.py): kopf's own would carry
+    # no action, and its per-handler log lines would be writes on every reconcile.
+    ks.posting.enabled = False
     ks.peering.standalone = settings.standalone
     ks.watching.server_timeout = 300
     ks.persistence.finalizer = "sharding.dev/operator"

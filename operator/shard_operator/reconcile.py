@@ -25,7 +25,7 @@ from shard_contract.wire import Measured, ShardsResponse
 
 from . import offload
 from .api import ShardedModelSpec, SpecError, parse_spec
-from .capacity import GpuUse, fingerprint, free_gpus, healthy_nodes, used_per_node
+from .capacity import GpuUse, fingerprint, free_gpus, healthy_nodes, node_names, used_per_node
 from .inventory import inventory_from_nodes
 from .kube import KINDS, NETWORK_POLICY
 from .manifests import (
@@ -48,7 +48,7 @@ from .profiles import LocalProfiles, ModelNotFound, local_model_dir, remote_prof
 from .replan import PlanChoice, choose_plan, without_held
 from .rollout import Decision, GroupKey, ObservedGroup, Want, decide, group_state, observe_groups
 from .settings import Settings
-from .status import Observation, Problem, build_status, failed_status, status_patch
+from .status import Observation, Problem, build_status, failed_status, newly_ready, status_patch
 from .timing import RECHECK_SECONDS, Pool, poll_in, requeue_after, settle
 from .writes import Write, changes
 
@@ -138,13 +138,15 @@ def reconcile(body: dict[str, Any], world: World, memory: Memory, now: float, st
                           settings.restart_budget)
     polled = poll(owner, planned.spec, seen.groups, memory, now, settings, reads.fetch)
     status = build_status(Observation(
-        name=owner.name, generation=generation, spec=planned.spec, plan=planned.plan, problem=planned.problem,
+        name=owner.name, namespace=owner.namespace, generation=generation, spec=planned.spec, plan=planned.plan,
+        problem=planned.problem,
         planning=planned.planning, wants=rolled.wants, groups=seen.groups,
         group_plans={**seen.group_plans, **rolled.group_plans}, decision=rolled.decision, restarts=rolled.restarts,
         measured=polled.measured), previous, stamp)
     changing = any(group_state(g)[0] in ("Starting", "Terminating") for g in seen.groups)
     return Result(
-        writes=planned.writes + rolled.writes, events=rolled.events + problem_events(previous, status),
+        writes=planned.writes + rolled.writes,
+        events=rolled.events + problem_events(previous, status) + ready_events(previous, status),
         status=status, status_patch=memory.patch_for(previous, status),
         requeue_after=requeue_after(settings.resync_seconds, planned.wake_in, polled.wake_in,
                                     RECHECK_SECONDS if changing else None),
@@ -182,8 +184,8 @@ def observe(owner: Owner, listing: dict[str, list[dict[str, Any]]], world: World
             except (KeyError, ValueError):
                 continue
     record = next((c for c in listing["ConfigMap"] if c["metadata"]["name"] == plan_record_name(owner.name)), None)
-    return Seen(groups=observe_groups(listing["Pod"], group_objs, healthy_nodes(world.nodes)), group_plans=plans,
-                current=_plan_record(record) if record is not None else None)
+    return Seen(groups=observe_groups(listing["Pod"], group_objs, healthy_nodes(world.nodes), node_names(world.nodes)),
+                group_plans=plans, current=_plan_record(record) if record is not None else None)
 
 
 def _plan_record(cm: dict[str, Any]) -> Plan | None:
@@ -278,7 +280,7 @@ def roll_out(ctx: Context, plan: Plan, choice: PlanChoice | None, seen: Seen, pr
     alive = {g.key for g in seen.groups} | {w.key for w in wants}
     return RolledOut(wants=wants, decision=decision, restarts={k: v for k, v in restarts.items() if k in alive},
                      group_plans={w.key: group_plan(plan, w.replica) for w in wants},
-                     writes=changes(ctx, plan, decision, listing),
+                     writes=changes(ctx, plan, decision, listing, node_names(world.nodes)),
                      events=rollout_events(choice, seen, decision))
 
 
@@ -339,6 +341,12 @@ def poll(owner: Owner, spec: ShardedModelSpec | None, groups: list[ObservedGroup
 
 
 # ---------------------------------------------------------------- report
+def ready_events(previous: dict[str, Any], status: dict[str, Any]) -> list[Event]:
+    """A group that serves now."""
+    return [Event("Normal", "GroupReady", f"group {g['replica']} revision {g['revision']} serves ({g['ranks']} ranks)")
+            for g in newly_ready(previous, status)]
+
+
 def problem_events(previous: dict[str, Any], status: dict[str, Any]) -> list[Event]:
     """A Warning whenever the Degraded or a blocked Progressing condition says something new."""
     before = {c.get("type"): c for c in previous.get("conditions") or []}

@@ -52,6 +52,15 @@ def binary(name: str) -> Path:
     return path
 
 
+def rows(table: str) -> list[dict[str, str]]:
+    """kubectl's table output as one dict per row, cut at the header's column offsets (a cell may
+    be empty, or hold spaces; kubectl puts at least three spaces between columns)."""
+    header, *lines = table.splitlines()
+    starts = [i for i, ch in enumerate(header) if ch != " " and (i == 0 or header[max(0, i - 2):i] == "  ")]
+    bounds = list(zip(starts, starts[1:] + [None]))
+    return [{header[a:b].strip(): line[a:b].strip() for a, b in bounds} for line in lines if line.strip()]
+
+
 def fetch() -> list[Path]:
     """Both binaries, downloaded when the cache lacks either."""
     if not all((CACHE / tool).is_file() for tool in ("helm", "kubectl")):

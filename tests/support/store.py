@@ -67,13 +67,15 @@ class Store:
         self._write("patch", key, lambda: self.objects.__setitem__(key, merge_patch(self.objects[key], patch)))
         return copy.deepcopy(self.objects[key])
 
-    def delete(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    def delete(self, kind: str, namespace: str, name: str, grace_seconds: int | None = None) -> dict[str, Any] | None:
         key = (kind, namespace, name)
         if key not in self.objects:  # 404: Kube answers None
             self._write("delete", key, lambda: None)
             self.log[-1] += " (404)"
             return None
-        self._write("delete", key, lambda: self._delete(key))
+        self._write("delete", key, lambda: self._delete(key, grace_seconds))
+        if grace_seconds is not None:
+            self.log[-1] += f" (grace {grace_seconds})"
         return copy.deepcopy(self.objects.get(key))
 
     def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any] | None:
@@ -110,14 +112,16 @@ class Store:
         return log
 
     # ---------------------------------------------------------------- the kubelet
-    def kubelet(self, ready: bool = True) -> None:
-        """What the scheduler and kubelets do between two reconciles: pods being deleted go, new
-        pods are bound to their planned node and run (Ready when `ready`)."""
+    def kubelet(self, ready: bool = True, nodes: set[str] | None = None) -> None:
+        """What the scheduler and kubelets do between two reconciles: pods being deleted go (but on
+        a node that is not in `nodes`: no kubelet is left there), new pods are bound to their
+        planned node and run (Ready when `ready`)."""
         for key, pod in list(self.objects.items()):
             if key[0] != "Pod":
                 continue
             if pod["metadata"].get("deletionTimestamp"):
-                del self.objects[key]
+                if nodes is None or pod["spec"].get("nodeName") in nodes:
+                    del self.objects[key]
             elif not pod["spec"].get("nodeName"):
                 pod["spec"]["nodeName"] = pod["metadata"]["annotations"][NODE_ANNOTATION]
                 pod["status"] = {"phase": "Running", "podIP": "10.0.0.1",
@@ -160,11 +164,11 @@ class Store:
             self.log[-1] += " (504)"
             raise ApiException(status=504, reason="Gateway Timeout")
 
-    def _delete(self, key: tuple[str, str, str]) -> None:
+    def _delete(self, key: tuple[str, str, str], grace_seconds: int | None) -> None:
         obj = self.objects.get(key)
         if obj is None:
             return
-        if key[0] == "Pod" and obj["spec"].get("nodeName"):  # graceful: the kubelet lets go
+        if key[0] == "Pod" and obj["spec"].get("nodeName") and grace_seconds != 0:  # graceful: the kubelet lets go
             obj["metadata"].setdefault("deletionTimestamp", "2026-01-01T00:00:00Z")
         else:
             del self.objects[key]

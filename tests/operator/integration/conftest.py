@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from shard_devcluster.apiserver import SM, serve
-from shard_devcluster.kubelet import FakeKubelet
+from tests.support.fakekubelet import FakeKubelet
 from shard_operator.kube import Kube
 from shard_operator.permissions import permissions
 from tests.operator.conftest import leader_report

@@ -189,8 +189,12 @@ async def test_a_removed_node_moves_its_group_while_the_other_keeps_serving(worl
         assert {n: u for n, u in uids(after).items() if "-1-" in n} == other  # group 1 never restarted
         assert lost not in set().union(*groups_of(after).values())
         assert status["readyReplicas"] == 2
+    # Its pods would wait for the pod GC (40 s here): the operator deleted them with grace 0.
+    forced = {r.name for r in world.emu.api_requests() if permission_of(r) == (("", "pods"), "delete")
+              and r.params.get("gracePeriodSeconds") == "0"}
+    assert forced == {n for n in uids(before) if "-0-" in n}
     reasons = [e[1] for e in await world.events("m1")]
-    assert "Rebalancing" in reasons and "NodeLost" in reasons
+    assert "Rebalancing" in reasons and "NodeLost" in reasons and reasons.count("GroupReady") == 3
 
 
 async def _phase_in(world, name, phases):

@@ -87,7 +87,8 @@ def test_crd_has_subresources_columns_and_short_name():
         "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
         "labelSelectorPath": ".status.selector"}
     assert version["subresources"]["status"] == {}
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Phase", "TP", "PP", "Ready", "Replicas", "Age"]
+    assert [(c["name"], c.get("priority", 0)) for c in version["additionalPrinterColumns"]] == [
+        ("Phase", 0), ("TP", 0), ("PP", 0), ("Ready", 0), ("URL", 0), ("Reason", 0), ("Replicas", 1), ("Age", 0)]
 
 
 def test_crd_carries_defaults_bounds_and_enums():

@@ -9,7 +9,8 @@ the integration tier of the same behaviours.
 
 Names in the tables: `m1-<group>-<revision>[-<rank>]`, with each revision digest replaced by a
 letter in the order the scenario meets them (a, b, ...); a status write reads `status <phase>`;
-(409), (404), (500), (504) are the API server's answers other than success.
+(409), (404), (500), (504) are the API server's answers other than success, (grace 0) a deletion's
+grace period.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def edit(**spec) -> Act:
 
 
 def kubelet(ready: bool = True) -> Act:
-    return lambda sim: sim.store.kubelet(ready)
+    return lambda sim: sim.store.kubelet(ready, nodes=set(sim.nodes))
 
 
 def later(seconds: float) -> Act:
@@ -152,11 +153,11 @@ def group_writes(group: int, revision: str) -> list[str]:
             f"create Pod {name}-0", f"create Pod {name}-1"]
 
 
-def group_deletes(group: int, revision: str) -> list[str]:
-    """Deleting a group: its key (once, with its Service), pods, Service and plan."""
+def group_deletes(group: int, revision: str, grace: int | None = None) -> list[str]:
+    """Deleting a group: its key (once, with its Service), pods (with a grace period), Service and plan."""
     name = f"m1-{group}-{revision}"
-    return [f"delete Secret {name}", f"delete Pod {name}-0", f"delete Pod {name}-1", f"delete Service {name}",
-            f"delete ConfigMap {name}"]
+    pods = [f"delete Pod {name}-{rank}" + (f" (grace {grace})" if grace is not None else "") for rank in (0, 1)]
+    return [f"delete Secret {name}", *pods, f"delete Service {name}", f"delete ConfigMap {name}"]
 
 
 MODEL_WRITES = ["create Service m1", "create Service m1-metrics", "create ConfigMap m1-plan"]
@@ -173,7 +174,12 @@ def measured(sim: Sim) -> None:
     assert sorted(s["residentBytes"] for s in shards) == [RESIDENT, RESIDENT + 2**20]
 
 
-READY = Round([kubelet()], ["status Ready"], next=20)  # the first poll of the leaders is due at once
+def ready(groups: int = 1) -> list[str]:
+    return ["Normal GroupReady"] * groups
+
+
+READY = Round([kubelet()], ["status Ready"], ready(), next=20)  # the first poll of the leaders is due at once
+READY2 = Round([kubelet()], ["status Ready"], ready(2), next=20)
 
 # name -> (nodes, rounds)
 SCENARIOS: dict[str, tuple[list[dict], list[Round]]] = {
@@ -181,7 +187,7 @@ SCENARIOS: dict[str, tuple[list[dict], list[Round]]] = {
         Round([create()], [*MODEL_WRITES, *group_writes(0, "a"), "status Loading"],
               ["Normal Planned", "Normal CreatingGroup"], next=30.01),  # the pool's settle window starts
         Round([kubelet(ready=False)], ["status Loading"], next=5),  # starting pods: look again soon
-        Round([kubelet()], ["status Ready"], next=20, then=measured),
+        Round([kubelet()], ["status Ready"], ready(), next=20, then=measured),
         Round([later(31)], [], next=20),  # settled: no better plan, no churn
         Round([later(20)], [], next=20),
     ]),
@@ -192,7 +198,7 @@ SCENARIOS: dict[str, tuple[list[dict], list[Round]]] = {
         Round([edit(replicas=3)], ["patch ConfigMap m1-plan", "patch ConfigMap m1-0-a", *group_writes(1, "a"),
                                    *group_writes(2, "a"), "status Loading"],
               ["Normal Scaled", "Normal CreatingGroup", "Normal CreatingGroup"], next=20),
-        Round([kubelet()], ["status Ready"], next=20),
+        Round([kubelet()], ["status Ready"], ready(2), next=20),
         Round([edit(replicas=2)], ["patch ConfigMap m1-plan", "patch ConfigMap m1-0-a", "patch ConfigMap m1-1-a",
                                    *group_deletes(2, "a"), "status Loading"],
               ["Normal Scaled", "Normal DeletingGroup"], next=20),
@@ -205,9 +211,9 @@ SCENARIOS: dict[str, tuple[list[dict], list[Round]]] = {
         Round([later(31)], [], next=20),
         Round([node_ready("a", False)], ["status Degraded"], ["Warning NodeLost"], next=20,
               then=condition("Degraded", "NodeLost", "group 0 is lost; waiting for the node or a new plan")),
-        Round([later(10), node_ready("a", True)], ["status Ready"], next=10),
+        Round([later(10), node_ready("a", True)], ["status Ready"], ready(), next=10),  # it serves again
         Round([later(10), node_ready("a", False)], ["status Degraded"], ["Warning NodeLost"], next=30.01),
-        Round([later(10), node_ready("a", True)], ["status Ready"], next=20),
+        Round([later(10), node_ready("a", True)], ["status Ready"], ready(), next=20),
         Round([later(31)], [], next=20),  # the pool settled as it was: nothing moves
     ]),
     "a failed rank recreates its group until the restart budget is spent": ([gpu_node("a")], [
@@ -218,12 +224,12 @@ SCENARIOS: dict[str, tuple[list[dict], list[Round]]] = {
               ["Warning RecreatingGroup", "Warning GroupFailed"], next=20),
         Round([kubelet()], ["create Secret m1-0-a (409)", "create Pod m1-0-a-0", "create Pod m1-0-a-1",
                             "status Loading"], ["Normal CreatingGroup"], next=20),
-        Round([kubelet()], ["status Ready"], next=20),
+        Round([kubelet()], ["status Ready"], ready(), next=20),
         Round([rank_fails(0, 0)], ["delete Pod m1-0-a-0", "delete Pod m1-0-a-1", "status Degraded"],
               ["Warning RecreatingGroup", "Warning GroupFailed"], next=20),
         Round([kubelet()], ["create Secret m1-0-a (409)", "create Pod m1-0-a-0", "create Pod m1-0-a-1",
                             "status Loading"], ["Normal CreatingGroup"], next=20),
-        Round([kubelet()], ["status Ready"], next=20),
+        Round([kubelet()], ["status Ready"], ready(), next=20),
         Round([rank_fails(0, 0)], ["status Failed"], ["Warning Failed", "Warning RestartBudgetExhausted"], next=20,
               then=condition("Degraded", "RestartBudgetExhausted", "over the restart budget of 2")),
         Round([later(20)], [], next=10.01),  # the failed pods stay (`kubectl logs`); no leader to poll
@@ -238,24 +244,26 @@ SCENARIOS: dict[str, tuple[list[dict], list[Round]]] = {
         Round([edit(rollout={"maxUnavailable": 1})], [*group_deletes(0, "a"), "status Rebalancing"],
               ["Normal DeletingGroup"], next=20),
         Round([kubelet()], [*group_writes(0, "b"), "status Loading"], ["Normal CreatingGroup"], next=20),
-        Round([kubelet()], ["status Ready"], next=20),
+        Round([kubelet()], ["status Ready"], ready(), next=20),
     ]),
     "a lost node's group moves once the pool has settled": ([gpu_node(n) for n in "abc"], [
         Round([create(replicas=2)], [*MODEL_WRITES, *group_writes(0, "a"), *group_writes(1, "a"), "status Loading"],
               ["Normal Planned", "Normal CreatingGroup", "Normal CreatingGroup"], next=30.01),
-        READY,
+        READY2,
         Round([later(31)], [], next=20),
         Round([node_gone("a")], ["status Degraded"], ["Warning NodeLost"], next=20),
         Round([later(10)], [], next=10),
-        Round([later(21)], ["patch ConfigMap m1-plan", *group_writes(0, "b"), *group_deletes(0, "a"),
+        # Its pods wait for a kubelet that is gone (the pod GC would take them 40 s later): they
+        # are deleted with grace 0, so the replacement is all there is of group 0 once it serves.
+        Round([later(21)], ["patch ConfigMap m1-plan", *group_writes(0, "b"), *group_deletes(0, "a", grace=0),
                             "status Rebalancing"],
               ["Normal Rebalancing", "Normal CreatingGroup", "Normal DeletingGroup"], next=20),
-        Round([kubelet()], ["status Ready"], next=20),
+        Round([kubelet()], ["status Ready"], ready(), next=20),
     ]),
     "scaling during a rollout": ([gpu_node(n, gpus=4) for n in "ab"], [
         Round([create(replicas=2)], [*MODEL_WRITES, *group_writes(0, "a"), *group_writes(1, "a"), "status Loading"],
               ["Normal Planned", "Normal CreatingGroup", "Normal CreatingGroup"], next=30.01),
-        READY,
+        READY2,
         # A new image: group 0's replacement surges (maxSurge 1), group 1's waits for it.
         Round([edit(worker={"image": "example.com/worker:2"})], [*group_writes(0, "b"), "status Rebalancing"],
               ["Normal CreatingGroup", "Warning Blocked"], next=20,
@@ -265,8 +273,8 @@ SCENARIOS: dict[str, tuple[list[dict], list[Round]]] = {
                                    "status Rebalancing"], ["Normal Scaled", "Normal CreatingGroup"], next=5),
         # Group 0's replacement is ready: its old group goes, and group 1's replacement starts.
         Round([kubelet()], [*group_writes(1, "b"), *group_deletes(0, "a"), "status Rebalancing"],
-              ["Normal CreatingGroup", "Normal DeletingGroup"], next=20),
-        Round([kubelet()], [*group_deletes(1, "a"), "status Rebalancing"], ["Normal DeletingGroup"], next=20),
+              ["Normal CreatingGroup", "Normal DeletingGroup", *ready(2)], next=20),
+        Round([kubelet()], [*group_deletes(1, "a"), "status Rebalancing"], ["Normal DeletingGroup", *ready()], next=20),
         # Scaled down while group 1's old pods still terminate: only whole, live groups are deleted.
         Round([edit(replicas=1)], ["patch ConfigMap m1-plan", "patch ConfigMap m1-0-b", *group_deletes(1, "b"),
                                    *group_deletes(2, "a"), "status Loading"],

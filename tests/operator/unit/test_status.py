@@ -8,7 +8,8 @@ import pytest
 
 from shard_contract.wire import Measured
 from shard_operator.rollout import Decision, ObservedGroup, RankState, Want
-from shard_operator.status import Observation, Problem, build_status, status_patch
+from shard_operator.events import event_body
+from shard_operator.status import Observation, Problem, build_status, newly_ready, status_patch
 
 from tests.operator.conftest import make_plan, make_spec
 
@@ -185,3 +186,30 @@ def test_transition_times_change_only_with_the_status():
     still = build_status(observation([group(0, "new", ["Ready"] * 2), group(1, "new", ["Failed"] * 2)]), broken,
                          "2026-01-01T00:09:00Z")
     assert {c["type"]: c["lastTransitionTime"] for c in still["conditions"]} == times
+
+
+def test_the_printer_columns_fields_ready_of_wanted_the_url_and_the_reason():
+    ready = build_status(observation([group(0, "new", ["Ready"] * 2), group(1, "new", ["Running"] * 2)]), None, NOW)
+    assert (ready["ready"], ready["url"], ready["reason"]) == ("1/2", "http://m.default.svc:8000", "")
+    failed = build_status(Observation(name="m", generation=1, spec=make_spec(replicas=2), namespace="team",
+                                      problem=Problem("InvalidParallelism", "tensor=3 ...")), None, NOW)
+    assert (failed["phase"], failed["ready"], failed["reason"]) == ("Failed", "0/2", "InvalidParallelism")
+    assert failed["url"] == "http://m.team.svc:8000"
+
+
+def test_a_group_that_turns_ready_is_named_once():
+    starting = build_status(observation([group(0, "new", ["Ready", "Running"])], replicas=1), None, NOW)
+    ready = build_status(observation([group(0, "new", ["Ready"] * 2)], replicas=1), starting, LATER)
+    assert [(g["replica"], g["revision"]) for g in newly_ready(starting, ready)] == [(0, "new")]
+    assert newly_ready(ready, ready) == []
+
+
+def test_events_say_what_the_operator_did_and_who_it_is():
+    model = {"metadata": {"name": "m", "namespace": "team", "uid": "u1", "resourceVersion": "7"}}
+    event = event_body(model, "Normal", "GroupReady", "group 0 serves", "2026-01-01T00:00:00.123456Z", "op-1")
+    assert (event["action"], event["reportingComponent"], event["reportingInstance"]) == (
+        "GroupReady", "sharding.dev/shard-operator", "op-1")
+    assert event["involvedObject"] == {"apiVersion": "sharding.dev/v1alpha1", "kind": "ShardedModel", "name": "m",
+                                       "namespace": "team", "uid": "u1", "resourceVersion": "7"}
+    assert (event["eventTime"], event["lastTimestamp"]) == ("2026-01-01T00:00:00.123456Z", "2026-01-01T00:00:00Z")
+    assert event_body(model, "Warning", "InvalidSpec", "x", "2026-01-01T00:00:00.000000Z", "op-1")["action"] == "Reconcile"

@@ -1,8 +1,11 @@
-"""Byte quantities as people write them ("80GiB", "24G", "512Mi") and as tables show them."""
+"""Byte quantities as people write them ("80GiB", "24G", "512Mi") and as tables show them; Kubernetes
+resource quantities ("100m", "8Gi")."""
 
 from __future__ import annotations
 
 import re
+from decimal import Decimal
+from typing import Any
 
 _UNITS = {
     "": 1, "b": 1,
@@ -38,3 +41,17 @@ def human(n_bytes: int | float) -> str:
         if abs(n_bytes) >= size:
             return f"{n_bytes / size:.1f} {unit}"
     return f"{int(n_bytes)} B"
+
+
+_KUBE_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+                  "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": 1,
+                  "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+_KUBE_QUANTITY = re.compile(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|)$")
+
+
+def quantity(value: Any) -> Decimal:
+    """A Kubernetes resource quantity ("100m", "8Gi", 2) as a number (case matters: "m" is milli)."""
+    match = _KUBE_QUANTITY.match(str(value).strip())
+    if not match:
+        raise ValueError(f"{value!r} is not a Kubernetes quantity; write it like 16Gi, 500M or 250m")
+    return Decimal(match.group(1)) * Decimal(_KUBE_SUFFIXES[match.group(2)])

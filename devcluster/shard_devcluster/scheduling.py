@@ -12,24 +12,11 @@ scheduler's scoring (spreading, image locality, ...) is not emulated.
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from decimal import Decimal
 from typing import Any, Iterable
 
-_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-             "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": 1,
-             "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
-_QUANTITY = re.compile(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|)$")
-
-
-def quantity(value: Any) -> Decimal:
-    """A resource quantity ("100m", "8Gi", 2) as a number."""
-    match = _QUANTITY.match(str(value).strip())
-    if not match:
-        raise ValueError(f"not a quantity: {value!r}")
-    return Decimal(match.group(1)) * Decimal(_SUFFIXES[match.group(2)])
-
+from shard_contract.units import quantity
 
 def requests(pod: dict[str, Any]) -> Counter:
     """What a pod requests: each container's requests (its limits where it sets no request, as the

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 from pydantic.alias_generators import to_camel
 
-from shard_contract.units import parse_bytes
+from shard_contract.units import parse_bytes, quantity
 
 GROUP = "sharding.dev"
 VERSION = "v1alpha1"
@@ -199,17 +199,18 @@ class EnvVar(ApiModel):
     value: str = ""
 
 
-class Resources(ApiModel):
-    requests: dict[str, str] = Field(default_factory=dict)
-    limits: dict[str, str] = Field(default_factory=dict)
+def _kubernetes_quantity(value: str) -> str:
+    quantity(value)  # as the API server would refuse the pod; the operator also adds to the memory (offload)
+    return value
 
-    @field_validator("requests", "limits", mode="before")
-    @classmethod
-    def _quantities_as_strings(cls, value: Any) -> Any:
-        # Kubernetes quantities are int-or-string; keep them as the strings Kubernetes prints.
-        if isinstance(value, dict):
-            return {k: str(v) for k, v in value.items()}
-        return value
+
+# int-or-string in Kubernetes; kept as the string Kubernetes prints.
+Quantity = Annotated[str, BeforeValidator(str), AfterValidator(_kubernetes_quantity)]
+
+
+class Resources(ApiModel):
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    limits: dict[str, Quantity] = Field(default_factory=dict)
 
 
 class SecretKeyRef(ApiModel):

@@ -14,7 +14,7 @@ REPORTING_CONTROLLER = f"{GROUP}/shard-operator"
 # What the operator did (or failed to do) about the ShardedModel, per Event reason.
 ACTIONS = {"Planned": "Plan", "Replanned": "Plan", "Rebalancing": "Plan", "Scaled": "Plan",
            "CreatingGroup": "CreateGroup", "RecreatingGroup": "RecreateGroup", "DeletingGroup": "DeleteGroup",
-           "GroupReady": "GroupReady"}
+           "GroupReady": "GroupReady", "Offloading": "Plan", "FullyResident": "Plan"}
 
 
 def instance() -> str:

@@ -20,11 +20,13 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, Callable
 
 from shard_contract.env import (API_KEY_MOUNT, ENV_NAMES, MODEL_MOUNT, PLAN_MOUNT, SECRET_KEY, SECRET_MOUNT, WorkerEnv,
                                 new_group_key)
-from shard_contract.plan import Plan
+from shard_contract.plan import Plan, RankPlan
+from shard_contract.units import MiB, quantity
 
 from .api import API_VERSION, KIND, ShardedModelSpec, SpecError
 
@@ -294,6 +296,25 @@ def _api_key(spec: ShardedModelSpec) -> tuple[list[dict[str, Any]], list[dict[st
             [{"name": "api-key", "mountPath": directory, "readOnly": True}])
 
 
+def _resources(spec: ShardedModelSpec, rp: RankPlan) -> dict[str, dict[str, str]]:
+    """The rank's requests and limits: the spec's, one GPU, and the host memory its streamed layers
+    take (offload: pinned copies, the page cache of what it reads) on top of the rank's own memory,
+    so the scheduler places it where that memory is and the kernel does not reclaim it from under it."""
+    gpu = {spec.placement.gpu_resource: "1"}
+    requests, limits = {**spec.worker.resources.requests, **gpu}, {**spec.worker.resources.limits, **gpu}
+    host = rp.offload.host_bytes if rp.offload else 0
+    if host:
+        # A container without a memory request requests its limit (the API server's default).
+        requests["memory"] = _mebibytes(quantity(requests.get("memory", limits.get("memory", 0))) + host)
+        if "memory" in limits:
+            limits["memory"] = _mebibytes(quantity(limits["memory"]) + host)
+    return {"requests": requests, "limits": limits}
+
+
+def _mebibytes(n_bytes: Decimal | int) -> str:
+    return f"{math.ceil(n_bytes / MiB)}Mi"
+
+
 def rank_pod(ctx: Context, plan: Plan, replica: int, rank: int, revision: str) -> dict[str, Any]:
     owner, spec, worker = ctx.owner, ctx.spec, ctx.spec.worker
     rp = plan.rank_plan(replica, rank)
@@ -316,7 +337,6 @@ def rank_pod(ctx: Context, plan: Plan, replica: int, rank: int, revision: str) -
     # Rank 0's store listens on the pod's own address only (the downward API knows it at start,
     # before the group's DNS name of the pod answers).
     bind = {"name": ENV_NAMES["bind_addr"], "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
-    gpu = {spec.placement.gpu_resource: "1"}
     pod_security, container_security = _security()
     plan_dir = PLAN_MOUNT.rsplit("/", 1)[0]
     http = {"path": "/health", "port": "http"}
@@ -349,8 +369,7 @@ def rank_pod(ctx: Context, plan: Plan, replica: int, rank: int, revision: str) -
                 "env": [{"name": k, "value": v} for k, v in env.items()] + [bind] + _user_env(spec),
                 "ports": [{"name": "http", "containerPort": worker.port, "protocol": "TCP"},
                           {"name": "rendezvous", "containerPort": worker.rendezvous_port, "protocol": "TCP"}],
-                "resources": {"requests": {**worker.resources.requests, **gpu},
-                              "limits": {**worker.resources.limits, **gpu}},
+                "resources": _resources(spec, rp),
                 "startupProbe": {"httpGet": http, "periodSeconds": 10, "failureThreshold": math.ceil(
                     (worker.rendezvous_timeout_seconds + LOAD_ALLOWANCE_SECONDS) / 10)},
                 "livenessProbe": {"httpGet": http, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shard_contract.env import WorkerEnv
 from shard_contract.plan import Plan
+from shard_contract.units import quantity
 from shard_devcluster.apiserver import SM
 from shard_devcluster.emulator import Faults
 from shard_operator.api import parse_spec
@@ -491,7 +492,9 @@ async def test_no_room_left_says_so_and_keeps_the_other_group_serving(world):
 async def test_offload_auto_runs_what_does_not_fit_and_holds_it_all_again_when_the_pool_grows(world):
     """A 7B model on one 8 GiB GPU: InsufficientCapacity (whose message says what offload would do);
     with offload auto it runs, streaming the layers that do not fit (status and an Event say which
-    rank streams how much); a node that holds it all makes it fully resident again."""
+    rank streams how much; its pod requests the host memory of what it streams, which the
+    emulated scheduler places as kube-scheduler's NodeResourcesFit does); a node that holds it all
+    makes it fully resident again."""
     await world.add_node(gpu_node("small", gpus=1, memory_mib=8192, product="NVIDIA-L4"))
     model_dir = write_model(world.tmp / "models" / "seven", **SEVEN_B)
     async with world.operator() as op:
@@ -507,6 +510,9 @@ async def test_offload_auto_runs_what_does_not_fit_and_holds_it_all_again_when_t
         assert shard["offload"]["tier"] == "host" and 0 < len(shard["offload"]["layers"]) < 32
         assert shard["predictedBytes"] <= 8192 * 2**20 * 0.9
         assert "stream" in status["plan"]["reason"]
+        (pod,) = await world.pods("m1")  # it asks for the host memory its pinned copies take, and got it
+        assert quantity(pod["spec"]["containers"][0]["resources"]["requests"]["memory"]) >= \
+            shard["offload"]["bytesPerStep"] > 2**30
         offloading = [e for e in await world.events("m1") if e[1] == "Offloading"]
         assert len(offloading) == 1 and "rank 0 streams" in offloading[0][2]
 

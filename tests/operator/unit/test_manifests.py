@@ -145,6 +145,34 @@ def test_pod_resources_probes_security_and_volumes():
     assert mounts["model"]["readOnly"] and mounts["plan"]["mountPath"] + "/plan.json" == PLAN_MOUNT
 
 
+@pytest.mark.parametrize("resources,request_base,limit_base", [
+    ({}, 0, None),
+    ({"requests": {"cpu": "4", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}, 2**30, 2 * 2**30),
+    ({"limits": {"memory": "2Gi"}}, 2 * 2**30, 2 * 2**30),  # the API server defaults the request to the limit
+])
+@pytest.mark.parametrize("host_memory", [None, "1"])  # host copies; the files (through a bounce buffer)
+def test_a_streaming_rank_requests_the_host_memory_its_streamed_layers_take(resources, request_base, limit_base,
+                                                                             host_memory):
+    offload = {"policy": "always", **({"hostMemory": host_memory} if host_memory else {})}
+    spec = dict(parallelism={"tensor": 1, "pipeline": 2}, placement={"offload": offload},
+                worker={"resources": resources})
+    plan = make_plan("a:24GiB*2", **spec)
+    for pod, rank in zip(pods(desired_objects(ctx_for(**spec), plan)), plan.ranks):
+        host = rank.offload.host_bytes
+        assert host >= rank.offload.streamed_bytes
+        got = pod["spec"]["containers"][0]["resources"]
+        assert got["requests"]["memory"] == f"{-(-(request_base + host) // 2**20)}Mi"
+        assert got["requests"]["nvidia.com/gpu"] == got["limits"]["nvidia.com/gpu"] == "1"
+        assert got["limits"].get("memory") == (None if limit_base is None else f"{-(-(limit_base + host) // 2**20)}Mi")
+        assert {k: v for k, v in got["requests"].items() if k not in ("memory", "nvidia.com/gpu")} == \
+            {k: v for k, v in resources.get("requests", {}).items() if k != "memory"}
+
+
+def test_a_resource_quantity_kubernetes_would_refuse_is_named():
+    with pytest.raises(SpecError, match=r"spec.worker.resources.requests.memory: '16GB' is not a Kubernetes quantity"):
+        make_spec(worker={"resources": {"requests": {"memory": "16GB"}}})
+
+
 def test_the_api_key_secret_is_mounted_into_each_leader_only():
     """The kubelet mounts the Secret: the operator neither reads it nor may (no secrets in its
     RBAC). Only rank 0 serves the OpenAI routes."""

@@ -213,3 +213,5 @@ def test_events_say_what_the_operator_did_and_who_it_is():
                                        "namespace": "team", "uid": "u1", "resourceVersion": "7"}
     assert (event["eventTime"], event["lastTimestamp"]) == ("2026-01-01T00:00:00.123456Z", "2026-01-01T00:00:00Z")
     assert event_body(model, "Warning", "InvalidSpec", "x", "2026-01-01T00:00:00.000000Z", "op-1")["action"] == "Reconcile"
+    for reason in ("Offloading", "FullyResident"):  # they come with the plan that streams (or stops)
+        assert event_body(model, "Normal", reason, "x", "2026-01-01T00:00:00.000000Z", "op-1")["action"] == "Plan"

@@ -223,7 +223,8 @@ def test_models_and_shards(server):
                                                                                               (1, 0, 1, [0, 4])]
     for r in shards["ranks"]:  # the contract the operator reads (shard_contract.wire.ShardsResponse)
         assert r["alive"] and r["state"] == "ready" and r["problems"] == []
-        assert set(r["predicted_bytes"]) == {"weights", "kv_cache", "activations", "overhead", "total"}
+        assert set(r["predicted_bytes"]) == {"weights", "kv_cache", "activations", "overhead", "staging", "total"}
+        assert r["predicted_bytes"]["staging"] == 0 and r["offload"] is None  # it streams nothing
         assert {"weights", "kv_cache", "rss_anon", "cuda_allocated", "total"} <= set(r["resident_bytes"])
         assert r["predicted_bytes"]["weights"] == r["allocated_bytes"]["weights"]
         assert r["load_seconds"] > 0 and r["compute_seconds"] > 0 and r["comm_seconds"] > 0

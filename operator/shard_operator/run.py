@@ -111,7 +111,7 @@ def render_shards(shards: dict[str, Any]) -> str:
                      human(resident.get("total", 0)), f"{r.get('load_seconds', 0):.2f}",
                      f"{len(offload['layers'])} layers from {OffloadPlan.model_validate(offload).tier}" if offload else "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["weights + KV cache (+ offload's staging slots) per rank, predicted by the plan and measured resident "
+    lines = ["weights + KV cache per rank (with offload's staging slots), predicted by the plan and measured resident "
              "after load (total held: everything the rank holds above a bare `import torch`):"]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     return "\n".join(lines)

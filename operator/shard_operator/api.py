@@ -150,6 +150,14 @@ class Placement(ApiModel):
         "Fraction of every device's memory kept free (allocator fragmentation, spikes)."))
     topology: Topology = Field(default_factory=Topology)
 
+    @property
+    def pod_tolerations(self) -> list[Toleration]:
+        """What the rank pods tolerate: the spec's tolerations and the GPU resource's own taint
+        (`nvidia.com/gpu:NoSchedule` on managed GPU pools), which Kubernetes' ExtendedResourceToleration
+        admission plugin would add to any pod that requests the resource. Other taints need the spec."""
+        own = Toleration(key=self.gpu_resource, operator="Exists", effect="NoSchedule")
+        return [*self.tolerations, own] if own not in self.tolerations else list(self.tolerations)
+
 
 class Rollout(ApiModel):
     max_surge: int = Field(1, ge=0, description="Extra groups allowed during a rebalance.")

@@ -120,7 +120,7 @@ def _skip_reason(node: dict[str, Any], placement: Placement) -> str | None:
     if spec.get("unschedulable"):
         return "cordoned"
     for taint in spec.get("taints") or []:
-        if taint.get("effect") in ("NoSchedule", "NoExecute") and not _tolerates(placement.tolerations, taint):
+        if taint.get("effect") in ("NoSchedule", "NoExecute") and not _tolerates(placement.pod_tolerations, taint):
             return f"tainted {taint.get('key')}={taint.get('value', '')}:{taint.get('effect')} (not tolerated)"
     allocatable = (status.get("allocatable") or {}).get(placement.gpu_resource)
     if allocatable in (None, "0", 0):

@@ -307,7 +307,7 @@ def rank_pod(ctx: Context, plan: Plan, replica: int, rank: int, revision: str) -
             "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
                 "nodeSelectorTerms": [{"matchFields": [
                     {"key": "metadata.name", "operator": "In", "values": [rp.node]}]}]}}},
-            "tolerations": [t.dump() for t in spec.placement.tolerations],
+            "tolerations": [t.dump() for t in spec.placement.pod_tolerations],
             "securityContext": pod_security,
             "containers": [{
                 "name": CONTAINER,
@@ -365,7 +365,7 @@ def profiling_pod(ctx: Context, timeout_seconds: int) -> dict[str, Any]:
             "activeDeadlineSeconds": int(timeout_seconds),
             "enableServiceLinks": False,
             "automountServiceAccountToken": False,  # workers never call the Kubernetes API
-            "tolerations": [t.dump() for t in spec.placement.tolerations],
+            "tolerations": [t.dump() for t in spec.placement.pod_tolerations],
             "nodeSelector": dict(spec.placement.node_selector),
             "securityContext": pod_security,
             "containers": [{

@@ -111,13 +111,30 @@ def test_pod_resources_probes_security_and_volumes():
     assert env_of(pod)["NCCL_SOCKET_IFNAME"] == "eth0" and env_of(pod)["SHARD_PORT"] == "9000"
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
-    assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+    # The spec's tolerations, then the GPU resource's own taint (as ExtendedResourceToleration adds it)
+    assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists"},
+                                          {"key": "amd.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert pod["spec"]["restartPolicy"] == "Never"
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["model"] == {"name": "model", "hostPath": {"path": "/models", "type": "Directory"}}
     assert volumes["plan"]["configMap"]["name"] == pod["spec"]["subdomain"]
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     assert mounts["model"]["readOnly"] and mounts["plan"]["mountPath"] + "/plan.json" == PLAN_MOUNT
+
+
+@pytest.mark.parametrize("tolerations, expected", [
+    ([], [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]),
+    ([{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],  # given: not twice
+     [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]),
+    ([{"key": "sku", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}],
+     [{"key": "sku", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"},
+      {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]),
+])
+def test_rank_and_profiling_pods_tolerate_the_gpu_resources_taint(tolerations, expected):
+    spec = dict(placement={"tolerations": tolerations})
+    ctx = ctx_for(**spec)
+    for pod in [*pods(desired_objects(ctx, make_plan(**spec))), profiling_pod(ctx, 60)]:
+        assert pod["spec"]["tolerations"] == expected
 
 
 @pytest.mark.parametrize("model,volume,expected_dir", [

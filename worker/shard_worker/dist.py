@@ -3,9 +3,10 @@
 Ranks follow the Plan: `rank = stage * tp + tp_rank`. Each stage's TP ranks form a tensor-parallel
 group (all-reduce, all-gather); activations move between stages point to point, TP rank j of one
 stage to TP rank j of the next (every TP rank holds the same activations after its all-reduce, so
-the pairs run side by side). Control messages (the leader's commands, reports) go over the whole
-group, and the leader's per-step message to its first-stage TP peers (who joins a continuous
-batch) over the stage's TP ranks, on gloo even when the tensors use NCCL.
+the pairs run side by side). Control messages (the leader's commands, reports, and the sampled
+tokens the last stage returns to the first) go over the whole group, and the leader's per-step
+message to its first-stage TP peers (who joins a continuous batch) over the stage's TP ranks, on
+gloo even when the tensors use NCCL.
 
 Every collective is timed and counted in the rank's `Accounting`: the model's forward calls these
 methods explicitly, never through hooks. On CPUs, TP ranks on one machine sum decode-sized tensors
@@ -29,7 +30,7 @@ from shard_contract.env import WorkerEnv
 from . import shm
 from .accounting import Accounting
 
-FORWARD_TAG, RETURN_TAG = 1, 2  # activations downstream; tokens back to the first stage
+FORWARD_TAG, RETURN_TAG = 1, 2  # activations downstream (tensor backend); tokens back (control group)
 
 
 class RendezvousError(RuntimeError):
@@ -180,7 +181,24 @@ class Comm:
         self.acct.comm("recv", t.numel() * t.element_size(), 0.0)
         return t
 
-    # ------------------------------------------------------------ control (leader -> all)
+    # ------------------------------------------------------------ control (gloo, CPU tensors)
+    def isend_control(self, t: torch.Tensor, dst: int) -> "Pending":
+        """Send a small tensor to `dst` over the control group (gloo, on the CPU, whatever the
+        tensor backend), as one contiguous CPU copy."""
+        t = t.detach().to("cpu").contiguous()  # gloo sends CPU memory; a sliced view is not one buffer
+        start = time.perf_counter()
+        work = dist.isend(t, dst, group=self.control_group, tag=RETURN_TAG)
+        self.acct.comm("send", t.numel() * t.element_size(), time.perf_counter() - start)
+        return Pending(self, work, t)
+
+    def recv_control(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """Blocking receive of a CPU tensor from `src` over the control group; the wait is idle."""
+        start = time.perf_counter()
+        dist.recv(t, src, group=self.control_group, tag=RETURN_TAG)
+        self.acct.idle(time.perf_counter() - start)
+        self.acct.comm("recv", t.numel() * t.element_size(), 0.0)
+        return t
+
     def broadcast_json(self, obj: Any = None) -> Any:
         """The leader's `obj` on every rank (others pass None). JSON bytes, never pickle."""
         data = json.dumps(obj).encode() if self.topo.is_leader else b""

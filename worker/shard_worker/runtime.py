@@ -4,6 +4,7 @@ rank's stage, allocate its KV cache, and measure what that costs in memory."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -78,8 +79,11 @@ class Worker:
         return self.comm.topo
 
     @classmethod
-    def start(cls, env: WorkerEnv, plan: Plan, baseline: MemorySample | None = None) -> "Worker":
-        """Join the group and load this rank's slices. `baseline`: memory of the bare process."""
+    def start(cls, env: WorkerEnv, plan: Plan, baseline: MemorySample | None = None,
+              connect: Callable[[WorkerEnv, Topology, torch.device, Accounting], Comm] = dist_mod.init_comm,
+              ) -> "Worker":
+        """Join the group and load this rank's slices. `baseline`: memory of the bare process;
+        `connect`: how the rank joins its group (tests pass communicators of their own)."""
         rank_plan = check_env(env, plan)
         # Before joining the group: a plan that overfills the device fails fast, with no load.
         check_budget("the plan's predicted bytes of this rank", rank_plan.predicted_bytes.total,
@@ -91,7 +95,7 @@ class Worker:
         config = ModelConfig.from_dir(env.model_dir)
         topo = Topology(rank=env.rank, tp=env.tp_size, pp=env.pp_size)
         acct = Accounting()
-        comm = dist_mod.init_comm(env, topo, device, acct)
+        comm = connect(env, topo, device, acct)
         dtype = DTYPES[plan.dtype]
         layout = Layout(config, tp=topo.tp, tp_rank=topo.tp_rank, layers=tuple(rank_plan.layers),
                         embeds=rank_plan.embeds, has_lm_head=rank_plan.has_lm_head)

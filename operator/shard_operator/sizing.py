@@ -71,8 +71,8 @@ def activation_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: i
     """Workspace of the largest forward pass: one prefill chunk of the whole batch through a layer.
 
     Live at once: the residual stream and a normalised copy, the local q/k/v and attention output,
-    the local gate/up/product of the MLP, the float32 attention scores of the chunk against the
-    whole context, and on the last stage the gathered float32 logits of the batch's last tokens.
+    the local gate/up/product of the MLP, what attention allocates on its masked path, and on the
+    last stage the gathered float32 logits of the batch's last tokens.
     """
     tp, act = shard.tp, profile.dtype_bytes(dtype)
     tokens = batch * min(max_len, PREFILL_CHUNK)
@@ -80,9 +80,21 @@ def activation_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: i
     kv_local = kv_heads_per_rank(profile, tp) * profile.head_dim
     per_token = (3 * profile.hidden_size + 2 * q_local + 2 * kv_local
                  + 3 * profile.intermediate_size // tp) * act
-    scores = batch * (profile.num_heads // tp) * min(max_len, PREFILL_CHUNK) * max_len * 4
     logits = batch * profile.vocab_size * 4 * 2 if shard.has_lm_head else 0
-    return tokens * per_token + scores + logits
+    return tokens * per_token + attention_workspace_bytes(profile, tp, max_len, batch, dtype) + logits
+
+
+def attention_workspace_bytes(profile: ModelProfile, tp: int, max_len: int, batch: int, dtype: str = "auto") -> int:
+    """What the worker's attention allocates beyond q/k/v when it needs a mask (padding, a sliding
+    window, a prefill chunk after the first), the costlier of its two paths: the cached K/V of the
+    whole context expanded to the local query heads (the memory-efficient kernel has no GQA), and
+    the chunk's boolean mask with the additive copy SDPA makes of it. Without a mask, SDPA's flash
+    and memory-efficient kernels allocate no scores."""
+    act = profile.dtype_bytes(dtype)
+    heads, kv_heads = profile.num_heads // tp, kv_heads_per_rank(profile, tp)
+    expanded = 2 * batch * heads * max_len * profile.head_dim * act if heads > kv_heads else 0
+    mask = batch * min(max_len, PREFILL_CHUNK) * max_len * (1 + act)
+    return expanded + mask
 
 
 def stage_seconds(profile: ModelProfile, shard: Shard, kind: str, speed_tbps: float,

@@ -50,7 +50,9 @@ class ResidentBytes(BaseModel):
     kv_cache: int
     rss_anon: int
     cuda_allocated: int = 0
-    total: int = Field(description="What this rank holds above a bare `import torch` (GPU: reserved).")
+    total: int = Field(description="What this rank holds: on a CPU, anonymous memory above a bare `import torch`; "
+                                   "on a GPU, device memory in use above what it held when CUDA started in the "
+                                   "process (torch's allocator, NCCL's buffers, cuBLAS workspaces).")
     peak: int = Field(0, description="Peak resident set above a bare `import torch` so far.")
 
 
@@ -63,6 +65,8 @@ class RankReport(BaseModel):
     layers: tuple[int, int]
     node: str = ""
     device: str = ""
+    dtype: str = Field("", description="What the rank runs: the plan's dtype, or float16 where a GPU has no "
+                                       "native bfloat16.")
     predicted_bytes: PredictedBytes
     resident_bytes: ResidentBytes
     allocated_bytes: dict[str, int] = Field(default_factory=dict,
@@ -98,6 +102,8 @@ class ShardEntry(BaseModel):
     layers: tuple[int, int]
     node: str = ""
     device: str = ""
+    dtype: str = Field("", description="What the rank runs: the plan's dtype, or float16 where a GPU has no "
+                                       "native bfloat16.")
     predicted_bytes: PredictedBytes
     resident_bytes: ResidentBytes | None = None
     alive: bool = True

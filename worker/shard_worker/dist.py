@@ -9,8 +9,10 @@ message to its first-stage TP peers (who joins a continuous batch) over the stag
 gloo even when the tensors use NCCL.
 
 Every collective is timed and counted in the rank's `Accounting`: the model's forward calls these
-methods explicitly, never through hooks. On CPUs, TP ranks on one machine sum decode-sized tensors
-through shared memory (`shm.py`); otherwise gloo (or NCCL) does it.
+methods explicitly, never through hooks. Tensor-backend operations are timed on the device's clock
+(CUDA events on a GPU, where NCCL runs asynchronously), control messages on the host's. On CPUs, TP
+ranks on one machine sum decode-sized tensors through shared memory (`shm.py`); otherwise gloo (or
+NCCL) does it.
 """
 
 from __future__ import annotations
@@ -134,51 +136,44 @@ class Comm:
         """Sum `t` in place over this stage's TP ranks."""
         if self.topo.tp == 1:
             return
-        start = time.perf_counter()
-        if self.shm is not None and self.shm.fits(t):
-            self.shm.all_reduce(t)
-        elif self._small(t):
-            parts = self._parts(t.contiguous())
-            total = parts[0].clone()
-            for part in parts[1:]:
-                total += part
-            t.copy_(total)
-        else:
-            dist.all_reduce(t, group=self.tp_group)
-        self.acct.comm("all_reduce", t.numel() * t.element_size(), time.perf_counter() - start)
+        with self.acct.communicating("all_reduce", t.numel() * t.element_size()):
+            if self.shm is not None and self.shm.fits(t):
+                self.shm.all_reduce(t)
+            elif self._small(t):
+                parts = self._parts(t.contiguous())
+                total = parts[0].clone()
+                for part in parts[1:]:
+                    total += part
+                t.copy_(total)
+            else:
+                dist.all_reduce(t, group=self.tp_group)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Concatenate every TP rank's `t` along the last dimension, in TP rank order."""
         if self.topo.tp == 1:
             return t
-        start = time.perf_counter()
         t = t.contiguous()
-        if self.shm is not None and self.shm.fits(t):
-            return self._timed_gather(self.shm.all_gather(t), t, start)
-        if self._small(t):
-            parts = self._parts(t)
-        else:
-            parts = [torch.empty_like(t) for _ in range(self.topo.tp)]
-            dist.all_gather(parts, t, group=self.tp_group)
-        return self._timed_gather(torch.cat(parts, dim=-1), t, start)
-
-    def _timed_gather(self, out: torch.Tensor, t: torch.Tensor, start: float) -> torch.Tensor:
-        self.acct.comm("all_gather", t.numel() * t.element_size() * self.topo.tp, time.perf_counter() - start)
-        return out
+        with self.acct.communicating("all_gather", t.numel() * t.element_size() * self.topo.tp):
+            if self.shm is not None and self.shm.fits(t):
+                return self.shm.all_gather(t)
+            if self._small(t):
+                parts = self._parts(t)
+            else:
+                parts = [torch.empty_like(t) for _ in range(self.topo.tp)]
+                dist.all_gather(parts, t, group=self.tp_group)
+            return torch.cat(parts, dim=-1)
 
     # ------------------------------------------------------------ pipeline
     def isend(self, t: torch.Tensor, dst: int, tag: int) -> "Pending":
-        start = time.perf_counter()
-        work = dist.isend(t, dst, tag=tag)
-        self.acct.comm("send", t.numel() * t.element_size(), time.perf_counter() - start)
+        with self.acct.communicating("send", t.numel() * t.element_size()):
+            work = dist.isend(t, dst, tag=tag)
         return Pending(self, work, t)
 
     def recv(self, t: torch.Tensor, src: int, tag: int) -> torch.Tensor:
         """Blocking receive; the wait counts as idle (it is the upstream stage's compute)."""
-        start = time.perf_counter()
-        dist.recv(t, src, tag=tag)
-        self.acct.idle(time.perf_counter() - start)
         self.acct.comm("recv", t.numel() * t.element_size(), 0.0)
+        with self.acct.waiting():
+            dist.recv(t, src, tag=tag)
         return t
 
     # ------------------------------------------------------------ control (gloo, CPU tensors)
@@ -186,17 +181,15 @@ class Comm:
         """Send a small tensor to `dst` over the control group (gloo, on the CPU, whatever the
         tensor backend), as one contiguous CPU copy."""
         t = t.detach().to("cpu").contiguous()  # gloo sends CPU memory; a sliced view is not one buffer
-        start = time.perf_counter()
-        work = dist.isend(t, dst, group=self.control_group, tag=RETURN_TAG)
-        self.acct.comm("send", t.numel() * t.element_size(), time.perf_counter() - start)
-        return Pending(self, work, t)
+        with self.acct.communicating("send", t.numel() * t.element_size(), host=True):
+            work = dist.isend(t, dst, group=self.control_group, tag=RETURN_TAG)
+        return Pending(self, work, t, host=True)
 
     def recv_control(self, t: torch.Tensor, src: int) -> torch.Tensor:
         """Blocking receive of a CPU tensor from `src` over the control group; the wait is idle."""
-        start = time.perf_counter()
-        dist.recv(t, src, group=self.control_group, tag=RETURN_TAG)
-        self.acct.idle(time.perf_counter() - start)
         self.acct.comm("recv", t.numel() * t.element_size(), 0.0)
+        with self.acct.waiting(host=True):
+            dist.recv(t, src, group=self.control_group, tag=RETURN_TAG)
         return t
 
     def broadcast_json(self, obj: Any = None) -> Any:
@@ -230,8 +223,14 @@ class Comm:
             else torch.empty(int(size.item()), dtype=torch.uint8)
         if buf.numel():
             dist.broadcast(buf, src=src, group=group)
-        self.acct.comm("broadcast", buf.numel() + 8, time.perf_counter() - start)
+        self.acct.comm("broadcast", buf.numel() + 8, time.perf_counter() - start)  # gloo: the host waits
         return buf
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank of the group (over the control group)."""
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
+        return bool(t.item())
 
     def gather_json(self, obj: Any) -> list[Any] | None:
         """Every rank's `obj`, in rank order, on the leader (None elsewhere)."""
@@ -253,17 +252,17 @@ class Comm:
 
 
 class Pending:
-    """An outstanding isend: its tensor stays alive until `wait`."""
+    """An outstanding isend: its tensor stays alive until `wait`. `host`: a control message (gloo),
+    whose wait the host clock times."""
 
-    def __init__(self, comm: Comm, work: Any, tensor: torch.Tensor):
-        self.comm, self.work, self.tensor = comm, work, tensor
+    def __init__(self, comm: Comm, work: Any, tensor: torch.Tensor, host: bool = False):
+        self.comm, self.work, self.tensor, self.host = comm, work, tensor, host
 
     def wait(self) -> None:
         if self.work is None:
             return
-        start = time.perf_counter()
-        self.work.wait()
-        self.comm.acct.comm("send", 0, time.perf_counter() - start)
+        with self.comm.acct.communicating("send", 0, host=self.host):
+            self.work.wait()
         self.work = self.tensor = None
 
 

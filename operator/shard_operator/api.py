@@ -149,6 +149,11 @@ class Placement(ApiModel):
     memory_headroom: float = Field(0.1, ge=0.0, lt=1.0, description=(
         "Fraction of every device's memory kept free (allocator fragmentation, spikes)."))
     topology: Topology = Field(default_factory=Topology)
+    pod_layout: Literal["auto", "perRank", "perTensorGroup"] = Field("auto", description=(
+        "perRank: one pod per rank (one GPU each). perTensorGroup: one pod per tensor-parallel group "
+        "(a pipeline stage, on one node) holding its GPUs and running one rank process per GPU, so NCCL "
+        "can use NVLink between them (it cannot across pods). auto: perTensorGroup on GPUs at tensor > 1, "
+        "else perRank."))
 
     @property
     def pod_tolerations(self) -> list[Toleration]:

@@ -51,7 +51,7 @@ from .manifests import (
     model_objects,
     plan_record_name,
 )
-from .planner import PlanError
+from .planner import PlanError, PlannerOptions
 from .profile import ModelProfile
 from .profiles import LocalProfiles, ModelNotFound, local_model_dir, remote_profile
 from .replan import PlanChoice, choose_plan, without_devices
@@ -93,6 +93,7 @@ class Controller:
                  fetch: Callable[[str, float], ShardsResponse | None] = leaders.fetch,
                  clock: Callable[[], float] = time.monotonic):
         self.settings, self.kube, self.fetch, self.clock = settings, kube, fetch, clock
+        self.planner_options = PlannerOptions.from_json(settings.planner_options)
         self.local_profiles = LocalProfiles()
         self.wakeups: dict[tuple[str, str], asyncio.Event] = {}
         self.generations: dict[tuple[str, str], int] = {}  # the spec generation last reconciled
@@ -279,7 +280,7 @@ class Controller:
             memory.wake_in = min(memory.wake_in, settings.settle_seconds - waited + 0.01)
         reconsider = settled and memory.reconsidered != pool
         choice = choose_plan(current, profile, spec, inventory, settled=settled, reconsider=reconsider,
-                             improvement=settings.improvement_threshold)
+                             improvement=settings.improvement_threshold, options=self.planner_options)
         if reconsider:
             memory.reconsidered = pool
         return choice

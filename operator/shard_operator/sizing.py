@@ -16,16 +16,12 @@ from shard_contract.units import MiB
 
 from .profile import ModelProfile
 
-# What a rank needs beyond weights, KV cache and activations. On a GPU: the CUDA context, cuBLAS
-# workspaces and NCCL's communication buffers. On a CPU: the process's share above a bare
-# `import torch` (gloo buffers, allocator slack).
-RUNTIME_OVERHEAD = {"gpu": 1024 * MiB, "cpu": 64 * MiB}
-
-# Cost model of one collective call and one pipeline hop, in seconds (the latency floor, which
-# dominates for decode-sized messages). CPU figures measured with gloo on loopback.
-ALLREDUCE_SECONDS = {"gpu": 15e-6, "cpu": 300e-6}
-HOP_SECONDS = {"gpu": 30e-6, "cpu": 200e-6}
-HOP_ACROSS_NODES_SECONDS = 60e-6
+# What a rank needs beyond weights, KV cache and activations. On a GPU: the CUDA context with its
+# lazily loaded kernels and cuBLAS workspaces (1.8 GiB of non-torch memory has been logged on an
+# H100 at TP=1), and NCCL's buffers at TP > 1 (NCCL_BUFFSIZE, 4 MiB, per channel and peer: a few
+# hundred MiB with NVLink peers). On a CPU: the process's share above a bare `import torch` (gloo
+# buffers, allocator slack). Settable: PlannerOptions.runtime_overhead.
+RUNTIME_OVERHEAD = {"gpu": 2560 * MiB, "cpu": 64 * MiB}
 
 
 @dataclass(frozen=True)
@@ -95,12 +91,3 @@ def attention_workspace_bytes(profile: ModelProfile, tp: int, max_len: int, batc
     expanded = 2 * batch * heads * max_len * profile.head_dim * act if heads > kv_heads else 0
     mask = batch * min(max_len, PREFILL_CHUNK) * max_len * (1 + act)
     return expanded + mask
-
-
-def stage_seconds(profile: ModelProfile, shard: Shard, kind: str, speed_tbps: float,
-                  dtype: str = "auto") -> float:
-    """Decode time of one stage per token: stream its weights once, plus two all-reduces a layer."""
-    stream = weight_bytes(profile, shard, dtype) / (speed_tbps * 1e12)
-    n_layers = shard.layers[1] - shard.layers[0]
-    collectives = (2 * n_layers + shard.embeds + shard.has_lm_head) * ALLREDUCE_SECONDS[kind] if shard.tp > 1 else 0.0
-    return stream + collectives

@@ -190,12 +190,17 @@ class Resources(ApiModel):
 class WorkerSpec(ApiModel):
     image: str | None = Field(None, description="Worker image; default: the operator's setting.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    resources: Resources = Field(default_factory=Resources, description="CPU/memory for each rank's pod; the GPU is added.")
+    resources: Resources = Field(default_factory=Resources, description=(
+        "CPU/memory for each rank, over defaults sized from the plan; a pod of several ranks asks for "
+        "their sum, and the GPUs are added."))
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment, e.g. NCCL_SOCKET_IFNAME.")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of the API and /metrics.")
     rendezvous_port: int = Field(29500, ge=1, le=65535, description="torch.distributed MASTER_PORT.")
     rendezvous_timeout_seconds: int = Field(600, ge=1)
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL on GPUs, gloo on CPUs.")
+    runtime_class_name: str | None = Field(None, min_length=1, description=(
+        "RuntimeClass of the rank pods, e.g. nvidia where the NVIDIA container runtime is not the nodes' "
+        "default (the GPU Operator installs one by that name)."))
 
 
 class ShardedModelSpec(ApiModel):

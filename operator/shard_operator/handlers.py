@@ -71,7 +71,7 @@ class Memory:
     generation: int = -1         # the spec generation the pool was last seen with
     reconsidered: str = ""       # the pool fingerprint a better plan was last looked for on
     last_poll: float = float("-inf")
-    measured: dict[str, int] = field(default_factory=dict)
+    measured: dict[tuple[str, int], int] = field(default_factory=dict)  # (pod, rank) -> resident bytes
     wake_in: float = 0.0         # seconds until the next reconcile is due anyway
     # The status this loop last wrote: kopf's copy of the object may not show it yet, and a stale
     # status would undo restart counts and transition times.
@@ -307,21 +307,22 @@ class Controller:
                 for obj in _group_members(listing, key, kinds=(kind,)):
                     kube.delete(kind, ns, obj["metadata"]["name"])
 
-    def _poll(self, owner: Owner, obs: Observation, memory: Memory) -> dict[str, int]:
-        """Measured resident bytes per pod from each ready leader, every status_poll_seconds."""
+    def _poll(self, owner: Owner, obs: Observation, memory: Memory) -> dict[tuple[str, int], int]:
+        """Measured resident bytes per rank (and its pod) from each ready leader, every status_poll_seconds."""
         period = self.settings.status_poll_seconds
         if period <= 0 or obs.spec is None:
             return memory.measured
         now = self.clock()
         if now - memory.last_poll < period:
             memory.wake_in = min(memory.wake_in, period - (now - memory.last_poll))
-            return {pod: n for pod, n in memory.measured.items() if pod in {r.pod for g in obs.groups for r in g.ranks}}
+            present = {(r.pod, r.rank) for g in obs.groups for r in g.ranks}
+            return {key: n for key, n in memory.measured.items() if key in present}
         ready = [g for g in obs.groups if group_state(g)[0] == "Ready"]
         if not ready:
             return memory.measured
         memory.last_poll = now
         memory.wake_in = min(memory.wake_in, period)
-        measured: dict[str, int] = {}
+        measured: dict[tuple[str, int], int] = {}
         for group in ready:
             leader = next((r for r in group.ranks if r.rank == 0), None)
             if leader is None or not leader.pod_ip:
@@ -334,7 +335,7 @@ class Controller:
             pods = {r.rank: r.pod for r in group.ranks}
             for rank, resident in report.resident_by_rank().items():
                 if rank in pods:
-                    measured[pods[rank]] = resident
+                    measured[(pods[rank], rank)] = resident
         memory.measured = measured
         return measured
 

@@ -41,6 +41,13 @@ def pod_layout(asked: str, kind: str, tp: int) -> str:
     return PER_TENSOR_GROUP if kind == "gpu" and tp > 1 else PER_RANK
 
 
+def pod_ranks(ranks: list[int], tp: int, layout: str) -> list[list[int]]:
+    """The ranks of each pod of a group, in rank order: one each, or each stage's tensor-parallel
+    ranks together (rank = stage * tp + tp_rank, and a stage never spans nodes)."""
+    size = tp if layout == PER_TENSOR_GROUP else 1
+    return [ranks[i:i + size] for i in range(0, len(ranks), size)]
+
+
 @dataclass(frozen=True)
 class Transport:
     """Seconds of one call by device kind (`gpu`, `cpu`), for each place the peers can be."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import kubernetes_validate
@@ -15,6 +16,7 @@ from shard_operator.manifests import (
     MODEL_LABEL,
     PLAN_LABEL,
     RANK_LABEL,
+    RANKS_LABEL,
     REVISION_LABEL,
     ROLE_LABEL,
     Context,
@@ -55,7 +57,8 @@ def pods(objects):
     (1, 4, 2, "a:24GiB*4,b:24GiB*4"),
 ])
 def test_one_pod_per_rank_with_the_worker_environment(tensor, pipeline, replicas, devices):
-    spec = dict(parallelism={"tensor": tensor, "pipeline": pipeline}, replicas=replicas)
+    spec = dict(parallelism={"tensor": tensor, "pipeline": pipeline}, replicas=replicas,
+                placement={"podLayout": "perRank"})
     plan = make_plan(devices, **spec)
     ctx = ctx_for(**spec)
     objects = desired_objects(ctx, plan)
@@ -86,6 +89,44 @@ def test_one_pod_per_rank_with_the_worker_environment(tensor, pipeline, replicas
         assert pod["spec"]["containers"][0]["command"] == ["python", "-m", "shard_worker"]
 
 
+@pytest.mark.parametrize("tensor,pipeline,replicas,devices,layout", [
+    (2, 1, 1, "a:24GiB*2", "auto"),  # GPUs at tensor > 1: a pod per tensor-parallel group
+    (2, 2, 2, "a:24GiB*4,b:24GiB*4", "perTensorGroup"),
+    (4, 1, 1, "a:24GiB*4", "perTensorGroup"),
+])
+def test_one_pod_per_tensor_parallel_group_runs_a_rank_per_gpu(tensor, pipeline, replicas, devices, layout):
+    spec = dict(parallelism={"tensor": tensor, "pipeline": pipeline}, replicas=replicas,
+                placement={"podLayout": layout})
+    plan = make_plan(devices, **spec)
+    objects = desired_objects(ctx_for(**spec), plan)
+    assert len(pods(objects)) == pipeline * replicas
+    for pod in pods(objects):
+        labels, c = pod["metadata"]["labels"], pod["spec"]["containers"][0]
+        replica, first = int(labels[GROUP_LABEL]), int(labels[RANK_LABEL])
+        held = [plan.rank_plan(replica, r) for r in range(first, first + tensor)]
+        assert first % tensor == 0 and labels[RANKS_LABEL] == str(tensor)
+        assert {r.stage for r in held} == {first // tensor} and len({r.node for r in held}) == 1
+        assert labels[ROLE_LABEL] == ("leader" if first == 0 else "worker")
+        assert c["command"] == ["python", "-m", "shard_worker.launch", "--local-ranks", str(tensor)]
+        env = WorkerEnv.from_env(env_of(pod))  # the pod's first rank; the launcher derives the others
+        assert (env.rank, env.local_rank, env.port) == (first, 0, 8000)
+        assert env.master_addr == f"{pod_name('llama', replica, labels[REVISION_LABEL], 0)}.{pod['spec']['subdomain']}.serving.svc"
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == str(tensor)
+        assert [p["containerPort"] for p in c["ports"] if p["name"].startswith("http")] == \
+            [8000 + i for i in range(tensor)]
+        assert c["livenessProbe"]["httpGet"]["port"] == "http"  # the first rank answers for the group
+        assert pod["metadata"]["annotations"]["sharding.dev/device"] == ",".join(r.device for r in held)
+        dshm = next(v for v in pod["spec"]["volumes"] if v["name"] == "dshm")
+        assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": f"{tensor * 1024}Mi"}
+        kubernetes_validate.validate(pod, "1.33", strict=True)
+
+
+def test_the_pod_layout_is_part_of_the_revision():
+    per_rank = dict(placement={"podLayout": "perRank"})
+    plan = make_plan(**per_rank)
+    assert group_revision(ctx_for(**per_rank), plan, 0) != group_revision(ctx_for(), plan, 0)
+
+
 def test_tensor_parallel_peers_share_a_node_and_groups_spread():
     plan = make_plan("a:24GiB*2,b:24GiB*2", replicas=2)
     nodes = {}
@@ -103,8 +144,9 @@ def test_pod_resources_probes_security_and_volumes():
     ctx = ctx_for(**spec)
     pod = pods(desired_objects(ctx, make_plan(**spec)))[0]
     c = pod["spec"]["containers"][0]
-    assert c["resources"] == {"requests": {"cpu": "4", "memory": "16Gi", "amd.com/gpu": "1"},
-                              "limits": {"memory": "16Gi", "amd.com/gpu": "1"}}
+    # a pod of the tensor=2 group (GPUs): the spec's resources are per rank
+    assert c["resources"] == {"requests": {"cpu": "8", "memory": "32Gi", "amd.com/gpu": "2"},
+                              "limits": {"memory": "32Gi", "amd.com/gpu": "2"}}
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert {"name": "http", "containerPort": 9000, "protocol": "TCP"} in c["ports"]
@@ -120,6 +162,60 @@ def test_pod_resources_probes_security_and_volumes():
     assert volumes["plan"]["configMap"]["name"] == pod["spec"]["subdomain"]
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     assert mounts["model"]["readOnly"] and mounts["plan"]["mountPath"] + "/plan.json" == PLAN_MOUNT
+
+
+@pytest.mark.parametrize("devices, kind, layout, ranks, cpu", [
+    ("a:24GiB*2", "gpu", "perRank", 1, "2"),
+    ("a:24GiB*2", "gpu", "perTensorGroup", 2, "4"),
+    ("a:1GiB*2", "cpu", "perRank", 1, "1"),
+    ("a:1GiB*2", "cpu", "perTensorGroup", 2, "2"),
+])
+def test_rank_pods_request_cpu_and_memory_sized_from_the_plan(devices, kind, layout, ranks, cpu):
+    """Not BestEffort: a GPU rank asks for the host memory of its process (2 GiB), a CPU rank also
+    for everything its plan predicts (it is host memory), each with 25% headroom; no limits."""
+    spec = dict(placement={"podLayout": layout})
+    plan = plan_on(devices, kind, **spec)
+    pod = pods(desired_objects(ctx_for(**spec), plan))[0]
+    resources = pod["spec"]["containers"][0]["resources"]
+    held = [plan.rank_plan(0, r) for r in range(ranks)]
+    host = [2 * 2**30 if kind == "gpu" else 512 * 2**20 + r.predicted_bytes.total for r in held]
+    assert resources["requests"] == {"cpu": cpu, "memory": f"{math.ceil(sum(h * 1.25 for h in host) / 2**20)}Mi",
+                                     "nvidia.com/gpu": str(ranks)}
+    assert resources["limits"] == {"nvidia.com/gpu": str(ranks)}
+
+
+def plan_on(devices: str, kind: str, **spec):
+    from shard_operator.inventory import parse_devices
+    from shard_operator.planner import plan
+
+    from .conftest import make_spec, tiny_profile
+
+    return plan(tiny_profile(), make_spec(**spec), parse_devices(devices, kind=kind))
+
+
+@pytest.mark.parametrize("quantity, n, scaled", [
+    ("4", 2, "8"), ("500m", 2, "1000m"), ("1.5", 2, "3"), ("16Gi", 4, "64Gi"), ("16G", 2, "32G"),
+    ("1e3", 2, "2e3"), ("0.5Gi", 1, "0.5Gi"), (".5", 2, "1"),
+])
+def test_per_rank_quantities_scale_to_the_pods_ranks(quantity, n, scaled):
+    from shard_operator.resources import times
+
+    assert times(quantity, n, "f") == scaled
+
+
+@pytest.mark.parametrize("quantity", ["-1", "lots", "1.5.2Gi", ""])
+def test_a_quantity_that_cannot_scale_is_refused_with_the_field(quantity):
+    with pytest.raises(SpecError, match=r"spec.worker.resources.requests.memory: .* is not a quantity"):
+        check(ctx_for(worker={"resources": {"requests": {"memory": quantity}}}))
+
+
+def test_runtime_class_name_is_set_on_rank_pods_when_given():
+    plan = make_plan()
+    assert "runtimeClassName" not in pods(desired_objects(ctx_for(), plan))[0]["spec"]
+    spec = dict(worker={"runtimeClassName": "nvidia"})
+    for pod in pods(desired_objects(ctx_for(**spec), plan)):
+        assert pod["spec"]["runtimeClassName"] == "nvidia"
+    assert group_revision(ctx_for(**spec), plan, 0) != group_revision(ctx_for(), plan, 0)
 
 
 @pytest.mark.parametrize("tolerations, expected", [

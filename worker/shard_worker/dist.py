@@ -104,6 +104,10 @@ SMALL_MESSAGE_BYTES = 64 * 1024
 # TP ranks of one machine exchange small tensors through shared memory (see shm.py), which cut a
 # TP=2 decode step by about 30% against the broadcasts above; SHARD_SHM_COLLECTIVES=0 turns it off.
 SHM_ENV = "SHARD_SHM_COLLECTIVES"
+# Where the shared buffer lives: /dev/shm, which the ranks of one pod share and those of different
+# pods do not (each pod mounts its own); the dev cluster, whose pods are processes of one machine,
+# points each pod's ranks at a directory of that pod's own.
+SHM_DIR_ENV = "SHARD_SHM_DIR"
 
 
 class Comm:
@@ -316,14 +320,17 @@ def _shared_memory_group(topo: Topology, tp_group: Any, timeout: float) -> "shm.
     processes, not separate pods), else None. Every TP rank takes part and all agree."""
     if topo.tp == 1:
         return None
-    wanted = shm.supported() and os.environ.get(SHM_ENV, "1") != "0"
+    directory = os.environ.get(SHM_DIR_ENV, shm.SHM_DIR)
+    wanted = shm.supported(directory) and os.environ.get(SHM_ENV, "1") != "0"
     leader = topo.stage_ranks(topo.stage)[0]
-    path = shm.ShmGroup.create(topo.tp) if wanted and topo.rank == leader else ""
+    path = shm.ShmGroup.create(topo.tp, directory) if wanted and topo.rank == leader else ""
     name = torch.zeros(256, dtype=torch.uint8)  # the leader's file name, to every TP peer
     name[:len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8)
     dist.broadcast(name, src=leader, group=tp_group)
     path = bytes(name[name > 0].tolist()).decode()
-    usable = torch.tensor([int(wanted and bool(path) and os.path.exists(path))])
+    # the leader's buffer, in this rank's own shared-memory directory (a pod sees only its own)
+    mine = bool(path) and os.path.dirname(path) == directory and os.path.exists(path)
+    usable = torch.tensor([int(wanted and mine)])
     dist.all_reduce(usable, op=dist.ReduceOp.MIN, group=tp_group)
     group = shm.ShmGroup(path, topo.tp, topo.tp_rank, timeout) if usable.item() else None
     dist.barrier(group=tp_group)  # every peer has mapped it (or given up): the name can go

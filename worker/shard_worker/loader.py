@@ -10,7 +10,9 @@ mapped file faults whole readahead windows in and inflates resident memory while
 slices are one contiguous range. A column slice (row-parallel weights) is one range per row; many
 rows go into one `preadv` (other ranks' columns land in a small scratch buffer), because one
 syscall per row is several times slower. When the checkpoint dtype differs from the runtime dtype
-(or the tensor lives on a GPU) a bounded chunk is read into a staging buffer and converted.
+(or the tensor lives on a GPU) a bounded chunk is read into a staging buffer and converted; for a
+GPU, two pinned staging buffers in turn (`PinnedStaging`), so reading one chunk overlaps copying
+the previous one.
 
 Only safetensors: pickle checkpoints (`.bin`, `.pt`) are refused, because unpickling runs code.
 """
@@ -22,6 +24,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -89,7 +92,8 @@ def load_stage(stage: Stage, model_dir: str | Path) -> LoadStats:
     assert table.keys() == tensors.keys(), "the name-mapping table must cover every tensor exactly"
     entries = {p.tensor: checkpoint.entry(p.tensor) for pieces in table.values() for p in pieces}
     stats = LoadStats()
-    with SliceReader(stats) as reader:
+    staging = PinnedStaging(STAGING_BYTES) if stage.device.type == "cuda" else None
+    with SliceReader(stats, staging) as reader:
         for name, pieces in table.items():
             dst = tensors[name]
             covered = 0
@@ -107,9 +111,44 @@ def _memory(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
 
 
+class PinnedStaging:
+    """Two pinned host buffers used in turn to copy checkpoint bytes to a GPU: the next chunk is read
+    into one while the other's copy runs (`non_blocking`), and a buffer is reused only once its last
+    copy is done (a CUDA event). Instead of a fresh pageable buffer per chunk, which CUDA would
+    stage through pinned memory of its own and wait for."""
+
+    def __init__(self, nbytes: int, pinned: bool = True, event: Callable[[], Any] | None = None):
+        self.nbytes = nbytes
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
+        self.copies: list[Any] = [None, None]  # the event after each buffer's latest copy
+        self.turn = 0
+        self.event = event or torch.cuda.Event
+
+    def buffer(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """This turn's buffer as [rows, width] of `dtype`, once its previous copy has finished."""
+        if self.copies[self.turn] is not None:
+            self.copies[self.turn].synchronize()
+            self.copies[self.turn] = None
+        nbytes = rows * width * dtype.itemsize
+        return self.buffers[self.turn][:nbytes].view(dtype).view(rows, width)
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy this turn's buffer `src` into `dst` asynchronously; the next turn uses the other."""
+        dst.copy_(src, non_blocking=True)
+        self.copies[self.turn] = self.event()
+        self.copies[self.turn].record()
+        self.turn ^= 1
+
+    def finish(self) -> None:
+        for i, copy in enumerate(self.copies):
+            if copy is not None:
+                copy.synchronize()
+                self.copies[i] = None
+
+
 class SliceReader:
-    def __init__(self, stats: LoadStats):
-        self.stats = stats
+    def __init__(self, stats: LoadStats, staging: PinnedStaging | None = None):
+        self.stats, self.staging = stats, staging
         self._fds: dict[Path, int] = {}
         self._scratch: bytearray = bytearray()
 
@@ -117,6 +156,8 @@ class SliceReader:
         return self
 
     def __exit__(self, *_: object) -> None:
+        if self.staging is not None:
+            self.staging.finish()  # every copy has landed before the weights are used
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -148,16 +189,23 @@ class SliceReader:
         src_dtype = TORCH_DTYPES[entry.dtype]
         item = DTYPE_BYTES[entry.dtype]
         direct = region.device.type == "cpu" and region.dtype == src_dtype and region.is_contiguous()
-        limit = DIRECT_CHUNK_BYTES if direct else STAGING_BYTES
+        limit = DIRECT_CHUNK_BYTES if direct else self.staging.nbytes if self.staging else STAGING_BYTES
         chunk = max(1, limit // max(1, width * item))
         if piece.dim == 1:
             chunk = min(chunk, (IOV_MAX + 1) // 2)
         fd = self._fd(entry.path)
         for a in range(0, out_rows, chunk):
             b = min(out_rows, a + chunk)
-            target = region[a:b] if direct else torch.empty(b - a, width, dtype=src_dtype)
+            if direct:
+                target = region[a:b]
+            elif self.staging is not None:
+                target = self.staging.buffer(b - a, width, src_dtype)
+            else:
+                target = torch.empty(b - a, width, dtype=src_dtype)
             self._read_rows(fd, entry, piece, a, b, cols, item, target)
-            if not direct:
+            if self.staging is not None and not direct:
+                self.staging.copy(target, region[a:b])
+            elif not direct:
                 region[a:b].copy_(target)
         return piece.offset + out_rows
 

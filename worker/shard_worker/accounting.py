@@ -5,9 +5,11 @@ Each timed region is a span between two marks of a clock. Host work (CPU tensors
 messages) is timed with `perf_counter` and counted at once. On a GPU the model's kernels and
 NCCL's collectives are asynchronous: the host returns long before the device is done, so they are
 timed with CUDA events recorded on the current stream, and a span is counted once both of its
-events have run, in stream order (`counters` counts what is done without waiting; `snapshot`
-waits for the device first). Compute is a `computing` span less the communication and waiting
-inside it. The metrics families of `metrics.py` are filled from these counters.
+events have run, in stream order: the thread that records them counts what has run whenever it
+closes a span (`resolve`), and `snapshot` waits for the device first. Other threads (heartbeat,
+metrics) only read `counters`: CUDA's current device is per thread, so they never touch events.
+Compute is a `computing` span less the communication and waiting inside it. The metrics families
+of `metrics.py` are filled from these counters.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class Clock(Protocol):
     def mark(self) -> Any: ...
     def done(self, mark: Any) -> bool: ...
     def seconds(self, start: Any, end: Any) -> float: ...
+    def release(self, mark: Any) -> None: ...
     def synchronize(self) -> None: ...
 
 
@@ -66,22 +69,30 @@ class HostClock:
     def seconds(self, start: float, end: float) -> float:
         return end - start
 
+    def release(self, mark: float) -> None:
+        pass
+
     def synchronize(self) -> None:
         pass
 
 
 class CudaClock:
-    """CUDA events recorded on the current stream: the device's time between two marks."""
+    """CUDA events recorded on the current stream: the device's time between two marks. Events are
+    reused once counted (a decode step records two per collective)."""
 
     def __init__(self) -> None:
         import torch
 
         self._torch = torch
+        self._free: list[Any] = []
 
     def mark(self) -> Any:
-        event = self._torch.cuda.Event(enable_timing=True)
+        event = self._free.pop() if self._free else self._torch.cuda.Event(enable_timing=True)
         event.record()
         return event
+
+    def release(self, mark: Any) -> None:
+        self._free.append(mark)
 
     def done(self, mark: Any) -> bool:
         return mark.query()
@@ -115,15 +126,21 @@ class Accounting:
 
     @property
     def counters(self) -> Counters:
-        """What has been counted, with every span whose events have run (never waits)."""
+        """What has been counted so far (any thread)."""
+        return self._counters
+
+    def resolve(self) -> None:
+        """Count the spans whose events have run, without waiting (the recording thread)."""
         with self._lock:
-            self._resolve()
-            return self._counters
+            while self._pending and self._pending[0].clock.done(self._pending[0].end):  # one stream: in order
+                self._count(self._pending.popleft())
 
     def snapshot(self) -> Counters:
-        """A copy of the counters once the device has run everything timed so far."""
+        """A copy of the counters once the device has run everything timed so far (the recording thread)."""
         self.device.synchronize()
-        return self.counters.copy()
+        self.resolve()
+        with self._lock:
+            return self._counters.copy()
 
     def comm(self, op: str, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -166,15 +183,12 @@ class Accounting:
                     self._count(span)
                 else:
                     self._pending.append(span)
-                    self._resolve()
-
-    def _resolve(self) -> None:
-        """Count the pending spans whose events have run (in order: one stream runs them in order)."""
-        while self._pending and self._pending[0].clock.done(self._pending[0].end):
-            self._count(self._pending.popleft())
+            self.resolve()
 
     def _count(self, span: _Span) -> None:
         seconds = span.clock.seconds(span.start, span.end)
+        span.clock.release(span.start)
+        span.clock.release(span.end)
         c = self._counters
         if span.kind == "compute":
             c.compute_seconds += seconds - span.inner

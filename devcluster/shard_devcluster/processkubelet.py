@@ -12,7 +12,10 @@ What a kubelet on each Node would do, for all Nodes of the one-machine cluster a
   are written out, emptyDirs are fresh directories; env values and arguments under a mount path
   point there;
 * devices: a container that requests a GPU gets its node's GPU memory (label
-  `nvidia.com/gpu.memory`) as `SHARD_MEMORY_BUDGET`, which the worker enforces;
+  `nvidia.com/gpu.memory`) as `SHARD_MEMORY_BUDGET`, which the worker enforces (per rank: each
+  rank of a pod holding several GPUs has one);
+* /dev/shm: a pod's own, shared by its processes only: with `shm_env`, that variable names the
+  directory of the pod's volume mounted at /dev/shm (the processes here share the machine's);
 * runs the first container's command (`python` is this interpreter; `$(VAR)` references to its
   env expanded), and its output is the pod's log (`kubectl logs`);
 * probes over HTTP: startup and readiness (the pod's Ready condition) every `probe_period`
@@ -107,11 +110,15 @@ def _requests_gpu(container: dict[str, Any]) -> bool:
 class ProcessKubelet(FakeKubelet):
     def __init__(self, emu, network: ClusterNetwork, workdir: str | os.PathLike[str], *, host_root: str = "/",
                  probe_period: float = 1.0, grace: float = 5.0, dns_wait: float = 120.0,
-                 extra_env: dict[str, str] | None = None, bind_env: tuple[str, ...] = ("SHARD_HOST",)):
+                 extra_env: dict[str, str] | None = None, bind_env: tuple[str, ...] = ("SHARD_HOST",),
+                 shm_env: str | None = None):
         super().__init__(emu, run_processes=True, extra_env=extra_env)
         # Env vars set to the pod's address: what a process binds instead of "every address",
         # which in a pod means its own network namespace and here would collide with other pods.
         self.bind_env = bind_env
+        # Env var set to the directory of the pod's /dev/shm volume: what a process uses instead of
+        # the machine's /dev/shm, which here every pod would share.
+        self.shm_env = shm_env
         self.network, self.workdir, self.host_root = network, Path(workdir), Path(host_root)
         self.probe_period, self.grace, self.dns_wait = probe_period, grace, dns_wait
         self.sandboxes: dict[tuple[str, str], Sandbox] = {}
@@ -382,6 +389,8 @@ class ProcessKubelet(FakeKubelet):
                 env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
         env.update(HOSTNAME=meta["name"], POD_NAME=meta["name"], POD_NAMESPACE=meta.get("namespace") or "",
                    POD_IP=sandbox.address.ip, **dict.fromkeys(self.bind_env, sandbox.address.ip))
+        if self.shm_env and "/dev/shm" in mounts:
+            env[self.shm_env] = mounts["/dev/shm"]
         labels = (node.get("metadata") or {}).get("labels") or {}
         if MEMORY_LABEL in labels and _requests_gpu(container):
             env["SHARD_MEMORY_BUDGET"] = str(int(labels[MEMORY_LABEL]) * MiB)

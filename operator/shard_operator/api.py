@@ -154,6 +154,19 @@ class Placement(ApiModel):
     memory_headroom: float = Field(0.1, ge=0.0, lt=1.0, description=(
         "Fraction of every device's memory kept free (allocator fragmentation, spikes)."))
     topology: Topology = Field(default_factory=Topology)
+    pod_layout: Literal["auto", "perRank", "perTensorGroup"] = Field("auto", description=(
+        "perRank: one pod per rank (one GPU each). perTensorGroup: one pod per tensor-parallel group "
+        "(a pipeline stage, on one node) holding its GPUs and running one rank process per GPU, so NCCL "
+        "can use NVLink between them (it cannot across pods). auto: perTensorGroup on GPUs at tensor > 1, "
+        "else perRank."))
+
+    @property
+    def pod_tolerations(self) -> list[Toleration]:
+        """What the rank pods tolerate: the spec's tolerations and the GPU resource's own taint
+        (`nvidia.com/gpu:NoSchedule` on managed GPU pools), which Kubernetes' ExtendedResourceToleration
+        admission plugin would add to any pod that requests the resource. Other taints need the spec."""
+        own = Toleration(key=self.gpu_resource, operator="Exists", effect="NoSchedule")
+        return [*self.tolerations, own] if own not in self.tolerations else list(self.tolerations)
 
 
 class Rollout(ApiModel):
@@ -188,7 +201,9 @@ class SecretKeyRef(ApiModel):
 class WorkerSpec(ApiModel):
     image: str | None = Field(None, description="Worker image; default: the operator's setting.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    resources: Resources = Field(default_factory=Resources, description="CPU/memory for each rank's pod; the GPU is added.")
+    resources: Resources = Field(default_factory=Resources, description=(
+        "CPU/memory for each rank, over defaults sized from the plan; a pod of several ranks asks for "
+        "their sum, and the GPUs are added."))
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment, e.g. NCCL_SOCKET_IFNAME.")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of the API and /metrics.")
     rendezvous_port: int = Field(29500, ge=1, le=65535, description="torch.distributed MASTER_PORT.")
@@ -198,6 +213,9 @@ class WorkerSpec(ApiModel):
         None, description="An API key the OpenAI routes require (Authorization: Bearer): mounted from this Secret "
                           "into each group's leader pod, which the operator never reads. Health, readiness, "
                           "metrics and /v1/shards stay open.")
+    runtime_class_name: str | None = Field(None, min_length=1, description=(
+        "RuntimeClass of the rank pods, e.g. nvidia where the NVIDIA container runtime is not the nodes' "
+        "default (the GPU Operator installs one by that name)."))
 
 
 class ShardedModelSpec(ApiModel):

@@ -54,7 +54,7 @@ from .manifests import (
     model_objects,
     plan_record_name,
 )
-from .planner import PlanError
+from .planner import PlanError, PlannerOptions
 from .profile import ModelProfile
 from .profiles import LocalProfiles, ModelNotFound, local_model_dir, remote_profile
 from .replan import PlanChoice, choose_plan, without_held
@@ -74,7 +74,7 @@ class Memory:
     generation: int = -1         # the spec generation the pool was last seen with
     reconsidered: str = ""       # the pool fingerprint a better plan was last looked for on
     last_poll: float = float("-inf")
-    measured: dict[str, int] = field(default_factory=dict)
+    measured: dict[tuple[str, int], int] = field(default_factory=dict)  # (pod, rank) -> resident bytes
     wake_in: float = 0.0         # seconds until the next reconcile is due anyway
     # The status this loop last wrote: kopf's copy of the object may not show it yet, and a stale
     # status would undo restart counts and transition times.
@@ -99,6 +99,7 @@ class Controller:
                  fetch: Callable[[str, float], ShardsResponse | None] = leaders.fetch,
                  clock: Callable[[], float] = time.monotonic):
         self.settings, self.kube, self.fetch, self.clock = settings, kube, fetch, clock
+        self.planner_options = PlannerOptions.from_json(settings.planner_options)
         self.local_profiles = LocalProfiles()
         self.wakeups: dict[tuple[str, str], asyncio.Event] = {}
         self.generations: dict[tuple[str, str], int] = {}  # the spec generation last reconciled
@@ -292,7 +293,7 @@ class Controller:
             memory.wake_in = min(memory.wake_in, settings.settle_seconds - waited + 0.01)
         reconsider = settled and memory.reconsidered != pool
         choice = choose_plan(current, profile, spec, inventory, settled=settled, reconsider=reconsider,
-                             improvement=settings.improvement_threshold)
+                             improvement=settings.improvement_threshold, options=self.planner_options)
         if reconsider:
             memory.reconsidered = pool
         return choice
@@ -328,21 +329,22 @@ class Controller:
                 for obj in _group_members(listing, key, kinds=(kind,)):
                     kube.delete(kind, ns, obj["metadata"]["name"])
 
-    def _poll(self, owner: Owner, obs: Observation, memory: Memory) -> dict[str, int]:
-        """Measured resident bytes per pod from each ready leader, every status_poll_seconds."""
+    def _poll(self, owner: Owner, obs: Observation, memory: Memory) -> dict[tuple[str, int], int]:
+        """Measured resident bytes per rank (and its pod) from each ready leader, every status_poll_seconds."""
         period = self.settings.status_poll_seconds
         if period <= 0 or obs.spec is None:
             return memory.measured
         now = self.clock()
         if now - memory.last_poll < period:
             memory.wake_in = min(memory.wake_in, period - (now - memory.last_poll))
-            return {pod: n for pod, n in memory.measured.items() if pod in {r.pod for g in obs.groups for r in g.ranks}}
+            present = {(r.pod, r.rank) for g in obs.groups for r in g.ranks}
+            return {key: n for key, n in memory.measured.items() if key in present}
         ready = [g for g in obs.groups if group_state(g)[0] == "Ready"]
         if not ready:
             return memory.measured
         memory.last_poll = now
         memory.wake_in = min(memory.wake_in, period)
-        measured: dict[str, int] = {}
+        measured: dict[tuple[str, int], int] = {}
         for group in ready:
             leader = next((r for r in group.ranks if r.rank == 0), None)
             if leader is None or not leader.pod_ip:
@@ -355,7 +357,7 @@ class Controller:
             pods = {r.rank: r.pod for r in group.ranks}
             for rank, resident in report.resident_by_rank().items():
                 if rank in pods:
-                    measured[pods[rank]] = resident
+                    measured[(pods[rank], rank)] = resident
         memory.measured = measured
         return measured
 

@@ -60,6 +60,11 @@ class Settings:
     # gloo's ephemeral ones) to the ranks of the same model only. The Helm chart turns it on with
     # networkPolicy.enabled, and grants the permission it needs only then.
     network_policies: bool = False
+    # The planner's constants as JSON, each key changing a default (planner.PlannerOptions): the
+    # runtime overhead per rank in bytes ({"runtime_overhead": {"gpu": 3221225472}}), the seconds
+    # of a collective or hop by transport ({"transport": {"collective_in_pod": {"gpu": 2e-5}}},
+    # see transport.py), the tolerance within which fewer devices win.
+    planner_options: str = ""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":

@@ -43,7 +43,7 @@ class Observation:
     group_plans: dict[GroupKey, Plan] = field(default_factory=dict)
     decision: Decision | None = None
     restarts: dict[GroupKey, int] = field(default_factory=dict)
-    measured: dict[str, int] = field(default_factory=dict)  # pod -> resident bytes
+    measured: dict[tuple[str, int], int] = field(default_factory=dict)  # (pod, rank) -> resident bytes
 
 
 def plan_summary(plan: Plan) -> PlanSummary:
@@ -63,7 +63,7 @@ def _stable(previous: int | None, measured: int | None) -> int | None:
 
 
 def _shards(obs: Observation, previous: dict[str, Any]) -> list[ShardStatus]:
-    before = {s.get("pod"): s.get("residentBytes") for s in previous.get("shards") or []}
+    before = {(s.get("pod"), s.get("rank")): s.get("residentBytes") for s in previous.get("shards") or []}
     observed = {g.key: g for g in obs.groups}
     keys = sorted(set(observed) | {w.key for w in obs.wants})
     shards = []
@@ -79,7 +79,7 @@ def _shards(obs: Observation, previous: dict[str, Any]) -> list[ShardStatus]:
                 device=rp.device if rp else "", stage=rp.stage if rp else 0, tp_rank=rp.tp_rank if rp else 0,
                 layers=list(rp.layers) if rp else [], predicted_bytes=rp.predicted_bytes.total if rp else 0,
                 quantization=plan.quantization if plan else "none",
-                resident_bytes=_stable(before.get(pod), obs.measured.get(pod)) if pod else None,
+                resident_bytes=_stable(before.get((pod, rank)), obs.measured.get((pod, rank))) if pod else None,
                 state=rs.state if rs else "Missing"))
     return shards
 

@@ -116,7 +116,7 @@ def test_capacity_loss_with_groups_serving_is_degraded_not_failed():
 
 def test_shards_and_groups_report_plan_and_pods():
     obs = observation([group(0, "new", ["Ready", "Running"])], replicas=1,
-                      measured={"m-0-new-0": 123456789}, restarts={(0, "new"): 1})
+                      measured={("m-0-new-0", 0): 123456789}, restarts={(0, "new"): 1})
     status = build_status(obs, None, NOW)
     plan = obs.plan
     assert [(s["group"], s["rank"], s["pod"], s["state"]) for s in status["shards"]] == [
@@ -142,12 +142,12 @@ def test_shards_say_how_their_weights_are_stored():
 
 
 def test_a_steady_world_writes_nothing():
-    obs = observation([group(0, "new", ["Ready"] * 2), group(1, "new", ["Ready"] * 2)], measured={"m-0-new-0": 1000})
+    obs = observation([group(0, "new", ["Ready"] * 2), group(1, "new", ["Ready"] * 2)], measured={("m-0-new-0", 0): 1000})
     first = build_status(obs, None, NOW)
     assert status_patch(None, first) is not None
-    again = build_status(observation(obs.groups, measured={"m-0-new-0": 1005}), first, LATER)
+    again = build_status(observation(obs.groups, measured={("m-0-new-0", 0): 1005}), first, LATER)
     assert status_patch(first, again) is None  # same state; memory within 1%; times kept
-    moved = build_status(observation(obs.groups, measured={"m-0-new-0": 2000}), first, LATER)
+    moved = build_status(observation(obs.groups, measured={("m-0-new-0", 0): 2000}), first, LATER)
     assert status_patch(first, moved) == {"shards": moved["shards"]}
 
 

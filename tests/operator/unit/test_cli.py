@@ -13,7 +13,7 @@ import pytest
 from shard_operator.cli import main
 from tests.support.malicious import ATTACKS, CORPUS, write_attack
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "examples"
 
 

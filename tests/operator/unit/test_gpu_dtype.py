@@ -10,7 +10,7 @@ from shard_operator.inventory import inventory_from_nodes
 from shard_operator.planner import PlanError, plan
 from shard_operator.profile import profile_from_config
 from shard_operator.replan import incompatibility
-from tests.unit.test_planner import LLAMA_8B, spec
+from tests.operator.unit.test_planner import LLAMA_8B, spec
 
 PRODUCTS = {"t4": ("Tesla-T4", "16384", "7", "5"), "v100": ("Tesla-V100-SXM2-32GB", "32768", "7", "0"),
             "a100": ("NVIDIA-A100-SXM4-80GB", "81920", "8", "0"), "h100": ("NVIDIA-H100-80GB-HBM3", "81559", "9", "0")}

@@ -13,7 +13,7 @@ from shard_operator.profile import profile_from_config
 from shard_operator.sizing import Shard, weight_bytes
 from shard_operator.transport import PER_RANK, PER_TENSOR_GROUP, Transport, pod_layout
 
-from tests.unit.test_planner import LLAMA_8B, spec
+from tests.operator.unit.test_planner import LLAMA_8B, spec
 
 
 @pytest.mark.parametrize("asked, kind, tp, layout", [
@@ -90,7 +90,7 @@ def test_the_operators_planner_options_change_only_what_they_name():
     from shard_operator.settings import Settings
 
     text = '{"runtime_overhead": {"gpu": 3221225472}, "transport": {"collective_across_pods": {"gpu": 0.0002}}}'
-    options = PlannerOptions.from_json(Settings.from_env({"SHARD_OPERATOR_PLANNER_OPTIONS": text}).planner_options)
+    options = Settings.from_env({"SHARD_OPERATOR_PLANNER_OPTIONS": text}).planner_options
     assert options.runtime_overhead == {"gpu": 3 * 2**30, "cpu": 64 * MiB}
     assert options.transport.collective_across_pods == {"gpu": 2e-4, "cpu": T.collective_across_pods["cpu"]}
     assert options.transport.hop_across_nodes == T.hop_across_nodes and options.tolerance == 0.10
@@ -105,6 +105,9 @@ def test_the_operators_planner_options_change_only_what_they_name():
     ("{", "planner options"),
 ])
 def test_bad_planner_options_are_named(text, message):
-    with pytest.raises(ValueError, match="planner options") as err:
-        PlannerOptions.from_json(text)
+    """At the operator's start, with the variable that holds them."""
+    from shard_operator.settings import Settings
+
+    with pytest.raises(ValueError, match="^SHARD_OPERATOR_PLANNER_OPTIONS: planner options") as err:
+        Settings.from_env({"SHARD_OPERATOR_PLANNER_OPTIONS": text})
     assert message in str(err.value)

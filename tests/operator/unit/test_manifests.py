@@ -11,7 +11,9 @@ import pytest
 
 from shard_contract.env import API_KEY_MOUNT, MODEL_MOUNT, PLAN_MOUNT, SECRET_KEY, SECRET_MOUNT, WorkerEnv
 from shard_contract.plan import Plan
+from shard_operator import planner
 from shard_operator.api import SpecError
+from shard_operator.inventory import parse_devices
 from shard_operator.manifests import (
     GROUP_LABEL,
     MODEL_LABEL,
@@ -33,7 +35,7 @@ from shard_operator.manifests import (
     profiling_pod,
 )
 
-from tests.operator.conftest import make_plan, make_spec
+from tests.operator.conftest import make_plan, make_spec, tiny_profile
 
 OWNER = Owner(name="llama", namespace="serving", uid="uid-1")
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -260,12 +262,7 @@ def test_rank_pods_request_cpu_and_memory_sized_from_the_plan(devices, kind, lay
 
 
 def plan_on(devices: str, kind: str, **spec):
-    from shard_operator.inventory import parse_devices
-    from shard_operator.planner import plan
-
-    from .conftest import make_spec, tiny_profile
-
-    return plan(tiny_profile(), make_spec(**spec), parse_devices(devices, kind=kind))
+    return planner.plan(tiny_profile(), make_spec(**spec), parse_devices(devices, kind=kind))
 
 
 @pytest.mark.parametrize("quantity, n, scaled", [

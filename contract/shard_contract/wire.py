@@ -62,14 +62,16 @@ class Completion(BaseModel):
 
 class ResidentBytes(BaseModel):
     """Measured after load. On a CPU, weights and kv_cache are the growth of anonymous resident
-    memory while they were allocated and filled; on a GPU, of CUDA's allocated bytes."""
+    memory while they were allocated and filled; on a GPU, of what CUDA's caching allocator reserved."""
 
     weights: int
     kv_cache: int
     staging: int = Field(0, description="An offloading rank's staging slots (and a GPU's pinned host copies: 0).")
     rss_anon: int
     cuda_allocated: int = 0
-    total: int = Field(description="What this rank holds above a bare `import torch` (GPU: reserved).")
+    total: int = Field(description="What this rank holds: on a CPU, anonymous memory above a bare `import torch`; "
+                                   "on a GPU, device memory in use above what it held when CUDA started in the "
+                                   "process (torch's allocator, NCCL's buffers, cuBLAS workspaces).")
     peak: int = Field(0, description="Peak resident set above a bare `import torch` so far.")
 
 
@@ -82,6 +84,8 @@ class RankReport(BaseModel):
     layers: tuple[int, int]
     node: str = ""
     device: str = ""
+    dtype: str = Field("", description="What the rank runs: the plan's dtype, or float16 where a GPU has no "
+                                       "native bfloat16.")
     predicted_bytes: PredictedBytes
     resident_bytes: ResidentBytes
     allocated_bytes: dict[str, int] = Field(default_factory=dict,
@@ -123,6 +127,8 @@ class ShardEntry(BaseModel):
     device: str = ""
     capacity_bytes: int = Field(description="The device's memory (the plan's).")
     usable_bytes: int = Field(description="capacity minus the plan's headroom.")
+    dtype: str = Field("", description="What the rank runs: the plan's dtype, or float16 where a GPU has no "
+                                       "native bfloat16.")
     predicted_bytes: PredictedBytes
     offload: OffloadPlan | None = Field(None, description="The layers this rank streams (the plan's).")
     resident_bytes: ResidentBytes | None = None

@@ -60,11 +60,12 @@ OPERATOR_ENV = {
     "RESTART_BUDGET": "3",
     "WORKER_IMAGE": "localhost/shard-worker:dev",  # no images here: the kubelet runs the command
 }
-# Each rank is one process on a machine that also runs every other rank: one thread each. Pods
-# share no /dev/shm (each mounts its own), so ranks here take the pods' path for tensor-parallel
-# collectives (gloo), not the shared-memory one of local processes (`shardctl run`).
-RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-            "SHARD_SHM_COLLECTIVES": "0"}
+# Each rank is one process on a machine that also runs every other rank: one thread each.
+RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# Pods share no /dev/shm (each mounts its own): the worker's shared-memory collectives go through
+# this directory, which the kubelet points at the pod's own /dev/shm volume. Tensor-parallel peers
+# in one pod share memory, as the processes of `shardctl run` do; peers in different pods use gloo.
+SHM_DIR_ENV = "SHARD_SHM_DIR"
 POOL_LABEL = "sharding.dev/pool"
 
 
@@ -156,7 +157,8 @@ class DevCluster:
             self._stack.callback(lambda: [task.cancel() for task in tasks])
             self.kubelet = ProcessKubelet(self.api, self.network, self.workdir / "pods", host_root=str(self.host_root),
                                           probe_period=self.probe_period, grace=self.grace, extra_env=RANK_ENV,
-                                          renew_seconds=self.renew_seconds, node_selector=self.node_selector)
+                                          renew_seconds=self.renew_seconds, node_selector=self.node_selector,
+                                          shm_env=SHM_DIR_ENV)
             await self._stack.enter_async_context(self.kubelet)
             self.proxy = ServiceProxy(self.api, self.network)
             await self.proxy.start()

@@ -23,7 +23,10 @@ emulated server or any other:
   volumes are read from the API and written out, emptyDirs are fresh directories; env values and
   arguments under a mount path point there;
 * devices: a container that requests a GPU gets its node's GPU memory (label
-  `nvidia.com/gpu.memory`) as `SHARD_MEMORY_BUDGET`, which the worker enforces;
+  `nvidia.com/gpu.memory`) as `SHARD_MEMORY_BUDGET`, which the worker enforces (per rank: each
+  rank of a pod holding several GPUs has one);
+* /dev/shm: a pod's own, shared by its processes only: with `shm_env`, that variable names the
+  directory of the pod's volume mounted at /dev/shm (the processes here share the machine's);
 * runs the first container's command (`python` is this interpreter; `$(VAR)` references to its
   env expanded); its output is the container log, served to the API server's pods/log on this
   kubelet's HTTPS endpoint (kubeletserver.py);
@@ -153,7 +156,8 @@ class ProcessKubelet:
     def __init__(self, api: KubeApi, network: ClusterNetwork, workdir: str | os.PathLike[str], *, host_root: str = "/",
                  probe_period: float = 1.0, grace: float = 5.0, dns_wait: float = 120.0,
                  extra_env: dict[str, str] | None = None, bind_env: tuple[str, ...] = ("SHARD_HOST",),
-                 node_selector: str = "", renew_seconds: float = 10.0, lease_seconds: int = 40):
+                 node_selector: str = "", renew_seconds: float = 10.0, lease_seconds: int = 40,
+                 shm_env: str | None = None):
         self.api, self.network = api, network
         self.workdir, self.host_root = Path(workdir), Path(host_root)
         self.probe_period, self.grace, self.dns_wait = probe_period, grace, dns_wait
@@ -161,6 +165,9 @@ class ProcessKubelet:
         # Env vars set to the pod's address: what a process binds instead of "every address",
         # which in a pod means its own network namespace and here would collide with other pods.
         self.bind_env = bind_env
+        # Env var set to the directory of the pod's /dev/shm volume: what a process uses instead of
+        # the machine's /dev/shm, which here every pod would share.
+        self.shm_env = shm_env
         self.renew_seconds, self.lease_seconds = renew_seconds, lease_seconds
         self.sandboxes: dict[tuple[str, str], Sandbox] = {}
         self.server = KubeletServer(self._find_logs, self.workdir / ".kubelet")
@@ -579,6 +586,8 @@ class ProcessKubelet:
                 env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
         env.update(HOSTNAME=meta["name"], POD_NAME=meta["name"], POD_NAMESPACE=meta["namespace"],
                    POD_IP=sandbox.local, **dict.fromkeys(self.bind_env, sandbox.local))
+        if self.shm_env and "/dev/shm" in mounts:
+            env[self.shm_env] = mounts["/dev/shm"]
         labels = (node.get("metadata") or {}).get("labels") or {}
         if MEMORY_LABEL in labels and _requests_gpu(container):
             env["SHARD_MEMORY_BUDGET"] = str(int(labels[MEMORY_LABEL]) * MiB)

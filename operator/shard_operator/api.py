@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 from pydantic.alias_generators import to_camel
 
-from shard_contract.units import parse_bytes, quantity
+from shard_contract.units import parse_bytes
 
 GROUP = "sharding.dev"
 VERSION = "v1alpha1"
@@ -186,7 +186,20 @@ class Placement(ApiModel):
     memory_headroom: float = Field(0.1, ge=0.0, lt=1.0, description=(
         "Fraction of every device's memory kept free (allocator fragmentation, spikes)."))
     topology: Topology = Field(default_factory=Topology)
+    pod_layout: Literal["auto", "perRank", "perTensorGroup"] = Field("auto", description=(
+        "perRank: one pod per rank (one GPU each). perTensorGroup: one pod per tensor-parallel group "
+        "(a pipeline stage, on one node) holding its GPUs and running one rank process per GPU, so NCCL "
+        "can use NVLink between them (it cannot across pods). auto: perTensorGroup on GPUs at tensor > 1, "
+        "else perRank."))
     offload: Offload = Field(default_factory=Offload)
+
+    @property
+    def pod_tolerations(self) -> list[Toleration]:
+        """What the rank pods tolerate: the spec's tolerations and the GPU resource's own taint
+        (`nvidia.com/gpu:NoSchedule` on managed GPU pools), which Kubernetes' ExtendedResourceToleration
+        admission plugin would add to any pod that requests the resource. Other taints need the spec."""
+        own = Toleration(key=self.gpu_resource, operator="Exists", effect="NoSchedule")
+        return [*self.tolerations, own] if own not in self.tolerations else list(self.tolerations)
 
 
 class Rollout(ApiModel):
@@ -199,18 +212,17 @@ class EnvVar(ApiModel):
     value: str = ""
 
 
-def _kubernetes_quantity(value: str) -> str:
-    quantity(value)  # as the API server would refuse the pod; the operator also adds to the memory (offload)
-    return value
-
-
-# int-or-string in Kubernetes; kept as the string Kubernetes prints.
-Quantity = Annotated[str, BeforeValidator(str), AfterValidator(_kubernetes_quantity)]
-
-
 class Resources(ApiModel):
-    requests: dict[str, Quantity] = Field(default_factory=dict)
-    limits: dict[str, Quantity] = Field(default_factory=dict)
+    requests: dict[str, str] = Field(default_factory=dict)
+    limits: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("requests", "limits", mode="before")
+    @classmethod
+    def _quantities_as_strings(cls, value: Any) -> Any:
+        # Kubernetes quantities are int-or-string; keep them as the strings Kubernetes prints.
+        if isinstance(value, dict):
+            return {k: str(v) for k, v in value.items()}
+        return value
 
 
 class SecretKeyRef(ApiModel):
@@ -222,7 +234,9 @@ class SecretKeyRef(ApiModel):
 class WorkerSpec(ApiModel):
     image: str | None = Field(None, description="Worker image; default: the operator's setting.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    resources: Resources = Field(default_factory=Resources, description="CPU/memory for each rank's pod; the GPU is added.")
+    resources: Resources = Field(default_factory=Resources, description=(
+        "CPU/memory for each rank, over defaults sized from the plan; a pod of several ranks asks for "
+        "their sum, and the GPUs are added."))
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment, e.g. NCCL_SOCKET_IFNAME.")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of the API and /metrics.")
     rendezvous_port: int = Field(29500, ge=1, le=65535, description="torch.distributed MASTER_PORT.")
@@ -232,6 +246,9 @@ class WorkerSpec(ApiModel):
         None, description="An API key the OpenAI routes require (Authorization: Bearer): mounted from this Secret "
                           "into each group's leader pod, which the operator never reads. Health, readiness, "
                           "metrics and /v1/shards stay open.")
+    runtime_class_name: str | None = Field(None, min_length=1, description=(
+        "RuntimeClass of the rank pods, e.g. nvidia where the NVIDIA container runtime is not the nodes' "
+        "default (the GPU Operator installs one by that name)."))
 
 
 class ShardedModelSpec(ApiModel):

@@ -28,16 +28,17 @@ from .generate import parse_ids, render_result, result_json, tokenize
 from .inventory import Inventory, inventory_from_nodes, load_nodes, local_inventory, parse_devices
 from .local import LaunchError, check_port, free_port, plan_local, run_generate
 from .manifests import Context, Owner, check, desired_objects
-from .planner import PlanError, plan, shortfall
+from .planner import PlanError, PlannerOptions, plan, shortfall
 from .profile import profile_model
 from .report import render_plan
 from .run import run_local
-from .settings import Settings
+from .settings import PREFIX, Settings
 
 EXIT_BAD_INPUT = 1
 EXIT_INFEASIBLE = 2
 EXIT_RANKS_FAILED = 3
 PLUGIN_GROUP = "shardctl.commands"  # entry points: functions that add a subcommand to the parser
+PLANNER_OPTIONS_ENV = PREFIX + "PLANNER_OPTIONS"  # the operator's own setting (settings.py)
 
 
 def _pick_model(path: str, name: str | None) -> ShardedModel:
@@ -62,6 +63,17 @@ def inventory_for(args: argparse.Namespace, model: ShardedModel) -> Inventory:
     return local_inventory()
 
 
+def planner_options(args: argparse.Namespace) -> PlannerOptions:
+    """--planner-options, else the operator's setting from the environment: the same JSON plans here
+    as the operator does."""
+    given = args.planner_options is not None
+    text = args.planner_options if given else os.environ.get(PLANNER_OPTIONS_ENV, "")
+    try:
+        return PlannerOptions.from_json(text)
+    except ValueError as err:
+        raise ValueError(f"{'--planner-options' if given else PLANNER_OPTIONS_ENV}: {err}") from None
+
+
 def model_dir_for(args: argparse.Namespace, model: ShardedModel) -> Path:
     if getattr(args, "model_dir", None):
         return Path(args.model_dir)
@@ -75,7 +87,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     inventory = inventory_for(args, model)
     name = model.metadata.name
     try:
-        result = plan(profile, model.spec, inventory)
+        result = plan(profile, model.spec, inventory, planner_options(args))
     except PlanError as err:
         picture.write(picture.infeasible_svg(err, f"{name} does not fit"), f"ShardedModel {name}: no plan",
                       f"{err.reason}: {err.message}", args.svg, args.html)
@@ -106,7 +118,7 @@ def cmd_manifests(args: argparse.Namespace) -> int:
                   spec=model.spec, default_image=args.image, network_policy=not args.no_network_policy)
     check(ctx)
     profile = profile_model(model_dir_for(args, model))
-    result = plan(profile, model.spec, inventory_for(args, model))
+    result = plan(profile, model.spec, inventory_for(args, model), planner_options(args))
     sys.stdout.write(yaml.safe_dump_all(desired_objects(ctx, result), sort_keys=False))
     return 0
 
@@ -186,6 +198,9 @@ def _add_inventory_args(parser: argparse.ArgumentParser) -> None:
                              "files: the rates of streamed layers, docs/planner.md)")
     parser.add_argument("--device-kind", choices=("gpu", "cpu"), default="gpu",
                         help="what --devices describes (default gpu)")
+    parser.add_argument("--planner-options", metavar="JSON",
+                        help="the planner's constants, as the operator's planner_options setting takes them "
+                             f"(docs/planner.md; default: ${PLANNER_OPTIONS_ENV}, else the defaults)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,6 +31,9 @@ SPEED_LABEL = "sharding.dev/gpu-speed"
 MEMORY_LABEL = "nvidia.com/gpu.memory"  # MiB, from GPU feature discovery
 PRODUCT_LABEL = "nvidia.com/gpu.product"
 COUNT_LABEL = "nvidia.com/gpu.count"
+COMPUTE_LABELS = ("nvidia.com/gpu.compute.major", "nvidia.com/gpu.compute.minor")  # GFD too
+# bfloat16 runs natively from compute capability 8.0 (Ampere) on: not on T4 (7.5) or V100 (7.0)
+BF16_MAJOR = 8
 # "cpu" marks a node whose devices are CPU memory budgets standing in for GPUs (the one-machine
 # dev cluster): ranks run on the CPU, and the planner counts a CPU process's overhead.
 KIND_LABEL = "sharding.dev/device-kind"
@@ -65,6 +68,13 @@ class Device(BaseModel):
     host_gbps: float = Field(HOST_GBPS, gt=0, description="GB/s of copies from host memory into the device.")
     file_gbps: float = Field(FILE_GBPS, gt=0, description="GB/s of reads from the checkpoint files.")
     zone: str = ""
+    compute_capability: str = Field("", description="A GPU's, e.g. 8.0; empty when unknown.")
+
+    @property
+    def native_bf16(self) -> bool:
+        """Runs bfloat16 natively (or nobody said otherwise: a CPU, an unknown GPU)."""
+        major = self.compute_capability.partition(".")[0]
+        return not major.isdigit() or int(major) >= BF16_MAJOR
 
     @property
     def name(self) -> str:
@@ -135,7 +145,7 @@ def _skip_reason(node: dict[str, Any], placement: Placement) -> str | None:
     if spec.get("unschedulable"):
         return "cordoned"
     for taint in spec.get("taints") or []:
-        if taint.get("effect") in ("NoSchedule", "NoExecute") and not _tolerates(placement.tolerations, taint):
+        if taint.get("effect") in ("NoSchedule", "NoExecute") and not _tolerates(placement.pod_tolerations, taint):
             return f"tainted {taint.get('key')}={taint.get('value', '')}:{taint.get('effect')} (not tolerated)"
     allocatable = (status.get("allocatable") or {}).get(placement.gpu_resource)
     if allocatable in (None, "0", 0):
@@ -171,8 +181,10 @@ def devices_from_node(node: dict[str, Any], placement: Placement) -> list[Device
     kind = labels.get(KIND_LABEL, "gpu")
     rates = {field: float(labels[label]) for field, label in (("host_gbps", HOST_BANDWIDTH_LABEL),
                                                               ("file_gbps", FILE_BANDWIDTH_LABEL)) if label in labels}
+    major, minor = (labels.get(label, "") for label in COMPUTE_LABELS)
+    capability = f"{major}.{minor or 0}" if major else ""
     return [Device(node=meta["name"], index=i, kind=kind, product=product, memory_bytes=memory,
-                   speed=speed, zone=zone, **rates) for i in range(count)]
+                   speed=speed, zone=zone, compute_capability=capability, **rates) for i in range(count)]
 
 
 def inventory_from_nodes(nodes: Iterable[dict[str, Any]], placement: Placement | None = None) -> Inventory:
@@ -265,14 +277,15 @@ def _cuda_devices(node: str) -> list[Device]:
     if shutil.which("nvidia-smi") is None:
         return []
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total,name", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total,compute_cap,name",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10,
+                             check=True).stdout
     except (subprocess.SubprocessError, OSError):
         return []
     devices = []
     for index, line in enumerate(l for l in out.splitlines() if l.strip()):
-        memory, name = (part.strip() for part in line.split(",", 1))
-        devices.append(Device(node=node, index=index, kind="gpu", product=name,
+        memory, capability, name = (part.strip() for part in line.split(",", 2))
+        devices.append(Device(node=node, index=index, kind="gpu", product=name, compute_capability=capability,
                               memory_bytes=int(float(memory)) * MiB, speed=bandwidth_of(name)))
     return devices
 

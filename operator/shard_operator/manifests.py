@@ -3,10 +3,12 @@
 Per model: a ClusterIP Service selecting the ready leaders (the inference endpoint), a headless
 Service over every rank (metrics scraping), the plan record (a ConfigMap with the current Plan)
 and, when enabled, a NetworkPolicy that opens the ranks' ports to the ranks of the same model.
-Per group (replica): a headless Service that gives each rank a DNS name, a ConfigMap with the
-group's plan, a Secret with the group's key (which seals its ranks' heartbeat records), and one
-Pod per rank running `python -m shard_worker`, configured only by the environment of
-`shard_contract.env.WorkerEnv`, the mounted plan and the mounted key.
+Per group (replica): a headless Service that gives each pod a DNS name, a ConfigMap with the
+group's plan, a Secret with the group's key (which seals its ranks' heartbeat records), and the
+pods (`transport.pod_layout`): one per rank running `python -m shard_worker`, or one per
+tensor-parallel group holding its GPUs and running one rank per GPU through
+`python -m shard_worker.launch`; either way configured only by the environment of
+`shard_contract.env.WorkerEnv` (the pod's first rank's), the mounted plan and the mounted key.
 
 A group is identified by its replica index and its *revision*: a digest of its placement
 (`Plan.group_hash`) and of everything in the pod template. Any change to either gives new pod
@@ -20,19 +22,20 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Any, Callable
 
 from shard_contract.env import (API_KEY_MOUNT, ENV_NAMES, MODEL_MOUNT, PLAN_MOUNT, SECRET_KEY, SECRET_MOUNT, WorkerEnv,
                                 new_group_key)
-from shard_contract.plan import Plan, RankPlan
-from shard_contract.units import MiB, quantity
+from shard_contract.plan import Plan
 
+from . import resources
 from .api import API_VERSION, KIND, ShardedModelSpec, SpecError
+from .transport import pod_layout, pod_ranks
 
 MODEL_LABEL = "sharding.dev/model"
 GROUP_LABEL = "sharding.dev/group"
-RANK_LABEL = "sharding.dev/rank"
+RANK_LABEL = "sharding.dev/rank"  # the pod's first rank
+RANKS_LABEL = "sharding.dev/ranks"  # how many ranks the pod runs: RANK_LABEL, RANK_LABEL + 1, ...
 ROLE_LABEL = "sharding.dev/role"
 PLAN_LABEL = "sharding.dev/plan"
 REVISION_LABEL = "sharding.dev/revision"
@@ -45,6 +48,7 @@ MANAGED_BY = {"app.kubernetes.io/managed-by": "shard-operator"}
 PLAN_KEY = "plan.json"
 PROFILE_KEY = "profile.json"
 WORKER_COMMAND = ["python", "-m", "shard_worker"]
+LAUNCH_COMMAND = ["python", "-m", "shard_worker.launch", "--local-ranks"]  # + the pod's rank count
 PROFILER_COMMAND = ["python", "-m", "shard_contract.checkpoint"]
 CONTAINER = "worker"
 # A rank loads its weights only after the whole group has met; a 70B checkpoint can take many
@@ -150,7 +154,8 @@ def template_digest(ctx: Context) -> str:
     """Everything that shapes a group's pods apart from its placement."""
     spec = ctx.spec
     return _digest(ctx.owner.name, ctx.image, spec.worker.dump(), spec.model.dump(),
-                   [t.dump() for t in spec.placement.tolerations], spec.placement.gpu_resource, n=16)
+                   [t.dump() for t in spec.placement.tolerations], spec.placement.gpu_resource,
+                   spec.placement.pod_layout, n=16)
 
 
 def group_revision(ctx: Context, plan: Plan, replica: int) -> str:
@@ -235,7 +240,10 @@ def group_objects(ctx: Context, plan: Plan, replica: int) -> list[dict[str, Any]
         "metadata": owner.meta(name, {**labels, COMPONENT_LABEL: "group"}),
         "data": {PLAN_KEY: group_plan(plan, replica).to_json()},
     }
-    pods = [rank_pod(ctx, plan, replica, rank.rank, revision) for rank in plan.group(replica)]
+    ranks = plan.group(replica)
+    layout = pod_layout(ctx.spec.placement.pod_layout, ranks[0].kind, plan.tensor_parallel)
+    pods = [rank_pod(ctx, plan, replica, held, revision)
+            for held in pod_ranks([r.rank for r in ranks], plan.tensor_parallel, layout)]
     return [service, config, *pods]
 
 
@@ -286,7 +294,7 @@ def _user_env(spec: ShardedModelSpec) -> list[dict[str, str]]:
 
 
 def _api_key(spec: ShardedModelSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The leader's volume and mount of `spec.worker.apiKeySecret`, if any: the kubelet mounts
+    """The leader pod's volume and mount of `spec.worker.apiKeySecret`, if any: the kubelet mounts
     the Secret, so the operator needs no permission to read it."""
     ref = spec.worker.api_key_secret
     if ref is None:
@@ -296,36 +304,22 @@ def _api_key(spec: ShardedModelSpec) -> tuple[list[dict[str, Any]], list[dict[st
             [{"name": "api-key", "mountPath": directory, "readOnly": True}])
 
 
-def _resources(spec: ShardedModelSpec, rp: RankPlan) -> dict[str, dict[str, str]]:
-    """The rank's requests and limits: the spec's, one GPU, and the host memory its streamed layers
-    take (offload: pinned copies, the page cache of what it reads) on top of the rank's own memory,
-    so the scheduler places it where that memory is and the kernel does not reclaim it from under it."""
-    gpu = {spec.placement.gpu_resource: "1"}
-    requests, limits = {**spec.worker.resources.requests, **gpu}, {**spec.worker.resources.limits, **gpu}
-    host = rp.offload.host_bytes if rp.offload else 0
-    if host:
-        # A container without a memory request requests its limit (the API server's default).
-        requests["memory"] = _mebibytes(quantity(requests.get("memory", limits.get("memory", 0))) + host)
-        if "memory" in limits:
-            limits["memory"] = _mebibytes(quantity(limits["memory"]) + host)
-    return {"requests": requests, "limits": limits}
-
-
-def _mebibytes(n_bytes: Decimal | int) -> str:
-    return f"{math.ceil(n_bytes / MiB)}Mi"
-
-
-def rank_pod(ctx: Context, plan: Plan, replica: int, rank: int, revision: str) -> dict[str, Any]:
+def rank_pod(ctx: Context, plan: Plan, replica: int, ranks: list[int], revision: str) -> dict[str, Any]:
+    """The pod of `ranks` (consecutive, on one node): one rank, or a tensor-parallel group."""
     owner, spec, worker = ctx.owner, ctx.spec, ctx.spec.worker
-    rp = plan.rank_plan(replica, rank)
+    held = [plan.rank_plan(replica, rank) for rank in ranks]
+    rank, rp = ranks[0], held[0]
     group = group_name(owner.name, replica, revision)
     leader = pod_name(owner.name, replica, revision, 0)
     name = pod_name(owner.name, replica, revision, rank)
     volume, model_dir = _model_volume(spec)
+    # Only rank 0 serves the OpenAI routes, so only the pod holding it (the leader pod) gets the
+    # API key; every rank reads the group key.
     key_volumes, key_mounts = _api_key(spec) if rank == 0 else ([], [])
     env = WorkerEnv(
         rank=rank, world_size=plan.world_size,
-        # One GPU per pod: the container sees it as device 0 whatever its index on the node.
+        # The container sees its GPUs as devices 0.. whatever their indices on the node; the
+        # launcher gives the pod's i-th rank LOCAL_RANK i (and RANK + i, SHARD_PORT + i).
         local_rank=0,
         master_addr=f"{leader}.{group}.{owner.namespace}.svc", master_port=worker.rendezvous_port,
         tp_size=plan.tensor_parallel, pp_size=plan.pipeline_parallel, replica=replica,
@@ -335,17 +329,27 @@ def rank_pod(ctx: Context, plan: Plan, replica: int, rank: int, revision: str) -
         api_key_file=API_KEY_MOUNT if key_mounts else None,
     ).to_env()
     # Rank 0's store listens on the pod's own address only (the downward API knows it at start,
-    # before the group's DNS name of the pod answers).
+    # before the group's DNS name of the pod answers); the pod's other ranks ignore it.
     bind = {"name": ENV_NAMES["bind_addr"], "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    if worker.rendezvous_port in range(worker.port, worker.port + len(ranks)):
+        raise SpecError(f"spec.worker.rendezvousPort {worker.rendezvous_port} is one of the serving ports of a pod "
+                        f"of {len(ranks)} ranks ({worker.port}-{worker.port + len(ranks) - 1}, spec.worker.port + i)")
     pod_security, container_security = _security()
     plan_dir = PLAN_MOUNT.rsplit("/", 1)[0]
     http = {"path": "/health", "port": "http"}
-    labels = {**group_labels(plan, replica, revision), COMPONENT_LABEL: "rank",
-              RANK_LABEL: str(rank), ROLE_LABEL: "leader" if rank == 0 else "worker"}
+    labels = {**group_labels(plan, replica, revision), COMPONENT_LABEL: "rank", RANK_LABEL: str(rank),
+              RANKS_LABEL: str(len(ranks)), ROLE_LABEL: "leader" if rank == 0 else "worker"}
+    # Every rank serves HTTP on its own port; the pod's probes ask its first rank, which (like
+    # any rank) answers for the whole group.
+    http_ports = [{"name": "http" if i == 0 else f"http-{i}", "containerPort": worker.port + i, "protocol": "TCP"}
+                  for i in range(len(ranks))]
+    runtime = {"runtimeClassName": worker.runtime_class_name} if worker.runtime_class_name else {}
     return {
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": owner.meta(name, labels, {NODE_ANNOTATION: rp.node, DEVICE_ANNOTATION: rp.device}),
+        "metadata": owner.meta(name, labels, {NODE_ANNOTATION: rp.node,
+                                              DEVICE_ANNOTATION: ",".join(r.device for r in held)}),
         "spec": {
+            **runtime,
             "hostname": name,
             "subdomain": group,
             # A broken communicator cannot heal: a failed rank fails its pod, and the operator
@@ -356,20 +360,21 @@ def rank_pod(ctx: Context, plan: Plan, replica: int, rank: int, revision: str) -
             "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
                 "nodeSelectorTerms": [{"matchFields": [
                     {"key": "metadata.name", "operator": "In", "values": [rp.node]}]}]}}},
-            "tolerations": [t.dump() for t in spec.placement.tolerations],
+            "tolerations": [t.dump() for t in spec.placement.pod_tolerations],
             "securityContext": pod_security,
             "containers": [{
                 "name": CONTAINER,
                 "image": ctx.image,
                 "imagePullPolicy": worker.image_pull_policy,
-                "command": list(WORKER_COMMAND),
+                "command": list(WORKER_COMMAND) if len(ranks) == 1 else [*LAUNCH_COMMAND, str(len(ranks))],
                 # The tail of a failed rank's log becomes its termination message, which the
                 # operator quotes in its Event: the failed pod is deleted with its group.
                 "terminationMessagePolicy": "FallbackToLogsOnError",
                 "env": [{"name": k, "value": v} for k, v in env.items()] + [bind] + _user_env(spec),
-                "ports": [{"name": "http", "containerPort": worker.port, "protocol": "TCP"},
+                "ports": [*http_ports,
                           {"name": "rendezvous", "containerPort": worker.rendezvous_port, "protocol": "TCP"}],
-                "resources": _resources(spec, rp),
+                "resources": resources.pod_resources(held, worker.resources.requests, worker.resources.limits,
+                                                     spec.placement.gpu_resource),
                 "startupProbe": {"httpGet": http, "periodSeconds": 10, "failureThreshold": math.ceil(
                     (worker.rendezvous_timeout_seconds + LOAD_ALLOWANCE_SECONDS) / 10)},
                 "livenessProbe": {"httpGet": http, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
@@ -387,8 +392,8 @@ def rank_pod(ctx: Context, plan: Plan, replica: int, rank: int, revision: str) -
                         # Readable by the image's own non-root user (whose uid the pod does not
                         # name); nothing else runs in the container.
                         {"name": "group-key", "secret": {"secretName": group, "defaultMode": 0o444}},
-                        # NCCL and the pipeline's shared-memory transport need more than 64 MiB.
-                        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+                        # NCCL's shared memory needs more than a container's 64 MiB (resources.py)
+                        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": resources.shm_size(len(ranks))}},
                         {"name": "tmp", "emptyDir": {}}] + key_volumes,
         },
     }
@@ -420,7 +425,7 @@ def profiling_pod(ctx: Context, timeout_seconds: int) -> dict[str, Any]:
             "activeDeadlineSeconds": int(timeout_seconds),
             "enableServiceLinks": False,
             "automountServiceAccountToken": False,  # workers never call the Kubernetes API
-            "tolerations": [t.dump() for t in spec.placement.tolerations],
+            "tolerations": [t.dump() for t in spec.placement.pod_tolerations],
             "nodeSelector": dict(spec.placement.node_selector),
             "securityContext": pod_security,
             "containers": [{
@@ -482,3 +487,4 @@ def check(ctx: Context) -> None:
     """Raise SpecError for a spec no pod could be built from (before anything is created)."""
     _model_volume(ctx.spec)
     _user_env(ctx.spec)
+    resources.check(ctx.spec.worker.resources.requests, ctx.spec.worker.resources.limits)

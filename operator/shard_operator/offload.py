@@ -194,7 +194,7 @@ def event(previous: Plan | None, plan: Plan) -> tuple[str, str] | None:
 
 
 def layer_count(plan: Plan) -> str:
-    """e.g. "26 of the 32 layers on every rank", for group 0 of a plan that streams."""
+    """e.g. "29 of the 32 layers on every rank", for group 0 of a plan that streams."""
     counts = sorted({(len(r.offload.layers) if r.offload else 0, r.num_layers) for r in plan.group(0)})
     if len(counts) == 1:
         (k, n), = counts

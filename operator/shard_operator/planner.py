@@ -29,9 +29,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import json
 from collections import Counter
-from dataclasses import dataclass, field, replace
-from typing import Iterable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Iterable
+
+from pydantic import TypeAdapter, ValidationError
 
 from shard_contract.plan import DEFAULT_PREFETCH, GroupPlan, OffloadSettings, Plan, PredictedBytes, RankPlan, StagePlan
 from shard_contract.sharding import tp_problem, valid_tensor_degrees
@@ -39,13 +42,10 @@ from shard_contract.units import gib, human
 
 from . import offload
 from .api import OFFLOAD_INT8, ShardedModelSpec
-from .inventory import Device, Inventory
+from .inventory import Device, Inventory, SkippedNode
 from .offload import OffloadStage
 from .profile import ModelProfile
 from .sizing import (
-    ALLREDUCE_SECONDS,
-    HOP_ACROSS_NODES_SECONDS,
-    HOP_SECONDS,
     RUNTIME_OVERHEAD,
     Shard,
     activation_bytes,
@@ -55,8 +55,11 @@ from .sizing import (
     layer_weight_bytes,
     weight_bytes,
 )
+from .transport import Transport, pod_layout
 
 DEFAULT_MAX_MODEL_LEN = 4096
+# `dtype: auto` of a bfloat16 checkpoint on GPUs without native bfloat16 (compute capability < 8.0)
+AUTO_FALLBACK = {"bfloat16": "float16"}
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,25 @@ class PlanError(ValueError):
 class PlannerOptions:
     runtime_overhead: dict[str, int] = field(default_factory=lambda: dict(RUNTIME_OVERHEAD))
     tolerance: float = 0.10  # critical paths this close count as equal; fewer devices wins
+    transport: Transport = field(default_factory=Transport)  # seconds per collective and hop
+
+    @classmethod
+    def from_json(cls, text: str) -> "PlannerOptions":
+        """The defaults with what a JSON object changes, key by key, e.g.
+        {"runtime_overhead": {"gpu": 3221225472}, "transport": {"collective_across_pods": {"gpu": 2e-4}}}."""
+        def merged(default: Any, given: Any, where: str) -> Any:
+            if not isinstance(default, dict):
+                return given
+            if not isinstance(given, dict) or set(given) - set(default):
+                raise ValueError(f"planner options: {where or 'the options'} takes an object with keys "
+                                 f"{', '.join(sorted(default))} (got {json.dumps(given)})")
+            return {k: merged(v, given.get(k, v), f"{where}.{k}".lstrip(".")) for k, v in default.items()}
+        try:
+            values = merged(asdict(cls()), json.loads(text or "{}"), "")
+            values["transport"] = Transport(**values["transport"])
+            return TypeAdapter(cls).validate_python(values)
+        except (json.JSONDecodeError, ValidationError) as err:
+            raise ValueError(f"planner options: {err}") from None
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,6 +151,7 @@ class Request:
     replicas: int
     headroom: float
     spread_replicas: bool
+    pod_layout: str = "auto"
     offload: OffloadSettings = OffloadSettings()
 
 
@@ -166,6 +189,7 @@ def plan(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
     options = options or PlannerOptions()
     request = _resolve_request(profile, spec)
     check_parallelism(profile, spec)
+    inventory = _running(inventory, spec.model.dtype)
     if not inventory.devices:
         skipped = "; ".join(f"{s.node}: {s.reason}" for s in inventory.skipped) or "no nodes"
         raise PlanError("NoDevices", f"no usable devices in the node pool ({skipped})")
@@ -190,7 +214,9 @@ def plan(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
     most = max(len(c.groups) for c in found)
     found = [c for c in found if len(c.groups) == most]
     best = _choose(found, options.tolerance)
-    return _to_plan(profile, spec, request, costs, best, found)
+    request, why = _fallback_dtype(request, spec, best)
+    result = _to_plan(profile, spec, request, costs, best, found)
+    return result.model_copy(update={"reason": result.reason + why}) if why else result
 
 
 def _offload_note(profile: ModelProfile, spec: ShardedModelSpec, request: Request, inventory: Inventory,
@@ -241,6 +267,30 @@ def _search(costs: "Costs", inventory: Inventory, tps: list[int], pps: list[int]
     return found
 
 
+def _running(inventory: Inventory, dtype: str) -> Inventory:
+    """bfloat16 asked for by name: only the devices that run it natively; the nodes of the others
+    are skipped, saying why (with `dtype: auto` they run float16 instead)."""
+    lacking = [d for d in inventory.devices if not d.native_bf16] if dtype == "bfloat16" else []
+    if not lacking:
+        return inventory
+    reasons = {d.node: f"{d.product or 'GPU'} (compute capability {d.compute_capability}) has no native bfloat16 "
+                       "(spec.model.dtype bfloat16; auto would run float16 there)" for d in lacking}
+    return Inventory(devices=[d for d in inventory.devices if d.native_bf16],
+                     skipped=inventory.skipped + [SkippedNode(node=n, reason=r) for n, r in sorted(reasons.items())])
+
+
+def _fallback_dtype(request: Request, spec: ShardedModelSpec, best: "Candidate") -> tuple[Request, str]:
+    """`dtype: auto` keeps the checkpoint's dtype, except bfloat16 on a GPU without it: float16
+    (same bytes, so the layout stands). Returns the request to plan with and what to add to the reason."""
+    fallback = AUTO_FALLBACK.get(request.dtype) if spec.model.dtype == "auto" else None
+    lacking = sorted({f"{d.product or 'a GPU'} (compute capability {d.compute_capability})"
+                      for g in best.groups for b in g.blocks for d in b.devices if not d.native_bf16})
+    if fallback is None or not lacking:
+        return request, ""
+    return replace(request, dtype=fallback), (f"; {fallback}, not the checkpoint's {request.dtype}: "
+                                              f"{', '.join(lacking)} has no native {request.dtype}")
+
+
 def _resolve_request(profile: ModelProfile, spec: ShardedModelSpec) -> Request:
     dtype = profile.dtype if spec.model.dtype == "auto" else spec.model.dtype
     max_len = spec.model.max_model_len or min(profile.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
@@ -251,7 +301,7 @@ def _resolve_request(profile: ModelProfile, spec: ShardedModelSpec) -> Request:
     return Request(dtype=dtype, quantization=spec.model.quantization, max_len=max_len,
                    batch=spec.model.max_batch_size,
                    replicas=spec.replicas, headroom=spec.placement.memory_headroom,
-                   spread_replicas=spec.placement.topology.spread_replicas,
+                   spread_replicas=spec.placement.topology.spread_replicas, pod_layout=spec.placement.pod_layout,
                    offload=OffloadSettings(policy=off.policy, host_memory=off.host_memory_bytes,
                                            from_files=off.from_files,
                                            prefetch=DEFAULT_PREFETCH if off.prefetch == "auto" else off.prefetch))
@@ -408,7 +458,7 @@ class Costs:
                  + activation_bytes(profile, empty, request.max_len, request.batch, request.dtype)
                  + self.options.runtime_overhead[kind])
         bandwidth = speed * 1e12
-        collective = ALLREDUCE_SECONDS[kind] if tp > 1 else 0.0
+        collective = self.options.transport.collective(kind, pod_layout(request.pod_layout, kind, tp)) if tp > 1 else 0.0
         return StageModel(
             fixed_bytes=fixed,
             layer_bytes=layer_bytes + kv_cache_bytes(profile, one, request.max_len, request.batch, request.dtype),
@@ -439,17 +489,13 @@ def partition_layers(stages: list[StageModel], num_layers: int) -> list[int] | N
     return counts
 
 
-def _hop_seconds(a: Block, b: Block) -> float:
-    return HOP_SECONDS[a.kind] if a.node == b.node else HOP_ACROSS_NODES_SECONDS + HOP_SECONDS[a.kind]
-
-
 def _layout(costs: Costs, blocks: list[Block], tp: int, partition: list[int] | None) -> GroupLayout | None:
     counts = costs.partition(tuple(b.shape for b in blocks), tp, partition)
     if counts is None:
         return None
     last = len(blocks) - 1
     seconds = [costs.seconds(b, tp, i == 0, i == last, n) for i, (b, n) in enumerate(zip(blocks, counts))]
-    hops = sum(_hop_seconds(a, b) for a, b in zip(blocks, blocks[1:]))
+    hops = sum(costs.options.transport.hop(a.kind, a.node == b.node) for a, b in zip(blocks, blocks[1:]))
     return GroupLayout(blocks=blocks, counts=counts, stage_seconds=seconds, critical_path=sum(seconds) + hops)
 
 

@@ -84,7 +84,7 @@ class Memory:
 
     pool: Pool = Pool()
     last_poll: float = -math.inf
-    measured: dict[str, Measured] = field(default_factory=dict)  # pod -> what its rank measured, as last polled
+    measured: dict[tuple[str, int], Measured] = field(default_factory=dict)  # (pod, rank) -> what it measured, as last polled
     # The status this loop last wrote: kopf's copy of the object may not show it yet, and a stale
     # status would undo restart counts and transition times.
     status: dict[str, Any] | None = None
@@ -231,7 +231,7 @@ def plan_for(body: dict[str, Any], generation: int, seen: Seen, listing: dict[st
         timing = settle(pool, fingerprint(inventory), generation, now, settings.settle_seconds)
         pool, wake_in = timing.pool, timing.wake_in
         choice = choose_plan(current, profile, spec, inventory, settled=timing.settled, reconsider=timing.reconsider,
-                             improvement=settings.improvement_threshold)
+                             improvement=settings.improvement_threshold, options=settings.planner_options)
         # Run the groups that fit, and say what the others lack.
         problem = Problem("InsufficientCapacity", choice.shortfall, fatal=False) if choice.shortfall else None
         return Planned(timing.considered(), spec, ctx, choice, choice.plan, problem, writes=writes, wake_in=wake_in)
@@ -309,21 +309,21 @@ def rollout_events(choice: PlanChoice | None, seen: Seen, decision: Decision) ->
 # ---------------------------------------------------------------- poll
 @dataclass(frozen=True)
 class Polled:
-    measured: dict[str, Measured]  # pod -> what its rank measured
+    measured: dict[tuple[str, int], Measured]  # (pod, rank) -> what it measured: a pod may hold several ranks
     last_poll: float
     wake_in: float | None
 
 
 def poll(owner: Owner, spec: ShardedModelSpec | None, groups: list[ObservedGroup], memory: Memory, now: float,
          settings: Settings, fetch: Callable[[str, float], ShardsResponse | None]) -> Polled:
-    """Measured resident bytes per pod from each ready leader, every status_poll_seconds."""
+    """Measured resident bytes per rank (and its pod) from each ready leader, every status_poll_seconds."""
     due_in = poll_in(memory.last_poll, now, settings.status_poll_seconds)
     if due_in is None or spec is None or due_in > 0:
         return Polled(memory.measured, memory.last_poll, due_in if spec is not None else None)
     ready = [g for g in groups if group_state(g)[0] == "Ready"]
     if not ready:
         return Polled(memory.measured, memory.last_poll, None)
-    measured: dict[str, Measured] = {}
+    measured: dict[tuple[str, int], Measured] = {}
     for group in ready:
         leader = next((r for r in group.ranks if r.rank == 0), None)
         if leader is None or not leader.pod_ip:
@@ -336,7 +336,7 @@ def poll(owner: Owner, spec: ShardedModelSpec | None, groups: list[ObservedGroup
         pods = {r.rank: r.pod for r in group.ranks}
         for rank, figures in report.measured_by_rank().items():
             if rank in pods:
-                measured[pods[rank]] = figures
+                measured[(pods[rank], rank)] = figures
     return Polled(measured, now, settings.status_poll_seconds)
 
 

@@ -24,7 +24,7 @@ from shard_contract.units import gib
 
 from .api import Parallelism, ShardedModelSpec
 from .inventory import Device, Inventory, SkippedNode
-from .planner import PlanError, PlannerOptions, _resolve_request, plan, shortfall
+from .planner import AUTO_FALLBACK, PlanError, PlannerOptions, _resolve_request, plan, shortfall
 from .profile import ModelProfile
 
 
@@ -74,7 +74,8 @@ def incompatibility(current: Plan, profile: ModelProfile, spec: ShardedModelSpec
                            ("maxModelLen", current.max_model_len, request.max_len),
                            ("maxBatchSize", current.max_batch_size, request.batch),
                            ("memoryHeadroom", current.memory_headroom, request.headroom)):
-        if old != new:
+        fell_back = what == "dtype" and spec.model.dtype == "auto" and AUTO_FALLBACK.get(new) == old
+        if old != new and not fell_back:
             return f"{what} changed from {old} to {new}"
     if current.offload != request.offload:
         return "placement.offload changed"

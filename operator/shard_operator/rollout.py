@@ -19,11 +19,11 @@ be deleted first. When neither allows progress the decision says so instead of c
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 from .api import Rollout
-from .manifests import GROUP_LABEL, NODE_ANNOTATION, PLAN_LABEL, RANK_LABEL, REVISION_LABEL
+from .manifests import GROUP_LABEL, NODE_ANNOTATION, PLAN_LABEL, RANK_LABEL, RANKS_LABEL, REVISION_LABEL
 
 GroupKey = tuple[int, str]  # (replica, revision)
 
@@ -145,7 +145,8 @@ def _world_size(pod: dict[str, Any]) -> int | None:
 
 def observe_groups(pods: Iterable[dict[str, Any]], other_objects: Iterable[dict[str, Any]] = (),
                    healthy_nodes: set[str] | None = None, existing_nodes: set[str] | None = None) -> list[ObservedGroup]:
-    """Groups from rank pods, plus groups of which only a Service or ConfigMap is left."""
+    """Groups from rank pods, plus groups of which only a Service or ConfigMap is left. A pod of
+    several ranks (a tensor-parallel group) counts as each of them, in its state."""
     ranks: dict[GroupKey, list[RankState]] = defaultdict(list)
     info: dict[GroupKey, tuple[str, int]] = {}
     for pod in pods:
@@ -153,7 +154,8 @@ def observe_groups(pods: Iterable[dict[str, Any]], other_objects: Iterable[dict[
         if RANK_LABEL not in labels or GROUP_LABEL not in labels:
             continue
         key = (int(labels[GROUP_LABEL]), labels.get(REVISION_LABEL, ""))
-        ranks[key].append(rank_state(pod, healthy_nodes, existing_nodes))
+        state = rank_state(pod, healthy_nodes, existing_nodes)
+        ranks[key].extend(replace(state, rank=state.rank + i) for i in range(int(labels.get(RANKS_LABEL, "1"))))
         world = _world_size(pod)
         if world is not None:
             info[key] = (labels.get(PLAN_LABEL, ""), world)

@@ -7,8 +7,10 @@ production operator polls gently.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Mapping
+
+from .planner import PlannerOptions
 
 PREFIX = "SHARD_OPERATOR_"
 
@@ -60,6 +62,12 @@ class Settings:
     # gloo's ephemeral ones) to the ranks of the same model only. The Helm chart turns it on with
     # networkPolicy.enabled, and grants the permission it needs only then.
     network_policies: bool = False
+    # The planner's constants (planner.PlannerOptions), set as JSON whose keys each change a
+    # default: the runtime overhead per rank in bytes ({"runtime_overhead": {"gpu": 3221225472}}),
+    # the seconds of a collective or hop by transport ({"transport": {"collective_in_pod": {"gpu":
+    # 2e-5}}}, see transport.py), the tolerance within which fewer devices win. Parsed here, so a
+    # bad value stops the operator at start, naming the key.
+    planner_options: PlannerOptions = field(default_factory=PlannerOptions)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -70,7 +78,7 @@ class Settings:
             raw = environ.get(PREFIX + f.name.upper())
             if raw is None:
                 continue
-            values[f.name] = _convert(f.name, raw, f.default)
+            values[f.name] = _convert(f.name, raw, f.default_factory() if f.default is MISSING else f.default)
         level = str(values.get("log_level", cls.log_level)).upper()
         if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"{PREFIX}LOG_LEVEL={level!r}: expected DEBUG, INFO, WARNING or ERROR")
@@ -79,6 +87,11 @@ class Settings:
 
 
 def _convert(name: str, raw: str, default: object) -> object:
+    if isinstance(default, PlannerOptions):
+        try:
+            return PlannerOptions.from_json(raw)
+        except ValueError as err:
+            raise ValueError(f"{PREFIX}{name.upper()}: {err}") from None
     try:
         if isinstance(default, bool):
             if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):

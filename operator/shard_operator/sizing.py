@@ -20,16 +20,12 @@ from shard_contract.units import MiB
 
 from .profile import ModelProfile
 
-# What a rank needs beyond weights, KV cache and activations. On a GPU: the CUDA context, cuBLAS
-# workspaces and NCCL's communication buffers. On a CPU: the process's share above a bare
-# `import torch` (gloo buffers, allocator slack).
-RUNTIME_OVERHEAD = {"gpu": 1024 * MiB, "cpu": 64 * MiB}
-
-# Cost model of one collective call and one pipeline hop, in seconds (the latency floor, which
-# dominates for decode-sized messages). CPU figures measured with gloo on loopback.
-ALLREDUCE_SECONDS = {"gpu": 15e-6, "cpu": 300e-6}
-HOP_SECONDS = {"gpu": 30e-6, "cpu": 200e-6}
-HOP_ACROSS_NODES_SECONDS = 60e-6
+# What a rank needs beyond weights, KV cache and activations. On a GPU: the CUDA context with its
+# lazily loaded kernels and cuBLAS workspaces (1.8 GiB of non-torch memory has been logged on an
+# H100 at TP=1), and NCCL's buffers at TP > 1 (NCCL_BUFFSIZE, 4 MiB, per channel and peer: a few
+# hundred MiB with NVLink peers). On a CPU: the process's share above a bare `import torch` (gloo
+# buffers, allocator slack). Settable: PlannerOptions.runtime_overhead.
+RUNTIME_OVERHEAD = {"gpu": 2560 * MiB, "cpu": 64 * MiB}
 
 QUANTIZATIONS = ("none", "int8")
 SCALE_BYTES = 4  # one float32 scale per output row of an int8 matrix
@@ -110,8 +106,8 @@ def activation_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: i
     """Workspace of the largest forward pass: one prefill chunk of the whole batch through a layer.
 
     Live at once: the residual stream and a normalised copy, the local q/k/v and attention output,
-    the local gate/up/product of the MLP, the float32 attention scores of the chunk against the
-    whole context, and on the last stage the gathered float32 logits of the batch's last tokens.
+    the local gate/up/product of the MLP, what attention allocates on its masked path, and on the
+    last stage the gathered float32 logits of the batch's last tokens.
     """
     tp, act = shard.tp, profile.dtype_bytes(dtype)
     tokens = batch * min(max_len, PREFILL_CHUNK)
@@ -119,15 +115,18 @@ def activation_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: i
     kv_local = kv_heads_per_rank(profile, tp) * profile.head_dim
     per_token = (3 * profile.hidden_size + 2 * q_local + 2 * kv_local
                  + 3 * profile.intermediate_size // tp) * act
-    scores = batch * (profile.num_heads // tp) * min(max_len, PREFILL_CHUNK) * max_len * 4
     logits = batch * profile.vocab_size * 4 * 2 if shard.has_lm_head else 0
-    return tokens * per_token + scores + logits
+    return tokens * per_token + attention_workspace_bytes(profile, tp, max_len, batch, dtype) + logits
 
 
-def stage_seconds(profile: ModelProfile, shard: Shard, kind: str, speed_tbps: float,
-                  dtype: str = "auto", quantization: str = "none") -> float:
-    """Decode time of one stage per token: stream its weights once, plus two all-reduces a layer."""
-    stream = weight_bytes(profile, shard, dtype, quantization) / (speed_tbps * 1e12)
-    n_layers = shard.layers[1] - shard.layers[0]
-    collectives = (2 * n_layers + shard.embeds + shard.has_lm_head) * ALLREDUCE_SECONDS[kind] if shard.tp > 1 else 0.0
-    return stream + collectives
+def attention_workspace_bytes(profile: ModelProfile, tp: int, max_len: int, batch: int, dtype: str = "auto") -> int:
+    """What the worker's attention allocates beyond q/k/v when it needs a mask (padding, a sliding
+    window, a prefill chunk after the first), the costlier of its two paths: the cached K/V of the
+    whole context expanded to the local query heads (the memory-efficient kernel has no GQA), and
+    the chunk's boolean mask with the additive copy SDPA makes of it. Without a mask, SDPA's flash
+    and memory-efficient kernels allocate no scores."""
+    act = profile.dtype_bytes(dtype)
+    heads, kv_heads = profile.num_heads // tp, kv_heads_per_rank(profile, tp)
+    expanded = 2 * batch * heads * max_len * profile.head_dim * act if heads > kv_heads else 0
+    mask = batch * min(max_len, PREFILL_CHUNK) * max_len * (1 + act)
+    return expanded + mask

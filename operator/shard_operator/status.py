@@ -49,7 +49,7 @@ class Observation:
     group_plans: dict[GroupKey, Plan] = field(default_factory=dict)
     decision: Decision | None = None
     restarts: dict[GroupKey, int] = field(default_factory=dict)
-    measured: dict[str, Measured] = field(default_factory=dict)  # pod -> what its rank measured
+    measured: dict[tuple[str, int], Measured] = field(default_factory=dict)  # (pod, rank) -> what it measured
 
 
 def plan_summary(plan: Plan) -> PlanSummary:
@@ -89,8 +89,8 @@ def _offload(rp: RankPlan | None, measured: Measured | None, before: dict[str, A
 
 
 def _shards(obs: Observation, previous: dict[str, Any]) -> list[ShardStatus]:
-    shown = {s.get("pod"): s for s in previous.get("shards") or []}
-    before = {pod: s.get("residentBytes") for pod, s in shown.items()}
+    shown = {(s.get("pod"), s.get("rank")): s for s in previous.get("shards") or []}
+    before = {key: s.get("residentBytes") for key, s in shown.items()}
     observed = {g.key: g for g in obs.groups}
     keys = sorted(set(observed) | {w.key for w in obs.wants})
     shards = []
@@ -101,14 +101,14 @@ def _shards(obs: Observation, previous: dict[str, Any]) -> list[ShardStatus]:
         for rank in sorted(set(ranks) | set(planned)):
             rs, rp = ranks.get(rank), planned.get(rank)
             pod = rs.pod if rs else ""
-            measured = obs.measured.get(pod) if pod else None
+            measured = obs.measured.get((pod, rank)) if pod else None
             shards.append(ShardStatus(
                 group=key[0], rank=rank, pod=pod, node=(rs.node if rs and rs.node else rp.node if rp else ""),
                 device=rp.device if rp else "", stage=rp.stage if rp else 0, tp_rank=rp.tp_rank if rp else 0,
                 layers=list(rp.layers) if rp else [], predicted_bytes=rp.predicted_bytes.total if rp else 0,
                 quantization=plan.quantization if plan else "none",
-                resident_bytes=_stable(before.get(pod), measured.resident if measured else None) if pod else None,
-                offload=_offload(rp, measured, (shown.get(pod) or {}).get("offload") or {}),
+                resident_bytes=_stable(before.get((pod, rank)), measured.resident if measured else None) if pod else None,
+                offload=_offload(rp, measured, (shown.get((pod, rank)) or {}).get("offload") or {}),
                 state=rs.state if rs else "Missing"))
     return shards
 

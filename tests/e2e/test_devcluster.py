@@ -26,7 +26,7 @@ SIM = {"sharding.dev/device-kind": "cpu"}
 # A stand-in container: prints what it was given, then serves the files of its /data mount on the
 # address it is told to bind (SHARD_HOST), port 8000: /ready and /alive answer while those files exist.
 SERVE = ("import os, sys, functools, http.server as h\n"
-         "print('|'.join(os.environ.get(k, '-') for k in ('POD_IP', 'MASTER_ADDR', 'MASTER_PORT', 'SHARD_MEMORY_BUDGET', 'PLAN')), flush=True)\n"
+         "print('|'.join(os.environ.get(k, '-') for k in ('POD_IP', 'MASTER_ADDR', 'MASTER_PORT', 'SHARD_MEMORY_BUDGET', 'PLAN', 'SHARD_SHM_DIR')), flush=True)\n"
          "print('plan:', open(os.environ['PLAN']).read() if 'PLAN' in os.environ else '-', flush=True)\n"
          "h.ThreadingHTTPServer((os.environ['SHARD_HOST'], 8000), functools.partial(h.SimpleHTTPRequestHandler, directory=sys.argv[1])).serve_forever()\n")
 
@@ -104,15 +104,16 @@ async def test_pods_get_own_addresses_a_resolved_rendezvous_volumes_and_the_devi
     leader_name = "r0.grp.default.svc"
     common = dict(env=[{"name": "MASTER_ADDR", "value": leader_name}, {"name": "MASTER_PORT", "value": "29500"},
                        {"name": "PLAN", "value": "/etc/plan/plan.json"}],
-                  volumes=[{"name": "plan", "configMap": {"name": "plan", "items": [{"key": "plan.json", "path": "plan.json"}]}}],
-                  mounts=[{"name": "plan", "mountPath": "/etc/plan"}])
+                  volumes=[{"name": "plan", "configMap": {"name": "plan", "items": [{"key": "plan.json", "path": "plan.json"}]}},
+                           {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+                  mounts=[{"name": "plan", "mountPath": "/etc/plan"}, {"name": "dshm", "mountPath": "/dev/shm"}])
     # The follower first: it waits for the leader's name to resolve, as a resolver would retry.
     await cluster.emu.k8s_create("v1/pods", "default", pod("r1", "b", **common))
     await asyncio.sleep(0.3)
     await cluster.emu.k8s_create("v1/pods", "default", pod("r0", "a", **common))
     (l0, p0), (l1, p1) = await first_line(cluster, "r0"), await first_line(cluster, "r1")
-    ip0, addr0, port0, budget0, plan0 = l0.split("|")
-    ip1, addr1, port1, budget1, _ = l1.split("|")
+    ip0, addr0, port0, budget0, plan0, shm0 = l0.split("|")
+    ip1, addr1, port1, budget1, _, shm1 = l1.split("|")
     pod_ips = {(await status(cluster, n))["podIP"] for n in ("r0", "r1")}  # what the API shows: the cluster's
     assert all(ipaddress.ip_address(ip) in ipaddress.ip_network("10.128.0.0/9") for ip in pod_ips)
     assert ip0 != ip1 and {ip0, ip1} == {cluster.network.local(ip) for ip in pod_ips}  # what the processes see
@@ -121,6 +122,9 @@ async def test_pods_get_own_addresses_a_resolved_rendezvous_volumes_and_the_devi
     assert port0 == port1 == "29500"                               # as the pods say: each leader binds its own address
     assert (budget0, budget1) == (str(160 * 2**20), str(96 * 2**20))  # each node's GPU memory
     assert plan0.startswith(str(cluster.workdir)) and p0 == p1 == 'plan: {"x": 1}'
+    # Each pod's /dev/shm is its own (the worker's shared-memory collectives go there)
+    assert (shm0, shm1) == tuple(str(cluster.kubelet.sandboxes[("default", n)].directory / "volumes" / "dshm")
+                                 for n in ("r0", "r1"))
     # Both serve on port 8000, each on its own address.
     (data_dir(cluster, "r0") / "who").write_text("r0")
     (data_dir(cluster, "r1") / "who").write_text("r1")

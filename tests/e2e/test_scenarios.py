@@ -9,7 +9,8 @@ pods, graceful deletion waits for the kubelet, the pod GC keeps a deleted node's
 GPUs of 200 MiB, which the workers enforce.
 
 The scenarios share one cluster and run in order; each uses its own ShardedModel and node pool:
-demo (the example, pool dev: scenarios 1 and 4), twin (pool twin: 5 then 2), grow (pool grow: 3).
+demo (the example, pool dev: scenarios 1 and 4), twin (pool twin: 5 then 2), grow (pool grow: 3),
+block (the example's plan in a pod per tensor-parallel group, pool block: 1b).
 Timings go to the report (SHARD_E2E_REPORT=FILE writes them; docs/benchmarks.md "End to end").
 """
 
@@ -49,7 +50,8 @@ PROMPT = "The operator plans"
 # in speed passes the operator's 10% improvement threshold.
 NODES = [*default_nodes(),
          *(sim_node(f"twin-{x}", pool="twin") for x in "abc"),
-         sim_node("grow-slow", pool="grow", speed=0.02)]
+         sim_node("grow-slow", pool="grow", speed=0.02),
+         *(sim_node(f"block-{x}", pool="block") for x in "ab")]
 
 
 def model_yaml(name: str, pool: str, replicas: int = 1) -> str:
@@ -148,6 +150,39 @@ def test_1_kubectl_apply_the_example_serves_the_tokens_of_shardctl_generate(h, d
     proxied = httpx.post(columns["URL"] + "/v1/completions", json=completion_body(PROMPT, max_tokens=8),
                          proxy=h.cluster.gateway.url, timeout=120)
     assert proxied.status_code == 200 and tokens_of(proxied) == tokens_of(served)
+
+
+# ---------------------------------------------------------------- 1b
+def test_1b_a_pod_per_tensor_parallel_group_serves_the_tokens_of_a_pod_per_rank(h, demo, report):
+    """The example's plan (tensor=2 x pipeline=2) in the perTensorGroup layout: a pod per stage,
+    each holding its node's two GPUs and running two rank processes (`python -m
+    shard_worker.launch`); it answers with the tokens of demo's four pods of one rank."""
+    manifest = yaml.safe_load(EXAMPLE.read_text())
+    manifest["metadata"]["name"] = "block"
+    manifest["spec"]["placement"] = {"nodeSelector": {"sharding.dev/pool": "block"}, "podLayout": "perTensorGroup"}
+    seconds = applied(h, "block", yaml.safe_dump(manifest))
+    report.add("apply_to_ready_pod_per_tensor_group", model="block (tensor=2 x pipeline=2, 2 pods of 2 ranks)",
+               seconds=round(seconds, 1))
+    pods = h.pods("block")
+    assert len(pods) == 2 and nodes_of(pods) == {"block-a", "block-b"}
+    for pod in pods:
+        assert pod["metadata"]["labels"]["sharding.dev/ranks"] == "2"
+        assert pod["spec"]["containers"][0]["command"] == ["python", "-m", "shard_worker.launch", "--local-ranks", "2"]
+        for port in (8000, 8001):  # each rank of the pod serves on its own port, and knows the group
+            assert httpx.get(f"http://{h.cluster.network.local(pod['status']['podIP'])}:{port}/ready",
+                             timeout=10).status_code == 200
+    status = h.wait("measured memory of every rank", lambda: (s := h.ready("block", 1)) and
+                    all(x.get("residentBytes") for x in s["shards"]) and s)
+    names = [p["metadata"]["name"] for p in pods]
+    assert [(s["rank"], s["pod"], s["state"]) for s in status["shards"]] == \
+        [(0, names[0], "Ready"), (1, names[0], "Ready"), (2, names[1], "Ready"), (3, names[1], "Ready")]
+
+    per_group = complete(h.service_url("block"), completion_body(PROMPT, max_tokens=8, model="block"))
+    per_rank = complete(h.service_url("demo"), completion_body(PROMPT, max_tokens=8))
+    assert per_group.status_code == per_rank.status_code == 200, (per_group.text, per_rank.text)
+    assert tokens_of(per_group) == tokens_of(per_rank)
+    h.kubectl("delete", "shardedmodel", "block")  # the next scenarios need the CPU
+    h.wait("block's pods gone", lambda: not h.pods("block"), timeout=60)
 
 
 # ---------------------------------------------------------------- 4

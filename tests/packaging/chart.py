@@ -25,7 +25,7 @@ CUSTOM_VALUES: dict[str, Any] = {
     "healthPort": 9808,
     "logLevel": "debug",
     "settings": {"status_poll_seconds": 15, "restart_budget": 5, "settle_seconds": 0.5,
-                 "host_path_prefix": "/host"},
+                 "host_path_prefix": "/host", "planner_options": '{"runtime_overhead": {"gpu": 3221225472}}'},
     "extraVolumes": [{"name": "models", "hostPath": {"path": "/var/lib/models", "type": "Directory"}}],
     "extraVolumeMounts": [{"name": "models", "mountPath": "/host/var/lib/models", "readOnly": True}],
     "worker": {"image": {"repository": "registry.example/ml/shard-operator-worker", "tag": "0.1.0-cu128"}},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import tarfile
 
 import kubernetes_validate
@@ -71,21 +72,28 @@ def test_pod_monitor_only_when_its_api_exists(custom_values_file):
     assert not find(without_api, "PodMonitor")
     pod_monitor = one(render(custom_values_file, api_versions=MONITORING_API), "PodMonitor")
     assert pod_monitor["metadata"]["labels"]["release"] == "prometheus"
-    # Worker pods name their serving port "http" (operator/shard_operator/manifests.py).
-    assert pod_monitor["spec"]["podMetricsEndpoints"][0]["port"] == "http"
     assert pod_monitor["spec"]["namespaceSelector"] == {"matchNames": CUSTOM_VALUES["watchNamespaces"]}
     assert pod_monitor["spec"]["selector"]["matchExpressions"] == [{"key": "sharding.dev/model", "operator": "Exists"}]
 
 
-def test_pod_monitor_scrapes_every_rank_pod_the_operator_builds(custom_values_file):
+def test_pod_monitor_scrapes_every_rank_of_every_pod_the_operator_builds(custom_values_file):
+    """One target per rank: a pod per tensor-parallel group (the example's, on GPUs) serves its
+    ranks' /metrics on ports http, http-1, ...; the rendezvous port is no target."""
     pod_monitor = one(render(custom_values_file, api_versions=MONITORING_API), "PodMonitor")
     selector = pod_monitor["spec"]["selector"]
     (endpoint,) = pod_monitor["spec"]["podMetricsEndpoints"]
+    assert "port" not in endpoint and "targetPort" not in endpoint  # a target per container port ...
+    (keep,) = endpoint["relabelings"]                               # ... kept by port name
+    assert (keep["action"], keep["sourceLabels"]) == ("keep", ["__meta_kubernetes_pod_container_port_name"])
     rank_pods = find(operator_objects(), "Pod")
-    assert rank_pods
+    assert rank_pods and {p["metadata"]["labels"]["sharding.dev/ranks"] for p in rank_pods} == {"2"}
     for pod in rank_pods:
         assert selects(selector, pod["metadata"]["labels"])
-        assert endpoint["port"] in {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+        ports = pod["spec"]["containers"][0]["ports"]
+        scraped = [p["containerPort"] for p in ports if re.fullmatch(keep["regex"], p["name"])]
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        first = int(env["SHARD_PORT"])
+        assert scraped == [first + i for i in range(int(pod["metadata"]["labels"]["sharding.dev/ranks"]))]
 
 
 @pytest.mark.parametrize("which", ["default", "custom"])
@@ -164,6 +172,7 @@ def test_values_reach_the_operator_settings(default_objects, custom_objects):
     assert custom.worker_image == "registry.example/ml/shard-operator-worker:0.1.0-cu128"
     assert (custom.status_poll_seconds, custom.restart_budget, custom.settle_seconds) == (15.0, 5, 0.5)
     assert custom.host_path_prefix == "/host" and custom.health_port == CUSTOM_VALUES["healthPort"]
+    assert custom.planner_options.runtime_overhead["gpu"] == 3 * 2**30 != default.planner_options.runtime_overhead["gpu"]
     assert (default.log_level, custom.log_level) == ("INFO", "DEBUG")
     assert (default.metrics_port, custom.metrics_port) == (8081, CUSTOM_VALUES["metrics"]["port"])
     assert default.network_policies is True

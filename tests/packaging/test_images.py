@@ -114,6 +114,22 @@ def test_each_image_copies_only_its_own_packages(dockerfile, folders):
     assert [c for c in copied if c.endswith("/")] == folders
 
 
+def env_of(dockerfile: str) -> dict[str, str]:
+    """The ENV of the image (KEY=VALUE pairs; the values here have no spaces)."""
+    pairs = [word for op, args in instructions(dockerfile) if op == "ENV" for word in args.split()]
+    return dict(pair.split("=", 1) for pair in pairs)
+
+
+def test_the_worker_finds_the_gpu_driver_on_the_common_device_plugins():
+    env = env_of("Dockerfile.worker")
+    # the NVIDIA container toolkit mounts libcuda only for the compute capability (default: utility)
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
+    # no GPU unless the device plugin grants some (it sets NVIDIA_VISIBLE_DEVICES for the container)
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "void"
+    # GKE's device plugin mounts the driver here
+    assert {"/usr/local/nvidia/lib64", "/usr/local/nvidia/lib"} <= set(env["LD_LIBRARY_PATH"].split(":"))
+
+
 def test_worker_torch_matches_the_tested_torch():
     makefile_pin = re.search(r"torch==([\d.]+)", (REPO / "Makefile").read_text())[1]
     steps = instructions("Dockerfile.worker")

@@ -18,6 +18,11 @@ class Pod:
     namespace: str
     labels: dict[str, str] = field(default_factory=dict)
     namespace_labels: dict[str, str] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)  # its containers' named ports
+
+    def port_matches(self, rule_port: int | str, port: int) -> bool:
+        """A rule's port is a number, or the name of a port this pod declares."""
+        return rule_port == port or self.ports.get(str(rule_port)) == port
 
     def ns_labels(self) -> dict[str, str]:
         return {"kubernetes.io/metadata.name": self.namespace, **self.namespace_labels}
@@ -46,7 +51,7 @@ def allowed(policies: list[dict], src: Pod, dst: Pod, port: int) -> bool:
     for policy in selecting:
         for rule in policy["spec"].get("ingress", []):
             ports = rule.get("ports")
-            port_ok = not ports or any(p["port"] == port for p in ports)
+            port_ok = not ports or any(dst.port_matches(p["port"], port) for p in ports)
             peers = rule.get("from")
             peer_ok = not peers or any(peer_matches(p, policy["metadata"]["namespace"], src) for p in peers)
             if port_ok and peer_ok:
@@ -108,15 +113,28 @@ def test_rank_pods_the_operator_builds_get_exactly_the_intended_access(default_o
     stranger = Pod(NAMESPACE, {"app": "curl"})
     other_model = rank("another-model", NAMESPACE)
     for dst in rank_pods:
-        target = Pod(dst["metadata"]["namespace"], dst["metadata"]["labels"])
         ports = {p["name"]: p["containerPort"] for p in dst["spec"]["containers"][0]["ports"]}
+        target = Pod(dst["metadata"]["namespace"], dst["metadata"]["labels"], ports=ports)
+        serving = [n for n in ports if n != "rendezvous"]
+        assert serving == ["http", *(f"http-{i}" for i in range(1, int(dst["metadata"]["labels"]["sharding.dev/ranks"])))]
         for src in rank_pods:
             source = Pod(src["metadata"]["namespace"], src["metadata"]["labels"])
             assert all(allowed(pols, source, target, port) for port in [*ports.values(), NCCL_EPHEMERAL])
-        for src in (stranger, other_model):
-            assert allowed(pols, src, target, ports["http"])
+        for src in (stranger, other_model):  # every rank of a pod per tensor-parallel group serves
+            assert all(allowed(pols, src, target, ports[name]) for name in serving)
             assert not allowed(pols, src, target, ports["rendezvous"])
             assert not allowed(pols, src, target, NCCL_EPHEMERAL)
+
+
+def test_the_other_ranks_serving_ports_are_opened_by_name_only(default_objects):
+    """A pod of one rank that happens to listen on 8001 gets nothing there: only pods that name a
+    port http-1 do (and no rendezvous port can be opened by accident)."""
+    pols = policies(default_objects)
+    alone = Pod(NAMESPACE, rank("m", NAMESPACE).labels, ports={"http": SERVING, "rendezvous": SERVING + 1})
+    block = Pod(NAMESPACE, rank("m", NAMESPACE).labels, ports={"http": SERVING, "http-1": SERVING + 1})
+    stranger = Pod(NAMESPACE, {"app": "curl"})
+    assert not allowed(pols, stranger, alone, SERVING + 1)
+    assert allowed(pols, stranger, block, SERVING + 1)
 
 
 def test_policies_cover_the_namespaces_where_models_run(default_objects, custom_objects):

@@ -42,14 +42,17 @@ def gpu_node(name: str, gpus: int = 2, memory_mib: int = 24576, product: str = "
 
 
 def sharded_model(name: str, model_dir: Path, *, replicas: int = 1, tensor: int | str = 2,
-                  pipeline: int | str = 1, namespace: str = "default", **spec: Any) -> dict[str, Any]:
-    """A ShardedModel whose checkpoint lies in a hostPath the operator can read."""
+                  pipeline: int | str = 1, namespace: str = "default", pod_layout: str = "perRank",
+                  **spec: Any) -> dict[str, Any]:
+    """A ShardedModel whose checkpoint lies in a hostPath the operator can read; one pod per rank
+    unless `pod_layout` says otherwise (the operator's tests count pods per rank)."""
     body = {
         "apiVersion": "sharding.dev/v1alpha1", "kind": "ShardedModel",
         "metadata": {"name": name, "namespace": namespace},
         "spec": {"model": {"path": model_dir.name, "volume": {"hostPath": {"path": str(model_dir.parent)}},
                            "maxModelLen": 256},
                  "parallelism": {"tensor": tensor, "pipeline": pipeline},
-                 "replicas": replicas, **spec},
+                 "replicas": replicas, **spec,
+                 "placement": {"podLayout": pod_layout, **spec.get("placement", {})}},
     }
     return body

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from shard_contract.wire import GenerateRequest
 from shard_worker.config import ConfigError, ModelConfig
 from shard_worker.dist import Topology
-from shard_worker.model import attention_mask, rope_inv_freq
+from shard_worker.model import CAUSAL, attention_mask, rope_inv_freq
 from shard_worker.pipeline import prefill_units, split
 from shard_worker.sequences import SequenceState
 from tests.support.checkpoints import LLAMA3_ROPE, hf_config
@@ -73,8 +73,25 @@ def test_attention_mask_brute_force(pads, c0, width, window):
         for qi, q in enumerate(range(c0, c1)):
             for k in range(c1):
                 visible = k <= q and (k >= pad or k == q) and (window is None or q - k < window)
-                got = True if mask is None else bool(mask[b, 0, qi, k])
+                if mask is None or mask == CAUSAL:  # SDPA's is_causal is top-left aligned: q - c0 >= k
+                    got = mask is None or q - c0 >= k
+                else:
+                    got = bool(mask[b, 0, qi, k])
                 assert got == visible, (b, q, k)
+
+
+@pytest.mark.parametrize("pads, c0, c1, window, kind", [
+    ([0, 0], 5, 6, None, None),  # a decode step: nothing to mask
+    ([0, 0], 0, 6, None, CAUSAL),  # a prefill from column 0: SDPA's is_causal, no mask
+    ([0, 0], 0, 6, 8, CAUSAL),  # a window that does not bite yet
+    ([0, 0], 4, 6, None, "mask"),  # a later chunk: causal aligned bottom-right, a mask
+    ([0, 2], 0, 6, None, "mask"),  # padding
+    ([0, 2], 5, 6, None, "mask"),
+    ([0, 0], 9, 10, 4, "mask"),  # the window bites
+])
+def test_the_mask_is_left_out_where_sdpa_can_do_without(pads, c0, c1, window, kind):
+    mask = attention_mask(torch.tensor(pads), c0, c1, window)
+    assert (mask if not isinstance(mask, torch.Tensor) else "mask") == kind
 
 
 @given(batch=st.integers(1, 7), cols=st.integers(1, 40), stages=st.integers(1, 4), chunk=st.integers(1, 16))
@@ -129,3 +146,24 @@ def test_sequence_stops(request_args, tokens, kept, reason, text):
         assert seq.finish_reason is None  # still running
     else:
         assert (done.token_ids, done.finish_reason, done.text) == (kept, reason, text)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_the_planners_attention_workspace_is_what_the_masked_path_allocates(checkpoint, tp):
+    """The worst masked step (the whole batch, padded rows, maxModelLen columns within one prefill
+    chunk): the K/V expanded to this rank's query heads and the mask (with SDPA's additive copy of
+    it) are the bytes shard_operator.sizing budgets for attention."""
+    from shard_operator.profile import profile_model
+    from shard_operator.sizing import attention_workspace_bytes
+    from shard_worker.model import KVCache, Layout, Rotary, Step
+
+    model_dir = checkpoint("llama")  # 4 heads, 2 KV heads: at TP=4 one of each per rank
+    config, batch, max_len, cpu = ModelConfig.from_dir(model_dir), 3, 40, torch.device("cpu")
+    layout = Layout(config, tp=tp, tp_rank=0, layers=(0, 1), embeds=True, has_lm_head=True)
+    cache = KVCache(1, batch, layout.kv_heads, max_len, config.head_dim, torch.float32, cpu)
+    step = Step.build(0, batch, 0, max_len, torch.tensor([0, 3, 7]), Rotary(config, max_len, cpu), {None},
+                      torch.float32, cpu)
+    mask, group = step.masks[None], layout.heads // layout.kv_heads
+    expanded = 2 * cache.k[0].repeat_interleave(group, dim=1).nbytes if group > 1 else 0
+    allocated = expanded + mask.numel() * (1 + 4)  # the boolean mask and SDPA's float32 copy
+    assert attention_workspace_bytes(profile_model(model_dir), tp, max_len, batch, "float32") == allocated

@@ -1,17 +1,25 @@
 """What one rank spends: communication bytes and seconds per operation, compute and idle seconds,
-and resident memory read from the kernel (and CUDA's allocator on a GPU).
+and resident memory read from the kernel (and CUDA on a GPU).
 
-Counters are plain floats bumped around each collective with `perf_counter` (tens of nanoseconds),
-so they stay on in production; the metrics families of `metrics.py` are filled from them.
+Each timed region is a span between two marks of a clock. Host work (CPU tensors, gloo's control
+messages) is timed with `perf_counter` and counted at once. On a GPU the model's kernels and
+NCCL's collectives are asynchronous: the host returns long before the device is done, so they are
+timed with CUDA events recorded on the current stream, and a span is counted once both of its
+events have run, in stream order: the thread that records them counts what has run whenever it
+closes a span (`resolve`), and `snapshot` waits for the device first. Other threads (heartbeat,
+metrics) only read `counters`: CUDA's current device is per thread, so they never touch events.
+Compute is a `computing` span less the communication and waiting inside it. The metrics families
+of `metrics.py` are filled from these counters.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator, Protocol
 
 COMM_OPS = ("all_reduce", "all_gather", "send", "recv", "broadcast", "gather")
 
@@ -51,36 +59,169 @@ class Counters:
                 "stall_seconds": self.stall_seconds}
 
 
-class Accounting:
+class Clock(Protocol):
+    def mark(self) -> Any: ...
+    def done(self, mark: Any) -> bool: ...
+    def seconds(self, start: Any, end: Any) -> float: ...
+    def release(self, mark: Any) -> None: ...
+    def synchronize(self) -> None: ...
+
+
+class HostClock:
+    """perf_counter: right for work the host waits for."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def done(self, mark: float) -> bool:
+        return True
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+    def release(self, mark: float) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CudaClock:
+    """CUDA events recorded on the current stream: the device's time between two marks. Events are
+    reused once counted (a decode step records two per collective)."""
+
     def __init__(self) -> None:
-        self.counters = Counters()
-        self._streaming = threading.Lock()  # the prefetch thread and the forward pass both count
+        import torch
+
+        self._torch = torch
+        self._free: list[Any] = []
+
+    def mark(self) -> Any:
+        event = self._free.pop() if self._free else self._torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def release(self, mark: Any) -> None:
+        self._free.append(mark)
+
+    def done(self, mark: Any) -> bool:
+        return mark.query()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1000.0
+
+    def synchronize(self) -> None:
+        self._torch.cuda.current_stream().synchronize()
+
+
+@dataclass(eq=False)
+class _Span:
+    kind: str  # compute | comm | idle
+    clock: Clock
+    start: Any
+    op: str = ""
+    end: Any = None
+    inner: float = 0.0  # comm and idle seconds of the spans inside a compute span
+    parent: "_Span | None" = None
+
+
+class Accounting:
+    def __init__(self, device_clock: Clock | None = None, host_clock: Clock | None = None) -> None:
+        self.host: Clock = host_clock or HostClock()
+        self.device: Clock = device_clock or self.host  # CPU tensors: the host's clock
+        self._counters = Counters()
+        self._pending: deque[_Span] = deque()  # closed device spans, in stream order
+        self._open: _Span | None = None  # the innermost open compute span
+        self._lock = threading.Lock()  # the heartbeat thread reads while the engine thread times
+
+    @property
+    def counters(self) -> Counters:
+        """What has been counted so far (any thread)."""
+        return self._counters
+
+    def resolve(self) -> None:
+        """Count the spans whose events have run, without waiting (the recording thread)."""
+        with self._lock:
+            while self._pending and self._pending[0].clock.done(self._pending[0].end):  # one stream: in order
+                self._count(self._pending.popleft())
+
+    def snapshot(self) -> Counters:
+        """A copy of the counters once the device has run everything timed so far (the recording thread)."""
+        self.device.synchronize()
+        self.resolve()
+        with self._lock:
+            return self._counters.copy()
 
     def streamed(self, nbytes: int, seconds: float) -> None:
-        with self._streaming:
-            self.counters.streamed_bytes += nbytes
-            self.counters.stream_seconds += seconds
+        """Offload: bytes copied into a staging slot and the seconds that took (the prefetch thread)."""
+        with self._lock:
+            self._counters.streamed_bytes += nbytes
+            self._counters.stream_seconds += seconds
 
     def stalled(self, seconds: float) -> None:
-        with self._streaming:
-            self.counters.stall_seconds += seconds
+        """Offload: the forward pass waited `seconds` for a streamed layer (the recording thread): not
+        compute, so it leaves the compute span it fell in, as communication does."""
+        with self._lock:
+            self._counters.stall_seconds += seconds
+            if self._open is not None:
+                self._open.inner += seconds
 
     def comm(self, op: str, nbytes: int, seconds: float) -> None:
-        self.counters.comm_bytes[op] += nbytes
-        self.counters.comm_seconds[op] += seconds
+        with self._lock:
+            self._counters.comm_bytes[op] += nbytes
+            self._counters.comm_seconds[op] += seconds
 
-    def idle(self, seconds: float) -> None:
-        self.counters.idle_seconds += seconds
+    @contextmanager
+    def communicating(self, op: str, nbytes: int, host: bool = False) -> Iterator[None]:
+        """Time a collective or a send: on the device clock, or `host` for gloo's CPU messages."""
+        self.comm(op, nbytes, 0.0)
+        with self._span("comm", op, host):
+            yield
+
+    @contextmanager
+    def waiting(self, host: bool = False) -> Iterator[None]:
+        """Time a receive as idle (it is another stage's compute)."""
+        with self._span("idle", "", host):
+            yield
 
     @contextmanager
     def computing(self) -> Iterator[None]:
         """Time a region as compute, less what it spent communicating or waiting inside."""
-        c = self.counters
-        start, waited = time.perf_counter(), c.comm_total + c.idle_seconds + c.stall_seconds
+        with self._span("compute", "", False):
+            yield
+
+    @contextmanager
+    def _span(self, kind: str, op: str, host: bool) -> Iterator[None]:
+        clock = self.host if host else self.device
+        span = _Span(kind, clock, clock.mark(), op, parent=self._open)
+        if kind == "compute":
+            self._open = span
         try:
             yield
         finally:
-            c.compute_seconds += time.perf_counter() - start - (c.comm_total + c.idle_seconds + c.stall_seconds - waited)
+            span.end = clock.mark()
+            if kind == "compute":
+                self._open = span.parent
+            with self._lock:
+                if host:
+                    self._count(span)
+                else:
+                    self._pending.append(span)
+            self.resolve()
+
+    def _count(self, span: _Span) -> None:
+        seconds = span.clock.seconds(span.start, span.end)
+        span.clock.release(span.start)
+        span.clock.release(span.end)
+        c = self._counters
+        if span.kind == "compute":
+            c.compute_seconds += seconds - span.inner
+        elif span.kind == "comm":
+            c.comm_seconds[span.op] += seconds
+        else:
+            c.idle_seconds += seconds
+        if span.parent is not None and span.kind != "compute":
+            span.parent.inner += seconds
 
 
 # ---------------------------------------------------------------- memory
@@ -107,18 +248,21 @@ class MemorySample:
     rss_anon: int
     peak_rss: int
     cuda_allocated: int = 0
-    cuda_reserved: int = 0
+    cuda_reserved: int = 0  # what torch's caching allocator holds on the device
+    cuda_used: int = 0  # the whole device's memory in use (mem_get_info): contexts, NCCL, every allocator
 
     @classmethod
     def take(cls, device=None) -> "MemorySample":
         status = proc_status()
-        allocated = reserved = 0
+        allocated = reserved = used = 0
         if device is not None and getattr(device, "type", None) == "cuda":
             import torch
 
+            free, total = torch.cuda.mem_get_info(device)
             allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+            used = total - free
         return cls(rss=status["VmRSS"], rss_anon=status["RssAnon"], peak_rss=status["VmHWM"],
-                   cuda_allocated=allocated, cuda_reserved=reserved)
+                   cuda_allocated=allocated, cuda_reserved=reserved, cuda_used=used)
 
     def held(self, on_cuda: bool) -> int:
         """The bytes that grow with what the rank allocates: what CUDA's caching allocator

@@ -3,13 +3,16 @@
 Ranks follow the Plan: `rank = stage * tp + tp_rank`. Each stage's TP ranks form a tensor-parallel
 group (all-reduce, all-gather); activations move between stages point to point, TP rank j of one
 stage to TP rank j of the next (every TP rank holds the same activations after its all-reduce, so
-the pairs run side by side). Control messages (the leader's commands, reports) go over the whole
-group, and the leader's per-step message to its first-stage TP peers (who joins a continuous
-batch) over the stage's TP ranks, on gloo even when the tensors use NCCL.
+the pairs run side by side). Control messages (the leader's commands, reports, and the sampled
+tokens the last stage returns to the first) go over the whole group, and the leader's per-step
+message to its first-stage TP peers (who joins a continuous batch) over the stage's TP ranks, on
+gloo even when the tensors use NCCL.
 
 Every collective is timed and counted in the rank's `Accounting`: the model's forward calls these
-methods explicitly, never through hooks. On CPUs, TP ranks on one machine sum decode-sized tensors
-through shared memory (`shm.py`); otherwise gloo (or NCCL) does it.
+methods explicitly, never through hooks. Tensor-backend operations are timed on the device's clock
+(CUDA events on a GPU, where NCCL runs asynchronously), control messages on the host's. On CPUs, TP
+ranks on one machine sum decode-sized tensors through shared memory (`shm.py`); otherwise gloo (or
+NCCL) does it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from shard_contract.env import WorkerEnv
 from . import shm
 from .accounting import Accounting
 
-FORWARD_TAG, RETURN_TAG = 1, 2  # activations downstream; tokens back to the first stage
+FORWARD_TAG, RETURN_TAG = 1, 2  # activations downstream (tensor backend); tokens back (control group)
 
 
 class RendezvousError(RuntimeError):
@@ -102,6 +105,10 @@ SMALL_MESSAGE_BYTES = 64 * 1024
 # TP ranks of one machine exchange small tensors through shared memory (see shm.py), which cut a
 # TP=2 decode step by about 30% against the broadcasts above; SHARD_SHM_COLLECTIVES=0 turns it off.
 SHM_ENV = "SHARD_SHM_COLLECTIVES"
+# Where the shared buffer lives: /dev/shm, which the ranks of one pod share and those of different
+# pods do not (each pod mounts its own); the dev cluster, whose pods are processes of one machine,
+# points each pod's ranks at a directory of that pod's own.
+SHM_DIR_ENV = "SHARD_SHM_DIR"
 
 
 class Comm:
@@ -134,54 +141,62 @@ class Comm:
         """Sum `t` in place over this stage's TP ranks."""
         if self.topo.tp == 1:
             return
-        start = time.perf_counter()
-        if self.shm is not None and self.shm.fits(t):
-            self.shm.all_reduce(t)
-        elif self._small(t):
-            parts = self._parts(t.contiguous())
-            total = parts[0].clone()
-            for part in parts[1:]:
-                total += part
-            t.copy_(total)
-        else:
-            dist.all_reduce(t, group=self.tp_group)
-        self.acct.comm("all_reduce", t.numel() * t.element_size(), time.perf_counter() - start)
+        with self.acct.communicating("all_reduce", t.numel() * t.element_size()):
+            if self.shm is not None and self.shm.fits(t):
+                self.shm.all_reduce(t)
+            elif self._small(t):
+                parts = self._parts(t.contiguous())
+                total = parts[0].clone()
+                for part in parts[1:]:
+                    total += part
+                t.copy_(total)
+            else:
+                dist.all_reduce(t, group=self.tp_group)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Concatenate every TP rank's `t` along the last dimension, in TP rank order."""
         if self.topo.tp == 1:
             return t
-        start = time.perf_counter()
         t = t.contiguous()
-        if self.shm is not None and self.shm.fits(t):
-            return self._timed_gather(self.shm.all_gather(t), t, start)
-        if self._small(t):
-            parts = self._parts(t)
-        else:
-            parts = [torch.empty_like(t) for _ in range(self.topo.tp)]
-            dist.all_gather(parts, t, group=self.tp_group)
-        return self._timed_gather(torch.cat(parts, dim=-1), t, start)
-
-    def _timed_gather(self, out: torch.Tensor, t: torch.Tensor, start: float) -> torch.Tensor:
-        self.acct.comm("all_gather", t.numel() * t.element_size() * self.topo.tp, time.perf_counter() - start)
-        return out
+        with self.acct.communicating("all_gather", t.numel() * t.element_size() * self.topo.tp):
+            if self.shm is not None and self.shm.fits(t):
+                return self.shm.all_gather(t)
+            if self._small(t):
+                parts = self._parts(t)
+            else:
+                parts = [torch.empty_like(t) for _ in range(self.topo.tp)]
+                dist.all_gather(parts, t, group=self.tp_group)
+            return torch.cat(parts, dim=-1)
 
     # ------------------------------------------------------------ pipeline
     def isend(self, t: torch.Tensor, dst: int, tag: int) -> "Pending":
-        start = time.perf_counter()
-        work = dist.isend(t, dst, tag=tag)
-        self.acct.comm("send", t.numel() * t.element_size(), time.perf_counter() - start)
+        with self.acct.communicating("send", t.numel() * t.element_size()):
+            work = dist.isend(t, dst, tag=tag)
         return Pending(self, work, t)
 
     def recv(self, t: torch.Tensor, src: int, tag: int) -> torch.Tensor:
         """Blocking receive; the wait counts as idle (it is the upstream stage's compute)."""
-        start = time.perf_counter()
-        dist.recv(t, src, tag=tag)
-        self.acct.idle(time.perf_counter() - start)
         self.acct.comm("recv", t.numel() * t.element_size(), 0.0)
+        with self.acct.waiting():
+            dist.recv(t, src, tag=tag)
         return t
 
-    # ------------------------------------------------------------ control (leader -> all)
+    # ------------------------------------------------------------ control (gloo, CPU tensors)
+    def isend_control(self, t: torch.Tensor, dst: int) -> "Pending":
+        """Send a small tensor to `dst` over the control group (gloo, on the CPU, whatever the
+        tensor backend), as one contiguous CPU copy."""
+        t = t.detach().to("cpu").contiguous()  # gloo sends CPU memory; a sliced view is not one buffer
+        with self.acct.communicating("send", t.numel() * t.element_size(), host=True):
+            work = dist.isend(t, dst, group=self.control_group, tag=RETURN_TAG)
+        return Pending(self, work, t, host=True)
+
+    def recv_control(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """Blocking receive of a CPU tensor from `src` over the control group; the wait is idle."""
+        self.acct.comm("recv", t.numel() * t.element_size(), 0.0)
+        with self.acct.waiting(host=True):
+            dist.recv(t, src, group=self.control_group, tag=RETURN_TAG)
+        return t
+
     def broadcast_json(self, obj: Any = None) -> Any:
         """The leader's `obj` on every rank (others pass None). JSON bytes, never pickle."""
         data = json.dumps(obj).encode() if self.topo.is_leader else b""
@@ -213,8 +228,14 @@ class Comm:
             else torch.empty(int(size.item()), dtype=torch.uint8)
         if buf.numel():
             dist.broadcast(buf, src=src, group=group)
-        self.acct.comm("broadcast", buf.numel() + 8, time.perf_counter() - start)
+        self.acct.comm("broadcast", buf.numel() + 8, time.perf_counter() - start)  # gloo: the host waits
         return buf
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank of the group (over the control group)."""
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
+        return bool(t.item())
 
     def gather_json(self, obj: Any) -> list[Any] | None:
         """Every rank's `obj`, in rank order, on the leader (None elsewhere)."""
@@ -236,17 +257,17 @@ class Comm:
 
 
 class Pending:
-    """An outstanding isend: its tensor stays alive until `wait`."""
+    """An outstanding isend: its tensor stays alive until `wait`. `host`: a control message (gloo),
+    whose wait the host clock times."""
 
-    def __init__(self, comm: Comm, work: Any, tensor: torch.Tensor):
-        self.comm, self.work, self.tensor = comm, work, tensor
+    def __init__(self, comm: Comm, work: Any, tensor: torch.Tensor, host: bool = False):
+        self.comm, self.work, self.tensor, self.host = comm, work, tensor, host
 
     def wait(self) -> None:
         if self.work is None:
             return
-        start = time.perf_counter()
-        self.work.wait()
-        self.comm.acct.comm("send", 0, time.perf_counter() - start)
+        with self.comm.acct.communicating("send", 0, host=self.host):
+            self.work.wait()
         self.work = self.tensor = None
 
 
@@ -325,14 +346,17 @@ def _shared_memory_group(topo: Topology, tp_group: Any, timeout: float) -> "shm.
     processes, not separate pods), else None. Every TP rank takes part and all agree."""
     if topo.tp == 1:
         return None
-    wanted = shm.supported() and os.environ.get(SHM_ENV, "1") != "0"
+    directory = os.environ.get(SHM_DIR_ENV, shm.SHM_DIR)
+    wanted = shm.supported(directory) and os.environ.get(SHM_ENV, "1") != "0"
     leader = topo.stage_ranks(topo.stage)[0]
-    path = shm.ShmGroup.create(topo.tp) if wanted and topo.rank == leader else ""
+    path = shm.ShmGroup.create(topo.tp, directory) if wanted and topo.rank == leader else ""
     name = torch.zeros(256, dtype=torch.uint8)  # the leader's file name, to every TP peer
     name[:len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8)
     dist.broadcast(name, src=leader, group=tp_group)
     path = bytes(name[name > 0].tolist()).decode()
-    usable = torch.tensor([int(wanted and bool(path) and os.path.exists(path))])
+    # the leader's buffer, in this rank's own shared-memory directory (a pod sees only its own)
+    mine = bool(path) and os.path.dirname(path) == directory and os.path.exists(path)
+    usable = torch.tensor([int(wanted and mine)])
     dist.all_reduce(usable, op=dist.ReduceOp.MIN, group=tp_group)
     group = shm.ShmGroup(path, topo.tp, topo.tp_rank, timeout) if usable.item() else None
     dist.barrier(group=tp_group)  # every peer has mapped it (or given up): the name can go

@@ -176,7 +176,7 @@ class Engine:
     # ------------------------------------------------------------ every rank
     def _generate(self, requests: list[GenerateRequest], return_logits: bool, hooks: Hooks | None = None,
                   continuous: bool = False) -> Output | None:
-        start, before = time.perf_counter(), self.acct.counters.copy()
+        start, before = time.perf_counter(), self.acct.snapshot()
         prompt_cols = max(len(r.prompt_ids) for r in requests)
         self._prompt_cols, self._decode_mark = prompt_cols, None
         rows = Rows(self.cache.batch, sampler=self.topo.is_last)
@@ -189,11 +189,11 @@ class Engine:
                 self._relay(rows, return_logits)
                 out = None
             self.link.flush()
-        end = time.perf_counter()
-        self.last_generate = {"seconds": end - start, **self.acct.counters.minus(before).summary()}
+        after, end = self.acct.snapshot(), time.perf_counter()
+        self.last_generate = {"seconds": end - start, **after.minus(before).summary()}
         if self._decode_mark is not None:  # the same figures for the decode steps alone
             mark_time, mark = self._decode_mark
-            decode = self.acct.counters.minus(mark).summary()
+            decode = after.minus(mark).summary()
             self.last_generate.update({"decode_seconds": end - mark_time,
                                        **{f"decode_{k}": v for k, v in decode.items()}})
         self.last_output = out
@@ -201,7 +201,7 @@ class Engine:
 
     def _forward(self, unit: Unit, x: torch.Tensor, pads: torch.Tensor) -> torch.Tensor:
         if self._decode_mark is None and unit.c0 >= self._prompt_cols:  # the first decode step
-            self._decode_mark = (time.perf_counter(), self.acct.counters.copy())
+            self._decode_mark = (time.perf_counter(), self.acct.snapshot())
         with self.acct.computing():
             step = Step.build(unit.r0, unit.r1, unit.c0, unit.c1, pads, self.rotary, self.stage.windows,
                               self.stage.dtype, self.stage.device)

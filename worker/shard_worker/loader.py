@@ -16,7 +16,9 @@ the weights are quantized to int8, or the tensor lives on a GPU, a bounded chunk
 into a staging area and converted (or quantized) on the CPU straight into the destination; a GPU
 only ever receives same-dtype copies, so its caching allocator holds no conversion temporaries.
 The staging area is one anonymous memory map for the whole load, unmapped at its end: heap
-buffers of that size would stay in the process's heap after being freed.
+buffers of that size would stay in the process's heap after being freed. A GPU's copies go
+through two pinned buffers in turn (`PinnedStaging`), so reading and converting one chunk overlaps
+copying the previous one; a chunk already in the runtime dtype is read straight into one.
 
 Only safetensors: pickle checkpoints (`.bin`, `.pt`) are refused, because unpickling runs code.
 """
@@ -24,11 +26,13 @@ Only safetensors: pickle checkpoints (`.bin`, `.pt`) are refused, because unpick
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -39,7 +43,7 @@ from .model import Piece, Stage
 from .quant import quantize_rows_
 
 TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-STAGING_BYTES = 4 * 2**20  # rows converted at once; the staging area holds three such buffers
+STAGING_BYTES = 4 * 2**20  # rows converted at once: two such buffers, and on a GPU two pinned ones
 DIRECT_CHUNK_BYTES = 256 * 2**20  # Linux returns at most ~2 GiB per read call; stay well below
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
@@ -101,7 +105,8 @@ def load_stage(stage: Stage, model_dir: str | Path) -> LoadStats:
         "the name-mapping table must cover every tensor exactly"
     entries = {p.tensor: checkpoint.entry(p.tensor) for pieces in table.values() for p in pieces}
     stats = LoadStats()
-    with SliceReader(stats) as reader:
+    pinned = PinnedStaging(STAGING_BYTES) if stage.device.type == "cuda" else None
+    with SliceReader(stats, pinned) as reader:
         for name, pieces in table.items():
             dst = tensors[name]
             covered = 0
@@ -120,11 +125,10 @@ def _memory(t: torch.Tensor) -> memoryview:
 
 
 class Staging:
-    """Three buffers of STAGING_BYTES in one anonymous memory map, made on first use and unmapped
-    by `close`: `raw` (bytes as read), `work` (float32 rows being quantized) and `out` (converted
-    rows on their way to a GPU)."""
+    """Two buffers of STAGING_BYTES in one anonymous memory map, made on first use and unmapped by
+    `close`: `raw` (bytes as read) and `work` (float32 rows being quantized)."""
 
-    KINDS = ("raw", "work", "out")
+    KINDS = ("raw", "work")
 
     def __init__(self) -> None:
         self._map: mmap.mmap | None = None
@@ -150,17 +154,59 @@ class Staging:
             self._map = None
 
 
+class PinnedStaging:
+    """Two pinned host buffers used in turn to copy rows to a GPU, already in the destination's
+    dtype: the next chunk is read (and converted) into one while the other's copy runs
+    (`non_blocking`), and a buffer is reused only once its last copy is done (a CUDA event).
+    Instead of a pageable source, which CUDA would stage through pinned memory of its own and
+    wait for."""
+
+    def __init__(self, nbytes: int, pinned: bool = True, event: Callable[[], Any] | None = None):
+        self.nbytes = nbytes
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
+        self.copies: list[Any] = [None, None]  # the event after each buffer's latest copy
+        self.turn = 0
+        self.event = event or torch.cuda.Event
+
+    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """This turn's buffer as a `shape` tensor of `dtype`, once its previous copy has finished."""
+        if self.copies[self.turn] is not None:
+            self.copies[self.turn].synchronize()
+            self.copies[self.turn] = None
+        nbytes = math.prod(shape) * dtype.itemsize
+        assert nbytes <= self.nbytes, (shape, dtype)
+        return self.buffers[self.turn][:nbytes].view(dtype).view(shape)
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy this turn's buffer `src` into `dst` asynchronously; the next turn uses the other."""
+        dst.copy_(src, non_blocking=True)
+        self.copies[self.turn] = self.event()
+        self.copies[self.turn].record()
+        self.turn ^= 1
+
+    def finish(self) -> None:
+        for i, copy in enumerate(self.copies):
+            if copy is not None:
+                copy.synchronize()
+                self.copies[i] = None
+
+
 class SliceReader:
-    def __init__(self, stats: LoadStats):
-        self.stats = stats
+    def __init__(self, stats: LoadStats, pinned: PinnedStaging | None = None):
+        """`pinned`: the destinations are on a GPU, and every delivery goes through these buffers."""
+        self.stats, self.pinned = stats, pinned
         self._fds: dict[Path, int] = {}
         self._scratch: bytearray = bytearray()
         self._staging = Staging()
+        # a chunk of rows fits each staging buffer, the mapped ones and the pinned ones
+        self._chunk_bytes = min(STAGING_BYTES, pinned.nbytes) if pinned else STAGING_BYTES
 
     def __enter__(self) -> "SliceReader":
         return self
 
     def __exit__(self, *_: object) -> None:
+        if self.pinned is not None:
+            self.pinned.finish()  # every copy has landed before the weights are used
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -196,17 +242,28 @@ class SliceReader:
             return piece.offset + out_rows
         src_dtype = TORCH_DTYPES[entry.dtype]
         item = DTYPE_BYTES[entry.dtype]
-        direct = region.device.type == "cpu" and region.dtype == src_dtype and region.is_contiguous()
-        limit = DIRECT_CHUNK_BYTES if direct else STAGING_BYTES // max(item, region.element_size())
+        # Rows land in the destination itself (CPU, same dtype), in a pinned buffer (GPU, same
+        # dtype), or in the staging area to be converted.
+        direct = (self.pinned is None and region.device.type == "cpu" and region.dtype == src_dtype
+                  and region.is_contiguous())
+        into_pinned = self.pinned is not None and region.dtype == src_dtype
+        limit = DIRECT_CHUNK_BYTES if direct else self._chunk_bytes // max(item, region.element_size())
         chunk = max(1, limit // max(1, width * (item if direct else 1)))
         if piece.dim == 1:
             chunk = min(chunk, (IOV_MAX + 1) // 2)
         fd = self._fd(entry.path)
         for a in range(0, out_rows, chunk):
             b = min(out_rows, a + chunk)
-            target = region[a:b] if direct else self._staging.get("raw", b - a, width, src_dtype)
+            if direct:
+                target = region[a:b]
+            elif into_pinned:
+                target = self.pinned.buffer((b - a, width), src_dtype)
+            else:
+                target = self._staging.get("raw", b - a, width, src_dtype)
             self._read_rows(fd, entry, piece, a, b, cols, item, target)
-            if not direct:
+            if into_pinned:
+                self.pinned.copy(target, region[a:b])
+            elif not direct:
                 self._deliver(region[a:b], target)
         return piece.offset + out_rows
 
@@ -217,7 +274,7 @@ class SliceReader:
         first = piece.start if piece.dim == 0 else 0
         c0, c1 = (0, cols) if piece.dim == 0 else (piece.start, piece.stop)
         whole_rows = Piece(piece.tensor, 0, first, first + region.shape[0])
-        chunk = max(1, STAGING_BYTES // (cols * 4))
+        chunk = max(1, self._chunk_bytes // (cols * 4))
         fd = self._fd(entry.path)
         for a in range(0, region.shape[0], chunk):
             b = min(region.shape[0], a + chunk)
@@ -229,11 +286,12 @@ class SliceReader:
         self.stats.scratch_bytes += region.shape[0] * (cols - (c1 - c0)) * item
 
     def _deliver(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """dst <- src (CPU), converting on the CPU: a GPU destination gets a same-dtype copy."""
-        if dst.device.type == "cpu" or src.dtype == dst.dtype:
+        """dst <- src (CPU), converting on the CPU: a GPU destination gets a same-dtype copy from a
+        pinned buffer."""
+        if self.pinned is None:
             dst.copy_(src)
         else:
-            dst.copy_(self._staging.get("out", *src.shape, dst.dtype).copy_(src))
+            self.pinned.copy(self.pinned.buffer(tuple(src.shape), dst.dtype).copy_(src), dst)
 
     def _read_rows(self, fd: int, entry: Entry, piece: Piece, a: int, b: int, cols: int, item: int,
                    target: torch.Tensor) -> None:

@@ -135,17 +135,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # ---------------------------------------------------------------- one forward pass's context
-def attention_mask(pads: torch.Tensor, c0: int, c1: int, window: int | None) -> torch.Tensor | None:
+CAUSAL = "causal"  # only causality masks: SDPA's is_causal (top-left aligned, so from column 0)
+
+
+def attention_mask(pads: torch.Tensor, c0: int, c1: int, window: int | None) -> torch.Tensor | str | None:
     """Which cache columns [0, c1) each query column [c0, c1) of each row may attend to.
 
     Rows are left-padded: row b's tokens start at column pads[b]. A padding query attends to
-    itself only, so it stays finite (its output is never used). None when nothing is masked.
+    itself only, so it stays finite (its output is never used). None when nothing is masked (a
+    decode step without padding), CAUSAL when only causality is (a prefill from column 0 without
+    padding): SDPA then takes no mask, which lets it run its flash or memory-efficient kernels.
     """
     queries = torch.arange(c0, c1).unsqueeze(1)
     keys = torch.arange(c1).unsqueeze(0)
     windowed = window is not None and c1 > window
-    if c1 - c0 == 1 and not windowed and not bool(pads.any()):
-        return None
+    if not windowed and not bool(pads.any()):
+        if c1 - c0 == 1:
+            return None
+        if c0 == 0:
+            return CAUSAL
     allowed = (keys <= queries).unsqueeze(0) & ((keys >= pads.view(-1, 1, 1)) | (keys == queries))
     if windowed:
         allowed &= (queries - keys) < window
@@ -162,7 +170,7 @@ class Step:
     c1: int
     cos: torch.Tensor
     sin: torch.Tensor
-    masks: dict[int | None, torch.Tensor | None]
+    masks: dict[int | None, torch.Tensor | str | None]  # per attention window: see `attention_mask`
 
     @classmethod
     def build(cls, r0: int, r1: int, c0: int, c1: int, pads: torch.Tensor, rotary: Rotary,
@@ -173,7 +181,7 @@ class Step:
         masks = {}
         for w in windows:
             mask = attention_mask(rows, c0, c1, w)
-            masks[w] = None if mask is None else mask.to(device)
+            masks[w] = mask.to(device) if isinstance(mask, torch.Tensor) else mask
         return cls(r0, r1, c0, c1, cos, sin, masks)
 
 
@@ -225,8 +233,15 @@ class Attention:
         k = apply_rope(k.view(n, s, self.kv_heads, self.head_dim).transpose(1, 2), step.cos, step.sin)
         v = v.view(n, s, self.kv_heads, self.head_dim).transpose(1, 2)
         keys, values = cache.update(layer, step, k, v)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.masks[self.window],
-                                             enable_gqa=self.heads != self.kv_heads)
+        mask, group = step.masks[self.window], self.heads // self.kv_heads
+        if isinstance(mask, torch.Tensor):
+            # A boolean mask rules the flash kernel out and the memory-efficient one has no GQA:
+            # hand it K/V expanded to the query heads (shard_operator.sizing budgets the copy).
+            if group > 1:
+                keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=mask == CAUSAL, enable_gqa=group > 1)
         return self.o(out.transpose(1, 2).reshape(n, s, self.q_size))
 
 

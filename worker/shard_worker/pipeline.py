@@ -12,6 +12,20 @@ each unit describes itself.
 
 A prefill is cut into micro-batches (rows) and chunks (columns), so the first stage computes the
 next unit while the later stages work on the previous ones (sends are asynchronous).
+
+Why tokens go back over the control group (gloo), not the tensor backend: NCCL's send may not
+complete before the matching receive is posted, NCCL ignores tags, and a rank's point-to-point
+operations run in order on one stream. With both directions on that stream, the first stage queues
+the sends of every unit of a pass before the receive of the first unit's tokens, while the last
+stage queues that unit's tokens before the receive of the next unit: each waits for the other, a
+circular wait (up to the watchdog's timeout). With tokens on gloo (buffered, tagged, on the CPU,
+its own threads), the tensor backend carries traffic downstream only: every send waits for a stage
+further down, every receive for one further up, the last stage sends nothing and the first
+receives nothing on it, so no wait can close a circle. Tokens are a few bytes, needed on the CPU by
+the first stage anyway. Posting receives first cannot help on one in-order stream (a receive at its
+head blocks the sends behind it), and batched isend/irecv would make the first stage compute a
+whole pass before sending any of it. tests/worker/test_rendezvous.py runs this schedule over a
+communicator with exactly NCCL's rendezvous semantics.
 """
 
 from __future__ import annotations
@@ -25,7 +39,7 @@ import torch
 from shard_contract.sharding import PREFILL_CHUNK
 from shard_contract.wire import GenerateRequest
 
-from .dist import FORWARD_TAG, RETURN_TAG, Comm, Pending
+from .dist import FORWARD_TAG, Comm, Pending
 
 RUN, STOP, JOIN = 1, 2, 3
 HEADER_INTS = 6
@@ -93,12 +107,15 @@ class Link:
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
         self.pending: list[Pending] = []
 
-    def _isend(self, t: torch.Tensor, dst: int, tag: int) -> None:
+    def _track(self, send: Pending) -> None:
         if len(self.pending) >= 16:  # long since received: release their buffers
             for p in self.pending[:8]:
                 p.wait()
             del self.pending[:8]
-        self.pending.append(self.comm.isend(t, dst, tag))
+        self.pending.append(send)
+
+    def _isend(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        self._track(self.comm.isend(t, dst, tag))
 
     def flush(self) -> None:
         """Wait for every outstanding send (their buffers may then be freed)."""
@@ -143,16 +160,15 @@ class Link:
                                  FORWARD_TAG)
         return Join(row, pad, GenerateRequest.model_validate_json(bytes(payload.cpu().numpy())))
 
-    # ------------------------------------------------------------ tokens back
+    # ------------------------------------------------------------ tokens back (control group)
     def send_tokens(self, tokens: torch.Tensor, logits: torch.Tensor | None) -> None:
-        self._isend(tokens, self.topo.first, RETURN_TAG)
-        if logits is not None:
-            self._isend(logits, self.topo.first, RETURN_TAG)
+        for t in (tokens, logits) if logits is not None else (tokens,):
+            self._track(self.comm.isend_control(t, self.topo.first))
 
     def recv_tokens(self, rows: int, vocab: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        tokens = self.comm.recv(self._ints([0] * rows), self.topo.last, RETURN_TAG)
+        """The tokens (and logits) of an emitting unit, on the CPU."""
+        tokens = self.comm.recv_control(torch.zeros(rows, dtype=torch.int64), self.topo.last)
         logits = None
         if vocab is not None:
-            logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)
-            self.comm.recv(logits, self.topo.last, RETURN_TAG)
+            logits = self.comm.recv_control(torch.empty(rows, vocab, dtype=torch.float32), self.topo.last)
         return tokens, logits

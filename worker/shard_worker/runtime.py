@@ -4,7 +4,9 @@ rank's stage, allocate its KV cache, and measure what that costs in memory."""
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -13,7 +15,7 @@ from shard_contract.plan import Plan, RankPlan
 from shard_contract.wire import RankReport, ResidentBytes
 
 from . import dist as dist_mod
-from .accounting import Accounting, MemorySample
+from .accounting import Accounting, CudaClock, MemorySample
 from .config import ModelConfig
 from .dist import Comm, Topology
 from .engine import Engine
@@ -59,6 +61,41 @@ def check_env(env: WorkerEnv, plan: Plan) -> RankPlan:
     return plan.rank_plan(env.replica, env.rank)
 
 
+def resident_bytes(baseline: MemorySample, started: MemorySample, before: MemorySample, loaded: MemorySample,
+                   cached: MemorySample, staged: MemorySample, on_cuda: bool) -> ResidentBytes:
+    """What a rank measured while it loaded (`before`, `loaded`: around the weights; `cached`: after
+    the KV cache; `staged`: after offload's staging slots, if any). Weights, KV cache and staging are
+    the growth of what holds them: what CUDA's caching allocator reserved, or anonymous memory. The total is, on a GPU, the device memory in use above what it held when
+    CUDA `started` in this process (so NCCL's buffers, cuBLAS workspaces, lazily loaded kernels and
+    the allocator's reserve count, not only torch's allocator; the primary context created at that
+    moment, and other processes, do not); on a CPU, anonymous memory above the bare process."""
+    return ResidentBytes(
+        weights=loaded.held(on_cuda) - before.held(on_cuda),
+        kv_cache=cached.held(on_cuda) - loaded.held(on_cuda),
+        staging=staged.held(on_cuda) - cached.held(on_cuda),
+        rss_anon=staged.rss_anon, cuda_allocated=staged.cuda_allocated,
+        total=staged.cuda_used - started.cuda_used if on_cuda else staged.rss_anon - baseline.rss_anon,
+        peak=staged.peak_rss - baseline.rss)
+
+
+# bfloat16 runs natively from compute capability 8.0 (Ampere) on; T4 (7.5) and V100 (7.0) emulate it.
+BF16_CAPABILITY = (8, 0)
+
+
+def agreed_dtype(planned: str, capability: tuple[int, int] | None, comm: Comm) -> tuple[torch.dtype, str]:
+    """The dtype the group runs, and why when it is not the plan's. `capability`: this rank's GPU
+    (None on a CPU). bfloat16 where any rank's GPU has no native bfloat16 becomes float16 on every
+    rank (the same bytes; ranks must agree, since their hidden states cross stages). The planner
+    already plans float16 for `dtype: auto` where GPU feature discovery labels tell it the compute
+    capability; this covers GPUs it could not see."""
+    if planned != "bfloat16" or comm.all_true(capability is None or capability >= BF16_CAPABILITY):
+        return DTYPES[planned], ""
+    whose = f"this GPU (compute capability {capability[0]}.{capability[1]})" \
+        if capability is not None and capability < BF16_CAPABILITY else "another rank's GPU"
+    return torch.float16, (f"the plan says bfloat16, which {whose} does not run natively (it needs compute "
+                           "capability 8.0): the group runs float16")
+
+
 @dataclass
 class Worker:
     env: WorkerEnv
@@ -85,8 +122,11 @@ class Worker:
         return self.comm.topo
 
     @classmethod
-    def start(cls, env: WorkerEnv, plan: Plan, baseline: MemorySample | None = None) -> "Worker":
-        """Join the group and load this rank's slices. `baseline`: memory of the bare process."""
+    def start(cls, env: WorkerEnv, plan: Plan, baseline: MemorySample | None = None,
+              connect: Callable[[WorkerEnv, Topology, torch.device, Accounting], Comm] = dist_mod.init_comm,
+              ) -> "Worker":
+        """Join the group and load this rank's slices. `baseline`: memory of the bare process;
+        `connect`: how the rank joins its group (tests pass communicators of their own)."""
         rank_plan = check_env(env, plan)
         # Before joining the group: a plan that overfills the device fails fast, with no load.
         check_budget("the plan's predicted bytes of this rank", rank_plan.predicted_bytes.total,
@@ -94,12 +134,16 @@ class Worker:
         device = device_for(rank_plan, env)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        baseline = baseline or MemorySample.take(device)
+        started = MemorySample.take(device)  # on a GPU, what the device holds as CUDA starts here
+        baseline = baseline or started
         config = ModelConfig.from_dir(env.model_dir)
         topo = Topology(rank=env.rank, tp=env.tp_size, pp=env.pp_size)
-        acct = Accounting()
-        comm = dist_mod.init_comm(env, topo, device, acct)
-        dtype = DTYPES[plan.dtype]
+        acct = Accounting(CudaClock() if device.type == "cuda" else None)
+        comm = connect(env, topo, device, acct)
+        dtype, why = agreed_dtype(plan.dtype, torch.cuda.get_device_capability(device) if device.type == "cuda"
+                                  else None, comm)
+        if why:
+            print(f"[shard_worker rank {env.rank}] warning: {why}", file=sys.stderr, flush=True)
         layout = Layout(config, tp=topo.tp, tp_rank=topo.tp_rank, layers=tuple(rank_plan.layers),
                         embeds=rank_plan.embeds, has_lm_head=rank_plan.has_lm_head)
         on_cuda = device.type == "cuda"
@@ -119,13 +163,7 @@ class Worker:
             staged = MemorySample.take(device)
             rotary = Rotary(config, plan.max_model_len, device)
 
-            resident = ResidentBytes(
-                weights=loaded.held(on_cuda) - before.held(on_cuda),
-                kv_cache=cached.held(on_cuda) - loaded.held(on_cuda),
-                staging=staged.held(on_cuda) - cached.held(on_cuda),
-                rss_anon=staged.rss_anon, cuda_allocated=staged.cuda_allocated,
-                total=staged.cuda_reserved if on_cuda else staged.rss_anon - baseline.rss_anon,
-                peak=staged.peak_rss - baseline.rss)
+            resident = resident_bytes(baseline, started, before, loaded, cached, staged, on_cuda)
             allocated = {"weights": sum(t.numel() * t.element_size() for t in stage.tensors().values()),
                          "kv_cache": cache.nbytes, "staging": streamer.nbytes if streamer else 0}
             check_budget("measured resident bytes after loading", resident.total, env.memory_budget_bytes)
@@ -153,6 +191,7 @@ class Worker:
         c, rp = self.acct.counters, self.rank_plan
         return RankReport(
             rank=rp.rank, stage=rp.stage, tp_rank=rp.tp_rank, layers=rp.layers, node=rp.node, device=rp.device,
+            dtype=str(self.stage.dtype).removeprefix("torch."),
             predicted_bytes=rp.predicted_bytes, resident_bytes=resident, allocated_bytes=self.allocated,
             load_seconds=self.load_seconds, comm_seconds=c.comm_total, compute_seconds=c.compute_seconds,
             idle_seconds=c.idle_seconds, comm_bytes=dict(c.comm_bytes), last_generate=self.engine.last_generate,

@@ -25,8 +25,11 @@ FLAG_STRIDE = 8  # int64s between two ranks' round numbers: one cache line each
 SPINS_BEFORE_YIELD = 200
 
 
-def supported() -> bool:
-    return platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm")
+SHM_DIR = "/dev/shm"  # shared by the processes of a machine, or of a pod
+
+
+def supported(directory: str = SHM_DIR) -> bool:
+    return platform.machine() in ("x86_64", "AMD64") and os.path.isdir(directory)
 
 
 class ShmGroup:
@@ -39,9 +42,9 @@ class ShmGroup:
         self.round = 0
 
     @staticmethod
-    def create(size: int) -> str:
+    def create(size: int, directory: str = SHM_DIR) -> str:
         """A fresh zeroed buffer for `size` ranks; returns its path (for the other ranks)."""
-        fd, path = tempfile.mkstemp(prefix="shard-tp-", dir="/dev/shm")
+        fd, path = tempfile.mkstemp(prefix="shard-tp-", dir=directory)
         os.ftruncate(fd, 2 * size * SLOT_BYTES + size * FLAG_STRIDE * 8)
         os.close(fd)
         return path

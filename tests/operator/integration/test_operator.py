@@ -42,12 +42,13 @@ def groups_of(pods):
     return out
 
 
-async def test_create_wires_every_rank_and_reports_ready(world):
+@pytest.mark.parametrize("layout, ranks_per_pod", [("perRank", 1), ("auto", 2)])  # auto on GPUs: a pod per TP group
+async def test_create_wires_every_rank_and_reports_ready(world, layout, ranks_per_pod):
     for n in ("a", "b"):
         await world.add_node(gpu_node(n))
     model_dir = write_model(world.tmp / "models" / "tiny")
     async with world.operator():
-        created = await world.create(sharded_model("m1", model_dir, replicas=2, tensor=2,
+        created = await world.create(sharded_model("m1", model_dir, replicas=2, tensor=2, pod_layout=layout,
                                                    worker={"env": [{"name": "NCCL_DEBUG", "value": "INFO"}]}))
         status = await world.wait_phase("m1", "Ready")
         async def measured():
@@ -56,7 +57,7 @@ async def test_create_wires_every_rank_and_reports_ready(world):
         status = await eventually(measured)
 
     pods = await world.pods("m1")
-    assert len(pods) == 4 and groups_of(pods) in ({0: {"a"}, 1: {"b"}}, {0: {"b"}, 1: {"a"}})
+    assert len(pods) == 4 // ranks_per_pod and groups_of(pods) in ({0: {"a"}, 1: {"b"}}, {0: {"b"}, 1: {"a"}})
     uid = created["metadata"]["uid"]
     for pod in pods:
         labels = pod["metadata"]["labels"]
@@ -66,7 +67,8 @@ async def test_create_wires_every_rank_and_reports_ready(world):
         assert str(worker.rank) == labels["sharding.dev/rank"] and str(worker.replica) == labels["sharding.dev/group"]
         assert worker.master_addr.startswith(pod["metadata"]["name"][:-1] + "0.")
         assert env["NCCL_DEBUG"] == "INFO"
-        assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == str(ranks_per_pod)
+        assert labels["sharding.dev/ranks"] == str(ranks_per_pod)
         assert [r["uid"] for r in pod["metadata"]["ownerReferences"]] == [uid]
         assert set(labels) >= {"sharding.dev/model", "sharding.dev/group", "sharding.dev/rank",
                                "sharding.dev/role", "sharding.dev/plan"}

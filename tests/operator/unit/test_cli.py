@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from shard_operator.api import load_sharded_models, resolve_model_dir
 from shard_operator.cli import main
+from shard_operator.inventory import inventory_from_nodes, load_nodes
+from shard_operator.profile import profile_model
+from shard_operator.replan import choose_plan
+from shard_operator.settings import Settings
 from tests.support.malicious import ATTACKS, CORPUS, write_attack
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -66,12 +71,38 @@ def test_infeasible_exits_2_with_the_reason_on_stderr(capsys):
     assert "To make it fit:" in err
 
 
+# The operator's planner_options: more runtime memory per GPU rank, a slow collective inside a pod.
+PLANNER_OPTIONS = '{"runtime_overhead": {"gpu": 3221225472}, "transport": {"collective_in_pod": {"gpu": 0.001}}}'
+
+
+@pytest.mark.parametrize("given", ["flag", "environment"])
+def test_plan_takes_the_operators_planner_options(capsys, monkeypatch, given):
+    """The same JSON, as --planner-options or the operator's own variable, plans what the operator plans."""
+    argv = ["plan", "-f", str(EXAMPLES / "llama-70b.yaml"), "--nodes", str(EXAMPLES / "nodes.yaml"), "--json"]
+    default = json.loads(run(capsys, *argv)[1])
+    if given == "flag":
+        argv += ["--planner-options", PLANNER_OPTIONS]
+    else:
+        monkeypatch.setenv("SHARD_OPERATOR_PLANNER_OPTIONS", PLANNER_OPTIONS)
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    model = load_sharded_models(EXAMPLES / "llama-70b.yaml")[0]
+    settings = Settings.from_env({"SHARD_OPERATOR_PLANNER_OPTIONS": PLANNER_OPTIONS})
+    operators = choose_plan(None, profile_model(resolve_model_dir(model.spec.model, base=EXAMPLES)), model.spec,
+                            inventory_from_nodes(load_nodes(EXAMPLES / "nodes.yaml"), model.spec.placement),
+                            options=settings.planner_options).plan
+    assert json.loads(out) == json.loads(operators.to_json()) != default
+    assert {r["predicted_bytes"]["overhead"] for r in json.loads(out)["ranks"]} == {3 * 2**30}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["plan", "-f", "/nonexistent.yaml", "--devices", "a:1GiB"], "No such file"),
     (["plan", "-f", str(EXAMPLES / "nodes.yaml"), "--devices", "a:1GiB"], "no object of kind ShardedModel"),
     (["plan", "-f", str(EXAMPLES / "llama-70b.yaml"), "--devices", "a:lots"], "write NODE:MEMORY"),
     (["plan", "-f", str(EXAMPLES / "llama-70b.yaml"), "--devices", "a:80XB"], "is not a memory size"),
     (["plan", "-f", str(EXAMPLES / "shardedmodel.yaml"), "--devices", "a:1GiB"], "config.json: missing"),
+    (["plan", "-f", str(EXAMPLES / "llama-70b.yaml"), "--devices", "a:80GiB", "--planner-options", '{"tolerance": 1'],
+     "--planner-options: planner options"),
 ])
 def test_bad_input_exits_1(capsys, argv, message):
     code, _, err = run(capsys, *argv)

@@ -28,8 +28,9 @@ def test_manifests_for_the_example_on_the_example_pool(tmp_path, capsys):
     objects = list(yaml.safe_load_all(capsys.readouterr().out))
     kinds = [o["kind"] for o in objects]
     assert kinds[:4] == ["NetworkPolicy", "Service", "Service", "ConfigMap"] and kinds.count("Pod") >= 1
-    # Tainted (untolerated), cordoned and NotReady nodes are not used.
-    assert usable_nodes() == {"gpu-h100-a", "gpu-l40s-a", "gpu-batch-a"}
+    # Tainted (untolerated), cordoned and NotReady nodes are not used; gpu-h100-b's taint is the GPU
+    # resource's own, which rank pods tolerate.
+    assert usable_nodes() == {"gpu-h100-a", "gpu-h100-b", "gpu-l40s-a", "gpu-batch-a"}
     usable = usable_nodes()
     for obj in objects:
         kubernetes_validate.validate(obj, "1.33", strict=True)

@@ -30,11 +30,11 @@ def test_nodes_file_skips_what_cannot_host_the_model():
     assert skipped == {
         "gpu-a100-a": "NotReady",
         "gpu-batch-a": "not in the node pool (sharding.dev/pool=batch, want inference)",
-        "gpu-h100-b": "tainted nvidia.com/gpu=present:NoSchedule (not tolerated)",
         "gpu-l40s-b": "cordoned",
         "gpu-train-a": "tainted dedicated=training:NoSchedule (not tolerated)",
     }
-    assert inventory.nodes() == ["gpu-h100-a", "gpu-l40s-a"]
+    # gpu-h100-b's taint is the GPU resource's own (tolerated by default, see below)
+    assert inventory.nodes() == ["gpu-h100-a", "gpu-h100-b", "gpu-l40s-a"]
     h100 = [d for d in inventory.devices if d.node == "gpu-h100-a"]
     assert [d.index for d in h100] == list(range(8))
     assert h100[0].memory_bytes == 81559 * MiB and h100[0].speed == 3.35
@@ -42,15 +42,44 @@ def test_nodes_file_skips_what_cannot_host_the_model():
 
 
 def test_tolerations_admit_tainted_nodes():
-    exists = Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
+    exists = Toleration(key="dedicated", operator="Exists", effect="NoSchedule")
     inventory = inventory_from_nodes(load_nodes(NODES), pool(tolerations=[exists]))
-    assert "gpu-h100-b" in inventory.nodes() and "gpu-train-a" not in inventory.nodes()
+    assert "gpu-train-a" in inventory.nodes()
     equal = Toleration(key="dedicated", operator="Equal", value="training")
     assert "gpu-train-a" in inventory_from_nodes(load_nodes(NODES), pool(tolerations=[equal])).nodes()
     wrong_value = Toleration(key="dedicated", operator="Equal", value="serving")
     assert "gpu-train-a" not in inventory_from_nodes(load_nodes(NODES), pool(tolerations=[wrong_value])).nodes()
     everything = Toleration(operator="Exists")
     assert len(inventory_from_nodes(load_nodes(NODES), pool(tolerations=[everything])).nodes()) == 4
+
+
+def _tainted(*taints: dict) -> dict:
+    return {"kind": "Node", "metadata": {"name": "n", "labels": {"nvidia.com/gpu.memory": "81559"}},
+            "spec": {"taints": list(taints)},
+            "status": {"allocatable": {"nvidia.com/gpu": "8", "amd.com/gpu": "8"},
+                       "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}  # GKE, EKS, the GPU Operator
+SKU_TAINT = {"key": "sku", "value": "gpu", "effect": "NoSchedule"}  # AKS
+
+
+@pytest.mark.parametrize("taints, placement, admitted", [
+    ([GPU_TAINT], {}, True),  # the GPU resource's own taint: tolerated without a word in the spec
+    ([{"key": "nvidia.com/gpu", "effect": "NoSchedule"}], {}, True),  # valueless: tolerated too (Exists)
+    # ExtendedResourceToleration adds NoSchedule only: a NoExecute taint still needs the spec
+    ([{"key": "nvidia.com/gpu", "effect": "NoExecute"}], {}, False),
+    ([{"key": "amd.com/gpu", "effect": "NoSchedule"}], {"gpu_resource": "amd.com/gpu"}, True),
+    ([GPU_TAINT], {"gpu_resource": "amd.com/gpu"}, False),  # not the resource these pods request
+    ([SKU_TAINT], {}, False),
+    ([SKU_TAINT], {"tolerations": [Toleration(key="sku", value="gpu")]}, True),
+    ([GPU_TAINT, SKU_TAINT], {"tolerations": [Toleration(key="sku", operator="Exists")]}, True),
+    ([GPU_TAINT, SKU_TAINT], {}, False),
+    ([{"key": "dedicated", "effect": "PreferNoSchedule"}], {}, True),  # a preference only
+])
+def test_the_gpu_resources_own_taint_is_tolerated_by_default_others_need_the_spec(taints, placement, admitted):
+    inventory = inventory_from_nodes([_tainted(*taints)], Placement(**placement))
+    assert bool(inventory.devices) == admitted, inventory.skipped
 
 
 def test_other_gpu_resource_and_missing_labels():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import math
 import re
 
 import kubernetes_validate
@@ -10,12 +11,16 @@ import pytest
 
 from shard_contract.env import API_KEY_MOUNT, MODEL_MOUNT, PLAN_MOUNT, SECRET_KEY, SECRET_MOUNT, WorkerEnv
 from shard_contract.plan import Plan
+from shard_contract.units import quantity
+from shard_operator import planner
 from shard_operator.api import SpecError
+from shard_operator.inventory import parse_devices
 from shard_operator.manifests import (
     GROUP_LABEL,
     MODEL_LABEL,
     PLAN_LABEL,
     RANK_LABEL,
+    RANKS_LABEL,
     REVISION_LABEL,
     ROLE_LABEL,
     Context,
@@ -31,7 +36,7 @@ from shard_operator.manifests import (
     profiling_pod,
 )
 
-from tests.operator.conftest import make_plan, make_spec
+from tests.operator.conftest import make_plan, make_spec, tiny_profile
 
 OWNER = Owner(name="llama", namespace="serving", uid="uid-1")
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -56,7 +61,8 @@ def pods(objects):
     (1, 4, 2, "a:24GiB*4,b:24GiB*4"),
 ])
 def test_one_pod_per_rank_with_the_worker_environment(tensor, pipeline, replicas, devices):
-    spec = dict(parallelism={"tensor": tensor, "pipeline": pipeline}, replicas=replicas)
+    spec = dict(parallelism={"tensor": tensor, "pipeline": pipeline}, replicas=replicas,
+                placement={"podLayout": "perRank"})
     plan = make_plan(devices, **spec)
     ctx = ctx_for(**spec)
     objects = desired_objects(ctx, plan)
@@ -87,10 +93,13 @@ def test_one_pod_per_rank_with_the_worker_environment(tensor, pipeline, replicas
         assert pod["spec"]["containers"][0]["command"] == ["python", "-m", "shard_worker"]
 
 
-def test_each_group_has_a_key_of_its_own_in_a_secret_its_pods_mount():
-    plan = make_plan("a:24GiB*2,b:24GiB*2", replicas=2)
+@pytest.mark.parametrize("layout, pods_per_group", [("perRank", 2), ("perTensorGroup", 1)])
+def test_each_group_has_a_key_of_its_own_in_a_secret_its_pods_mount(layout, pods_per_group):
+    spec = dict(replicas=2, placement={"podLayout": layout})
+    plan = make_plan("a:24GiB*2,b:24GiB*2", **spec)
     keys = iter([b"0" * 32, b"1" * 32])
-    objects = desired_objects(ctx_for(replicas=2), plan, new_key=lambda: next(keys))
+    objects = desired_objects(ctx_for(**spec), plan, new_key=lambda: next(keys))
+    assert len(pods(objects)) == 2 * pods_per_group
     secrets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Secret"}
     assert [base64.b64decode(s["data"][SECRET_KEY]) for s in secrets.values()] == [b"0" * 32, b"1" * 32]
     for secret in secrets.values():
@@ -111,6 +120,44 @@ def test_each_group_has_a_key_of_its_own_in_a_secret_its_pods_mount():
         assert {"name": "SHARD_BIND_ADDR", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in env
 
 
+@pytest.mark.parametrize("tensor,pipeline,replicas,devices,layout", [
+    (2, 1, 1, "a:24GiB*2", "auto"),  # GPUs at tensor > 1: a pod per tensor-parallel group
+    (2, 2, 2, "a:24GiB*4,b:24GiB*4", "perTensorGroup"),
+    (4, 1, 1, "a:24GiB*4", "perTensorGroup"),
+])
+def test_one_pod_per_tensor_parallel_group_runs_a_rank_per_gpu(tensor, pipeline, replicas, devices, layout):
+    spec = dict(parallelism={"tensor": tensor, "pipeline": pipeline}, replicas=replicas,
+                placement={"podLayout": layout})
+    plan = make_plan(devices, **spec)
+    objects = desired_objects(ctx_for(**spec), plan)
+    assert len(pods(objects)) == pipeline * replicas
+    for pod in pods(objects):
+        labels, c = pod["metadata"]["labels"], pod["spec"]["containers"][0]
+        replica, first = int(labels[GROUP_LABEL]), int(labels[RANK_LABEL])
+        held = [plan.rank_plan(replica, r) for r in range(first, first + tensor)]
+        assert first % tensor == 0 and labels[RANKS_LABEL] == str(tensor)
+        assert {r.stage for r in held} == {first // tensor} and len({r.node for r in held}) == 1
+        assert labels[ROLE_LABEL] == ("leader" if first == 0 else "worker")
+        assert c["command"] == ["python", "-m", "shard_worker.launch", "--local-ranks", str(tensor)]
+        env = WorkerEnv.from_env(env_of(pod))  # the pod's first rank; the launcher derives the others
+        assert (env.rank, env.local_rank, env.port) == (first, 0, 8000)
+        assert env.master_addr == f"{pod_name('llama', replica, labels[REVISION_LABEL], 0)}.{pod['spec']['subdomain']}.serving.svc"
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == str(tensor)
+        assert [p["containerPort"] for p in c["ports"] if p["name"].startswith("http")] == \
+            [8000 + i for i in range(tensor)]
+        assert c["livenessProbe"]["httpGet"]["port"] == "http"  # the first rank answers for the group
+        assert pod["metadata"]["annotations"]["sharding.dev/device"] == ",".join(r.device for r in held)
+        dshm = next(v for v in pod["spec"]["volumes"] if v["name"] == "dshm")
+        assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": f"{tensor * 1024}Mi"}
+        kubernetes_validate.validate(pod, "1.33", strict=True)
+
+
+def test_the_pod_layout_is_part_of_the_revision():
+    per_rank = dict(placement={"podLayout": "perRank"})
+    plan = make_plan(**per_rank)
+    assert group_revision(ctx_for(**per_rank), plan, 0) != group_revision(ctx_for(), plan, 0)
+
+
 def test_tensor_parallel_peers_share_a_node_and_groups_spread():
     plan = make_plan("a:24GiB*2,b:24GiB*2", replicas=2)
     nodes = {}
@@ -128,15 +175,18 @@ def test_pod_resources_probes_security_and_volumes():
     ctx = ctx_for(**spec)
     pod = pods(desired_objects(ctx, make_plan(**spec)))[0]
     c = pod["spec"]["containers"][0]
-    assert c["resources"] == {"requests": {"cpu": "4", "memory": "16Gi", "amd.com/gpu": "1"},
-                              "limits": {"memory": "16Gi", "amd.com/gpu": "1"}}
+    # a pod of the tensor=2 group (GPUs): the spec's resources are per rank
+    assert c["resources"] == {"requests": {"cpu": "8", "memory": "32Gi", "amd.com/gpu": "2"},
+                              "limits": {"memory": "32Gi", "amd.com/gpu": "2"}}
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert {"name": "http", "containerPort": 9000, "protocol": "TCP"} in c["ports"]
     assert env_of(pod)["NCCL_SOCKET_IFNAME"] == "eth0" and env_of(pod)["SHARD_PORT"] == "9000"
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
-    assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+    # The spec's tolerations, then the GPU resource's own taint (as ExtendedResourceToleration adds it)
+    assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists"},
+                                          {"key": "amd.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert pod["spec"]["restartPolicy"] == "Never"
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["model"] == {"name": "model", "hostPath": {"path": "/models", "type": "Directory"}}
@@ -145,38 +195,33 @@ def test_pod_resources_probes_security_and_volumes():
     assert mounts["model"]["readOnly"] and mounts["plan"]["mountPath"] + "/plan.json" == PLAN_MOUNT
 
 
-@pytest.mark.parametrize("resources,request_base,limit_base", [
-    ({}, 0, None),
-    ({"requests": {"cpu": "4", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}, 2**30, 2 * 2**30),
-    ({"limits": {"memory": "2Gi"}}, 2 * 2**30, 2 * 2**30),  # the API server defaults the request to the limit
-])
+@pytest.mark.parametrize("resources", [{}, {"requests": {"cpu": "4", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}])
 @pytest.mark.parametrize("host_memory", [None, "1"])  # host copies; the files (through a bounce buffer)
-def test_a_streaming_rank_requests_the_host_memory_its_streamed_layers_take(resources, request_base, limit_base,
-                                                                             host_memory):
+def test_a_streaming_rank_asks_for_the_host_memory_of_what_it_streams_on_top(resources, host_memory):
+    """On top of the default request, or of the spec's request and limit (which cannot know it)."""
     offload = {"policy": "always", **({"hostMemory": host_memory} if host_memory else {})}
     spec = dict(parallelism={"tensor": 1, "pipeline": 2}, placement={"offload": offload},
                 worker={"resources": resources})
     plan = make_plan("a:24GiB*2", **spec)
-    for pod, rank in zip(pods(desired_objects(ctx_for(**spec), plan)), plan.ranks):
+    resident = plan.model_copy(update={"ranks": [r.model_copy(update={"offload": None}) for r in plan.ranks]})
+    ctx = ctx_for(**spec)
+    for streaming, holding, rank in zip(pods(desired_objects(ctx, plan)), pods(desired_objects(ctx, resident)),
+                                        plan.ranks):
         host = rank.offload.host_bytes
-        assert host >= rank.offload.streamed_bytes
-        got = pod["spec"]["containers"][0]["resources"]
-        assert got["requests"]["memory"] == f"{-(-(request_base + host) // 2**20)}Mi"
-        assert got["requests"]["nvidia.com/gpu"] == got["limits"]["nvidia.com/gpu"] == "1"
-        assert got["limits"].get("memory") == (None if limit_base is None else f"{-(-(limit_base + host) // 2**20)}Mi")
-        assert {k: v for k, v in got["requests"].items() if k not in ("memory", "nvidia.com/gpu")} == \
-            {k: v for k, v in resources.get("requests", {}).items() if k != "memory"}
-
-
-def test_a_resource_quantity_kubernetes_would_refuse_is_named():
-    with pytest.raises(SpecError, match=r"spec.worker.resources.requests.memory: '16GB' is not a Kubernetes quantity"):
-        make_spec(worker={"resources": {"requests": {"memory": "16GB"}}})
+        assert host >= rank.offload.streamed_bytes > 0
+        got, without = (p["spec"]["containers"][0]["resources"] for p in (streaming, holding))
+        for kind in ("requests", "limits") if "limits" in resources else ("requests",):
+            extra = quantity(got[kind]["memory"]) - quantity(without[kind]["memory"])
+            assert host <= extra < host + 2**20, (kind, extra, host)  # rounded up to MiB
+            assert {k: v for k, v in got[kind].items() if k != "memory"} == \
+                {k: v for k, v in without[kind].items() if k != "memory"}
+        assert "memory" not in got["limits"] or "limits" in resources  # no limit of its own
 
 
 def test_the_api_key_secret_is_mounted_into_each_leader_only():
     """The kubelet mounts the Secret: the operator neither reads it nor may (no secrets in its
     RBAC). Only rank 0 serves the OpenAI routes."""
-    spec = dict(parallelism={"tensor": 2, "pipeline": 1}, replicas=2,
+    spec = dict(parallelism={"tensor": 2, "pipeline": 1}, replicas=2, placement={"podLayout": "perRank"},
                 worker={"apiKeySecret": {"name": "llama-api", "key": "token"}})
     ranks = pods(desired_objects(ctx_for(**spec), make_plan("a:24GiB*2,b:24GiB*2", **spec)))
     for pod in ranks:
@@ -193,6 +238,95 @@ def test_the_api_key_secret_is_mounted_into_each_leader_only():
         kubernetes_validate.validate(pod, "1.33", strict=True)
     assert not any(p["metadata"]["labels"][RANK_LABEL] == "0" and "SHARD_API_KEY_FILE" in env_of(p)
                    for p in pods(desired_objects(ctx_for(), make_plan())))
+
+
+def test_a_pod_per_tensor_group_gives_every_rank_the_group_key_and_rank_0s_pod_the_api_key():
+    """A pod of several ranks: each rank process reads the group key; the pod holding rank 0 (the
+    leader pod) also mounts the API key, and its SHARD_BIND_ADDR (the pod IP) is the address
+    MASTER_ADDR names, the pod's own DNS name, so rank 0's store is reachable by the pod's other
+    ranks and the other pods' alike. The launcher hands the pod's environment to each rank."""
+    spec = dict(parallelism={"tensor": 2, "pipeline": 2}, placement={"podLayout": "perTensorGroup"},
+                worker={"apiKeySecret": {"name": "llama-api", "key": "token"}})
+    objects = desired_objects(ctx_for(**spec), make_plan("a:24GiB*2,b:24GiB*2", **spec))
+    leader, other = sorted(pods(objects), key=lambda p: int(p["metadata"]["labels"][RANK_LABEL]))
+    assert [p["metadata"]["labels"][RANK_LABEL] for p in (leader, other)] == ["0", "2"]
+    for pod in (leader, other):
+        c = pod["spec"]["containers"][0]
+        env = WorkerEnv.from_env(env_of(pod))
+        assert c["command"][-2:] == ["--local-ranks", "2"]
+        assert env.group_secret_file == f"{SECRET_MOUNT}/{SECRET_KEY}"
+        assert {"name": "group-key", "mountPath": SECRET_MOUNT, "readOnly": True} in c["volumeMounts"]
+        assert {"name": "SHARD_BIND_ADDR", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in c["env"]
+        assert env.master_addr == f"{leader['spec']['hostname']}.{leader['spec']['subdomain']}.serving.svc"
+        kubernetes_validate.validate(pod, "1.33", strict=True)
+    assert WorkerEnv.from_env(env_of(leader)).api_key_file == API_KEY_MOUNT
+    assert "api-key" in {m["name"] for m in leader["spec"]["containers"][0]["volumeMounts"]}
+    assert "SHARD_API_KEY_FILE" not in env_of(other)
+    assert "api-key" not in {v["name"] for v in other["spec"]["volumes"]}
+
+
+@pytest.mark.parametrize("devices, kind, layout, ranks, cpu", [
+    ("a:24GiB*2", "gpu", "perRank", 1, "2"),
+    ("a:24GiB*2", "gpu", "perTensorGroup", 2, "4"),
+    ("a:1GiB*2", "cpu", "perRank", 1, "1"),
+    ("a:1GiB*2", "cpu", "perTensorGroup", 2, "2"),
+])
+def test_rank_pods_request_cpu_and_memory_sized_from_the_plan(devices, kind, layout, ranks, cpu):
+    """Not BestEffort: a GPU rank asks for the host memory of its process (2 GiB), a CPU rank also
+    for everything its plan predicts (it is host memory), each with 25% headroom; no limits."""
+    spec = dict(placement={"podLayout": layout})
+    plan = plan_on(devices, kind, **spec)
+    pod = pods(desired_objects(ctx_for(**spec), plan))[0]
+    resources = pod["spec"]["containers"][0]["resources"]
+    held = [plan.rank_plan(0, r) for r in range(ranks)]
+    host = [2 * 2**30 if kind == "gpu" else 512 * 2**20 + r.predicted_bytes.total for r in held]
+    assert resources["requests"] == {"cpu": cpu, "memory": f"{math.ceil(sum(h * 1.25 for h in host) / 2**20)}Mi",
+                                     "nvidia.com/gpu": str(ranks)}
+    assert resources["limits"] == {"nvidia.com/gpu": str(ranks)}
+
+
+def plan_on(devices: str, kind: str, **spec):
+    return planner.plan(tiny_profile(), make_spec(**spec), parse_devices(devices, kind=kind))
+
+
+@pytest.mark.parametrize("quantity, n, scaled", [
+    ("4", 2, "8"), ("500m", 2, "1000m"), ("1.5", 2, "3"), ("16Gi", 4, "64Gi"), ("16G", 2, "32G"),
+    ("1e3", 2, "2e3"), ("0.5Gi", 1, "0.5Gi"), (".5", 2, "1"),
+])
+def test_per_rank_quantities_scale_to_the_pods_ranks(quantity, n, scaled):
+    from shard_operator.resources import times
+
+    assert times(quantity, n, "f") == scaled
+
+
+@pytest.mark.parametrize("quantity", ["-1", "lots", "1.5.2Gi", "", "16GB"])  # 16GB: the API server refuses it
+def test_a_quantity_that_cannot_scale_is_refused_with_the_field(quantity):
+    with pytest.raises(SpecError, match=r"spec.worker.resources.requests.memory: .* is not a quantity"):
+        check(ctx_for(worker={"resources": {"requests": {"memory": quantity}}}))
+
+
+def test_runtime_class_name_is_set_on_rank_pods_when_given():
+    plan = make_plan()
+    assert "runtimeClassName" not in pods(desired_objects(ctx_for(), plan))[0]["spec"]
+    spec = dict(worker={"runtimeClassName": "nvidia"})
+    for pod in pods(desired_objects(ctx_for(**spec), plan)):
+        assert pod["spec"]["runtimeClassName"] == "nvidia"
+    assert group_revision(ctx_for(**spec), plan, 0) != group_revision(ctx_for(), plan, 0)
+
+
+@pytest.mark.parametrize("tolerations, expected", [
+    ([], [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]),
+    ([{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],  # given: not twice
+     [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]),
+    ([{"key": "sku", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}],
+     [{"key": "sku", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"},
+      {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]),
+])
+def test_rank_and_profiling_pods_tolerate_the_gpu_resources_taint(tolerations, expected):
+    spec = dict(placement={"tolerations": tolerations})
+    ctx = ctx_for(**spec)
+    for pod in [*pods(desired_objects(ctx, make_plan(**spec))), profiling_pod(ctx, 60)]:
+        assert pod["spec"]["tolerations"] == expected
 
 
 @pytest.mark.parametrize("model,volume,expected_dir", [

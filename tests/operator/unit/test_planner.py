@@ -66,7 +66,7 @@ def test_heterogeneous_devices_get_layers_by_speed_and_memory():
     profile = profile_from_config(LLAMA_8B)
     # One device twice as big and twice as fast as each of the others.
     result = plan(profile, spec(parallelism={"tensor": 1}, placement={"memoryHeadroom": 0.05}),
-                  parse_devices("big:12GiB@2,small1:6GiB@1,small2:6GiB@1"))
+                  parse_devices("big:14GiB@2,small1:7GiB@1,small2:7GiB@1"))
     counts = {r.node: r.num_layers for r in result.ranks}
     assert sum(counts.values()) == 32
     assert 1.6 <= counts["big"] / counts["small1"] <= 2.5
@@ -110,7 +110,7 @@ def test_explicit_partition_is_checked_not_trusted():
         plan(profile, spec(parallelism={"tensor": 4, "pipeline": 2, "layerPartition": [70, 10]}),
              parse_devices("a:32GiB*4,b:32GiB*4"))
     assert err.value.reason == "InsufficientCapacity"
-    assert "layerPartition [70, 10] at tensor=4: stage 0 needs 29.83 GiB per rank; the largest device " \
+    assert "layerPartition [70, 10] at tensor=4: stage 0 needs 31.24 GiB per rank; the largest device " \
            "offers 28.80 GiB usable" in str(err.value)
 
 
@@ -181,7 +181,7 @@ def test_infeasible_says_what_is_needed_and_what_would_help():
     assert "does not fit: one replica needs at least" in message
     assert "262.83 GiB of float32 weights" in message
     assert "the pool has 129.60 GiB usable (6 x 24.0 GiB on 2 nodes, 10% headroom)" in message
-    assert "add about 8 more devices like the largest (24.00 GiB)" in message
+    assert "add about 9 more devices like the largest (24.00 GiB)" in message
     assert "allow a larger tensor degree (tensor=4 or auto)" in message
     assert "use dtype bfloat16 (weights 131.42 GiB)" in message
     # per layer 855,638,016 projection weights at 1 byte + 83,968 rows x 4-byte scales + 2 float32

@@ -146,11 +146,11 @@ class Round:
     then: Callable[[Sim], object] = lambda sim: None  # more to check afterwards
 
 
-def group_writes(group: int, revision: str) -> list[str]:
-    """Creating a group of two ranks: Service, plan, key, then the pods."""
+def group_writes(group: int, revision: str, pods: int = 2) -> list[str]:
+    """Creating a group of two ranks (in two pods, or one): Service, plan, key, then the pods."""
     name = f"m1-{group}-{revision}"
     return [f"create Service {name}", f"create ConfigMap {name}", f"create Secret {name}",
-            f"create Pod {name}-0", f"create Pod {name}-1"]
+            *(f"create Pod {name}-{rank}" for rank in range(pods))]
 
 
 def group_deletes(group: int, revision: str, grace: int | None = None) -> list[str]:
@@ -174,6 +174,19 @@ def measured(sim: Sim) -> None:
     assert sorted(s["residentBytes"] for s in shards) == [RESIDENT, RESIDENT + 2**20]
 
 
+def ranks_of_one_pod(sim: Sim) -> None:
+    """Each rank of the pod is a shard of its own, with its own measured bytes."""
+    shards = sim.store.get(MODEL, "m1")["status"]["shards"]
+    assert [(s["rank"], sim.short(s["pod"]), s["state"], s["residentBytes"]) for s in shards] == \
+        [(0, "m1-0-a-0", "Ready", RESIDENT), (1, "m1-0-a-0", "Ready", RESIDENT + 2**20)]
+
+
+def shard_states(*states: str) -> Callable[[Sim], None]:
+    def check(sim: Sim) -> None:
+        assert [s["state"] for s in sim.store.get(MODEL, "m1")["status"]["shards"]] == list(states)
+    return check
+
+
 def ready(groups: int = 1) -> list[str]:
     return ["Normal GroupReady"] * groups
 
@@ -190,6 +203,18 @@ SCENARIOS: dict[str, tuple[list[dict], list[Round]]] = {
         Round([kubelet()], ["status Ready"], ready(), next=20, then=measured),
         Round([later(31)], [], next=20),  # settled: no better plan, no churn
         Round([later(20)], [], next=20),
+    ]),
+    # podLayout auto on GPUs at tensor=2: one pod holds the group's two GPUs and runs both ranks.
+    "a pod per tensor-parallel group counts as each of its ranks": ([gpu_node("a")], [
+        Round([create(pod_layout="auto")], [*MODEL_WRITES, *group_writes(0, "a", pods=1), "status Loading"],
+              ["Normal Planned", "Normal CreatingGroup"], next=30.01),
+        Round([kubelet()], ["status Ready"], ready(), next=20, then=ranks_of_one_pod),
+        Round([rank_fails(0, 0)], ["delete Pod m1-0-a-0", "status Degraded"],
+              ["Warning RecreatingGroup", "Warning GroupFailed"], next=20,
+              then=shard_states("Failed", "Failed")),  # the pod's ranks fail together
+        Round([kubelet()], ["create Secret m1-0-a (409)", "create Pod m1-0-a-0", "status Loading"],
+              ["Normal CreatingGroup"], next=20),
+        Round([kubelet()], ["status Ready"], ready(), next=20, then=ranks_of_one_pod),
     ]),
     "scale up and down by whole groups": ([gpu_node(n) for n in "abc"], [
         Round([create()], [*MODEL_WRITES, *group_writes(0, "a"), "status Loading"],

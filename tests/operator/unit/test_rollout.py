@@ -97,6 +97,22 @@ def test_observe_groups_from_pods_and_leftover_services():
     assert [group_state(g)[0] for g in groups] == ["Starting", "Empty"]
 
 
+@pytest.mark.parametrize("second, state", [(dict(ready=True), "Ready"), (dict(ready=False), "Starting"),
+                                           (dict(phase="Failed"), "Failed"), (None, "Failed")])
+def test_a_pod_of_a_tensor_parallel_group_counts_as_each_of_its_ranks(second, state):
+    """World 4 in two pods of two ranks (stage 0: ranks 0-1, stage 1: ranks 2-3)."""
+    def group_pod(name: str, first: int, **kwargs) -> dict:
+        p = pod(name, first, **kwargs)
+        p["metadata"]["labels"]["sharding.dev/ranks"] = "2"
+        p["spec"]["containers"][0]["env"] = [{"name": "WORLD_SIZE", "value": "4"}]
+        return p
+    pods = [group_pod("m-0-r1-0", 0)] + ([group_pod("m-0-r1-2", 2, **second)] if second is not None else [])
+    (g,) = observe_groups(pods)
+    assert [(r.rank, r.pod) for r in g.ranks] == [(0, "m-0-r1-0"), (1, "m-0-r1-0"), (2, "m-0-r1-2"),
+                                                  (3, "m-0-r1-2")][:len(pods) * 2]
+    assert group_state(g)[0] == state
+
+
 SURGE = Rollout(max_surge=1, max_unavailable=0)
 
 

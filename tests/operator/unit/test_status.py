@@ -120,7 +120,7 @@ def test_capacity_loss_with_groups_serving_is_degraded_not_failed():
 
 def test_shards_and_groups_report_plan_and_pods():
     obs = observation([group(0, "new", ["Ready", "Running"])], replicas=1,
-                      measured={"m-0-new-0": Measured(resident=123456789)}, restarts={(0, "new"): 1})
+                      measured={("m-0-new-0", 0): Measured(resident=123456789)}, restarts={(0, "new"): 1})
     status = build_status(obs, None, NOW)
     plan = obs.plan
     assert [(s["group"], s["rank"], s["pod"], s["state"]) for s in status["shards"]] == [
@@ -148,7 +148,7 @@ def test_streaming_shards_say_what_they_stream_and_their_counters_as_they_grow()
     plan = make_plan("a:24GiB*2", replicas=1, placement={"offload": {"policy": "always"}})
     obs = Observation(name="m", generation=3, spec=make_spec(replicas=1), plan=plan, wants=[Want(0, "new")],
                       groups=[group(0, "new", ["Ready"] * 2)], group_plans={(0, "new"): plan},
-                      measured={"m-0-new-0": Measured(resident=10, streamed_bytes=1000, stream_seconds=2.0,
+                      measured={("m-0-new-0", 0): Measured(resident=10, streamed_bytes=1000, stream_seconds=2.0,
                                                       stall_seconds=0.1)})
     first = build_status(obs, None, NOW)
     rank0, rank1 = first["shards"]
@@ -158,10 +158,10 @@ def test_streaming_shards_say_what_they_stream_and_their_counters_as_they_grow()
                                 "streamedBytes": 1000, "streamSeconds": 2.0, "stallSeconds": 0.1}
     assert "streamedBytes" not in rank1["offload"] and rank1["offload"]["layers"] == planned.layers
     # counters that grew by 10% or less are not written again; more, they are
-    grown = replace(obs, measured={"m-0-new-0": Measured(resident=10, streamed_bytes=1100, stream_seconds=2.2,
+    grown = replace(obs, measured={("m-0-new-0", 0): Measured(resident=10, streamed_bytes=1100, stream_seconds=2.2,
                                                                       stall_seconds=0.11)})
     assert status_patch(first, build_status(grown, first, LATER)) is None
-    more = replace(obs, measured={"m-0-new-0": Measured(resident=10, streamed_bytes=1101, stream_seconds=2.2,
+    more = replace(obs, measured={("m-0-new-0", 0): Measured(resident=10, streamed_bytes=1101, stream_seconds=2.2,
                                                                      stall_seconds=0.11)})
     moved = build_status(more, first, LATER)
     assert moved["shards"][0]["offload"]["streamedBytes"] == 1101
@@ -169,12 +169,13 @@ def test_streaming_shards_say_what_they_stream_and_their_counters_as_they_grow()
 
 
 def test_a_steady_world_writes_nothing():
-    obs = observation([group(0, "new", ["Ready"] * 2), group(1, "new", ["Ready"] * 2)], measured={"m-0-new-0": Measured(resident=1000)})
+    obs = observation([group(0, "new", ["Ready"] * 2), group(1, "new", ["Ready"] * 2)],
+                      measured={("m-0-new-0", 0): Measured(resident=1000)})
     first = build_status(obs, None, NOW)
     assert status_patch(None, first) is not None
-    again = build_status(observation(obs.groups, measured={"m-0-new-0": Measured(resident=1005)}), first, LATER)
+    again = build_status(observation(obs.groups, measured={("m-0-new-0", 0): Measured(resident=1005)}), first, LATER)
     assert status_patch(first, again) is None  # same state; memory within 1%; times kept
-    moved = build_status(observation(obs.groups, measured={"m-0-new-0": Measured(resident=2000)}), first, LATER)
+    moved = build_status(observation(obs.groups, measured={("m-0-new-0", 0): Measured(resident=2000)}), first, LATER)
     assert status_patch(first, moved) == {"shards": moved["shards"]}
 
 

@@ -124,3 +124,25 @@ async def test_sizing_with_shardctl_and_kubectl_get_nodes(cluster, tmp_path):
     text = out.decode()
     assert "ShardedModel llama-70b" in text and "gpu-h100-a" in text and "gpu-h100-b" in text
     assert "skipped gpu-l40s-b: cordoned" in text  # the nodes' spec and status came through kubectl
+
+
+@pytest.mark.parametrize("dry_run", ["client", "server"])
+async def test_the_model_store_and_the_70b_example_apply_with_dry_run(cluster, tmp_path, dry_run):
+    """The guide's GPU walkthrough: the model store's PVC and download Job, the 70B ShardedModel,
+    and every object the operator would create for it (`shardctl manifests`)."""
+    emulator, kubectl = cluster
+    emulator.add_crd(yaml.safe_load((CHART / "crds" / "shardedmodels.yaml").read_text()))
+    await create_namespace(kubectl, "inference")
+    rendered = tmp_path / "llama-70b-objects.yaml"
+    proc = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).with_name("shardctl")), "manifests", "-f", "examples/llama-70b.yaml",
+        "--nodes", "examples/nodes.yaml", cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    rendered.write_bytes(out)
+    files = [*sorted((EXAMPLES / "model-store").glob("*.yaml")), EXAMPLES / "llama-70b.yaml", rendered]
+    count = sum(1 for path in files for doc in yaml.safe_load_all(path.read_text()) if doc)
+    applied = await kubectl("apply", f"--dry-run={dry_run}", *[arg for path in files for arg in ("-f", str(path))])
+    lines = applied.strip().splitlines()
+    assert len(lines) == count and all(line.endswith("dry run)") for line in lines), applied
+    assert "job.batch/download-llama-70b created" in applied and "persistentvolumeclaim/model-store created" in applied

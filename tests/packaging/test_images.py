@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -167,8 +168,11 @@ def test_the_context_builds_a_wheel_with_both_packages(tmp_path):
 
 
 def make_dry_run(*args: str) -> list[str]:
-    """The commands a Makefile target would run (`make -n`), one per line."""
-    out = subprocess.run(["make", "-n", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    """The commands a Makefile target would run (`make -n`), one per line; as a make of its own
+    when the suite runs under `make test` (whose flags a sub-make would inherit)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    out = subprocess.run(["make", "-n", "--no-print-directory", *args], cwd=REPO, env=env, capture_output=True,
+                         text=True, check=True).stdout
     return out.strip().splitlines()
 
 

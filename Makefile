@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast system-tools test-tools crd bench clean
+.PHONY: demo test test-fast system-tools test-tools crd bench images push-images clean
 
 $(STAMP): pyproject.toml worker/shard_worker/_gemv.c  # the C kernel is built by the install
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -62,6 +62,25 @@ crd: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/plan_scale.py
+
+# The two images, named as the chart and the operator expect them (docs/operations.md, "Build and
+# push the images"); `make -n images REGISTRY=...` prints the commands without running them.
+#   make push-images REGISTRY=registry.example.com/ml                    CUDA worker (cu128)
+#   make push-images REGISTRY=registry.example.com/ml TORCH_VARIANT=cpu  CPU worker, tag VERSION-cpu
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+REGISTRY ?=
+TORCH_VARIANT ?= cu128
+IMAGE_PREFIX := $(if $(REGISTRY),$(REGISTRY:%/=%)/)
+OPERATOR_IMAGE := $(IMAGE_PREFIX)shard-operator:$(VERSION)
+WORKER_IMAGE := $(IMAGE_PREFIX)shard-operator-worker:$(VERSION)$(if $(filter cpu,$(TORCH_VARIANT)),-cpu)
+
+images:
+	docker build -f Dockerfile.operator -t $(OPERATOR_IMAGE) .
+	docker build -f Dockerfile.worker --build-arg TORCH_VARIANT=$(TORCH_VARIANT) -t $(WORKER_IMAGE) .
+
+push-images: images
+	docker push $(OPERATOR_IMAGE)
+	docker push $(WORKER_IMAGE)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

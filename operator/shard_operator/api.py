@@ -397,10 +397,21 @@ def inside(root: Path, path: str, field: str = "spec.model.path", within: str = 
 
 
 def resolve_model_dir(model: ModelSpec, base: str | os.PathLike[str] | None = None) -> Path:
-    """The local directory of the model, when it can be known without a cluster."""
+    """The local directory of the model, when it can be known without a cluster.
+
+    A PVC or an image is out of reach, so the directory of the YAML file (`base`) stands for its
+    root: a spec that names a volume is planned from a local copy kept at the same path beside it.
+    """
     if model.volume is not None and model.volume.host_path is not None:
         return inside(Path(model.volume.host_path.path), model.path)
     if model.volume is not None:
-        raise SpecError("spec.model.volume is a PVC or image volume: pass --model-dir to use it locally")
+        local = Path(base) / model.path if base is not None else None
+        if local is None or not local.is_dir():
+            kind = "a PVC" if model.volume.pvc is not None else "an image"
+            where = f" (no {local})" if local is not None else ""
+            raise SpecError(f"spec.model.volume is {kind}: pass --model-dir with a local copy of the model "
+                            f"(its config.json is enough to plan), or keep one at spec.model.path beside the "
+                            f"YAML file{where}")
+        return local
     path = Path(model.path)
     return path if path.is_absolute() or base is None else Path(base) / path

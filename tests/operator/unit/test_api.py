@@ -193,3 +193,16 @@ def test_shardctl_follows_a_hostpath_model_only_inside_its_volume(tmp_path):
     assert api.resolve_model_dir(spec("inside").model) == (volume / "real").resolve()
     with pytest.raises(api.SpecError, match=r"^spec\.model\.path must stay inside the volume$"):
         api.resolve_model_dir(spec("out/llama").model)
+
+
+def test_shardctl_reads_a_pvc_or_image_model_from_a_copy_beside_the_yaml(tmp_path):
+    (tmp_path / "models" / "llama").mkdir(parents=True)
+    for volume in ({"pvc": {"claimName": "store"}}, {"image": {"reference": "registry.example/llama:1"}}):
+        model = api.parse_spec({"model": {"path": "models/llama", "volume": volume}}).model
+        assert api.resolve_model_dir(model, base=tmp_path) == tmp_path / "models" / "llama"
+        missing = api.parse_spec({"model": {"path": "other", "volume": volume}}).model
+        where = re.escape(str(tmp_path / "other"))
+        with pytest.raises(api.SpecError, match=rf"pass --model-dir .* beside the YAML file \(no {where}\)"):
+            api.resolve_model_dir(missing, base=tmp_path)
+        with pytest.raises(api.SpecError, match=r"pass --model-dir"):
+            api.resolve_model_dir(model)

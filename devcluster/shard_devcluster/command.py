@@ -22,9 +22,16 @@ def default_dir() -> Path:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("dev-cluster", help="run a Kubernetes cluster on this machine: API server, operator, "
-                                           "pods as local processes")
-    p.add_argument("--dir", type=Path, default=default_dir(),
-                   help="state directory: kubeconfig, logs, and the nodes' filesystem in host/ (default %(default)s)")
+                                           "pods as local processes",
+                       description="Run a Kubernetes cluster on this machine for trying the operator: an emulated "
+                                   "API server,\nthe operator, and a kubelet that runs pods as local processes; "
+                                   "kubectl works against it.",
+                       epilog="examples:\n  shardctl dev-cluster --demo-model\n"
+                              "  shardctl dev-cluster --nodes examples/dev-cluster/nodes.yaml --faults error=0.05")
+    p.add_argument("--dir", type=Path, default=None, metavar="DIR",
+                   help="state directory: kubeconfig, logs, and the nodes' filesystem in host/ "
+                        "(default: $XDG_CACHE_HOME/shard-operator/dev-cluster, XDG_CACHE_HOME being ~/.cache "
+                        "when unset)")
     p.add_argument("--nodes", metavar="NODES.yaml",
                    help="Node objects to start with (default: two nodes of two 200 MiB simulated GPUs, "
                         "as examples/dev-cluster/nodes.yaml)")
@@ -33,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--faults", type=_faults, metavar="SPEC",
                    help="make the API server fail a fraction of requests as a real one under load does, e.g. "
                         "error=0.05,conflict=0.1,timeout=0.02,slow=0.02,delay=2,drop_watch=0.2,watch_life=5,seed=1 "
-                        "(docs/dev-cluster.md)")
+                        "(docs/dev-cluster.md) (default: none)")
     p.set_defaults(func=run)
 
 
@@ -56,7 +63,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from .cluster import DevCluster, default_nodes
 
     nodes = load_nodes(args.nodes) if args.nodes else default_nodes()
-    workdir: Path = args.dir.resolve()
+    workdir: Path = (args.dir or default_dir()).resolve()
     host_root = workdir / "host"
     if args.demo_model and not (host_root / MODELS.lstrip("/") / "demo-llama" / "config.json").exists():
         from shard_operator.demo_model import write_demo_model

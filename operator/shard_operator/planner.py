@@ -28,12 +28,13 @@ import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 from shard_contract.plan import GroupPlan, Plan, PredictedBytes, RankPlan, StagePlan
 from shard_contract.sharding import tp_problem, valid_tensor_degrees
-from shard_contract.units import gib
+from shard_contract.units import count, gib, human
 
+from .advice import Asked, Suggestion, offer, suggestions
 from .api import ShardedModelSpec
 from .inventory import Device, Inventory
 from .profile import ModelProfile
@@ -70,13 +71,16 @@ class Shortfall:
 
 class PlanError(ValueError):
     """No layout fits. `reason` is a condition reason; the message says what would help; a
-    `shortfall` says it in numbers when the pool is too small."""
+    `shortfall` says it in numbers when the pool is too small, and `suggestions` are the changes
+    the message offers, each checked by planning again."""
 
-    def __init__(self, reason: str, message: str, shortfall: Shortfall | None = None):
+    def __init__(self, reason: str, message: str, shortfall: Shortfall | None = None,
+                 suggestions: list[Suggestion] | None = None):
         super().__init__(message)
         self.reason = reason
         self.message = message
         self.shortfall = shortfall
+        self.suggestions = suggestions or []
 
 
 @dataclass(frozen=True)
@@ -148,11 +152,55 @@ class Candidate:
         return max(g.critical_path for g in self.groups)
 
 
+@dataclass(frozen=True)
+class Considered:
+    """One layout the planner tried: the groups it placed, or why none fit. `onwards`: this and
+    every larger pipeline degree at this tensor degree (tried no further, for `why`)."""
+
+    tp: int
+    pp: int
+    candidate: Candidate | None
+    why: str = ""
+    onwards: bool = False
+
+
 # ---------------------------------------------------------------- entry point
 def plan(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
          options: PlannerOptions | None = None) -> Plan:
-    """The Plan of as many of `spec.replicas` groups as fit (at least one; zero when 0 are asked)."""
+    """The Plan of as many of `spec.replicas` groups as fit (at least one; zero when 0 are asked).
+
+    When not one fits, the PlanError says why, and what would fit: every suggestion it makes was
+    checked by planning again with it applied (`PlanError.suggestions`)."""
     options = options or PlannerOptions()
+    try:
+        return _plan(profile, spec, inventory, options)
+    except NothingFits as nothing:
+        message, found = explain_infeasible(profile, spec, nothing.request, inventory, nothing.tps, options,
+                                            nothing.shortfall)
+        raise PlanError("InsufficientCapacity", message, nothing.shortfall, found) from None
+
+
+class NothingFits(Exception):
+    """No layout places even one group: what `plan` explains."""
+
+    def __init__(self, request: Request, tps: list[int], shortfall: Shortfall):
+        self.request, self.tps, self.shortfall = request, tps, shortfall
+
+
+def _plan(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory, options: PlannerOptions) -> Plan:
+    request, tps, considered = consider(profile, spec, inventory, options)
+    found = [c.candidate for c in considered if c.candidate is not None]
+    if not found:
+        raise NothingFits(request, tps, _capacity_needed(profile, request, inventory, tps, options))
+    most = max(len(c.groups) for c in found)
+    found = [c for c in found if len(c.groups) == most]
+    best = _choose(found, options.tolerance)
+    return _to_plan(profile, spec, request, options, best, found)
+
+
+def consider(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
+             options: PlannerOptions) -> tuple[Request, list[int], list[Considered]]:
+    """Every layout the planner tries, in order (`plan` chooses among those that fit)."""
     request = _resolve_request(profile, spec)
     check_parallelism(profile, spec)
     if not inventory.devices:
@@ -163,31 +211,34 @@ def plan(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
     partition = spec.parallelism.layer_partition
     wanted = max(request.replicas, 1)
     costs = Costs(profile, request, options)
-    found: list[Candidate] = []
+    considered: list[Considered] = []
     for tp in tps:
         blocks = make_blocks(inventory.devices, tp)
         previous: float | None = None
         for pp in pps:
             if len(blocks) < pp:
+                have = "has" if tp == 1 else "makes"
+                considered.append(Considered(tp, pp, None, f"needs {_sets(pp, tp)}; the pool {have} {len(blocks)}",
+                                             onwards=pp < pps[-1]))
                 break
             candidate = _place_replicas(costs, blocks, tp, pp, wanted, partition)
-            if candidate is None:
-                continue
-            found.append(candidate)
-            if len(candidate.groups) < wanted:
+            considered.append(Considered(tp, pp, candidate, "" if candidate else "no split of the layers fits "
+                                                                                "the devices' memory"))
+            if candidate is None or len(candidate.groups) < wanted:
                 continue  # more stages may fit more replicas (smaller devices take part)
             # More stages only add hops and slower devices once every replica fits: stop when worse.
             if previous is not None and candidate.critical_path >= previous:
+                if pp < pps[-1]:
+                    considered.append(Considered(tp, pp + 1, None, "not tried: once every replica fits, more "
+                                                                   "stages only add hops", onwards=True))
                 break
             previous = candidate.critical_path
-    if not found:
-        missing = _capacity_needed(profile, request, inventory, tps, options)
-        raise PlanError("InsufficientCapacity",
-                        explain_infeasible(profile, spec, request, inventory, tps, options, missing), missing)
-    most = max(len(c.groups) for c in found)
-    found = [c for c in found if len(c.groups) == most]
-    best = _choose(found, options.tolerance)
-    return _to_plan(profile, spec, request, options, best, found)
+    return request, tps, considered
+
+
+def _sets(pp: int, tp: int) -> str:
+    """What `pp` stages of `tp` ranks take: 'pipeline=3 devices', '2 sets of 4 devices on one node'."""
+    return count(pp, "device") if tp == 1 else f"{pp} set{'s' if pp > 1 else ''} of {tp} devices on one node"
 
 
 def _resolve_request(profile: ModelProfile, spec: ShardedModelSpec) -> Request:
@@ -221,12 +272,7 @@ def _tensor_candidates(profile: ModelProfile, spec: ShardedModelSpec, inventory:
         per_node[d.node] = per_node.get(d.node, 0) + 1
     widest = max(per_node.values())
     tensor = spec.parallelism.tensor
-    if tensor == "auto":
-        return valid_tensor_degrees(profile, widest)
-    if tensor > widest:
-        raise PlanError("InsufficientCapacity", f"spec.parallelism.tensor={tensor} needs {tensor} devices "
-                        f"on one node; the largest node in the pool has {widest}")
-    return [tensor]
+    return valid_tensor_degrees(profile, widest) if tensor == "auto" else [tensor]
 
 
 def _pipeline_candidates(profile: ModelProfile, spec: ShardedModelSpec) -> list[int]:
@@ -494,10 +540,10 @@ def _reason(spec: ShardedModelSpec, best: Candidate, found: list[Candidate]) -> 
     if given_tp and given_pp:
         return f"tensor={best.tp} x pipeline={best.pp} as given; it fits (est. {ms:.2f} ms per decode step)"
     fastest = min(found, key=lambda c: c.critical_path)
-    text = (f"tensor={best.tp} x pipeline={best.pp} on {best.tp * best.pp} devices per replica: "
-            f"est. {ms:.2f} ms per decode step, the fastest of {len(found)} layouts that fit")
+    text = (f"tensor={best.tp} x pipeline={best.pp} on {count(best.tp * best.pp, 'device')} per replica: "
+            f"est. {ms:.2f} ms per decode step, the fastest of {count(len(found), 'layout')} that fit")
     if fastest is not best:
-        text = (f"tensor={best.tp} x pipeline={best.pp} on {best.tp * best.pp} devices per replica: "
+        text = (f"tensor={best.tp} x pipeline={best.pp} on {count(best.tp * best.pp, 'device')} per replica: "
                 f"est. {ms:.2f} ms per decode step, within {round((best.critical_path / fastest.critical_path - 1) * 100)}% "
                 f"of the fastest ({fastest.tp}x{fastest.pp}, {fastest.critical_path * 1e3:.2f} ms) with fewer devices")
     if best.pp > 1:
@@ -508,19 +554,54 @@ def _reason(spec: ShardedModelSpec, best: Candidate, found: list[Candidate]) -> 
 
 
 # ---------------------------------------------------------------- when not everything fits
-def shortfall(plan: Plan, inventory: Inventory) -> str:
-    """What the replicas that do not fit lack ("" when every replica has its group)."""
+def _attempt(profile: ModelProfile, options: PlannerOptions) -> Callable[[ShardedModelSpec, Inventory], Plan | None]:
+    """Planning as the suggestions are checked: the plan, or None when not one group fits."""
+    def attempt(spec: ShardedModelSpec, inventory: Inventory) -> Plan | None:
+        try:
+            return _plan(profile, spec, inventory, options)
+        except (NothingFits, PlanError):
+            return None
+    return attempt
+
+
+def _asked(request: Request) -> Asked:
+    return Asked(dtype=request.dtype, max_len=request.max_len, batch=request.batch)
+
+
+def _layout_words(tp: int, pp: int, replicas: int) -> str:
+    return f"tensor={tp} x pipeline={pp}" + (f" x {replicas} replicas" if replicas > 1 else "")
+
+
+@dataclass(frozen=True)
+class Shortage:
+    """Some replicas fit and some do not: what the others lack, and what would place them all."""
+
+    message: str
+    suggestions: list[Suggestion]
+
+
+def shortfall(plan: Plan, profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
+              options: PlannerOptions | None = None) -> Shortage | None:
+    """What the replicas that do not fit lack (None when every replica has its group): the count
+    of devices the layout needs against the pool's first, then the checked suggestions."""
     placed, missing = len(plan.groups), plan.replicas - len(plan.groups)
     if missing <= 0:
-        return ""
+        return None
+    options = options or PlannerOptions()
     used = {(r.node, r.device_index) for r in plan.ranks}
     left = Inventory(devices=[d for d in inventory.devices if (d.node, d.index) not in used])
     like = Counter((r.capacity_bytes, r.product or r.kind) for r in plan.group(plan.groups[0].replica))
-    kinds = ", ".join(f"{n} x {gib(memory)} GiB ({product})" for (memory, product), n in sorted(like.items(), reverse=True))
-    return (f"{plan.replicas} replicas wanted, {placed} fit{'s' if placed == 1 else ''}: {missing} more "
-            f"need{'s' if missing == 1 else ''} about {missing * plan.world_size} more devices (a group takes {kinds}; "
-            f"tensor={plan.tensor_parallel} x pipeline={plan.pipeline_parallel}, tensor-parallel ranks on one node); "
-            f"unused now: {left.describe()}")
+    kinds = ", ".join(f"{n} x {human(memory)} ({product})"
+                      for (memory, product), n in sorted(like.items(), reverse=True))
+    tp, pp, world = plan.tensor_parallel, plan.pipeline_parallel, plan.world_size
+    needs = (f"{_layout_words(tp, pp, plan.replicas)} needs {count(plan.replicas * world, 'device')}"
+             f"{', tensor-parallel ranks on one node' if tp > 1 else ''}; the pool has {len(inventory.devices)} "
+             f"({inventory.describe()})")
+    found = suggestions(spec, inventory, _asked(_resolve_request(profile, spec)), _attempt(profile, options),
+                        at_least=missing * world - len(left.devices), fitting=placed)
+    message = (f"{plan.replicas} replicas wanted, {placed} fit{'s' if placed == 1 else ''}: {needs}. A group takes "
+               f"{kinds}; unused now: {left.describe()}. {offer(found, 'run them all')}")
+    return Shortage(message, found)
 
 
 def _capacity_needed(profile: ModelProfile, request: Request, inventory: Inventory, tps: list[int],
@@ -535,59 +616,54 @@ def _capacity_needed(profile: ModelProfile, request: Request, inventory: Invento
                      usable=tuple(int(d.memory_bytes * (1 - request.headroom)) for d in inventory.devices))
 
 
+def _rank_minimum(profile: ModelProfile, request: Request, options: PlannerOptions, inventory: Inventory,
+                  tp: int, pp: int, partition: list[int] | None) -> int:
+    """The most loaded rank's bytes at tensor=tp x pipeline=pp with the layers split as evenly as
+    they go (or as `partition` says), on devices of unbounded memory like the pool's largest."""
+    costs = Costs(profile, request, options)
+    largest = max(inventory.devices, key=lambda d: (d.memory_bytes, d.speed))
+    shape = (2**62, largest.speed, largest.kind)
+    stages = [costs._stage_of(shape, tp, i == 0, i == pp - 1) for i in range(pp)]
+    counts = partition or partition_layers(stages, profile.num_layers) or [profile.num_layers]
+    return max(s.fixed_bytes + n * s.layer_bytes for s, n in zip(stages, counts))
+
+
 def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: Request, inventory: Inventory,
-                       tps: list[int], options: PlannerOptions, short: Shortfall) -> str:
+                       tps: list[int], options: PlannerOptions, short: Shortfall) -> tuple[str, list[Suggestion]]:
+    """Why not one replica fits, the binding constraint first, and what would (checked)."""
     weights, kv, per_device, need = short.weights, short.kv_cache, short.per_device, short.need
     usable = list(short.usable)
-    lines = [
-        f"{profile.name} does not fit: one replica needs at least {gib(need)} GiB across "
-        f"{len(usable)} devices ({gib(weights)} GiB of {request.dtype} weights and {gib(kv)} GiB of KV cache "
-        f"for {request.max_len} tokens x {request.batch} sequences per replica, plus ~{gib(per_device)} GiB "
-        f"per device for runtime and activations); the pool has {gib(sum(usable))} GiB usable "
-        f"({inventory.describe()}, {request.headroom:.0%} headroom).",
-    ]
-    partition = spec.parallelism.layer_partition
-    if partition is not None:
-        tp = tps[0]
-        starts = list(itertools.accumulate([0, *partition]))
-        needs = [sum((weight_bytes(profile, shard, request.dtype),
-                      kv_cache_bytes(profile, shard, request.max_len, request.batch, request.dtype),
-                      activation_bytes(profile, shard, request.max_len, request.batch, request.dtype),
-                      options.runtime_overhead[inventory.devices[0].kind]))
-                 for shard in (Shard(tp=tp, layers=(starts[i], starts[i + 1]), embeds=i == 0,
-                                     has_lm_head=i == len(partition) - 1) for i in range(len(partition)))]
-        worst = max(range(len(needs)), key=lambda i: needs[i])
-        lines.append(f"layerPartition {partition} at tensor={tp}: stage {worst} needs {gib(needs[worst])} GiB "
-                     f"per rank; the largest device offers {gib(max(usable))} GiB usable.")
+    par = spec.parallelism
+    facts = []  # the binding constraint first: a layout given in the spec, then memory in all
+    widest = max(Counter(d.node for d in inventory.devices).values())
+    if par.tensor != "auto" and par.tensor > widest:
+        facts.append(f"spec.parallelism.tensor={par.tensor} needs {par.tensor} devices on one node; the largest "
+                     f"node in the pool has {widest}.")
+    if par.tensor != "auto" and (par.pipeline != "auto" or par.layer_partition is not None):
+        tp, pp = par.tensor, len(par.layer_partition) if par.layer_partition else par.pipeline
+        replicas = max(request.replicas, 1)
+        if tp * pp * replicas > len(usable):
+            facts.append(f"{_layout_words(tp, pp, replicas)} needs {count(tp * pp * replicas, 'device')}"
+                         f"{', tensor-parallel ranks on one node' if tp > 1 else ''}; the pool has {len(usable)}.")
+        rank = _rank_minimum(profile, request, options, inventory, tp, pp, par.layer_partition)
+        if rank > max(usable):
+            split = (f"layerPartition {par.layer_partition}" if par.layer_partition
+                     else f"the layers split as evenly as they go over {count(pp, 'stage')}")
+            facts.append(f"at tensor={tp} x pipeline={pp} ({split}) the most loaded rank needs {gib(rank)} GiB; "
+                         f"the largest device offers {gib(max(usable))} GiB usable.")
+    facts.append(
+        f"one replica needs at least {gib(need)} GiB across {count(len(usable), 'device')} ({gib(weights)} GiB "
+        f"of {request.dtype} weights and {gib(kv)} GiB of KV cache for {request.max_len} tokens x "
+        f"{count(request.batch, 'sequence')} per replica, plus ~{gib(per_device)} GiB per device for runtime "
+        f"and activations); the pool has {gib(sum(usable))} GiB usable ({inventory.describe()}, {request.headroom:.0%} headroom)"
+        + ("." if need > sum(usable) else ": enough in all, but no split of the layers fits these devices."))
+    lines = [f"{profile.name} does not fit: {facts[0]}", *(f[0].upper() + f[1:] for f in facts[1:])]
     if inventory.skipped:
         lines.append("Skipped nodes: " + "; ".join(f"{s.node} ({s.reason})" for s in inventory.skipped) + ".")
-    per_node: dict[str, int] = {}
-    for d in inventory.devices:
-        per_node[d.node] = per_node.get(d.node, 0) + 1
-    tps_possible = valid_tensor_degrees(profile, max(per_node.values()))
-    options_: list[str] = []
     largest = max(usable) - per_device
-    deficit = need - sum(usable)
-    if deficit > 0 and largest > 0:
-        more = math.ceil(deficit / largest)
-        options_.append(f"add about {more} more device{'s' if more > 1 else ''} like the largest "
-                        f"({gib(max(d.memory_bytes for d in inventory.devices))} GiB)")
-    else:
-        options_.append("add a device, or bigger ones: the total would do, but no split of the layers fits the devices")
-    if spec.parallelism.tensor != "auto":
-        larger = [t for t in tps_possible if t > spec.parallelism.tensor]
-        if larger:
-            options_.append(f"allow a larger tensor degree (tensor={larger[0]} or auto)")
-    if spec.parallelism.layer_partition is not None:
-        options_.append("drop layerPartition so the planner splits the layers by memory and speed")
-    elif spec.parallelism.pipeline != "auto":
-        options_.append("allow pipeline=auto (more stages)")
-    if kv > 0.1 * (weights + kv):
-        options_.append(f"lower maxModelLen or maxBatchSize (the KV cache is {gib(kv)} GiB at "
-                        f"{request.max_len} tokens x {request.batch}; {request.max_len // 2} tokens halves it)")
-    if request.dtype == "float32":
-        options_.append(f"use dtype bfloat16 (weights {gib(weights / 2)} GiB)")
-    options_.append(f"quantized 8-bit weights would need about {gib(weights * 1 / profile.dtype_bytes(request.dtype))} GiB "
-                    "(not supported by this runtime yet)")
-    lines.append("To make it fit: " + "; ".join(options_) + ".")
-    return "\n".join(lines)
+    at_least = math.ceil((need - sum(usable)) / largest) if need > sum(usable) and largest > 0 else 1
+    found = suggestions(spec, inventory, _asked(request), _attempt(profile, options), at_least=at_least)
+    lines.append(offer(found))
+    lines.append(f"(Quantized 8-bit weights would need about "
+                 f"{gib(weights * 1 / profile.dtype_bytes(request.dtype))} GiB; this runtime does not run them yet.)")
+    return "\n".join(lines), found

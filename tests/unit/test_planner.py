@@ -110,8 +110,9 @@ def test_explicit_partition_is_checked_not_trusted():
         plan(profile, spec(parallelism={"tensor": 4, "pipeline": 2, "layerPartition": [70, 10]}),
              parse_devices("a:32GiB*4,b:32GiB*4"))
     assert err.value.reason == "InsufficientCapacity"
-    assert "layerPartition [70, 10] at tensor=4: stage 0 needs 29.83 GiB per rank; the largest device " \
-           "offers 28.80 GiB usable" in str(err.value)
+    assert str(err.value).startswith("model does not fit: at tensor=4 x pipeline=2 (layerPartition [70, 10]) the "
+                                     "most loaded rank needs 29.83 GiB; the largest device offers 28.80 GiB usable.")
+    assert "drop layerPartition" in str(err.value)
 
 
 @pytest.mark.parametrize("parallelism, match", [
@@ -159,10 +160,12 @@ def test_infeasible_says_what_is_needed_and_what_would_help():
     assert err.value.reason == "InsufficientCapacity"
     assert "does not fit: one replica needs at least" in message
     assert "262.83 GiB of float32 weights" in message
-    assert "the pool has 129.60 GiB usable (6 x 24.0 GiB on 2 nodes, 10% headroom)" in message
-    assert "add about 8 more devices like the largest (24.00 GiB)" in message
-    assert "allow a larger tensor degree (tensor=4 or auto)" in message
-    assert "use dtype bfloat16" in message and "quantized 8-bit weights would need" in message
+    assert "the pool has 129.60 GiB usable (6 x 24.0 GiB (gpu) on 2 nodes, 10% headroom)" in message
+    assert "To make it fit (each checked by planning again): add 2 more nodes like a (4 x 24.0 GiB (gpu) each)." \
+        in message  # bfloat16 alone would not: 131.42 GiB of weights
+    assert "Quantized 8-bit weights would need about 65.71 GiB" in message
+    assert [s.text for s in err.value.suggestions] == message.split("planning again): ")[1].split("\n")[0] \
+        .removesuffix(".").split("; or ")
 
 
 def test_no_devices_reports_the_skipped_nodes():
@@ -342,11 +345,12 @@ def test_as_many_groups_as_fit_are_planned(data):
     used = {(r.node, r.device_index) for r in result.ranks}
     left = Inventory(devices=[d for d in inventory.devices if (d.node, d.index) not in used])
     # ... and no further group of the same degrees fits on the devices left (any split, any order).
+    missing = shortfall(result, profile, small_spec(replicas=wanted), inventory, OPTIONS)
     if fit < wanted:
         assert not exhaustive_fits(profile, left, result.tensor_parallel, result.pipeline_parallel)
-        assert shortfall(result, inventory).startswith(f"{wanted} replicas wanted, {fit} fit")
+        assert missing.message.startswith(f"{wanted} replicas wanted, {fit} fit")
     else:
-        assert shortfall(result, inventory) == ""
+        assert missing is None
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -365,3 +369,64 @@ def test_scaling_history_does_not_change_how_many_groups_run(data):
         return len(current.groups)
     fresh = scaled(2)
     assert scaled(3, 0, 2) == scaled(1, 2) == scaled(2, 1, 2) == fresh == _planned_groups(profile, inventory, 2)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_suggestion_it_prints_makes_every_replica_fit(data):
+    """Whatever does not fit (nothing, or not every replica), each suggestion the message makes,
+    applied to the spec and the pool, gives a plan of every replica."""
+    profile = data.draw(small_profiles())
+    inventory = data.draw(pools(profile, largest=1.0))
+    the_spec = small_spec(tensor=data.draw(st.sampled_from(["auto", 1, 2, 4])),
+                          pipeline=data.draw(st.sampled_from(["auto", 1, 2, 3])), replicas=data.draw(st.integers(1, 3)))
+    try:
+        result = plan(profile, the_spec, inventory, OPTIONS)
+    except PlanError as err:
+        if err.reason == "InvalidParallelism":
+            return
+        message, found = err.message, err.suggestions
+    else:
+        missing = shortfall(result, profile, the_spec, inventory, OPTIONS)
+        if missing is None:
+            return
+        message, found = missing.message, missing.suggestions
+    offered = message.split("(each checked by planning again): ")[-1].split("\n")[0].removesuffix(".")
+    assert ("Nothing tried" in message) if not found else offered.split("; or ") == [s.text for s in found]
+    for suggestion in found:
+        new_spec, new_inventory = suggestion.apply(the_spec, inventory)
+        assert len(plan(profile, new_spec, new_inventory, OPTIONS).groups) == new_spec.replicas, suggestion.text
+
+
+@pytest.mark.parametrize("devices, spec_fields, first, offered", [
+    # The issue's cases: a layout given in full is the constraint, said first; then what was checked.
+    ("a:24GiB*4", {"parallelism": {"tensor": 2, "pipeline": 2}, "replicas": 2},
+     "tensor=2 x pipeline=2 x 2 replicas needs 8 devices, tensor-parallel ranks on one node; the pool has 4.",
+     "set tensor: auto and pipeline: auto, and add 12 more devices of 24.0 GiB (gpu) to node a (4 more devices "
+     "would run 1 of the 2 replicas)"),
+    ("a:24GiB*5", {"parallelism": {"tensor": 2, "pipeline": 2}, "replicas": 2},
+     "tensor=2 x pipeline=2 x 2 replicas needs 8 devices, tensor-parallel ranks on one node; the pool has 5.",
+     "set tensor: auto and pipeline: auto, and add 11 more devices of 24.0 GiB (gpu) to node a (3 more devices "
+     "would run 1 of the 2 replicas)"),
+    # 70B on two 24 GiB devices: 14 more run both replicas (not "about 17").
+    ("a:24GiB*2", {"replicas": 2}, "one replica needs at least 162.59 GiB across 2 devices",
+     "add 14 more devices of 24.0 GiB (gpu) to node a (6 more devices would run 1 of the 2 replicas)"),
+])
+def test_the_binding_constraint_comes_first_and_the_suggestions_are_checked(devices, spec_fields, first, offered):
+    fields = {"model": {"maxModelLen": 8192, "maxBatchSize": 8}, **spec_fields}
+    with pytest.raises(PlanError) as err:
+        plan(profile_from_config(LLAMA_70B), spec(**fields), parse_devices(devices))
+    assert str(err.value).startswith(f"model does not fit: {first}")
+    assert f"To make it fit (each checked by planning again): {offered}." in str(err.value)
+
+
+def test_a_partial_fit_says_the_layout_needs_more_devices_than_the_pool_has():
+    the_spec = spec(model={"maxModelLen": 8192, "maxBatchSize": 8}, replicas=2,
+                    parallelism={"tensor": 2, "pipeline": 2})
+    result = plan(profile_from_config(LLAMA_70B), the_spec, parse_devices("a:80GiB*4"))
+    missing = shortfall(result, profile_from_config(LLAMA_70B), the_spec, parse_devices("a:80GiB*4"))
+    assert len(result.groups) == 1 and missing.message.startswith(
+        "2 replicas wanted, 1 fits: tensor=2 x pipeline=2 x 2 replicas needs 8 devices, tensor-parallel ranks on "
+        "one node; the pool has 4 (4 x 80.0 GiB (gpu) on a).")
+    assert [s.text for s in missing.suggestions] == ["add 4 more devices of 80.0 GiB (gpu) to node a",
+                                                     "lower spec.replicas to 1"]

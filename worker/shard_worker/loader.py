@@ -22,6 +22,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -81,14 +82,17 @@ class Checkpoint:
         return Entry(name, path, info.dtype, tuple(info.shape), info.offset)
 
 
-def load_stage(stage: Stage, model_dir: str | Path) -> LoadStats:
-    """Fill every tensor of `stage` from the checkpoint in `model_dir`."""
+def load_stage(stage: Stage, model_dir: str | Path,
+               progress: Callable[[int, int], None] | None = None) -> LoadStats:
+    """Fill every tensor of `stage` from the checkpoint in `model_dir`; `progress(loaded, total)`
+    after each tensor (bytes of this rank's tensors filled so far, and in all)."""
     start = time.perf_counter()
     checkpoint = Checkpoint(model_dir, stage.config)
     table, tensors = stage.pieces(), stage.tensors()
     assert table.keys() == tensors.keys(), "the name-mapping table must cover every tensor exactly"
     entries = {p.tensor: checkpoint.entry(p.tensor) for pieces in table.values() for p in pieces}
     stats = LoadStats()
+    total, loaded = sum(t.numel() * t.element_size() for t in tensors.values()), 0
     with SliceReader(stats) as reader:
         for name, pieces in table.items():
             dst = tensors[name]
@@ -97,6 +101,9 @@ def load_stage(stage: Stage, model_dir: str | Path) -> LoadStats:
                 covered = max(covered, reader.read(entries[piece.tensor], piece, dst))
             if covered < dst.shape[0]:
                 dst[covered:].zero_()  # vocabulary padding of the last rank
+            loaded += dst.numel() * dst.element_size()
+            if progress is not None:
+                progress(loaded, total)
     stats.seconds = time.perf_counter() - start
     return stats
 

@@ -4,6 +4,7 @@ rank's stage, allocate its KV cache, and measure what that costs in memory."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -78,8 +79,10 @@ class Worker:
         return self.comm.topo
 
     @classmethod
-    def start(cls, env: WorkerEnv, plan: Plan, baseline: MemorySample | None = None) -> "Worker":
-        """Join the group and load this rank's slices. `baseline`: memory of the bare process."""
+    def start(cls, env: WorkerEnv, plan: Plan, baseline: MemorySample | None = None,
+              progress: Callable[[int, int], None] | None = None) -> "Worker":
+        """Join the group and load this rank's slices. `baseline`: memory of the bare process;
+        `progress(loaded, total)`: bytes of its tensors filled, as the load goes."""
         rank_plan = check_env(env, plan)
         # Before joining the group: a plan that overfills the device fails fast, with no load.
         check_budget("the plan's predicted bytes of this rank", rank_plan.predicted_bytes.total,
@@ -100,7 +103,7 @@ class Worker:
         try:
             before = MemorySample.take(device)
             stage = Stage(layout, comm, dtype, device)
-            stats = load_stage(stage, env.model_dir)
+            stats = load_stage(stage, env.model_dir, progress)
             loaded = MemorySample.take(device)
             cache = KVCache(layout.layers[1] - layout.layers[0], plan.max_batch_size, layout.kv_heads,
                             plan.max_model_len, config.head_dim, dtype, device)

@@ -1,0 +1,198 @@
+"""What would make a model fit: changes to the spec or the pool that the planner has checked. Pure.
+
+The planner's message says what is missing; these say what to do about it. A suggestion is a
+change to the spec (a patch in the YAML's own terms), devices added to the pool, or both, and it
+is offered only when planning again with it applied places every replica the spec asks for. The
+planning is handed in (`Attempt`), so this module decides what to try and the planner alone
+decides what fits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from shard_contract.plan import Plan
+from shard_contract.units import count, human
+
+from .api import ShardedModelSpec, parse_spec
+from .inventory import Device, Inventory
+
+# A plan of `spec` on `inventory` (the groups that fit), or None when not even one fits.
+Attempt = Callable[[ShardedModelSpec, Inventory], "Plan | None"]
+
+# The most devices an "add devices" suggestion may add: beyond this the answer is another pool.
+MAX_ADDED_DEVICES = 256
+SHORTEST_CONTEXT = 128  # maxModelLen is not lowered below this: such a model serves little
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    text: str
+    patch: dict[str, Any] = field(default_factory=dict)  # merged into the spec (camelCase keys)
+    add: tuple[Device, ...] = ()  # devices added to the pool
+    memory_factor: int = 1  # every device of the pool with this many times its memory
+
+    def apply(self, spec: ShardedModelSpec, inventory: Inventory) -> tuple[ShardedModelSpec, Inventory]:
+        devices = [d.model_copy(update={"memory_bytes": d.memory_bytes * self.memory_factor})
+                   for d in inventory.devices] if self.memory_factor != 1 else inventory.devices
+        return patched(spec, self.patch), Inventory(devices=[*devices, *self.add], skipped=inventory.skipped)
+
+
+def patched(spec: ShardedModelSpec, patch: dict[str, Any]) -> ShardedModelSpec:
+    """`spec` with `patch` merged in (a JSON merge patch: None removes a field)."""
+    def merge(base: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
+        out = dict(base)
+        for key, value in change.items():
+            if value is None:
+                out.pop(key, None)
+            elif isinstance(value, dict) and isinstance(out.get(key), dict):
+                out[key] = merge(out[key], value)
+            else:
+                out[key] = value
+        return out
+    return parse_spec(merge(spec.dump(), patch)) if patch else spec
+
+
+def works(attempt: Attempt, spec: ShardedModelSpec, inventory: Inventory, suggestion: Suggestion) -> bool:
+    """Planning again with `suggestion` applied places every replica of the spec."""
+    new_spec, new_inventory = suggestion.apply(spec, inventory)
+    result = attempt(new_spec, new_inventory)
+    return result is not None and len(result.groups) >= max(new_spec.replicas, 1)
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What the spec asks for, as the planner resolved it (dtype "auto" and maxModelLen unset
+    become the checkpoint's)."""
+
+    dtype: str
+    max_len: int
+    batch: int
+
+
+def spec_changes(spec: ShardedModelSpec, asked: Asked) -> list[tuple[str, dict[str, Any]]]:
+    """Changes to the spec alone worth trying, in the order they are offered."""
+    par = spec.parallelism
+    fixed_tp, fixed_pp = par.tensor != "auto", par.pipeline != "auto" or par.layer_partition is not None
+    changes: list[tuple[str, dict[str, Any]]] = []
+    if par.layer_partition is not None:
+        changes.append(("drop layerPartition, so the planner splits the layers by memory and speed",
+                        {"parallelism": {"layerPartition": None}}))
+    if fixed_pp:
+        changes.append(("set pipeline: auto", {"parallelism": {"pipeline": "auto", "layerPartition": None}}))
+    if fixed_tp:
+        changes.append(("set tensor: auto", {"parallelism": {"tensor": "auto"}}))
+    if fixed_tp and fixed_pp:
+        changes.append(("set tensor: auto and pipeline: auto",
+                        {"parallelism": {"tensor": "auto", "pipeline": "auto", "layerPartition": None}}))
+    lengths = [asked.max_len // 2**k for k in range(1, 7) if asked.max_len // 2**k >= SHORTEST_CONTEXT]
+    changes += [(f"lower maxModelLen to {n} (from {asked.max_len}; the KV cache shrinks with it)",
+                 {"model": {"maxModelLen": n}}) for n in lengths]
+    batches = [asked.batch // 2**k for k in range(1, 8) if asked.batch // 2**k >= 1]
+    changes += [(f"lower maxBatchSize to {n} (from {asked.batch})", {"model": {"maxBatchSize": n}}) for n in batches]
+    if asked.dtype == "float32":
+        changes.append(("set dtype: bfloat16 (half the bytes of float32)", {"model": {"dtype": "bfloat16"}}))
+    return changes
+
+
+def _kind(patch: dict[str, Any]) -> tuple[str, ...]:
+    """What a change is about: the parallelism, or one field of the model."""
+    return ("parallelism",) if "parallelism" in patch else ("model", *sorted(patch.get("model", {})))
+
+
+def suggestions(spec: ShardedModelSpec, inventory: Inventory, asked: Asked, attempt: Attempt,
+                at_least: int = 1, fitting: int = 0) -> list[Suggestion]:
+    """Every change tried that places all of the spec's replicas: more devices first (or bigger
+    ones), then each kind of spec change (the first that works of each: the largest maxModelLen
+    that fits, not every smaller one too), and with `fitting` groups placed already, fewer
+    replicas. `at_least`: devices the pool lacks by its bytes alone, where the search starts."""
+    changes = spec_changes(spec, asked)
+    relax = next(((text, patch) for text, patch in reversed(changes) if "parallelism" in patch), None)
+    out = device_suggestions(spec, inventory, attempt, at_least, relax, fitting)
+    done: set[tuple[str, ...]] = set()
+    for text, patch in changes:
+        suggestion = Suggestion(text, patch)
+        if _kind(patch) not in done and works(attempt, spec, inventory, suggestion):
+            out.append(suggestion)
+            done.add(_kind(patch))
+    fewer = Suggestion(f"lower spec.replicas to {fitting}", {"replicas": fitting})
+    if fitting and works(attempt, spec, inventory, fewer):
+        out.append(fewer)
+    return out
+
+
+def offer(found: list[Suggestion], goal: str = "make it fit") -> str:
+    """The sentence that offers them (each was checked by planning again)."""
+    if not found:
+        return (f"Nothing tried would {goal} (more or bigger devices, auto parallelism, a shorter maxModelLen, "
+                "a smaller batch, bfloat16).")
+    return f"To {goal} (each checked by planning again): " + "; or ".join(s.text for s in found) + "."
+
+
+def _like(device: Device, node: str, index: int) -> Device:
+    return device.model_copy(update={"node": node, "index": index})
+
+
+def more_devices(inventory: Inventory, n: int) -> tuple[tuple[Device, ...], str, str]:
+    """`n` devices like the pool's largest, how many (words) and what and where: on its node when
+    the pool is one node (a machine or a server grows), else as whole nodes like that node (a
+    cluster grows by nodes; `n` is then rounded up to whole nodes)."""
+    largest = max(inventory.devices, key=lambda d: (d.memory_bytes, d.speed))
+    like = f"{human(largest.memory_bytes)} ({largest.product or largest.kind})"
+    if len({d.node for d in inventory.devices}) == 1:
+        start = max(d.index for d in inventory.devices) + 1
+        added = tuple(_like(largest, largest.node, start + i) for i in range(n))
+        return added, count(n, "more device"), f"of {like} to node {largest.node}"
+    per_node = sum(1 for d in inventory.devices if d.node == largest.node)
+    new_nodes = math.ceil(n / per_node)
+    added = tuple(_like(largest, f"{largest.node}-like-{k}", i) for k in range(new_nodes) for i in range(per_node))
+    return added, count(new_nodes, "more node"), f"like {largest.node} ({per_node} x {like} each)"
+
+
+def _fewest(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
+    """The smallest n in [lo, hi] that fits, assuming more never hurts (only checked values are
+    returned, so where that assumption fails the answer is larger than needed, never wrong)."""
+    if not fits(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
+
+
+def device_suggestions(spec: ShardedModelSpec, inventory: Inventory, attempt: Attempt, at_least: int,
+                       relax: tuple[str, dict[str, Any]] | None, fitting: int = 0) -> list[Suggestion]:
+    """The fewest devices like the largest that run every replica (with the `relax` change to the
+    spec when the spec as given cannot use more devices); failing that, bigger devices. When no
+    group fits yet and several are asked, also how many would run the first."""
+    wanted = max(spec.replicas, 1)
+
+    def placed(patch: dict[str, Any], n: int) -> int:
+        result = attempt(patched(spec, patch), Inventory(devices=[*inventory.devices, *more_devices(inventory, n)[0]]))
+        return len(result.groups) if result is not None else 0
+
+    for words, patch in [("", {}), *([relax] if relax else [])]:
+        lo = max(1, at_least)
+        n = _fewest(lo, max(2 * lo, lo + 16), lambda k: placed(patch, k) >= wanted) \
+            or _fewest(1, MAX_ADDED_DEVICES, lambda k: placed(patch, k) >= wanted)
+        if n is None:
+            continue
+        added, amount, what = more_devices(inventory, n)
+        text = f"add {amount} {what}"
+        one = _fewest(1, n, lambda k: placed(patch, k) >= 1) if wanted > 1 and not fitting else None
+        if one is not None and one < n:
+            text += f" ({more_devices(inventory, one)[1]} would run 1 of the {wanted} replicas)"
+        return [Suggestion(f"{words}, and {text}" if words else text, patch, added)]
+    smallest = min(d.memory_bytes for d in inventory.devices)
+    for factor in (2, 4, 8):
+        for words, patch in [("", {}), *([relax] if relax else [])]:
+            text = f"devices with {factor} times the memory (at least {human(smallest * factor)} each; as many)"
+            bigger = Suggestion(f"{words}, and {text}" if words else text, patch, memory_factor=factor)
+            if works(attempt, spec, inventory, bigger):
+                return [bigger]
+    return []

@@ -403,7 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
                 ["shardctl status --port 8000 --watch", "shardctl status llama-70b -n inference"])
     p.add_argument("name", nargs="?", metavar="NAME", help="a ShardedModel on the cluster (default: none; "
                                                            "give --port for a local run)")
-    p.add_argument("-n", "--namespace", default="default", metavar="NS", help="the ShardedModel's namespace")
+    p.add_argument("-n", "--namespace", metavar="NS",
+                   help="the ShardedModel's namespace (default: the kubeconfig context's, else default)")
     p.add_argument("--port", type=int, help="port of a local run's API, as `shardctl run --port` (default: none)")
     p.add_argument("--host", default="127.0.0.1", help="address of the local run")
     p.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",

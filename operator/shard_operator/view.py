@@ -123,13 +123,17 @@ def view_of_model(obj: dict[str, Any]) -> GroupView:
                      raw=obj)
 
 
-def cluster_status(name: str, namespace: str) -> GroupView:
-    """The ShardedModel `namespace/name` on the cluster of the kubeconfig (as kubectl finds it)."""
+def cluster_status(name: str, namespace: str | None) -> GroupView:
+    """The ShardedModel `namespace/name` on the cluster of the kubeconfig (as kubectl finds it;
+    no namespace: the current context's, else default)."""
     import kubernetes  # the operator extra: only this form of the command needs it
 
     try:
         config = kubernetes.client.Configuration()
         kubernetes.config.load_kube_config(client_configuration=config)
+        if namespace is None:
+            _, current = kubernetes.config.list_kube_config_contexts()
+            namespace = (current.get("context") or {}).get("namespace") or "default"
         with kubernetes.client.ApiClient(config) as client:
             obj = kubernetes.client.CustomObjectsApi(client).get_namespaced_custom_object(
                 GROUP, VERSION, namespace, PLURAL, name, _request_timeout=10)

@@ -72,51 +72,65 @@ class Asked:
     batch: int
 
 
-def spec_changes(spec: ShardedModelSpec, asked: Asked) -> list[tuple[str, dict[str, Any]]]:
-    """Changes to the spec alone worth trying, in the order they are offered."""
+Change = tuple[str, dict[str, Any]]  # words and a spec patch
+
+
+def spec_changes(spec: ShardedModelSpec, asked: Asked) -> list[list[Change]]:
+    """Changes to the spec alone worth trying: one list per kind of change, mildest first, each
+    one asking no more than the next (a shorter maxModelLen fits wherever a longer one does)."""
     par = spec.parallelism
     fixed_tp, fixed_pp = par.tensor != "auto", par.pipeline != "auto" or par.layer_partition is not None
-    changes: list[tuple[str, dict[str, Any]]] = []
+    parallelism: list[Change] = []
     if par.layer_partition is not None:
-        changes.append(("drop layerPartition, so the planner splits the layers by memory and speed",
-                        {"parallelism": {"layerPartition": None}}))
+        parallelism.append(("drop layerPartition, so the planner splits the layers by memory and speed",
+                            {"parallelism": {"layerPartition": None}}))
     if fixed_pp:
-        changes.append(("set pipeline: auto", {"parallelism": {"pipeline": "auto", "layerPartition": None}}))
+        parallelism.append(("set pipeline: auto", {"parallelism": {"pipeline": "auto", "layerPartition": None}}))
     if fixed_tp:
-        changes.append(("set tensor: auto", {"parallelism": {"tensor": "auto"}}))
+        parallelism.append(("set tensor: auto", {"parallelism": {"tensor": "auto"}}))
     if fixed_tp and fixed_pp:
-        changes.append(("set tensor: auto and pipeline: auto",
-                        {"parallelism": {"tensor": "auto", "pipeline": "auto", "layerPartition": None}}))
+        parallelism.append(("set tensor: auto and pipeline: auto",
+                            {"parallelism": {"tensor": "auto", "pipeline": "auto", "layerPartition": None}}))
     lengths = [asked.max_len // 2**k for k in range(1, 7) if asked.max_len // 2**k >= SHORTEST_CONTEXT]
-    changes += [(f"lower maxModelLen to {n} (from {asked.max_len}; the KV cache shrinks with it)",
-                 {"model": {"maxModelLen": n}}) for n in lengths]
     batches = [asked.batch // 2**k for k in range(1, 8) if asked.batch // 2**k >= 1]
-    changes += [(f"lower maxBatchSize to {n} (from {asked.batch})", {"model": {"maxBatchSize": n}}) for n in batches]
-    if asked.dtype == "float32":
-        changes.append(("set dtype: bfloat16 (half the bytes of float32)", {"model": {"dtype": "bfloat16"}}))
-    return changes
+    kinds = [parallelism,
+             [(f"lower maxModelLen to {n} (from {asked.max_len}; the KV cache shrinks with it)",
+               {"model": {"maxModelLen": n}}) for n in lengths],
+             [(f"lower maxBatchSize to {n} (from {asked.batch})", {"model": {"maxBatchSize": n}}) for n in batches],
+             [("set dtype: bfloat16 (half the bytes of float32)", {"model": {"dtype": "bfloat16"}})]
+             if asked.dtype == "float32" else []]
+    return [kind for kind in kinds if kind]
 
 
-def _kind(patch: dict[str, Any]) -> tuple[str, ...]:
-    """What a change is about: the parallelism, or one field of the model."""
-    return ("parallelism",) if "parallelism" in patch else ("model", *sorted(patch.get("model", {})))
+def _mildest(changes: list[Change], good: Callable[[Change], bool]) -> Change | None:
+    """The mildest change of a kind that works: none when the most far-reaching does not (so a
+    kind that cannot help costs one plan), else the first that works by bisection (only a checked
+    change is returned)."""
+    if not good(changes[-1]):
+        return None
+    lo, hi = 0, len(changes) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if good(changes[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return changes[hi]
 
 
 def suggestions(spec: ShardedModelSpec, inventory: Inventory, asked: Asked, attempt: Attempt,
                 at_least: int = 1, fitting: int = 0) -> list[Suggestion]:
     """Every change tried that places all of the spec's replicas: more devices first (or bigger
-    ones), then each kind of spec change (the first that works of each: the largest maxModelLen
+    ones), then the mildest change of each kind of the spec that does (the largest maxModelLen
     that fits, not every smaller one too), and with `fitting` groups placed already, fewer
     replicas. `at_least`: devices the pool lacks by its bytes alone, where the search starts."""
-    changes = spec_changes(spec, asked)
-    relax = next(((text, patch) for text, patch in reversed(changes) if "parallelism" in patch), None)
+    kinds = spec_changes(spec, asked)
+    relax = next((kind[-1] for kind in kinds if "parallelism" in kind[-1][1]), None)
     out = device_suggestions(spec, inventory, attempt, at_least, relax, fitting)
-    done: set[tuple[str, ...]] = set()
-    for text, patch in changes:
-        suggestion = Suggestion(text, patch)
-        if _kind(patch) not in done and works(attempt, spec, inventory, suggestion):
-            out.append(suggestion)
-            done.add(_kind(patch))
+    for kind in kinds:
+        change = _mildest(kind, lambda c: works(attempt, spec, inventory, Suggestion(*c)))
+        if change is not None:
+            out.append(Suggestion(*change))
     fewer = Suggestion(f"lower spec.replicas to {fitting}", {"replicas": fitting})
     if fitting and works(attempt, spec, inventory, fewer):
         out.append(fewer)
@@ -166,7 +180,7 @@ def _fewest(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
 
 
 def device_suggestions(spec: ShardedModelSpec, inventory: Inventory, attempt: Attempt, at_least: int,
-                       relax: tuple[str, dict[str, Any]] | None, fitting: int = 0) -> list[Suggestion]:
+                       relax: Change | None, fitting: int = 0) -> list[Suggestion]:
     """The fewest devices like the largest that run every replica (with the `relax` change to the
     spec when the spec as given cannot use more devices); failing that, bigger devices. When no
     group fits yet and several are asked, also how many would run the first."""
@@ -176,9 +190,9 @@ def device_suggestions(spec: ShardedModelSpec, inventory: Inventory, attempt: At
         result = attempt(patched(spec, patch), Inventory(devices=[*inventory.devices, *more_devices(inventory, n)[0]]))
         return len(result.groups) if result is not None else 0
 
-    for words, patch in [("", {}), *([relax] if relax else [])]:
-        lo = max(1, at_least)
-        n = _fewest(lo, max(2 * lo, lo + 16), lambda k: placed(patch, k) >= wanted) \
+    lo = max(1, at_least)
+    for words, patch in [("", {}), *([relax] if relax else [])] if lo <= MAX_ADDED_DEVICES else []:
+        n = _fewest(lo, min(max(2 * lo, lo + 16), MAX_ADDED_DEVICES), lambda k: placed(patch, k) >= wanted) \
             or _fewest(1, MAX_ADDED_DEVICES, lambda k: placed(patch, k) >= wanted)
         if n is None:
             continue

@@ -23,6 +23,7 @@ others lack.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -564,8 +565,30 @@ def _attempt(profile: ModelProfile, options: PlannerOptions) -> Callable[[Sharde
     return attempt
 
 
-def _asked(request: Request) -> Asked:
-    return Asked(dtype=request.dtype, max_len=request.max_len, batch=request.batch)
+@dataclass(frozen=True)
+class _Question:
+    """What a search for suggestions depends on, compared by its JSON: the operator asks the same
+    question at every reconcile while nothing changes, and an answer costs several plans."""
+
+    key: str
+    profile: ModelProfile = field(compare=False)
+    spec: ShardedModelSpec = field(compare=False)
+    inventory: Inventory = field(compare=False)
+    options: PlannerOptions = field(compare=False)
+
+    @classmethod
+    def of(cls, profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
+           options: PlannerOptions) -> "_Question":
+        key = "\n".join((profile.name, profile.digest, spec.model_dump_json(), inventory.model_dump_json(),
+                         repr(options)))
+        return cls(key, profile, spec, inventory, options)
+
+
+@functools.lru_cache(maxsize=64)
+def _suggest(q: _Question, at_least: int, fitting: int = 0) -> tuple[Suggestion, ...]:
+    request = _resolve_request(q.profile, q.spec)
+    asked = Asked(dtype=request.dtype, max_len=request.max_len, batch=request.batch)
+    return tuple(suggestions(q.spec, q.inventory, asked, _attempt(q.profile, q.options), at_least, fitting))
 
 
 def _layout_words(tp: int, pp: int, replicas: int) -> str:
@@ -597,8 +620,8 @@ def shortfall(plan: Plan, profile: ModelProfile, spec: ShardedModelSpec, invento
     needs = (f"{_layout_words(tp, pp, plan.replicas)} needs {count(plan.replicas * world, 'device')}"
              f"{', tensor-parallel ranks on one node' if tp > 1 else ''}; the pool has {len(inventory.devices)} "
              f"({inventory.describe()})")
-    found = suggestions(spec, inventory, _asked(_resolve_request(profile, spec)), _attempt(profile, options),
-                        at_least=missing * world - len(left.devices), fitting=placed)
+    found = list(_suggest(_Question.of(profile, spec, inventory, options),
+                          at_least=missing * world - len(left.devices), fitting=placed))
     message = (f"{plan.replicas} replicas wanted, {placed} fit{'s' if placed == 1 else ''}: {needs}. A group takes "
                f"{kinds}; unused now: {left.describe()}. {offer(found, 'run them all')}")
     return Shortage(message, found)
@@ -662,7 +685,7 @@ def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: R
         lines.append("Skipped nodes: " + "; ".join(f"{s.node} ({s.reason})" for s in inventory.skipped) + ".")
     largest = max(usable) - per_device
     at_least = math.ceil((need - sum(usable)) / largest) if need > sum(usable) and largest > 0 else 1
-    found = suggestions(spec, inventory, _asked(request), _attempt(profile, options), at_least=at_least)
+    found = list(_suggest(_Question.of(profile, spec, inventory, options), at_least=at_least))
     lines.append(offer(found))
     lines.append(f"(Quantized 8-bit weights would need about "
                  f"{gib(weights * 1 / profile.dtype_bytes(request.dtype))} GiB; this runtime does not run them yet.)")

@@ -16,9 +16,11 @@ How it decides, in order:
    wins.
 Parallelism no pool could ever run (a tensor degree that does not divide the heads, more stages
 than layers) is an `InvalidParallelism` PlanError before any device is looked at. When not even
-one replica fits, `PlanError` says how much is needed, what the pool has, and what would fit;
-when some but not all do, the Plan has fewer groups than `replicas` and `shortfall` says what the
-others lack.
+one replica fits, `PlanError` says what stands in the way first (a given layout's device count or
+rank size), how much is needed, what the pool has, and what would fit; when some but not all do,
+the Plan has fewer groups than `replicas` and `shortfall` says what the others lack. What would
+fit is `advice.py`'s: every suggestion was checked by planning again with it applied.
+`consider` lists every layout tried (`shardctl plan --explain`).
 """
 
 from __future__ import annotations

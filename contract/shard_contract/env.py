@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from pathlib import Path
 from typing import Literal, Mapping
 
 from pydantic import BaseModel, Field, ValidationError
@@ -31,9 +32,11 @@ ENV_NAMES = {
     "memory_budget_bytes": "SHARD_MEMORY_BUDGET",
     "bind_addr": "SHARD_BIND_ADDR",
     "group_secret_file": "SHARD_GROUP_SECRET_FILE",
+    "api_key_file": "SHARD_API_KEY_FILE",
 }
 
 PLAN_MOUNT = "/etc/shard-operator/plan.json"  # where pods find the plan (ConfigMap)
+API_KEY_MOUNT = "/etc/shard-operator/api-key/key"  # where a leader pod finds its API key (Secret)
 MODEL_MOUNT = "/models"  # where pods find the model volume
 SECRET_MOUNT = "/var/run/secrets/sharding.dev"  # where pods find their group's Secret (a volume)
 SECRET_KEY = "group-key"  # the Secret's key, a file in SECRET_MOUNT
@@ -69,6 +72,8 @@ class WorkerEnv(BaseModel):
                                                     "pod IP; default: the address MASTER_ADDR resolves to).")
     group_secret_file: str | None = Field(None, description="A file holding the group's secret key, which "
                                                             "authenticates every heartbeat record (needed to serve).")
+    api_key_file: str | None = Field(None, description="A file holding the key the leader's OpenAI routes require "
+                                     "(Authorization: Bearer); none: no key.")
 
     def to_env(self) -> dict[str, str]:
         return {ENV_NAMES[k]: str(v) for k, v in self.model_dump().items() if v is not None}
@@ -87,6 +92,18 @@ class WorkerEnv(BaseModel):
         if env.rank >= env.world_size:
             raise WorkerEnvError(f"RANK={env.rank} is outside WORLD_SIZE={env.world_size}")
         return env
+
+
+def read_api_key(path: str | os.PathLike[str]) -> bytes:
+    """The key in an API key file (SHARD_API_KEY_FILE): its bytes, surrounding whitespace
+    stripped (a trailing newline is no part of the key); never empty."""
+    try:
+        key = Path(path).read_bytes().strip()
+    except OSError as err:
+        raise WorkerEnvError(f"SHARD_API_KEY_FILE {path}: {err.strerror or err}") from None
+    if not key:
+        raise WorkerEnvError(f"SHARD_API_KEY_FILE {path} is empty")
+    return key
 
 
 # ---------------------------------------------------------------- one-shot generation

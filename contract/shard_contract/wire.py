@@ -14,9 +14,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from .plan import PredictedBytes, RankPlan
+
+# The sampling parameters' accepted ranges, OpenAI's: the server's request schema and every
+# request the engine runs share them, and the engine samples safely over all of them.
+TEMPERATURE_MAX = 2.0
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # a signed 64-bit integer
 
 
 class GenerateRequest(BaseModel):
@@ -24,12 +29,23 @@ class GenerateRequest(BaseModel):
 
     prompt_ids: list[int] = Field(min_length=1)
     max_new_tokens: int = Field(16, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
+    temperature: float = Field(0.0, ge=0.0, le=TEMPERATURE_MAX)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int = 0
+    seed: int = Field(0, ge=SEED_MIN, le=SEED_MAX)
     stop: list[str] = Field(default_factory=list, description="Stop strings (need tokenizer.json).")
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _encodable(cls, stops: list[str]) -> list[str]:
+        # A request crosses the pipeline as UTF-8 JSON: a lone surrogate could not.
+        for stop in stops:
+            try:
+                stop.encode()
+            except UnicodeEncodeError:
+                raise ValueError(f"stop string {stop!r} is not valid Unicode") from None
+        return stops
 
 
 class GenerateTask(BaseModel):
@@ -39,7 +55,9 @@ class GenerateTask(BaseModel):
 class Completion(BaseModel):
     token_ids: list[int] = Field(description="Generated tokens only (an EOS that ended it included).")
     text: str | None = Field(None, description="Decoded, cut before a stop string; None without a tokenizer.")
-    finish_reason: Literal["stop", "length", "cancelled"]  # cancelled: the client left (never sent to it)
+    # cancelled: the client left (never sent to it); error: this sequence failed, the others ran on
+    finish_reason: Literal["stop", "length", "cancelled", "error"]
+    error: str | None = Field(None, description="Why the sequence failed (finish_reason error).")
 
 
 class ResidentBytes(BaseModel):

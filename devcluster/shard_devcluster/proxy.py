@@ -6,13 +6,20 @@ and are not being deleted -- round robin, at the pod's address and target port. 
 endpoint Service (which selects its leaders) sends traffic only to groups whose every rank has
 loaded, and a group stops getting new requests when its pods stop being Ready or are deleted.
 
-kube-proxy forwards connections and never retries. This proxy forwards HTTP requests and, like a
-gateway with a retry policy (Envoy's `retry_on: connect-failure,reset,gateway-error`), tries
-another ready endpoint when one refuses the connection, drops it before answering in full, or
-answers 502, 503 or 504 -- at most `attempts` tries. Completions have no side effects, so a retry
-is safe. A streamed answer (server-sent events) is passed on as it comes: once its first bytes have
-gone out, a failure reaches the client. `stats` counts requests, retries and failures, so the
-tests and the benchmark report them instead of hiding them.
+kube-proxy forwards connections and never replays one: it picks another endpoint only while a
+connection to one cannot be made. This proxy forwards HTTP requests over a fresh connection each
+(so a request never meets a stale pooled connection) and tries another ready endpoint (at most
+`attempts` tries) when:
+- the connection cannot be made: nothing was sent, whatever the method;
+- for an idempotent method only (GET, HEAD, OPTIONS, PUT, DELETE, TRACE: RFC 9110), when the
+  endpoint drops the connection before answering in full, or answers 502, 503 or 504, as a gateway
+  with a retry policy would (Envoy's `retry_on: connect-failure,reset,gateway-error`).
+A POST (a completion) that reached an endpoint is never replayed onto another: the endpoint may
+have acted on it, and a request that fails its group would fail the next one too. Its answer,
+whatever it is, goes to the client; a dropped connection becomes a 502. Retrying it is the
+client's choice (OpenAI's SDKs do, on 5xx). A streamed answer (server-sent events) is passed on as
+it comes. `stats` counts requests, retries and failures, so the tests and the benchmark report
+them instead of hiding them.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from .network import ClusterNetwork, container_port
 
 SERVICES, PODS = "v1/services", "v1/pods"
 RETRY_STATUSES = (502, 503, 504)
+IDEMPOTENT = {"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"}
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
               "transfer-encoding", "upgrade", "host", "content-length"}
 
@@ -39,7 +47,7 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriza
 class ProxyStats:
     requests: int = 0
     retried: int = 0   # requests that took more than one try (and then succeeded or not)
-    failed: int = 0    # requests no endpoint could answer: the proxy answered 502/503 itself
+    failed: int = 0    # requests no endpoint answered: the proxy answered 502/503 itself
     upstream_errors: Counter = field(default_factory=Counter)  # what the failed tries met
     served_by: Counter = field(default_factory=Counter)        # pod -> requests answered
 
@@ -71,7 +79,7 @@ class ServiceProxy:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(auto_decompress=False,
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True), auto_decompress=False,
                                               timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=5))
         bus = self.emu._buses[kmock.resource(SERVICES)]
         async with self.emu._lock:  # snapshot + subscribe atomically
@@ -165,7 +173,8 @@ class ServiceProxy:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait_for_endpoints
         tried: set[str] = set()
-        last = "no ready endpoints"
+        last, status = "no ready endpoints", 503
+        replay = request.method in IDEMPOTENT
         for attempt in range(self.attempts):
             if attempt == 1:
                 self.stats.retried += 1
@@ -177,7 +186,7 @@ class ServiceProxy:
             try:
                 async with self._session.request(request.method, base + request.path_qs, data=body,
                                                  headers=headers) as upstream:
-                    if upstream.status in RETRY_STATUSES and attempt + 1 < self.attempts:
+                    if replay and upstream.status in RETRY_STATUSES and attempt + 1 < self.attempts:
                         last = f"{pod} answered {upstream.status}"
                         self.stats.upstream_errors[f"HTTP {upstream.status}"] += 1
                         await upstream.read()
@@ -189,12 +198,18 @@ class ServiceProxy:
                     data = await upstream.read()
                     self.stats.served_by[pod] += 1
                     return web.Response(status=upstream.status, body=data, headers=out_headers)
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as err:  # nothing was sent
                 last = f"{pod}: {type(err).__name__}: {err}"
                 self.stats.upstream_errors[type(err).__name__] += 1
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:  # sent, then dropped
+                last = f"{pod}: {type(err).__name__}: {err}"
+                self.stats.upstream_errors[type(err).__name__] += 1
+                if not replay:
+                    last, status = f"{last} (a {request.method} is not replayed)", 502
+                    break
         self.stats.failed += 1
         return web.json_response({"error": {"message": f"service {key[0]}/{key[1]}: {last}",
-                                            "type": "service_unavailable", "code": 503}}, status=503)
+                                            "type": "service_unavailable", "code": status}}, status=status)
 
     async def _stream(self, request: web.BaseRequest, upstream: aiohttp.ClientResponse, headers: dict[str, str],
                       pod: str) -> web.StreamResponse:

@@ -176,6 +176,12 @@ class Resources(ApiModel):
         return value
 
 
+class SecretKeyRef(ApiModel):
+    name: str = Field(max_length=253, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+                      description="A Secret in the model's namespace.")
+    key: str = Field(max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="The Secret's key that holds it.")
+
+
 class WorkerSpec(ApiModel):
     image: str | None = Field(None, description="Worker image; default: the operator's setting.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
@@ -185,6 +191,10 @@ class WorkerSpec(ApiModel):
     rendezvous_port: int = Field(29500, ge=1, le=65535, description="torch.distributed MASTER_PORT.")
     rendezvous_timeout_seconds: int = Field(600, ge=1)
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL on GPUs, gloo on CPUs.")
+    api_key_secret: SecretKeyRef | None = Field(
+        None, description="An API key the OpenAI routes require (Authorization: Bearer): mounted from this Secret "
+                          "into each group's leader pod, which the operator never reads. Health, readiness, "
+                          "metrics and /v1/shards stay open.")
 
 
 class ShardedModelSpec(ApiModel):

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from shard_contract.checkpoint import CheckpointError
+from shard_contract.env import ENV_NAMES
 from shard_contract.wire import GenerateRequest, GenerateTask
 
 from . import picture
@@ -231,6 +232,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                          prompt=args.prompt, max_tokens=args.max_tokens, restarts=args.restarts,
                          threads_per_rank=args.threads, ready_timeout=args.ready_timeout,
                          rendezvous_port=args.rendezvous_port or None, log_dir=args.log_dir,
+                         api_key_file=args.api_key_file,
                          out=lambda line: print(line, flush=True), err=lambda line: print(line, file=sys.stderr),
                          tty=sys.stdout.isatty())
     except KeyboardInterrupt:
@@ -393,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, metavar="N", help="threads per rank (default: cores / ranks)")
     p.add_argument("--ready-timeout", type=float, default=600, metavar="SECONDS",
                    help="seconds to wait for every rank to load")
+    p.add_argument("--api-key-file", metavar="FILE", default=os.environ.get(ENV_NAMES["api_key_file"]),
+                   help="require the key in FILE on the OpenAI routes (Authorization: Bearer); default: "
+                        f"${ENV_NAMES['api_key_file']}, else none")
     p.set_defaults(func=cmd_run)
 
     p = command(sub, "status", "show a running group: each rank's layers, memory and time",

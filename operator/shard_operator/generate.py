@@ -52,6 +52,8 @@ def render_result(result: GenerateResult) -> str:
              "token ids: " + " ".join(map(str, done.token_ids))]
     if done.text is not None:
         lines.append(f"text: {done.text!r}")
+    if done.error is not None:
+        lines.append(f"error: {done.error}")
     unit, size = table_unit(max((r.predicted_bytes.weights + r.predicted_bytes.kv_cache for r in result.ranks),
                                 default=0))
     header = ("rank", "stage", "tp", "layers", f"predicted {unit}", f"resident {unit}", "load s", "comm s",

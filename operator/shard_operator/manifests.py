@@ -22,7 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from shard_contract.env import ENV_NAMES, MODEL_MOUNT, PLAN_MOUNT, SECRET_KEY, SECRET_MOUNT, WorkerEnv, new_group_key
+from shard_contract.env import (API_KEY_MOUNT, ENV_NAMES, MODEL_MOUNT, PLAN_MOUNT, SECRET_KEY, SECRET_MOUNT, WorkerEnv,
+                                new_group_key)
 from shard_contract.plan import Plan
 
 from .api import API_VERSION, KIND, ShardedModelSpec, SpecError
@@ -282,6 +283,17 @@ def _user_env(spec: ShardedModelSpec) -> list[dict[str, str]]:
     return [{"name": e.name, "value": e.value} for e in spec.worker.env]
 
 
+def _api_key(spec: ShardedModelSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The leader's volume and mount of `spec.worker.apiKeySecret`, if any: the kubelet mounts
+    the Secret, so the operator needs no permission to read it."""
+    ref = spec.worker.api_key_secret
+    if ref is None:
+        return [], []
+    directory, name = API_KEY_MOUNT.rsplit("/", 1)
+    return ([{"name": "api-key", "secret": {"secretName": ref.name, "items": [{"key": ref.key, "path": name}]}}],
+            [{"name": "api-key", "mountPath": directory, "readOnly": True}])
+
+
 def rank_pod(ctx: Context, plan: Plan, replica: int, rank: int, revision: str) -> dict[str, Any]:
     owner, spec, worker = ctx.owner, ctx.spec, ctx.spec.worker
     rp = plan.rank_plan(replica, rank)
@@ -289,6 +301,7 @@ def rank_pod(ctx: Context, plan: Plan, replica: int, rank: int, revision: str) -
     leader = pod_name(owner.name, replica, revision, 0)
     name = pod_name(owner.name, replica, revision, rank)
     volume, model_dir = _model_volume(spec)
+    key_volumes, key_mounts = _api_key(spec) if rank == 0 else ([], [])
     env = WorkerEnv(
         rank=rank, world_size=plan.world_size,
         # One GPU per pod: the container sees it as device 0 whatever its index on the node.
@@ -298,6 +311,7 @@ def rank_pod(ctx: Context, plan: Plan, replica: int, rank: int, revision: str) -
         plan_file=PLAN_MOUNT, model_dir=model_dir, model_name=owner.name, port=worker.port,
         backend=worker.backend, rendezvous_timeout=worker.rendezvous_timeout_seconds,
         group_secret_file=f"{SECRET_MOUNT}/{SECRET_KEY}",
+        api_key_file=API_KEY_MOUNT if key_mounts else None,
     ).to_env()
     # Rank 0's store listens on the pod's own address only (the downward API knows it at start,
     # before the group's DNS name of the pod answers).
@@ -347,7 +361,7 @@ def rank_pod(ctx: Context, plan: Plan, replica: int, rank: int, revision: str) -
                                  {"name": "plan", "mountPath": plan_dir, "readOnly": True},
                                  {"name": "group-key", "mountPath": SECRET_MOUNT, "readOnly": True},
                                  {"name": "dshm", "mountPath": "/dev/shm"},
-                                 {"name": "tmp", "mountPath": "/tmp"}],
+                                 {"name": "tmp", "mountPath": "/tmp"}] + key_mounts,
             }],
             "volumes": [volume,
                         {"name": "plan", "configMap": {"name": group, "items": [{"key": PLAN_KEY, "path": PLAN_KEY}]}},
@@ -356,7 +370,7 @@ def rank_pod(ctx: Context, plan: Plan, replica: int, rank: int, revision: str) -
                         {"name": "group-key", "secret": {"secretName": group, "defaultMode": 0o444}},
                         # NCCL and the pipeline's shared-memory transport need more than 64 MiB.
                         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-                        {"name": "tmp", "emptyDir": {}}],
+                        {"name": "tmp", "emptyDir": {}}] + key_volumes,
         },
     }
 

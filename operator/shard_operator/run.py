@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
+from shard_contract.env import ENV_NAMES, read_api_key
 from shard_contract.plan import Plan, describe_layers
 from shard_contract.units import count, human, table_unit
 from shard_contract.wire import ShardEntry
@@ -37,10 +38,11 @@ class GroupLost(RuntimeError):
     """A rank died or the group's health failed; the message says which rank and why."""
 
 
-def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 5.0) -> tuple[int, dict[str, Any]]:
+def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 5.0,
+              headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
     """(status, JSON body) of a GET (or a POST of `body`). Connection errors raise OSError."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, json.load(response)
@@ -165,9 +167,11 @@ def render_shards(shards: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def complete(base_url: str, prompt: str, max_tokens: int, timeout: float = 300) -> dict[str, Any]:
+def complete(base_url: str, prompt: str, max_tokens: int, api_key: bytes | None = None,
+             timeout: float = 300) -> dict[str, Any]:
+    headers = {"Authorization": "Bearer " + api_key.decode("latin-1")} if api_key else None
     status, body = http_json(base_url + "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens,
-                                                            "temperature": 0}, timeout=timeout)
+                                                            "temperature": 0}, timeout=timeout, headers=headers)
     if status != 200:
         raise GroupLost(f"the completion failed with HTTP {status}: {body.get('error', body)}")
     return body
@@ -176,17 +180,19 @@ def complete(base_url: str, prompt: str, max_tokens: int, timeout: float = 300) 
 def run_local(plan: Plan, model_dir: str | os.PathLike[str], *, port: int, host: str = "127.0.0.1",
               model_name: str | None = None, prompt: str | None = None, max_tokens: int = 24, restarts: int = 2,
               threads_per_rank: int | None = None, ready_timeout: float = 600, rendezvous_port: int | None = None,
-              log_dir: str | os.PathLike[str] | None = None,
+              log_dir: str | os.PathLike[str] | None = None, api_key_file: str | None = None,
               out: Callable[[str], None] = print, err: Callable[[str], None] = print, tty: bool = False) -> int:
     """Serve `plan` (its group 0) until Ctrl-C / SIGTERM; with `prompt`, answer it once and stop.
 
     `model_name` is the name the API serves (the ShardedModel's; default: the plan's). The ranks'
     logs go to `log_dir` (default: a temporary directory, removed when the run ends cleanly and
-    kept, with a line saying where, when a group failed).
-    Each rank's load progress goes to `out` as it loads: bars redrawn in place when `tty`.
+    kept, with a line saying where, when a group failed). With `api_key_file`, the OpenAI routes
+    require its key (`Authorization: Bearer`). Each rank's load progress goes to `out` as it
+    loads: bars redrawn in place when `tty`.
     Returns the exit status: 0, or 3 when the group failed more often than `restarts` allows.
     SIGTERM raises SystemExit(143) and Ctrl-C KeyboardInterrupt, after every rank is stopped.
     """
+    api_key = read_api_key(api_key_file) if api_key_file is not None else None  # checked before any rank starts
     logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="shardctl-run-"))
     failures: list[str] = []
     clean = False
@@ -194,7 +200,8 @@ def run_local(plan: Plan, model_dir: str | os.PathLike[str], *, port: int, host:
         with sigterm_unwinds():
             code = _serve(plan, model_dir, logs, failures, port=port, host=host, model_name=model_name or plan.model,
                           prompt=prompt, max_tokens=max_tokens, restarts=restarts, threads_per_rank=threads_per_rank,
-                          ready_timeout=ready_timeout, rendezvous_port=rendezvous_port, out=out, err=err, tty=tty)
+                          ready_timeout=ready_timeout, rendezvous_port=rendezvous_port,
+                          api_key=(api_key_file, api_key), out=out, err=err, tty=tty)
         clean = not failures
         return code
     except (KeyboardInterrupt, SystemExit):  # stopped by its user
@@ -209,11 +216,15 @@ def run_local(plan: Plan, model_dir: str | os.PathLike[str], *, port: int, host:
 
 def _serve(plan: Plan, model_dir: str | os.PathLike[str], logs: Path, failures: list[str], *, port: int, host: str,
            model_name: str, prompt: str | None, max_tokens: int, restarts: int, threads_per_rank: int | None,
-           ready_timeout: float, rendezvous_port: int | None, out: Callable[[str], None],
-           err: Callable[[str], None], tty: bool) -> int:
-    """`run_local`'s groups, one after another; each failure's reason is added to `failures`."""
+           ready_timeout: float, rendezvous_port: int | None, api_key: tuple[str | None, str | None],
+           out: Callable[[str], None], err: Callable[[str], None], tty: bool) -> int:
+    """`run_local`'s groups, one after another; each failure's reason is added to `failures`.
+    `api_key` is the key's file and the key, or (None, None)."""
     base_url = f"http://{host}:{port}"
     env = {"SHARD_HOST": host, "SHARD_MODEL_NAME": model_name}
+    key_file, key = api_key
+    if key_file is not None:
+        env[ENV_NAMES["api_key_file"]] = str(Path(key_file).resolve())
     while True:
         workdir = logs / f"attempt-{len(failures)}"
         started = time.monotonic()
@@ -223,10 +234,11 @@ def _serve(plan: Plan, model_dir: str | os.PathLike[str], logs: Path, failures: 
             try:
                 shards = wait_ready(group, base_url, ready_timeout, LoadProgress(out, tty))
                 out(f"ready in {time.monotonic() - started:.1f} s: serving {base_url}/v1 "
-                    f"(model {model_name!r}; OpenAI-compatible: /v1/completions, /v1/chat/completions)")
+                    f"(model {model_name!r}; OpenAI-compatible: /v1/completions, /v1/chat/completions"
+                    f"{'; API key required' if key else ''})")
                 out(render_shards(shards))
                 if prompt is not None:
-                    answer = complete(base_url, prompt, max_tokens)
+                    answer = complete(base_url, prompt, max_tokens, key)
                     choice = answer["choices"][0]
                     out(f"\nprompt: {prompt!r}")
                     out(f"answer: {choice['text']!r}")

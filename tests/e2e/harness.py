@@ -107,15 +107,27 @@ class Result:
     tokens: tuple = ()
     pod: str = ""
     error: str = ""
+    retries: int = 0
 
     @property
     def ok(self) -> bool:
         return self.status == 200 and not self.error
 
 
+# As OpenAI's SDKs do: a connection error, 408, 409, 429 or 5xx is tried again, twice, after a
+# pause. The Service does not replay a completion that reached a group (kube-proxy does not):
+# when that group dies mid-request, the client decides.
+CLIENT_RETRIES, CLIENT_BACKOFF = 2, (0.5, 1.0)
+
+
+def retryable(status: int) -> bool:
+    return status in (0, 408, 409, 429) or status >= 500
+
+
 @dataclass
 class Traffic:
-    """Clients that send the same greedy completion through a Service until stopped.
+    """Clients that send the same greedy completion through a Service until stopped, each retrying
+    as OpenAI's SDKs do.
 
     Every answer must be the tokens `expected` (the model does not change while it moves), so a
     wrong answer counts as a failure just as an error does.
@@ -146,17 +158,25 @@ class Traffic:
         with httpx.Client(timeout=120) as http:
             while not self._stop.is_set():
                 start = time.monotonic()
-                try:
-                    r = http.post(self.url + "/v1/completions", json=self.body)
-                    tokens = tokens_of(r) if r.status_code == 200 else ()
-                    error = "" if r.status_code == 200 else r.text[:300]
-                    if r.status_code == 200 and tokens != self.expected:
-                        error = f"wrong tokens {tokens}"
-                    self.results.append(Result(start, time.monotonic(), r.status_code, tokens,
-                                               r.headers.get("x-upstream-pod", ""), error))
-                except httpx.HTTPError as err:
-                    self.results.append(Result(start, time.monotonic(), 0, error=f"{type(err).__name__}: {err}"))
+                for retries in range(CLIENT_RETRIES + 1):
+                    result = self._send(http, start)
+                    result.retries = retries
+                    if not retryable(result.status) or retries == CLIENT_RETRIES:
+                        break
+                    time.sleep(CLIENT_BACKOFF[retries])
+                self.results.append(result)
                 time.sleep(self.pause)
+
+    def _send(self, http: httpx.Client, start: float) -> Result:
+        try:
+            r = http.post(self.url + "/v1/completions", json=self.body)
+        except httpx.HTTPError as err:
+            return Result(start, time.monotonic(), 0, error=f"{type(err).__name__}: {err}")
+        tokens = tokens_of(r) if r.status_code == 200 else ()
+        error = "" if r.status_code == 200 else r.text[:300]
+        if r.status_code == 200 and tokens != self.expected:
+            error = f"wrong tokens {tokens}"
+        return Result(start, time.monotonic(), r.status_code, tokens, r.headers.get("x-upstream-pod", ""), error)
 
     def wait_for(self, n: int, timeout: float = 60.0) -> None:
         """Until `n` more answers have come back."""
@@ -178,6 +198,7 @@ class Traffic:
         ok = [r for r in results if r.ok]
         latencies = sorted(r.end - r.start for r in ok)
         return {"requests": len(results), "failed": len(results) - len(ok),
+                "client_retries": sum(r.retries for r in results),
                 "success_rate": round(len(ok) / len(results), 4) if results else None,
                 "max_latency_s": round(latencies[-1], 2) if latencies else None,
                 "errors": sorted({r.error[:120] for r in results if not r.ok})[:5]}

@@ -214,6 +214,79 @@ async def test_a_service_routes_to_ready_endpoints_and_retries_a_dead_one(cluste
         assert [r.text for r in answers] == ["w1"] * 4
     assert stats.failed == 0
 
+
+# A stand-in endpoint that records every request it receives (in /data/seen) and answers as
+# /data/mode says: "drop" closes the connection without an answer, "503" answers 503, else 200.
+RECORDER = ("import os, socket, sys, http.server as h\n"
+            "d = sys.argv[1]\n"
+            "class H(h.BaseHTTPRequestHandler):\n"
+            "    def answer(self):\n"
+            "        self.rfile.read(int(self.headers.get('Content-Length') or 0))\n"
+            "        open(os.path.join(d, 'seen'), 'a').write(self.command + '\\n')\n"
+            "        mode = open(os.path.join(d, 'mode')).read() if os.path.exists(os.path.join(d, 'mode')) else ''\n"
+            "        if mode == 'drop':\n"
+            "            self.close_connection = True\n"
+            "            return self.connection.shutdown(socket.SHUT_RDWR)\n"
+            "        self.send_response(503 if mode == '503' else 200)\n"
+            "        self.send_header('Content-Length', '0')\n"
+            "        self.end_headers()\n"
+            "    do_GET = do_POST = answer\n"
+            "h.ThreadingHTTPServer((os.environ['SHARD_HOST'], 8000), H).serve_forever()\n")
+
+
+async def _answers(url: str) -> bool:
+    try:
+        async with httpx.AsyncClient() as http:
+            return (await http.get(url)).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def test_a_service_never_replays_a_post_that_reached_an_endpoint(cluster):
+    """As kube-proxy: a POST that reached an endpoint is not sent to another, whether that one drops
+    the connection or answers 503 (a completion that fails its group would fail the next one
+    too); it is sent elsewhere only when no connection could be made. A GET is still retried."""
+    service = {"metadata": {"name": "api"}, "spec": {"selector": {"app": "api"},
+                                                      "ports": [{"port": 80, "targetPort": "http"}]}}
+    await cluster.emu.k8s_create("v1/services", "default", service)
+    for name in ("e0", "e1"):
+        endpoint = pod(name, "a", labels={"app": "api"})
+        endpoint["spec"]["containers"][0]["command"] = ["python", "-c", RECORDER, "/data"]
+        await cluster.emu.k8s_create("v1/pods", "default", endpoint)
+        await eventually(lambda: _is(cluster, name, True), timeout=10)
+        ip = (await status(cluster, name))["podIP"]
+        await eventually(lambda: _answers(f"http://{ip}:8000/"), timeout=30)
+    url = await eventually(lambda: cluster.service_url("api"), timeout=10)
+
+    def seen(name: str) -> list[str]:
+        path = data_dir(cluster, name) / "seen"
+        return path.read_text().split() if path.exists() else []
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        for mode, failed in (("drop", 502), ("503", 503)):
+            (data_dir(cluster, "e0") / "mode").write_text(mode)
+            before = {n: len(seen(n)) for n in ("e0", "e1")}
+            answers = [(await http.post(url + "/v1/completions", json={"prompt": "x"})).status_code for _ in range(6)]
+            got = {n: seen(n)[before[n]:] for n in ("e0", "e1")}
+            assert got["e0"] == ["POST"] * answers.count(failed) and got["e1"] == ["POST"] * answers.count(200)
+            assert sorted(set(answers)) == [200, failed]  # each went to one endpoint, once
+        before = len(seen("e1"))
+        answers = [(await http.get(url + "/")).status_code for _ in range(4)]  # e0 still answers 503
+        assert answers == [200] * 4 and seen("e1")[before:] == ["GET"] * 4
+        # e2 is Ready (no probe) but listens nowhere: a POST it refused goes to another endpoint
+        (data_dir(cluster, "e0") / "mode").unlink()
+        deaf = pod("e2", "a", labels={"app": "api"})
+        deaf["spec"]["containers"][0]["command"] = ["python", "-c", "import time; time.sleep(600)"]
+        await cluster.emu.k8s_create("v1/pods", "default", deaf)
+        await eventually(lambda: _is(cluster, "e2", True), timeout=10)
+        before = len(seen("e0")) + len(seen("e1"))
+        answers = [(await http.post(url + "/v1/completions", json={"prompt": "x"})).status_code for _ in range(6)]
+        assert answers == [200] * 6 and len(seen("e0")) + len(seen("e1")) - before == 6
+    stats = cluster.proxy.stats
+    assert stats.upstream_errors["ServerDisconnectedError"] >= 1 and stats.upstream_errors["HTTP 503"] >= 1
+    assert stats.upstream_errors["ClientConnectorError"] >= 1
+
+
 def _children(pid: int) -> set[int]:
     """Every descendant process of `pid` (from /proc)."""
     parents: dict[int, int] = {}

@@ -159,7 +159,8 @@ def test_4_a_killed_rank_process_gets_its_group_recreated(h, demo, report):
         recreated = time.monotonic()
         h.wait("the new group Ready", lambda: h.ready("demo", 1) and all(map(pod_ready, h.pods("demo"))))
         ready = time.monotonic()
-        traffic.wait_for(2)
+        h.wait("served again", lambda: any(r.ok and r.start >= ready for r in traffic.results), timeout=60)
+        traffic.wait_for(1)
     served_again = min(r.end for r in traffic.results if r.ok and r.start >= ready)
     reasons = [reason for reason, _ in events(h, "demo")]
     assert "RecreatingGroup" in reasons

@@ -8,7 +8,7 @@ import re
 import kubernetes_validate
 import pytest
 
-from shard_contract.env import MODEL_MOUNT, PLAN_MOUNT, SECRET_KEY, SECRET_MOUNT, WorkerEnv
+from shard_contract.env import API_KEY_MOUNT, MODEL_MOUNT, PLAN_MOUNT, SECRET_KEY, SECRET_MOUNT, WorkerEnv
 from shard_contract.plan import Plan
 from shard_operator.api import SpecError
 from shard_operator.manifests import (
@@ -143,6 +143,28 @@ def test_pod_resources_probes_security_and_volumes():
     assert volumes["plan"]["configMap"]["name"] == pod["spec"]["subdomain"]
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     assert mounts["model"]["readOnly"] and mounts["plan"]["mountPath"] + "/plan.json" == PLAN_MOUNT
+
+
+def test_the_api_key_secret_is_mounted_into_each_leader_only():
+    """The kubelet mounts the Secret: the operator neither reads it nor may (no secrets in its
+    RBAC). Only rank 0 serves the OpenAI routes."""
+    spec = dict(parallelism={"tensor": 2, "pipeline": 1}, replicas=2,
+                worker={"apiKeySecret": {"name": "llama-api", "key": "token"}})
+    ranks = pods(desired_objects(ctx_for(**spec), make_plan("a:24GiB*2,b:24GiB*2", **spec)))
+    for pod in ranks:
+        c = pod["spec"]["containers"][0]
+        if pod["metadata"]["labels"][RANK_LABEL] == "0":
+            assert env_of(pod)["SHARD_API_KEY_FILE"] == API_KEY_MOUNT
+            assert {"name": "api-key", "secret": {"secretName": "llama-api", "items": [
+                {"key": "token", "path": API_KEY_MOUNT.rsplit("/", 1)[1]}]}} in pod["spec"]["volumes"]
+            assert {"name": "api-key", "mountPath": API_KEY_MOUNT.rsplit("/", 1)[0], "readOnly": True} \
+                in c["volumeMounts"]
+        else:
+            assert "SHARD_API_KEY_FILE" not in env_of(pod)
+            assert "api-key" not in {v["name"] for v in pod["spec"]["volumes"]}
+        kubernetes_validate.validate(pod, "1.33", strict=True)
+    assert not any(p["metadata"]["labels"][RANK_LABEL] == "0" and "SHARD_API_KEY_FILE" in env_of(p)
+                   for p in pods(desired_objects(ctx_for(), make_plan())))
 
 
 @pytest.mark.parametrize("model,volume,expected_dir", [

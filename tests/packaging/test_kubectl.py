@@ -1,4 +1,4 @@
-"""The real kubectl against an emulated Kubernetes API (tests/support/apiserver.py) on loopback:
+"""The real kubectl against an emulated Kubernetes API (shard_devcluster.apiserver) on loopback:
 the rendered chart applies, re-applies without changes, the examples apply, and the guide's
 sizing command works end to end."""
 

@@ -1,20 +1,26 @@
 """Fixtures of the serving tests: a tiny demo checkpoint (written by `shardctl demo-model`'s own
 code: several safetensors files, a trained BPE tokenizer with a chat template), ShardedModel
-YAMLs for it, and helpers to find and stop the rank processes a test started."""
+YAMLs for it, a group served by `shardctl run`, a long streaming request, and helpers to find and
+stop the rank processes a test started."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import pytest
 
 from shard_operator.demo_model import DemoShape, write_demo_model
-from tests.support.processes import environ
+from shard_operator.local import free_port
+from tests.support.processes import environ, shardctl, worker_ranks
 
 TINY = DemoShape(layers=4, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=600, max_positions=512, files=3)
 
@@ -83,3 +89,107 @@ def kill_all(pids) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+# ---------------------------------------------------------------- a served group
+class Server:
+    """A group served by `shardctl run`, as its clients see it."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, model: str, api_key: str | None = None):
+        self.proc, self.url, self.model = proc, f"http://127.0.0.1:{port}", model
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def post(self, path: str, body, **kwargs) -> httpx.Response:
+        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        headers = {"Content-Type": "application/json", **self.headers, **kwargs.pop("headers", {})}
+        return httpx.post(self.url + path, content=content, headers=headers, timeout=120, **kwargs)
+
+    def complete(self, **body) -> dict:
+        response = self.post("/v1/completions", body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def ranks(self) -> dict[int, int]:
+        return worker_ranks(self.proc.pid)
+
+
+@contextmanager
+def shardctl_run(yaml_file: Path, model: str, *args: str, api_key: str | None = None) -> Iterator[Server]:
+    """`shardctl run -f yaml_file ARGS` on a free port, once every rank is ready; stopped after."""
+    port = free_port()
+    proc = shardctl("run", "-f", str(yaml_file), "--port", str(port), "--restarts", "0", *args)
+    server = Server(proc, port, model, api_key)
+    try:
+        wait_for("/ready", lambda: proc.poll() is not None or (get(server.url + "/ready") or httpx.Response(0))
+                 .status_code == 200, timeout=180)
+        assert proc.poll() is None, proc.communicate()
+        yield server
+    finally:
+        stop(proc)
+
+
+class InFlight(threading.Thread):
+    """A long greedy streaming completion; records every event and when the stream ended."""
+
+    def __init__(self, url: str, max_tokens: int = 250, headers: dict[str, str] | None = None):
+        super().__init__(daemon=True)
+        self.url, self.max_tokens, self.headers = url, max_tokens, headers or {}
+        self.events: list[str] = []
+        self.ended: float | None = None
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        body = {"prompt": "The", "max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=body, headers=self.headers,
+                              timeout=120) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[6:])
+                        self.started.set()
+        finally:
+            self.ended = time.monotonic()
+            self.started.set()
+
+    def token_ids(self) -> list[int]:
+        """What it streamed, once it has ended with [DONE] (else an assertion fails)."""
+        assert self.events and self.events[-1] == "[DONE]", self.events[-3:]
+        return [t for e in self.events[:-1] for c in json.loads(e)["choices"] for t in c["token_ids"]]
+
+
+# Requests that each once failed their whole group (issue 11): a non-finite probability tensor, a
+# top_p that is 0 in float32, a seed past 64 bits. Now each is answered: as its limit (greedy), or
+# refused naming the parameter.
+KILLERS = [
+    ({"prompt": "hi", "temperature": 1e-40}, 200, None),
+    ({"prompt": "hi", "temperature": 1, "top_p": 1e-300}, 200, None),
+    ({"prompt": "hi", "seed": 18446744073709551616}, 400, "seed"),
+]
+
+
+def answered_while_another_runs(server: Server, body: dict) -> httpx.Response:
+    """`body`'s answer, sent while a long streaming completion runs; that one completes after it,
+    and the group is the same processes, healthy."""
+    ranks = server.ranks()
+    stream = InFlight(server.url, max_tokens=100, headers=server.headers)
+    stream.start()
+    assert stream.started.wait(60) and stream.ended is None
+    response = server.post("/v1/completions", body)
+    answered = time.monotonic()
+    stream.join(120)
+    assert len(stream.token_ids()) == 100 and stream.ended > answered  # it ran on, and to its end
+    assert server.proc.poll() is None and server.ranks() == ranks  # no rank restarted
+    assert get(server.url + "/health").status_code == 200
+    return response
+
+
+def check_killer(server: Server, body: dict, status: int, param: str | None) -> None:
+    body = {**body, "max_tokens": 8, "ignore_eos": True}
+    response = answered_while_another_runs(server, body)
+    assert response.status_code == status, response.text
+    if status == 200:
+        greedy = server.complete(**{**body, "temperature": 0, "top_p": 1})["choices"][0]["token_ids"]
+        assert response.json()["choices"][0]["token_ids"] == greedy
+    else:
+        assert response.json()["error"]["type"] == "invalid_request_error"
+        assert response.json()["error"]["param"] == param

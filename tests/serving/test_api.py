@@ -15,52 +15,24 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shard_operator.local import free_port
 from shard_worker.metrics import FAMILIES
 from shard_worker.rankmetrics import LEADER_FAMILIES
 
-from tests.support.processes import alive, shardctl, worker_ranks
+from tests.support.processes import alive
 
-from .conftest import get, rank_port, sharded_model_yaml, stop, wait_for
+from .conftest import KILLERS, check_killer, get, rank_port, shardctl_run, sharded_model_yaml, wait_for
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "The lighthouse keeper climbed"
 
 
-class Server:
-    def __init__(self, proc: subprocess.Popen, port: int, model: str):
-        self.proc, self.url, self.model = proc, f"http://127.0.0.1:{port}", model
-
-    def post(self, path: str, body, **kwargs) -> httpx.Response:
-        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
-        return httpx.post(self.url + path, content=content, headers={"Content-Type": "application/json"},
-                          timeout=120, **kwargs)
-
-    def complete(self, **body) -> dict:
-        response = self.post("/v1/completions", body)
-        assert response.status_code == 200, response.text
-        return response.json()
-
-    def ranks(self) -> dict[int, int]:
-        return worker_ranks(self.proc.pid)
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     yaml_file = sharded_model_yaml(tmp_path_factory.mktemp("api") / "tiny.yaml", tiny_model, name="tiny",
                                    tensor=2, pipeline=1)
-    port = free_port()
-    proc = shardctl("run", "-f", str(yaml_file), "--port", str(port), "--devices", "localhost:1GiB*2",
-                    "--restarts", "0")
-    srv = Server(proc, port, "tiny")
-    try:
-        wait_for("/ready", lambda: proc.poll() is not None or (get(srv.url + "/ready") or httpx.Response(0))
-                 .status_code == 200, timeout=180)
-        assert proc.poll() is None, proc.communicate()
+    with shardctl_run(yaml_file, "tiny", "--devices", "localhost:1GiB*2") as srv:
         yield srv
-    finally:
-        stop(proc)
 
 
 def generate_json(tiny_model, *args: str) -> dict:
@@ -235,6 +207,11 @@ def test_bad_input_is_refused_with_an_openai_error_and_the_server_keeps_serving(
     assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
     assert server.complete(prompt="hello", max_tokens=2, model="tiny")["choices"][0]["finish_reason"] in (
         "length", "stop")
+
+
+@pytest.mark.parametrize("body,status,param", KILLERS)
+def test_requests_that_once_failed_the_group_are_answered_while_another_runs(server, body, status, param):
+    check_killer(server, body, status, param)
 
 
 def test_models_and_shards(server):

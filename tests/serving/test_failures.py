@@ -1,6 +1,7 @@
 """Health never lies, over real HTTP against real rank processes: not ready until every rank has
 loaded; a hung or a killed rank fails `/health` with a reason naming it within 10 s, the request
-in flight ends with an error instead of hanging, and new requests get 503 with the reason."""
+in flight ends with an error instead of hanging, and new requests get 503 with the reason. And a
+request that fails on its own fails alone: the group serves on."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -17,7 +17,10 @@ import pytest
 
 from shard_operator.local import LocalGroup, free_port, plan_local
 
-from .conftest import get, kill_all, wait_for
+from shard_worker.sequences import FAILED_ELSEWHERE
+from tests.support.checkpoints import break_embedding
+
+from .conftest import InFlight, get, kill_all, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -32,27 +35,6 @@ def plan(model_dir, tp: int, pp: int):
 def status(url: str) -> int:
     response = get(url)
     return response.status_code if response is not None else 0
-
-
-class InFlight(threading.Thread):
-    """A long streaming completion; records every event and when the stream ended."""
-
-    def __init__(self, url: str):
-        super().__init__(daemon=True)
-        self.url, self.events, self.ended = url, [], None
-        self.started = threading.Event()
-
-    def run(self) -> None:
-        body = {"prompt": "The", "max_tokens": 250, "temperature": 0, "ignore_eos": True, "stream": True}
-        try:
-            with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=120) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        self.events.append(line[6:])
-                        self.started.set()
-        finally:
-            self.ended = time.monotonic()
-            self.started.set()
 
 
 def check_the_group_is_lost(url: str, stream: InFlight, broken_at: float, rank: int) -> None:
@@ -127,3 +109,32 @@ def test_a_killed_rank_is_found_and_the_request_in_flight_ends(tiny_model, tmp_p
         group.ranks[1].process.kill()
         check_the_group_is_lost(url, stream, time.monotonic(), rank=1)
         assert group.ranks[0].process.poll() is None  # the leader stays up to say why
+
+
+def test_a_request_whose_token_cannot_be_chosen_fails_alone(tiny_model, tmp_path):
+    """Two pipeline stages serving a checkpoint whose embedding of one token is NaN: a sampled
+    request whose prompt holds it is answered 500 (the last stage could not choose its token; the
+    first stage ends that sequence alone), streamed or not, while a long stream completes; the
+    group serves on."""
+    token = json.loads((tiny_model / "config.json").read_text())["vocab_size"] - 1
+    broken = break_embedding(tiny_model, tmp_path / "broken", token)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with LocalGroup(plan(broken, 1, 2), broken, tmp_path / "group", leader_port=port,
+                    extra_env={"SHARD_HOST": "127.0.0.1"}) as group:
+        wait_for("/ready", lambda: status(url + "/ready") == 200, timeout=120)
+        stream = InFlight(url, max_tokens=100)
+        stream.start()
+        stream.started.wait(60)
+        body = {"prompt": [1, token, 40], "max_tokens": 8, "temperature": 1, "seed": 1}
+        failed = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert failed.status_code == 500
+        assert failed.json()["error"] == {"message": f"this request failed: {FAILED_ELSEWHERE}",
+                                          "type": "server_error", "param": None, "code": None}
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as streamed:
+            events = [line[6:] for line in streamed.iter_lines() if line.startswith("data: ")]
+        assert json.loads(events[-1])["error"]["type"] == "server_error"
+        stream.join(120)
+        assert len(stream.token_ids()) == 100  # the request beside it ran to its end
+        assert status(url + "/health") == 200 and all(r.process.poll() is None for r in group.ranks)
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200

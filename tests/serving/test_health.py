@@ -15,7 +15,8 @@ import torch.distributed as dist
 from shard_contract.plan import PredictedBytes, RankPlan
 from shard_contract.wire import Completion, GenerateRequest, ResidentBytes
 from shard_operator.local import free_port
-from shard_worker.batcher import EngineLoop, Pending, Sink, Unavailable, take_batch, take_joiners
+from shard_worker.batcher import (Done, EngineLoop, Failed, Pending, Sink, Step, Unavailable, take_batch,
+                                  take_joiners)
 from shard_worker.engine import RequestError
 from shard_worker.health import (
     ForgedRecord,
@@ -270,6 +271,9 @@ class ScriptedEngine:
         seqs = [SequenceState(r, (), index=i) for i, r in enumerate(requests)]
         if script == "ok":
             return self._step(seqs, seqs, hooks)
+        if script == "one fails":  # the last sequence fails alone (its token could not be chosen)
+            self._step(seqs, seqs[:-1], hooks)
+            return hooks.finished(seqs[-1], Completion(token_ids=[], finish_reason="error", error="no token"))
         self._step(seqs, [], hooks)
         for col in range(10, self.max_len + 1):
             self.tick.acquire(timeout=10)
@@ -316,17 +320,38 @@ async def test_requests_waiting_together_run_as_one_batch_and_all_end():
     thread.start()
     events = [await result(s) for s in sinks]
     assert engine.batches == [4, 2]
-    assert events[0] == ("step", [7, 8]) and (await result(sinks[0]))[0] == "done"  # streamed, then done
-    assert [e[0] for e in events[1:4]] == ["done"] * 3
-    assert events[4] == ("error", 400, "too long") == events[5]  # refused batch; the group is fine
+    assert events[0] == Step([7, 8]) and isinstance(await result(sinks[0]), Done)  # streamed, then done
+    assert all(isinstance(e, Done) for e in events[1:4])
+    assert events[4] == Failed(400, "too long") == events[5]  # refused batch; the group is fine
     later = Sink(aio, stream=False)
     loop.submit(Pending(req(3, 4), later))
-    assert (await result(later))[0] == "done"
+    assert isinstance(await result(later), Done)
     await asyncio.sleep(0.2)
     assert engine.heartbeats > 0  # idle: the followers are kept from timing out
     loop.close()
     thread.join(5)
     assert engine.shut and not thread.is_alive()
+
+
+async def test_a_sequence_that_fails_alone_fails_its_request_only():
+    engine = ScriptedEngine(["one fails", "ok"])
+    counted = metrics()
+    loop = EngineLoop(engine, max_batch=4, max_len=64, metrics=counted, idle_seconds=0.05)
+    aio = asyncio.get_running_loop()
+    sinks = [Sink(aio, stream=False) for _ in range(3)]
+    for s in sinks:
+        loop.submit(Pending(req(3, 4), s))
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    assert [type(await result(s)) for s in sinks[:2]] == [Done, Done]
+    assert await result(sinks[2]) == Failed(500, "this request failed: no token")
+    later = Sink(aio, stream=False)
+    loop.submit(Pending(req(3, 4), later))
+    assert isinstance(await result(later), Done) and not loop.lost  # the group serves on
+    assert counted.m.get("shard_requests", outcome="failed")._value.get() == 1
+    loop.close()
+    thread.join(5)
+    assert engine.shut
 
 
 def delivered(sink: Sink) -> list:
@@ -346,23 +371,23 @@ async def test_waiting_requests_join_the_running_batch_when_they_fit_and_are_ans
     loop.submit(Pending(req(3, 12), first))
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
-    assert await result(first) == ("step", [7, 8])  # it runs
+    assert await result(first) == Step([7, 8])  # it runs
     loop.submit(Pending(req(12, 2), long_prompt))  # its prompt ends past column 10: it must wait
     loop.submit(Pending(req(3, 2), short))
     loop.submit(Pending(req(20, 1), never))
-    assert await result(never) == ("error", 400, "never fits")  # refused at once, never queued
+    assert await result(never) == Failed(400, "never fits")  # refused at once, never queued
     engine.tick.release()  # the step at column 10: the short one joins, passing the long prompt
-    assert (await result(short))[0] == "done"
-    assert delivered(first) == [("step", [7, 8])]  # the first is still running: a step, no answer
+    assert isinstance(await result(short), Done)
+    assert delivered(first) == [Step([7, 8])]  # the first is still running: a step, no answer
     engine.tick.release()  # column 11: nobody fits
     engine.tick.release()  # column 12: the long prompt joins
-    assert (await result(long_prompt))[0] == "done"
+    assert isinstance(await result(long_prompt), Done)
     assert engine.joined == [(10, 1), (12, 2)] and engine.batches == [1]
     engine.finish.set()
     engine.tick.release()
-    while (event := await result(first))[0] == "step":
+    while isinstance(event := await result(first), Step):
         pass
-    assert event[0] == "done"
+    assert isinstance(event, Done)
     loop.close()
     thread.join(5)
     assert not thread.is_alive()
@@ -378,7 +403,7 @@ async def test_a_client_that_leaves_is_dropped_from_the_queue_or_stopped_at_the_
     loop.submit(running)
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
-    assert await result(running.sink) == ("step", [7, 8])
+    assert await result(running.sink) == Step([7, 8])
     loop.submit(waiting)
     loop.cancel(waiting)
     loop.cancel(running)
@@ -411,8 +436,8 @@ async def test_a_lost_group_fails_running_and_waiting_requests_and_refuses_new_o
     loop.submit(Pending(req(3, 4), waiting))
     loop.fail_all("rank 1 has sent no heartbeat for 5.0 s (dead or hung)")  # as the health monitor does
     for sink in (running, waiting):
-        assert await result(sink) == ("error", 503, "the group failed: rank 1 has sent no heartbeat for 5.0 s "
-                                                    "(dead or hung)")
+        assert await result(sink) == Failed(503, "the group failed: rank 1 has sent no heartbeat for 5.0 s "
+                                                 "(dead or hung)")
     with pytest.raises(Unavailable, match="no heartbeat"):
         loop.submit(Pending(req(3, 4), Sink(aio, stream=False)))
     engine.release.set()  # the stuck collective finally errors: nothing more to tell anyone
@@ -427,8 +452,8 @@ async def test_a_failing_collective_fails_the_batch_with_its_error():
     loop.submit(Pending(req(3, 4), sink))
     thread = threading.Thread(target=lambda: pytest.raises(RuntimeError, loop.run))
     thread.start()
-    assert await result(sink) == ("error", 503, "the group failed: RuntimeError: [gloo] Connection closed by peer "
-                                                "[127.0.0.1]:1234")
+    assert await result(sink) == Failed(503, "the group failed: RuntimeError: [gloo] Connection closed by peer "
+                                             "[127.0.0.1]:1234")
     thread.join(5)
 
 

@@ -30,9 +30,17 @@ def refused(model, body: bytes) -> ApiError:
     (b'{"prompt": {"text": "x"}}', "prompt", None),
     (b'{"max_tokens": 3}', "prompt", "Field required"),
     (b'{"prompt": "x", "colour": "blue"}', "colour", "Extra inputs are not permitted"),
-    (b'{"prompt": "x", "n": 2}', None, "n=2 is not supported by this server"),
-    (b'{"prompt": "x", "logprobs": 3}', None, "logprobs=3 is not supported"),
-    (b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', None, "at most 4 non-empty strings"),
+    (b'{"prompt": "x", "n": 2}', "n", "Input should be 1 (got 2)"),  # not implemented: the default only
+    (b'{"prompt": "x", "logprobs": 3}', "logprobs", "less than or equal to 0 (got 3)"),
+    (b'{"prompt": "x", "presence_penalty": 0.5}', "presence_penalty", "less than or equal to 0"),
+    (b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "stop", "at most 4 items"),
+    (b'{"prompt": "x", "stop": ["a", ""]}', "stop.1", "at least 1 character"),
+    # the ranges of OpenAI's API: a seed is a signed 64-bit integer; no NaN or infinity anywhere
+    (b'{"prompt": "x", "seed": 18446744073709551616}', "seed", "less than or equal to 9223372036854775807"),
+    (b'{"prompt": "x", "seed": -9223372036854775809}', "seed", "greater than or equal to"),
+    (b'{"prompt": "x", "temperature": NaN}', "temperature", None),
+    (b'{"prompt": "x", "top_p": Infinity}', "top_p", None),
+    (b'{"prompt": "\\ud800"}', None, "not valid JSON"),  # a lone surrogate: no text to tokenize
 ])
 def test_bad_completion_bodies_are_400_naming_the_field(body, param, message):
     err = refused(CompletionRequest, body)
@@ -41,6 +49,12 @@ def test_bad_completion_bodies_are_400_naming_the_field(body, param, message):
         assert message in err.message
     assert err.body() == {"error": {"message": err.message, "type": "invalid_request_error", "param": param,
                                     "code": None}}
+
+
+def test_a_whole_number_is_an_integer_whatever_its_spelling():
+    body = openai.parse(CompletionRequest, b'{"prompt": [[5.0, 6]], "max_tokens": 8.0, "seed": -3.0}')
+    assert (body.prompt, body.max_tokens, body.seed) == ([[5, 6]], 8, -3)
+    assert refused(CompletionRequest, b'{"prompt": "x", "max_tokens": 8.5}').param == "max_tokens"
 
 
 def test_chat_bodies():
@@ -65,6 +79,27 @@ def test_empty_or_several_prompts_are_refused(prompt):
     with pytest.raises(ApiError, match="prompt") as info:
         openai.prompt_of(openai.parse(CompletionRequest, f'{{"prompt": {prompt}}}'.encode()))
     assert info.value.status == 400
+    error = info.value.body()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "prompt", None)
+
+
+def test_the_documented_schema_carries_the_accepted_ranges():
+    schemas = openai.request_schemas("llama", vocab_size=100, max_len=64)
+    fields = schemas["CompletionRequest"]["properties"]
+    temperature, top_p, seed = (fields[name]["anyOf"][0] for name in ("temperature", "top_p", "seed"))
+    assert (temperature["minimum"], temperature["maximum"]) == (0.0, 2.0)
+    assert (top_p["exclusiveMinimum"], top_p["maximum"]) == (0.0, 1.0)
+    assert (seed["minimum"], seed["maximum"]) == (-2**63, 2**63 - 1)
+    assert fields["n"]["const"] == 1
+    # what only the group knows: its model, its vocabulary, its context
+    assert fields["model"]["anyOf"][0]["enum"] == ["llama"]
+    assert (fields["max_tokens"]["anyOf"][0]["minimum"], fields["max_tokens"]["anyOf"][0]["maximum"]) == (1, 64)
+    ids = fields["prompt"]["anyOf"][1]["items"]
+    assert (ids["minimum"], ids["maximum"]) == (0, 99) and "x-group-limit" not in str(schemas)
+    assert fields["stop"]["anyOf"][1]["maxItems"] == 4 and fields["stop"]["anyOf"][0]["minLength"] == 1
+    assert set(schemas) >= {"CompletionRequest", "ChatRequest", "ChatMessage"}
+    assert openai.request_body(ChatRequest)["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ChatRequest"}
 
 
 def generate(body: str, ids: list[int], max_tokens: int | None = 4, has_tokenizer: bool = True):

@@ -118,6 +118,25 @@ def write_tokenizer(directory: str | Path, vocab_size: int) -> Path:
     return path
 
 
+def break_embedding(source: str | Path, directory: str | Path, token: int) -> Path:
+    """A copy of the checkpoint in `source` whose embedding of `token` is all NaN: a sequence whose
+    prompt holds it gets NaN logits, the others are untouched (rows never mix)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    directory = Path(shutil.copytree(source, directory))
+    for path in directory.glob("*.safetensors"):
+        with safe_open(path, "pt") as f:
+            if "model.embed_tokens.weight" not in f.keys():
+                continue
+        tensors = load_file(path)
+        tensors["model.embed_tokens.weight"][token] = float("nan")
+        save_file(tensors, path, metadata={"format": "pt"})
+    return directory
+
+
 def load_hf(directory: str | Path, dtype: str = "float32"):
     """The checkpoint as an HF model in eval mode (the reference the worker is compared with)."""
     import torch

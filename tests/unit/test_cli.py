@@ -81,6 +81,19 @@ def test_bad_input_exits_1(capsys, argv, message):
     assert code == 1 and message in err
 
 
+def test_run_refuses_an_api_key_file_it_cannot_use_before_any_rank_starts(capsys, hf_checkpoint, tmp_path):
+    directory, _ = hf_checkpoint()
+    key_file = tmp_path / "key"
+    for key in (None, "", " \n"):
+        if key is not None:
+            key_file.write_text(key)
+        code, out, err = run(capsys, "run", "-f", str(EXAMPLES / "shardedmodel.yaml"), "--model-dir", str(directory),
+                             "--devices", "local:300MiB*2", "--api-key-file", str(key_file))
+        assert code == 1 and f"shardctl: SHARD_API_KEY_FILE {key_file}" in err
+        assert ("No such file or directory" if key is None else "is empty") in err
+        assert "starting" not in out  # no rank was started
+
+
 def test_invalid_parallelism_is_bad_input_not_infeasible(capsys, tmp_path):
     text = (EXAMPLES / "llama-70b.yaml").read_text().replace("tensor: auto", "tensor: 3")
     (tmp_path / "models").symlink_to(EXAMPLES / "models")

@@ -1,4 +1,5 @@
-"""The worker's pure pieces: config reading, RoPE, masks, the prefill schedule, sampling, stopping."""
+"""The worker's pure pieces: config reading, RoPE, masks, the prefill schedule, stopping (sampling:
+test_sampling.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from shard_worker.config import ConfigError, ModelConfig
 from shard_worker.dist import Topology
 from shard_worker.model import attention_mask, rope_inv_freq
 from shard_worker.pipeline import prefill_units, split
-from shard_worker.sampling import choose, generators, top_p_probs
 from shard_worker.sequences import SequenceState
 from tests.support.checkpoints import LLAMA3_ROPE, hf_config
 
@@ -107,23 +107,7 @@ def test_topology_neighbours():
     assert Topology(rank=0, tp=2, pp=3).stage_ranks(1) == [2, 3]
 
 
-# ---------------------------------------------------------------- sampling and stopping
-def test_top_p_keeps_the_smallest_head_reaching_the_mass():
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    probs = top_p_probs(logits, 1.0, 0.7)
-    torch.testing.assert_close(probs, torch.tensor([0.5, 0.3, 0.0, 0.0]) / 0.8)
-    assert top_p_probs(logits, 1.0, 0.01).tolist() == [1.0, 0.0, 0.0, 0.0]
-
-
-def test_seeded_sampling_repeats_and_greedy_ignores_seed():
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
-    reqs = [GenerateRequest(prompt_ids=[1], temperature=1.0, seed=s) for s in (1, 1, 2)]
-    draws = [choose(logits, reqs, generators(reqs)).tolist() for _ in range(2)]
-    assert draws[0] == draws[1]
-    greedy = [GenerateRequest(prompt_ids=[1])] * 3
-    assert choose(logits, greedy, generators(greedy)).tolist() == logits.argmax(-1).tolist()
-
-
+# ---------------------------------------------------------------- stopping
 class WordTokenizer:
     def decode(self, ids):
         return " ".join(f"w{i}" for i in ids)

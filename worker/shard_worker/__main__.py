@@ -2,7 +2,7 @@
 (`shard_contract.env.WorkerEnv`) and the Plan file it names. The same entry point runs in a
 pod and as a local process of `shardctl`.
 
-Without SHARD_TASK, every rank serves HTTP (`server.py`: the OpenAI-compatible API on rank 0,
+Without SHARD_TASK, every rank serves HTTP (`rank.py`: the OpenAI-compatible API on rank 0,
 health, readiness and metrics on all). With it, the leader (rank 0) runs that one-shot task and
 writes the result to SHARD_RESULT; every other rank follows the leader's commands until it says
 shutdown.
@@ -24,14 +24,11 @@ from .accounting import MemorySample
 from .config import ConfigError
 from .dist import RendezvousError
 from .engine import RequestError
+from .log import log
 from .runtime import PlanMismatch, Worker
 
 # Errors whose message says it all: printed as one line, no traceback.
 KNOWN_ERRORS = (CheckpointError, ConfigError, RendezvousError, RequestError, PlanMismatch)
-
-
-def log(worker_rank: int, message: str) -> None:
-    print(f"[shard_worker rank {worker_rank}] {message}", file=sys.stderr, flush=True)
 
 
 def run_task(worker: Worker, task_path: str, result_path: str) -> None:
@@ -49,7 +46,7 @@ def run_task(worker: Worker, task_path: str, result_path: str) -> None:
 def main() -> int:
     serving = not os.environ.get(TASK_ENV)
     if serving:  # before the baseline: the server's libraries belong to the bare process
-        from . import server
+        from . import rank
     baseline = MemorySample.take()  # the bare process: interpreter, torch, this package
     try:
         env = WorkerEnv.from_env()
@@ -58,17 +55,14 @@ def main() -> int:
         print(f"shard_worker: {err}", file=sys.stderr)
         return 1
     if serving:  # every rank serves HTTP (the API on rank 0) until it is stopped
-        return server.serve(env, plan, baseline, KNOWN_ERRORS)
+        return rank.serve(env, plan, baseline, KNOWN_ERRORS)
     start = time.perf_counter()
     try:
         worker = Worker.start(env, plan, baseline)
     except KNOWN_ERRORS as err:
         log(env.rank, f"{type(err).__name__}: {err}")
         return 1
-    r, rp = worker.resident, worker.rank_plan
-    log(env.rank, f"stage {rp.stage} tp {rp.tp_rank} layers {list(rp.layers)}: loaded in {worker.load_seconds:.2f}s "
-                  f"(ready in {time.perf_counter() - start:.2f}s); weights {r.weights / 2**20:.1f} MiB, "
-                  f"KV cache {r.kv_cache / 2**20:.1f} MiB resident")
+    log(env.rank, worker.loaded(time.perf_counter() - start))
     try:
         if not worker.topo.is_leader:
             worker.engine.follow()

@@ -16,7 +16,8 @@ A request whose client hangs up (`cancel`) leaves the queue, or stops at the nex
 and frees its row (`Hooks.cancelled`).
 
 Only the engine thread touches torch.distributed. The HTTP side talks to it through `Sink`s:
-each request's events are handed to its asyncio loop, never awaited by the engine.
+each request's events (`Step`, then one `Done` or `Failed`) are handed to its asyncio loop, never
+awaited by the engine.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Sequence
 from shard_contract.wire import Completion, GenerateRequest
 
 from .engine import Engine, Hooks, RequestError, SequenceState, fits_at
+from .log import first_line
 from .rankmetrics import RankMetrics
 
 MAX_WAITING = 256
@@ -77,9 +79,35 @@ def take_joiners(waiting: Sequence[GenerateRequest], free_rows: int, col: int, m
     return chosen
 
 
+@dataclass(frozen=True)
+class Step:
+    """A streaming request's tokens so far (all of them)."""
+
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
+class Done:
+    """The request is answered."""
+
+    completion: Completion
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request ends without an answer: refused (400), failed alone (500), or the group cannot
+    run it (503)."""
+
+    status: int
+    reason: str
+
+
+Event = Step | Done | Failed
+
+
 class Sink:
     """Where one request's events go. Called from the engine thread (or the health monitor),
-    delivered on the request's asyncio loop; after the first final event, silent."""
+    delivered on the request's asyncio loop; after the first final event (Done, Failed), silent."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool):
         self.loop, self.stream = loop, stream
@@ -89,7 +117,7 @@ class Sink:
         self._closed = False
         self._lock = threading.Lock()
 
-    def _post(self, event: tuple) -> None:
+    def _post(self, event: Event) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
         except RuntimeError:  # the loop is closed: the server has gone
@@ -102,7 +130,7 @@ class Sink:
             if self.first_token_at is None:
                 self.first_token_at = time.monotonic()
             if self.stream:
-                self._post(("step", list(tokens)))
+                self._post(Step(list(tokens)))
 
     def _close(self) -> bool:
         """Mark the request ended; False when it had ended already (only the first end counts)."""
@@ -113,7 +141,7 @@ class Sink:
     def done(self, completion: Completion) -> bool:
         if not self._close():
             return False
-        self._post(("done", completion))
+        self._post(Done(completion))
         return True
 
     def abandon(self) -> bool:
@@ -123,7 +151,7 @@ class Sink:
     def fail(self, reason: str, status: int = 503) -> bool:
         if not self._close():
             return False
-        self._post(("error", status, reason))
+        self._post(Failed(status, reason))
         return True
 
 
@@ -209,7 +237,7 @@ class EngineLoop:
                 else:
                     self.engine.heartbeat()  # keep the followers' collective timeout from expiring
         except Exception as err:  # a collective failed: a rank died, or the group timed out
-            self.fail_all(f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
+            self.fail_all(first_line(err))
             raise
         finally:
             self._finish()
@@ -271,7 +299,10 @@ class EngineLoop:
 
     def _finished(self, seq: SequenceState, completion: Completion) -> None:
         sink = self.running[seq.index].sink
-        if sink.done(completion):
+        if completion.finish_reason == "error":
+            if sink.fail(f"this request failed: {completion.error}", 500):
+                self.metrics.outcome("failed")
+        elif sink.done(completion):
             now = time.monotonic()
             first = sink.first_token_at or now
             self.metrics.finished(now - sink.arrived, first - sink.arrived, len(completion.token_ids))

@@ -13,6 +13,9 @@ cancelled: their clients hung up) sequences: the leader's batcher chooses them, 
 tells its first-stage TP peers who joins and who is cancelled at every step, with one small
 message (an empty one costs a shared-memory round where the peers share a machine, else one
 gloo broadcast); the later stages learn of each join from a JOIN header in the pipeline.
+
+A sequence fails alone: a row whose token cannot be chosen comes back FAILED from every sampling
+rank alike (`sampling.py`), and the first stage ends that sequence while the batch runs on.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ from shard_contract.wire import Completion, GenerateRequest
 from .accounting import Accounting
 from .dist import Comm
 from .model import KVCache, Rotary, Stage, Step
+from .log import log
 from .pipeline import Join, Link, Unit, prefill_units
-from .sampling import choose
 from .sequences import Rows, Sequences, SequenceState
 
 
@@ -52,9 +55,10 @@ class Hooks:
     at most `free_rows`, in order; each must fit (prompt <= col, col + max_new_tokens - 1 <=
     maxModelLen). step(sequences): the sequences that took a token in a step (the first batch's
     prefill, or one decode step with the prefills of those that joined at it). finished(sequence,
-    completion): a sequence has stopped; its row is free from the next step on. cancelled(): the
-    sequences (by index) whose clients have gone since the last call: they stop at this step
-    boundary, unanswered, and their rows are free for those who join at it.
+    completion): a sequence has stopped (finish_reason "error": it failed alone, the batch runs on);
+    its row is free from the next step on. cancelled(): the sequences (by index) whose clients have
+    gone since the last call: they stop at this step boundary, unanswered, and their rows are free
+    for those who join at it.
     """
 
     admit: Callable[[int, int], list[GenerateRequest]]
@@ -209,7 +213,9 @@ class Engine:
                 return_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         with self.acct.computing():
             logits = self.stage.logits(hidden[:, -1])
-            tokens = choose(logits, rows.requests[unit.r0:unit.r1], rows.gens[unit.r0:unit.r1])
+            tokens, failed = rows.choose(unit.r0, logits)
+        for row, why in failed.items():  # that request fails alone (every sampler meets the same)
+            log(self.topo.rank, f"the sequence in row {row} failed: {why}")
         return tokens, (logits if return_logits else None)
 
     def _pass(self, work: list[tuple[Unit, torch.Tensor]], rows: Rows,
@@ -242,8 +248,8 @@ class Engine:
         tokens, logits = self._prefill(requests, rows, vocab)
         out.logits += [logits.cpu()] if logits is not None else []
         out.prefill_seconds = time.perf_counter() - start
-        seqs.next_tokens[first] = tokens.cpu()
-        self._report(seqs.add(first, tokens.tolist()), hooks)
+        seqs.feed(first, tokens)
+        self._report(seqs.add(first, tokens.tolist(), rows.failures), hooks)
 
         col = self._prompt_cols
         while seqs.live():
@@ -256,8 +262,9 @@ class Engine:
             unit = Unit(lo, hi, col, col + 1, emits=True)
             tokens, logits = self._pass([(unit, seqs.next_tokens[lo:hi].view(hi - lo, 1))], rows, vocab)
             out.logits += [logits.cpu()] if logits is not None else []
-            took = seqs.add(joined, join_tokens) + seqs.add(list(range(lo, hi)), tokens.tolist())
-            seqs.next_tokens[lo:hi] = tokens.cpu()
+            took = seqs.add(joined, join_tokens, rows.failures) + seqs.add(list(range(lo, hi)), tokens.tolist(),
+                                                                             rows.failures)
+            seqs.feed(slice(lo, hi), tokens)
             self._report(list(dict.fromkeys(took)), hooks)  # a joiner took two tokens: report it once
             col += 1
             out.decode_steps += 1
@@ -309,7 +316,7 @@ class Engine:
             work += [(u, prompt[:, u.c0 - pad:u.c1 - pad]) for u in prefill_units((row, row + 1), (pad, col),
                                                                                    self.topo.pp)]
         tokens, _ = self._pass(work, rows, None)
-        seqs.next_tokens[joined] = tokens.cpu()
+        seqs.feed(joined, tokens)
         return joined, tokens.tolist()
 
     def _orders(self, seqs: Sequences, col: int, hooks: Hooks | None) -> list[GenerateRequest]:

@@ -125,6 +125,13 @@ class Worker:
         return cls(env=env, plan=plan, rank_plan=rank_plan, comm=comm, stage=stage, cache=cache, rotary=rotary,
                    acct=acct, baseline=baseline, resident=resident, allocated=allocated, load_seconds=stats.seconds)
 
+    def loaded(self, ready_seconds: float) -> str:
+        """What the rank says once it has loaded (`ready_seconds` since it started)."""
+        r, rp = self.resident, self.rank_plan
+        return (f"stage {rp.stage} tp {rp.tp_rank} layers {list(rp.layers)}: loaded in {self.load_seconds:.2f}s "
+                f"(ready in {ready_seconds:.2f}s); weights {r.weights / 2**20:.1f} MiB, "
+                f"KV cache {r.kv_cache / 2**20:.1f} MiB resident")
+
     def report(self) -> dict:
         now = MemorySample.take(self.stage.device)
         resident = self.resident.model_copy(update={"peak": now.peak_rss - self.baseline.rss})

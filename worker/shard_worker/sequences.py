@@ -9,13 +9,17 @@ its new padding masks out what the old sequence left in the row.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
 from shard_contract.wire import Completion, GenerateRequest
 
-from .sampling import generators
+from .log import first_line
+from .sampling import FAILED, choose, generator
+
+# Why a sequence failed when its token came back FAILED from another stage (that rank logged why).
+FAILED_ELSEWHERE = "choosing its next token failed on the last pipeline stage (that rank's log says why)"
 
 
 class SequenceState:
@@ -27,26 +31,43 @@ class SequenceState:
         self.stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else set(eos_ids))
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def fail(self, why: str) -> None:
+        """This sequence ends with an error; the batch runs on. Every first-stage rank decides it
+        alike: from the same token, or the same exception over the same state."""
+        self.finish_reason, self.error = "error", why
+
     def add(self, token: int, tokenizer: Any) -> None:
         if self.finish_reason is not None:
             return
         self.tokens.append(token)
-        if token in self.stop_ids:
-            self.finish_reason = "stop"
-        elif self.request.stop and _find_stop(tokenizer.decode(self.tokens), self.request.stop) is not None:
-            self.finish_reason = "stop"
-        elif len(self.tokens) >= self.request.max_new_tokens:
-            self.finish_reason = "length"
+        try:
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
+            elif self.request.stop and _find_stop(tokenizer.decode(self.tokens), self.request.stop) is not None:
+                self.finish_reason = "stop"
+            elif len(self.tokens) >= self.request.max_new_tokens:
+                self.finish_reason = "length"
+        except Exception as err:  # noqa: BLE001 -- the stop strings of this request only
+            self.fail(f"checking its stop strings failed: {first_line(err)}")
 
     def completion(self, tokenizer: Any) -> Completion:
+        """What this sequence answers. Changes nothing, so a failure to decode (which only the
+        leader may meet: it alone decodes every answer) fails this answer alone."""
+        if self.error is not None:
+            return Completion(token_ids=self.tokens, finish_reason="error", error=self.error)
         text = None
         if tokenizer is not None:
-            text = tokenizer.decode(self.tokens)
+            try:
+                text = tokenizer.decode(self.tokens)
+            except Exception as err:  # noqa: BLE001 -- this answer's text only
+                return Completion(token_ids=self.tokens, finish_reason="error",
+                                  error=f"decoding its tokens failed: {first_line(err)}")
             cut = _find_stop(text, self.request.stop)
             text = text if cut is None else text[:cut]
         return Completion(token_ids=self.tokens, text=text, finish_reason=self.finish_reason or "length")
@@ -59,22 +80,35 @@ def _find_stop(text: str, stops: list[str]) -> int | None:
 
 class Rows:
     """What every stage keeps per cache row: its left padding and, on the last stage (`sampler`),
-    the request and seeded generator it samples with. Rows [0, used) have held a sequence. A decode
-    step computes the rows from the first to the last running sequence (a finished row between
-    them is computed, its results ignored until it is reused)."""
+    the request and seeded generator it samples with, and why its sampling failed if it did.
+    Rows [0, used) have held a sequence. A decode step computes the rows from the first to the
+    last running sequence (a finished row between them is computed, its results ignored until it
+    is reused)."""
 
     def __init__(self, capacity: int, sampler: bool):
         self.pads = torch.zeros(capacity, dtype=torch.int64)
         self.requests: list[GenerateRequest | None] = [None] * capacity
         self.gens: list[torch.Generator | None] = [None] * capacity
+        self.failures: dict[int, str] = {}
         self.sampler, self.used = sampler, 0
 
     def place(self, row: int, request: GenerateRequest, pad: int) -> None:
         self.pads[row] = pad
         self.requests[row] = request
+        self.failures.pop(row, None)
         if self.sampler:
-            self.gens[row] = generators([request])[0]
+            self.gens[row] = generator(request)
         self.used = max(self.used, row + 1)
+
+    def choose(self, r0: int, logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, str]]:
+        """The next tokens of rows [r0, r0 + len(logits)), and the rows whose sampling failed now
+        (FAILED), with why. Such a row is greedy from then on: its sequence has ended, and what
+        it gets until the row is reused goes unused."""
+        tokens, failed = choose(logits, self.requests[r0:r0 + len(logits)], self.gens[r0:r0 + len(logits)])
+        failed = {r0 + i: why for i, why in failed.items()}
+        for row, why in failed.items():
+            self.failures[row], self.gens[row] = why, None
+        return tokens, failed
 
 
 class Sequences:
@@ -114,12 +148,21 @@ class Sequences:
     def live(self) -> bool:
         return bool(self._running_rows())
 
-    def add(self, rows: list[int], tokens: list[int]) -> list[SequenceState]:
-        """Give each row's sequence its token; the sequences that were still running took one."""
+    def feed(self, rows: list[int] | slice, tokens: torch.Tensor) -> None:
+        """The rows' next inputs. A FAILED token's row may still be computed (between running
+        rows) until it is reused: it is fed token 0."""
+        self.next_tokens[rows] = tokens.cpu().clamp(min=0)
+
+    def add(self, rows: list[int], tokens: list[int], failures: Mapping[int, str]) -> list[SequenceState]:
+        """Give each row's sequence its token; the sequences that were still running took one (a
+        FAILED token fails its sequence, with why from `failures` when this rank sampled it)."""
         took = []
         for row, token in zip(rows, tokens):
             seq = self.by_row[row]
             if seq is not None and not seq.finished:
-                seq.add(token, self.tokenizer() if seq.request.stop else None)
+                if token == FAILED:
+                    seq.fail(failures.get(row, FAILED_ELSEWHERE))
+                else:
+                    seq.add(token, self.tokenizer() if seq.request.stop else None)
                 took.append(seq)
         return took

@@ -1,0 +1,196 @@
+"""One serving rank's life: its state, its threads, its signals and its exit.
+
+A rank serves HTTP (`app.py`) from the moment it starts, while its engine thread joins the group
+and loads. Threads of one rank: uvicorn's event loop on the main thread (it owns SIGTERM /
+SIGINT); the engine thread, which joins the group, loads, and then runs batches (leader: the
+`batcher.EngineLoop`) or follows the leader's commands (others); and the heartbeat thread
+(`health.py`). Only the engine thread touches torch.distributed.
+
+A rank stops on SIGTERM / SIGINT (the leader first finishes its batch and tells the followers),
+when the leader says shutdown (a follower), or when it fails to load; it exits 0, or 1 when it
+failed. SHARD_HOST (default 0.0.0.0) is the address to listen on; `shardctl run` binds 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, NoReturn
+
+import uvicorn
+from fastapi import FastAPI
+
+from shard_contract.env import WorkerEnv
+from shard_contract.plan import Plan
+from shard_contract.wire import ShardEntry, ShardsResponse
+
+from .accounting import MemorySample
+from .app import build_app
+from .batcher import EngineLoop, Unavailable
+from .health import Heartbeat, Record, Verdict, memory_problems, read_group_key
+from .log import first_line, log
+from .rankmetrics import RankMetrics
+from .runtime import Worker
+
+HOST_ENV = "SHARD_HOST"
+GRACEFUL_SECONDS = 10.0  # in-flight requests get this long to finish on SIGTERM
+JOIN_SECONDS = 15.0
+
+
+class Rank:
+    """One rank: its state and its group's verdict, its engine thread and heartbeat."""
+
+    def __init__(self, env: WorkerEnv, plan: Plan, baseline: MemorySample, known_errors: tuple[type, ...] = ()):
+        self.env, self.plan, self.baseline, self.known_errors = env, plan, baseline, known_errors
+        self.rank_plan = plan.rank_plan(env.replica, env.rank)
+        self.leader = env.rank == 0
+        self.metrics = RankMetrics(env.model_name, env.replica, self.rank_plan, self.leader)
+        self.worker: Worker | None = None
+        self.state, self.error, self.problems = "loading", "", []
+        self.progress: tuple[int, int] | None = None  # set by the engine thread as it loads
+        self.loop: EngineLoop | None = None
+        self.heartbeat = Heartbeat(env.master_addr, env.master_port, env.rank, env.world_size, self._record,
+                                   read_group_key(env.group_secret_file), on_lost=self._lost,
+                                   on_rejected=self._rejected)
+        self.exit_code = 0
+        self.server: uvicorn.Server | None = None
+        self.engine_thread = threading.Thread(target=self._engine, name="engine", daemon=True)
+
+    # ------------------------------------------------------------ state
+    def _record(self, seq: int) -> Record:
+        report = self.worker.report() if self.worker is not None else None
+        return Record(rank=self.env.rank, seq=seq, state=self.state, problems=self.problems, error=self.error,
+                      report=report, progress=self.progress)
+
+    def _lost(self, reason: str) -> None:
+        log(self.env.rank, f"the group is lost: {reason}")
+        if self.loop is not None:
+            self.loop.fail_all(reason)
+
+    def _rejected(self, reason: str) -> None:
+        log(self.env.rank, f"ignored a heartbeat record: {reason}")
+        self.metrics.heartbeat_rejected()
+
+    def verdict(self) -> Verdict:
+        if self.state == "failed":
+            return Verdict(False, False, f"rank {self.env.rank} failed: {self.error}", {})
+        verdict = self.heartbeat.verdict()
+        if self.state == "broken" and verdict.alive:  # before the heartbeats name the cause
+            return Verdict(False, False, f"rank {self.env.rank} lost its group: {self.error}", verdict.ranks_alive)
+        if verdict.alive and verdict.ready and self.leader and (self.loop is None or not self.loop.started.is_set()):
+            return Verdict(True, False, "the leader's engine is starting", verdict.ranks_alive)
+        return verdict
+
+    def ready_loop(self) -> EngineLoop:
+        """The leader's engine loop, when the group is ready to take requests; else Unavailable."""
+        verdict = self.verdict()
+        if not verdict.ready or self.loop is None:
+            raise Unavailable(verdict.reason or "the group is not ready")
+        return self.loop
+
+    def shards(self) -> ShardsResponse:
+        """`GET /v1/shards`: every rank of the plan, with its latest published report once it has
+        loaded."""
+        verdict, records = self.verdict(), self.heartbeat.records()
+        ranks = []
+        for rp in self.plan.group(self.env.replica):
+            record = records.get(rp.rank)
+            measured: dict[str, Any] = dict(record.report) if record is not None and record.report else {}
+            measured["alive"] = verdict.ranks_alive.get(rp.rank, verdict.alive)
+            measured["state"] = record.state if record is not None else "starting"
+            measured["problems"] = record.problems if record is not None else []
+            if record is not None and record.progress:
+                measured["load_progress"] = {"loaded": record.progress[0], "total": record.progress[1]}
+            ranks.append(ShardEntry.planned(rp, **measured))
+        group = next(g for g in self.plan.groups if g.replica == self.env.replica)
+        return ShardsResponse(model=self.env.model_name, replica=self.env.replica, ready=verdict.ready,
+                              reason=verdict.reason, predicted_step_seconds=group.critical_path_seconds, ranks=ranks)
+
+    def _stop_serving(self, code: int) -> None:
+        self.exit_code = code
+        if self.server is not None:
+            self.server.should_exit = True
+
+    # ------------------------------------------------------------ the engine thread
+    def _engine(self) -> None:
+        rank = self.env.rank
+        start = time.perf_counter()
+        try:
+            worker = Worker.start(self.env, self.plan, self.baseline,
+                                  progress=lambda loaded, total: setattr(self, "progress", (loaded, total)))
+        except BaseException as err:  # noqa: BLE001 -- reported, and the process exits non-zero
+            self.state, self.error = "failed", first_line(err)
+            known = isinstance(err, self.known_errors)
+            log(rank, f"{type(err).__name__}: {err}" if known else traceback.format_exc())
+            self._stop_serving(1)
+            return
+        log(rank, worker.loaded(time.perf_counter() - start))
+        self.problems = memory_problems(self.rank_plan, worker.resident, self.env.memory_budget_bytes)
+        for problem in self.problems:
+            log(rank, f"memory check failed: {problem}")
+        self.worker = worker
+        self.state = "ready"
+        try:
+            if self.leader:
+                idle = max(1.0, min(30.0, self.env.rendezvous_timeout / 4))
+                self.loop = EngineLoop(worker.engine, self.plan.max_batch_size, self.plan.max_model_len,
+                                       self.metrics, idle_seconds=idle)
+                self.loop.run()
+            else:
+                worker.engine.follow()  # until the leader says shutdown
+                self._stop_serving(0)
+        except Exception as err:  # noqa: BLE001 -- a collective failed: the group is lost
+            self.state, self.error = "broken", f"a collective failed: {first_line(err)}"
+            log(rank, f"lost the group: {self.error}")
+            if not self.leader:
+                self._stop_serving(1)
+
+    # ------------------------------------------------------------ run
+    def serve(self, app: FastAPI) -> NoReturn:
+        host = os.environ.get(HOST_ENV, "0.0.0.0")
+        config = uvicorn.Config(app, host=host, port=self.env.port, log_level="warning", access_log=False,
+                                lifespan="off", timeout_graceful_shutdown=GRACEFUL_SECONDS)
+        self.server = uvicorn.Server(config)
+        # uvicorn re-raises the signal that stopped it once it has shut down; handlers of our own
+        # let the process finish here instead (tell the followers, then exit).
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
+        self.heartbeat.start()
+        self.engine_thread.start()
+        try:
+            self.server.run()
+        except SystemExit as err:  # uvicorn could not bind the port
+            self.exit_code = int(err.code or 1)
+        if self.loop is not None:
+            self.loop.close()  # the engine thread finishes its batch, then tells the followers
+        self.engine_thread.join(JOIN_SECONDS if self.loop is not None else 0.5)  # only a leader's batch is worth waiting for
+        self.heartbeat.stop()
+        # A thread still running is blocked in a collective with a lost group (or this is a
+        # follower stopped while its leader lives): nothing to tear down cleanly.
+        if self.worker is not None and not self.engine_thread.is_alive():
+            self.worker.close()
+        # Leave now: the interpreter's own teardown waits seconds on the store's and the
+        # heartbeat's sockets, and everything this rank had to say is said.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(self.exit_code)
+
+
+def serve(env: WorkerEnv, plan: Plan, baseline: MemorySample, known_errors: tuple[type, ...] = ()) -> int:
+    """Run this rank until it is told to stop (SIGTERM, SIGINT, or the leader's shutdown); the
+    process then exits with the status (0, or 1 when it failed)."""
+    if not Path(env.model_dir).is_dir():
+        log(env.rank, f"SHARD_MODEL_DIR {env.model_dir} is not a directory")
+        return 1
+    try:
+        rank = Rank(env, plan, baseline, known_errors)
+        app = build_app(rank)
+    except Exception as err:  # noqa: BLE001 -- no such rank in the plan; an unreadable tokenizer or API key
+        log(env.rank, f"cannot serve: {first_line(err)}")
+        return 1
+    return rank.serve(app)

@@ -3,6 +3,7 @@ silence otherwise)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -12,8 +13,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_every_install_step_of_the_first_make_is_announced(tmp_path):
     venv = tmp_path / "venv"
-    out = subprocess.run(["make", "-n", "-B", f"VENV={venv}", f"{venv}/.installed-stamp"], cwd=REPO,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(["make", "--no-print-directory", "-n", "-B", f"VENV={venv}", f"{venv}/.installed-stamp"],
+                         cwd=REPO, capture_output=True, text=True, check=True,
+                         env={k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+                         ).stdout  # as run by hand, also under `make test`
     # `make -n` prints the recipe as the shell would run it; a step is announced in its own line
     # or, when it runs only if needed, inside it before the command.
     lines = out.replace("\\\n", " ").splitlines()

@@ -6,12 +6,12 @@ STAMP := $(VENV)/.installed-stamp
 .PHONY: demo test system-tools crd bench clean
 
 # Each step says what it does first: a first install is quiet for minutes otherwise.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml worker/shard_worker/_gemv.c  # the C kernel is built by the install
 	@test -x $(PY) || { echo "make: creating the virtualenv $(VENV) (python3 -m venv)"; python3 -m venv $(VENV); }
 	@# The CPU wheel of torch lies on disk; an unpinned torch would pull a multi-GB CUDA build.
 	@$(PY) -c "import torch" 2>/dev/null || { echo "make: installing torch 2.13.0, the CPU build (a minute or two) ..."; \
 		$(PY) -m pip install -q torch==2.13.0; }
-	@echo "make: installing shard-operator and its dependencies into $(VENV) (pip install -e '.[dev]'; about a minute) ..."
+	@echo "make: installing shard-operator and its dependencies into $(VENV) (pip install -e '.[dev]', which builds the C decode kernels; about a minute) ..."
 	@$(PY) -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
 	@echo "make: $(VENV) is ready ($(VENV)/bin/shardctl)"

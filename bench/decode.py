@@ -1,23 +1,34 @@
-"""Decode speed of the sharded worker against its peers and the memory-bandwidth limit, in one run.
+"""Decode speed of the sharded worker against the machine's memory-bandwidth limit and its peers,
+in one run.
 
 On one random Llama (hidden 2048, 16 layers, 16 heads, 4 KV heads, MLP 5632, vocab 32000: 853M
-parameters), for float32 and bfloat16, one thread per rank, batch 1, a 32-token prompt and 64 new
-tokens, it measures:
+parameters), batch 1, a 32-token prompt and 64 new tokens, for float32, bfloat16 and int8 weights
+(int8: bfloat16 activations, beside llama.cpp's Q8_0), it measures:
 
-* the decode limit: every weight a decode step reads (all but the embedding table), streamed once
-  through `F.linear` with a single vector (a bare matrix-vector product) on 1 core; and on 2 cores,
-  the faster of 2 threads in one process and 2 one-thread processes streaming half each;
-* HF transformers' `generate` with 1 and with 2 threads;
-* our worker (`python -m shard_worker` ranks, started by the local launcher) at TP=1, TP=2, PP=2,
-  with the share of each decode step spent communicating (and idle, waiting for another stage);
+* the limit: a plain streaming read of a buffer far larger than the caches (vector loads summed,
+  `shard_worker._gemv.read`, the faster of 1 and 4 streams a core) on 1 core and on 2, best of
+  5; every variant is reported against the bytes a
+  decode step reads (every weight but the embedding table, as the variant stores them) divided by
+  that bandwidth;
+* the bare matrix-vector products over those weights: torch's GEMV (`F.linear`) and ours
+  (`shard_worker.kernels`), with 1 and 2 threads, each beside a streaming read in the same process;
+* HF transformers' `generate` with 1 and 2 threads (float32, bfloat16);
+* our worker (`python -m shard_worker` ranks, started by the local launcher) at TP=1 with 1 and
+  with 2 threads, TP=2 and PP=2 (one thread a rank), with the share of each decode step spent
+  communicating (and idle, waiting for another stage);
+* llama.cpp (llama-cpp-python, built from source in its own virtualenv: see
+  bench/llamacpp_peer.py) on the same model as GGUF (F32, BF16, Q8_0) with 1 and 2 threads, and
+  its layers split over two processes (its RPC backend) beside our PP=2, where it is set up; the
+  bench says why where it is not;
 * PyTorch's own tensor-parallel API (`parallelize_module`, 2 ranks x 1 thread, gloo), if it runs.
 
 Every figure is a child process run one after another, so the variants compare within one run on
 a machine whose load changes. Usage:
 
-    python bench/decode.py [--quick] [--dtypes float32,bfloat16] [--tokens 64] [--out FILE.json]
+    nice python bench/decode.py [--quick] [--precisions float32,bfloat16,int8] [--tokens 64]
+                                [--skip hf,torch-tp,llama] [--out FILE.json]
 
-`--quick` uses a small model to check the script end to end in a minute.
+`--quick` uses a small model to check the script end to end in a few minutes.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -35,59 +47,106 @@ sys.path.insert(0, str(ROOT))  # tests.support.checkpoints writes the model
 
 FULL = dict(hidden_size=2048, intermediate_size=5632, num_layers=16, num_heads=16, num_kv_heads=4,
             vocab_size=32000, max_position_embeddings=2048)
-QUICK = dict(hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8, num_kv_heads=2,
+QUICK = dict(hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8, num_kv_heads=2,
              vocab_size=8000, max_position_embeddings=2048)
 PROMPT_TOKENS = 32
+STREAM_BYTES = 2 * 2**30  # four times this machine's L3 (480 MiB)
+CACHE = Path.home() / ".cache" / "shard-operator"
+LLAMA_PYTHON = CACHE / "llamacpp-venv" / "bin" / "python"
+RPC_SERVER = CACHE / "rpc-build" / "bin" / "ggml-rpc-server"
+# precision -> (our runtime dtype, our quantization, llama.cpp's GGUF type)
+PRECISIONS = {"float32": ("float32", "none", "F32"), "bfloat16": ("bfloat16", "none", "BF16"),
+              "int8": ("bfloat16", "int8", "Q8_0")}
 
 
 # ---------------------------------------------------------------- children (one measurement each)
-def child_matvec(model_dir: str, dtype: str, repeats: int, threads: list[int], share: str = "0/1") -> dict:
-    """Seconds to stream decode-time weights once through F.linear with one vector, for each
-    thread count. `share` "i/n" takes every n-th weight from the i-th: a process of a group of n
-    that together stream the model (what n TP ranks do)."""
-    import torch
-    import torch.nn.functional as F
-    from safetensors import safe_open
+READ_STREAMS = (1, 4)  # a read front to back, and 4 parts side by side (as a GEMV reads rows)
 
-    part, parts = (int(v) for v in share.split("/"))
-    index = Path(model_dir) / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
-    names = []
-    for file in files:
-        with safe_open(Path(model_dir) / file, "pt") as f:
-            names += [(file, n) for n in sorted(f.keys()) if n.endswith("proj.weight") or n == "lm_head.weight"]
-    weights = []
-    for file, name in sorted(names, key=lambda fn: fn[1])[part::parts]:
-        with safe_open(Path(model_dir) / file, "pt") as f:
-            weights.append(f.get_tensor(name).to(getattr(torch, dtype)).contiguous())
-    inputs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=weights[0].dtype) for w in weights}
-    out = {"bytes": sum(w.numel() * w.element_size() for w in weights)}
-    with torch.inference_mode():
-        for n in threads:
-            torch.set_num_threads(n)
-            for w in weights:  # warm up
-                F.linear(inputs[w.shape[1]], w)
-            best = float("inf")
-            for _ in range(repeats):
-                start = time.perf_counter()
-                for w in weights:
-                    F.linear(inputs[w.shape[1]], w)
-                best = min(best, time.perf_counter() - start)
-            out[str(n)] = best
+
+def stream_seconds(buffer, threads: int) -> float:
+    """The faster of plain reads of `buffer` as 1 and as 4 sequential streams a thread."""
+    from shard_worker import kernels
+
+    best = float("inf")
+    for streams in READ_STREAMS:
+        start = time.perf_counter()
+        kernels.read_once(buffer, threads, streams)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def child_stream(nbytes: int, repeats: int) -> dict:
+    """GB/s of a plain read of `nbytes` on 1 core and on 2 (best of `repeats`)."""
+    import torch
+
+    buffer = torch.ones(nbytes, dtype=torch.uint8)  # touched: resident before the first read
+    out = {}
+    for threads in (1, 2):
+        best = min(stream_seconds(buffer, threads) for _ in range(repeats))
+        out[str(threads)] = nbytes / best / 1e9
     return out
 
 
-def run_matvec(model_dir: str, dtype: str) -> dict:
-    """The decode limit on 1 core, on 2 threads of one process, and on 2 one-thread processes
-    streaming half the weights each at the same time (TP=2's shape of work)."""
-    one_process = run_child("matvec", model_dir, dtype, "5", "1,2", "0/1")
-    procs = [subprocess.Popen([sys.executable, __file__, "--child", "matvec", model_dir, dtype, "5", "1", f"{i}/2"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for i in range(2)]
-    halves = [json.loads(p.communicate(timeout=1800)[0].strip().splitlines()[-1]) for p in procs]
-    two_processes = max(h["1"] for h in halves)  # done when the slower half is
-    return {"bytes": one_process["bytes"], "1": one_process["1"], "2 threads": one_process["2"],
-            "2 processes": two_processes, "2": min(one_process["2"], two_processes)}
+def decode_weights(model_dir: str, dtype: str, quantization: str) -> list[tuple]:
+    """(weight, scale) of every matrix a decode step reads, stored as the worker stores them."""
+    import torch
+    from safetensors import safe_open
+
+    from shard_worker.quant import quantize
+
+    index = Path(model_dir) / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    out = []
+    for file in files:
+        with safe_open(Path(model_dir) / file, "pt") as f:
+            for name in sorted(f.keys()):
+                if not (name.endswith("proj.weight") or name == "lm_head.weight"):
+                    continue
+                w = f.get_tensor(name)
+                if quantization == "int8" and name != "lm_head.weight":
+                    out.append(quantize(w))
+                else:
+                    out.append((w.to(getattr(torch, dtype)).contiguous(), None))
+    return out
+
+
+def child_matvec(model_dir: str, dtype: str, quantization: str, repeats: int) -> dict:
+    """Seconds to stream the decode weights once through torch's GEMV and through ours, with 1 and
+    2 threads, each interleaved with a streaming read of the same bytes in this process."""
+    import torch
+    import torch.nn.functional as F
+
+    from shard_worker import kernels
+
+    weights = decode_weights(model_dir, dtype, quantization)
+    act = getattr(torch, dtype)
+    inputs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=act) for w, _ in weights}
+    nbytes = sum(w.numel() * w.element_size() + (s.numel() * 4 if s is not None else 0) for w, s in weights)
+    flat = torch.ones(nbytes, dtype=torch.uint8)
+
+    def torch_gemv(w, s):
+        return F.linear(inputs[w.shape[1]], w) if s is None else kernels.linear(inputs[w.shape[1]], w, s, level=None)
+
+    def ours(w, s):
+        return kernels.linear(inputs[w.shape[1]], w, s)
+
+    out = {"bytes": nbytes, "kernel": kernels.describe()}
+    with torch.inference_mode():
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            best = {"torch": float("inf"), "ours": float("inf"), "read": float("inf")}
+            for fn in (torch_gemv, ours):  # warm up
+                for w, s in weights:
+                    fn(w, s)
+            for _ in range(repeats):
+                for name, fn in (("torch", torch_gemv), ("ours", ours)):
+                    start = time.perf_counter()
+                    for w, s in weights:
+                        fn(w, s)
+                    best[name] = min(best[name], time.perf_counter() - start)
+                best["read"] = min(best["read"], stream_seconds(flat, threads))
+            out[str(threads)] = best
+    return out
 
 
 def _hf_decode_seconds(model, prompt, tokens: int) -> dict:
@@ -139,9 +198,9 @@ def child_torch_tp(model_dir: str, dtype: str, tokens: int, prompt: list[int], r
 
 
 # ---------------------------------------------------------------- the parent
-def run_child(*args: str, timeout: float = 1800) -> dict:
+def run_child(*args: str, timeout: float = 1800, threads: int = 2) -> dict:
     proc = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "2"})
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     if proc.returncode != 0:
         raise RuntimeError(f"child {args[0]} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -167,20 +226,57 @@ def run_torch_tp(model_dir: str, dtype: str, tokens: int, prompt: list[int]) -> 
     return json.loads(outs[0][0].strip().splitlines()[-1])
 
 
-def run_ours(model_dir: str, dtype: str, tp: int, pp: int, tokens: int, prompt: list[int]) -> dict:
+def run_ours(model_dir: str, dtype: str, quantization: str, tp: int, pp: int, threads: int, tokens: int,
+             prompt: list[int]) -> dict:
     from shard_contract.wire import GenerateRequest, GenerateTask
     from shard_operator.local import plan_local, run_generate
 
-    plan = plan_local(model_dir, tp, pp, dtype=dtype, max_model_len=len(prompt) + tokens,
-                      devices="bench:16GiB*2", device_kind="cpu")
+    plan = plan_local(model_dir, tp, pp, dtype=dtype, quantization=quantization,
+                      max_model_len=len(prompt) + tokens, devices="bench:16GiB*2", device_kind="cpu")
     task = GenerateTask(requests=[GenerateRequest(prompt_ids=prompt, max_new_tokens=tokens, ignore_eos=True)])
-    result = run_generate(plan, model_dir, task, timeout=1800, threads_per_rank=1)
+    result = run_generate(plan, model_dir, task, timeout=1800, threads_per_rank=threads)
     ranks = [r.last_generate for r in result.ranks]
     return {"seconds_per_token": result.decode_seconds / result.decode_steps,
             "prefill_seconds": result.prefill_seconds,
             "comm_share": max(r["decode_comm_seconds"] / r["decode_seconds"] for r in ranks),
             "idle_share": max(r["decode_idle_seconds"] / r["decode_seconds"] for r in ranks),
             "load_seconds": max(r.load_seconds for r in result.ranks)}
+
+
+def llama_unavailable(python: Path) -> str | None:
+    """Why llama.cpp cannot be the peer here (None: it can)."""
+    if not python.exists():
+        return f"no llama-cpp-python virtualenv at {python.parent.parent} (see bench/llamacpp_peer.py)"
+    probe = subprocess.run([str(python), "-c", "import llama_cpp, gguf, numpy"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"{python}: " + (probe.stderr.strip().splitlines() or ["cannot import llama_cpp"])[-1]
+    return None
+
+
+def run_llama(python: Path, *args: str, rpc_layers: int | None = None) -> dict:
+    """One llama.cpp child (bench/llamacpp_peer.py); with `rpc_layers`, beside a one-thread
+    ggml-rpc-server process holding that many layers (llama.cpp's split over two processes)."""
+    peer = str(Path(__file__).with_name("llamacpp_peer.py"))
+    server = None
+    try:
+        if rpc_layers is not None:
+            from shard_operator.local import free_port
+
+            port = free_port()
+            server = subprocess.Popen([str(RPC_SERVER), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(2)
+            args = (*args, f"127.0.0.1:{port}", str(rpc_layers))
+        proc = subprocess.run([str(python), peer, *args], capture_output=True, text=True, timeout=3600,
+                              env={**os.environ, "OMP_NUM_THREADS": args[2] if args[0] == "time" else "2"})
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        return {"error": f"llama.cpp {args[0]} failed: {tail}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def ensure_checkpoint(directory: Path, shape: dict) -> Path:
@@ -190,80 +286,146 @@ def ensure_checkpoint(directory: Path, shape: dict) -> Path:
     from tests.support.checkpoints import write_checkpoint
 
     print(f"writing a random checkpoint to {directory} ...", file=sys.stderr, flush=True)
+    shutil.rmtree(directory / "gguf", ignore_errors=True)
     write_checkpoint(directory, "llama", seed=0, max_shard_size="2GB", **shape)
     marker.write_text(json.dumps(shape))
     return directory
 
 
-def measure(model_dir: str, dtype: str, tokens: int, prompt: list[int]) -> dict:
-    def step(name: str, fn, *args):
-        print(f"  {dtype} {name} ...", file=sys.stderr, flush=True)
+def decode_bytes(model_dir: str, dtype: str, quantization: str) -> int:
+    """Bytes our decode step reads: every weight but the embedding table, as stored (the planner's
+    sizing: the same numbers the plan predicts)."""
+    from shard_operator.profile import profile_model
+    from shard_operator.sizing import Shard, weight_bytes
+
+    profile = profile_model(model_dir)
+    return weight_bytes(profile, Shard(tp=1, layers=(0, profile.num_layers), embeds=False, has_lm_head=True),
+                        dtype, quantization)
+
+
+def measure(model_dir: str, precision: str, tokens: int, prompt: list[int], skip: set[str],
+            llama_python: Path, layers: int) -> dict:
+    dtype, quantization, gguf_kind = PRECISIONS[precision]
+
+    def step(name: str, fn, *args, **kwargs):
+        print(f"  {precision} {name} ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
-        value = fn(*args)
+        try:
+            value = fn(*args, **kwargs)
+        except Exception as err:  # one failed variant must not lose the others
+            value = {"error": str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__}
         value["load"] = os.getloadavg()[0]  # 1-minute load average at the end (our own ranks included)
-        print(f"  {dtype} {name}: {value} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+        print(f"  {precision} {name}: {value} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
         return value
 
     ids = ",".join(map(str, prompt))
-    return {
-        "matvec": step("matvec", run_matvec, model_dir, dtype),
-        "hf1": step("hf 1 thread", run_child, "hf", model_dir, dtype, "1", str(tokens), ids),
-        "hf2": step("hf 2 threads", run_child, "hf", model_dir, dtype, "2", str(tokens), ids),
-        "tp1": step("ours TP=1", run_ours, model_dir, dtype, 1, 1, tokens, prompt),
-        "tp2": step("ours TP=2", run_ours, model_dir, dtype, 2, 1, tokens, prompt),
-        "pp2": step("ours PP=2", run_ours, model_dir, dtype, 1, 2, tokens, prompt),
-        "torch_tp2": step("parallelize_module TP=2", run_torch_tp, model_dir, dtype, tokens, prompt),
-    }
-
-
-def report(results: dict, shape: dict, tokens: int) -> str:
-    lines = [f"Model: random Llama {shape}; batch 1, {PROMPT_TOKENS}-token prompt, {tokens} new tokens; "
-             "one thread per rank.", "",
-             "| dtype | variant | ms/token | tokens/s | limit / measured | comm share | idle share | load |",
-             "|---|---|---|---|---|---|---|---|"]
-    goals = []
-    for dtype, r in results.items():
-        limit1, limit2 = r["matvec"]["1"], r["matvec"]["2"]
-        mv = r["matvec"]
-        rows = [("decode limit, 1 core (bare mat-vec)", limit1, limit1, mv),
-                ("bare mat-vec, 2 threads of 1 process", mv["2 threads"], limit2, mv),
-                ("bare mat-vec, 2 processes x half the weights", mv["2 processes"], limit2, mv),
-                ("HF transformers generate, 1 thread", r["hf1"]["seconds_per_token"], limit1, r["hf1"]),
-                ("HF transformers generate, 2 threads", r["hf2"]["seconds_per_token"], limit2, r["hf2"]),
-                ("shard worker TP=1", r["tp1"]["seconds_per_token"], limit1, r["tp1"]),
-                ("shard worker TP=2 (2 processes)", r["tp2"]["seconds_per_token"], limit2, r["tp2"]),
-                ("shard worker PP=2 (2 processes)", r["pp2"]["seconds_per_token"], limit1, r["pp2"])]
-        if "error" in r["torch_tp2"]:
-            lines.append(f"| {dtype} | PyTorch parallelize_module TP=2 | failed: {r['torch_tp2']['error']} "
-                         f"| | | | | {r['torch_tp2']['load']:.1f} |")
+    r: dict = {"bytes": decode_bytes(model_dir, dtype, quantization),
+               "matvec": step("bare matrix-vector products", run_child, "matvec", model_dir, dtype, quantization, "3")}
+    if "hf" not in skip and quantization == "none":
+        r["hf1"] = step("hf 1 thread", run_child, "hf", model_dir, dtype, "1", str(tokens), ids)
+        r["hf2"] = step("hf 2 threads", run_child, "hf", model_dir, dtype, "2", str(tokens), ids)
+    for key, tp, pp, threads in (("tp1", 1, 1, 1), ("tp1x2", 1, 1, 2), ("tp2", 2, 1, 1), ("pp2", 1, 2, 1)):
+        r[key] = step(f"ours {key}", run_ours, model_dir, dtype, quantization, tp, pp, threads, tokens, prompt)
+    if "llama" not in skip:
+        why = llama_unavailable(llama_python)
+        converted = {"error": why} if why else step(f"llama.cpp convert {gguf_kind}", run_llama, llama_python,
+                                                    "convert", model_dir, gguf_kind)
+        r["llama_bytes"] = converted.get("decode_bytes")
+        for threads in (1, 2):
+            r[f"llama{threads}"] = converted if "error" in converted else step(
+                f"llama.cpp {threads} thread(s)", run_llama, llama_python, "time", converted["path"], str(threads),
+                str(tokens), ids)
+        if "error" in converted or not RPC_SERVER.exists():
+            missing = {"error": f"no {RPC_SERVER} (see bench/llamacpp_peer.py)"}
+            r["llama_rpc"] = converted if "error" in converted else missing
         else:
-            rows.append(("PyTorch parallelize_module TP=2", r["torch_tp2"]["seconds_per_token"], limit2, r["torch_tp2"]))
-        for name, seconds, limit, figures in rows:
-            shares = (f"{figures['comm_share']:.1%} | {figures['idle_share']:.1%}" if "comm_share" in figures
-                      else " | ")
-            lines.append(f"| {dtype} | {name} | {seconds * 1e3:.1f} | {1 / seconds:.2f} | {limit / seconds:.2f} "
-                         f"| {shares} | {figures['load']:.1f} |")
-        tp1, tp2, hf2 = r["tp1"]["seconds_per_token"], r["tp2"]["seconds_per_token"], r["hf2"]["seconds_per_token"]
-        checks = [("TP=2 speed-up over TP=1", tp1 / tp2, ">= 1.6", tp1 / tp2 >= 1.6),
-                  ("TP=2 vs the 2-core decode limit (limit / TP=2)", limit2 / tp2, ">= 0.85", limit2 / tp2 >= 0.85),
-                  ("TP=2 vs HF with 2 threads (HF / TP=2)", hf2 / tp2, ">= 0.95", hf2 / tp2 >= 0.95),
-                  ("TP=1 vs the 1-core matrix-vector bandwidth (limit / TP=1)", limit1 / tp1, ">= 0.70",
-                   limit1 / tp1 >= 0.70)]
-        if "error" not in r["torch_tp2"]:
-            torch_tp = r["torch_tp2"]["seconds_per_token"]
-            checks.append(("TP=2 vs parallelize_module TP=2 (theirs / ours)", torch_tp / tp2, "well above 1",
-                           torch_tp / tp2 > 1.2))
-        for name, value, goal, ok in checks:
-            goals.append(f"| {dtype} | {name} | {value:.2f} | {goal} | {'met' if ok else 'MISSED'} |")
-    lines += ["", "| dtype | goal | measured | target | |", "|---|---|---|---|---|", *goals]
+            r["llama_rpc"] = step("llama.cpp layers over 2 processes (RPC)", run_llama, llama_python, "time",
+                                  converted["path"], "1", str(tokens), ids, rpc_layers=layers // 2)
+    if "torch-tp" not in skip and quantization == "none":
+        r["torch_tp2"] = step("parallelize_module TP=2", run_torch_tp, model_dir, dtype, tokens, prompt)
+    return r
+
+
+def report(stream: dict, results: dict, shape: dict, tokens: int) -> str:
+    bw1, bw2 = stream["1"] * 1e9, stream["2"] * 1e9
+    lines = [f"Model: random Llama {shape}; batch 1, {PROMPT_TOKENS}-token prompt, {tokens} new tokens.",
+             f"Streaming read (the limit): {stream['1']:.1f} GB/s on 1 core, {stream['2']:.1f} GB/s on 2 cores "
+             f"({STREAM_BYTES / 2**30:.0f} GiB buffer, load {stream['load']:.1f}).", "",
+             "| precision | variant | cores | ms/token | tokens/s | share of the streaming limit | vs llama.cpp "
+             "| comm share | idle share | load |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    goals = []
+    for precision, r in results.items():
+        ours_bytes, llama_bytes = r["bytes"], r.get("llama_bytes") or r["bytes"]
+        limit = {1: ours_bytes / bw1, 2: ours_bytes / bw2}
+        lines.append(f"| {precision} | streaming limit for {ours_bytes / 2**20:.0f} MiB a token | 1 | "
+                     f"{limit[1] * 1e3:.1f} | {1 / limit[1]:.2f} | 1.00 | | | | |")
+        lines.append(f"| {precision} | streaming limit for {ours_bytes / 2**20:.0f} MiB a token | 2 | "
+                     f"{limit[2] * 1e3:.1f} | {1 / limit[2]:.2f} | 1.00 | | | | |")
+        llama = {n: r.get(f"llama{n}", {}).get("seconds_per_token") for n in (1, 2)}
+        llama_rpc = r.get("llama_rpc", {}).get("seconds_per_token")
+        rows = []
+        mv = r["matvec"]
+        if "error" not in mv:
+            scale = ours_bytes / mv["bytes"]  # the bare weights lack norms and biases: per token
+            for n in (1, 2):
+                rows.append((f"torch's GEMV (F.linear{', int8 dequantized in chunks' if precision == 'int8' else ''}), bare",
+                             n, mv[str(n)]["torch"] * scale, limit[n], None, {"load": mv["load"]}))
+                rows.append((f"our GEMV ({mv['kernel']}), bare; beside a read of the same bytes: "
+                             f"{mv[str(n)]['read'] / mv[str(n)]['ours']:.2f}", n, mv[str(n)]["ours"] * scale,
+                             limit[n], None, {"load": mv["load"]}))
+        for key, name, n in (("hf1", "HF transformers generate, 1 thread", 1),
+                             ("hf2", "HF transformers generate, 2 threads", 2),
+                             ("tp1", "shard worker TP=1, 1 thread", 1), ("tp1x2", "shard worker TP=1, 2 threads", 2),
+                             ("tp2", "shard worker TP=2 (2 processes x 1 thread)", 2),
+                             ("pp2", "shard worker PP=2 (2 processes x 1 thread)", 1),
+                             ("torch_tp2", "PyTorch parallelize_module TP=2", 2)):
+            if key in r:
+                peer = {"pp2": llama_rpc}.get(key, llama[n]) if key != "torch_tp2" else llama[n]
+                rows.append((name, n, r[key].get("seconds_per_token"), limit[n], peer, r[key]))
+        for n in (1, 2):
+            if f"llama{n}" in r:
+                rows.append((f"llama.cpp {dict(zip(PRECISIONS, ('F32', 'BF16', 'Q8_0')))[precision]}, {n} thread(s) "
+                             f"({llama_bytes / 2**20:.0f} MiB a token)", n, llama[n], llama_bytes / (bw1 if n == 1 else bw2),
+                             None, r[f"llama{n}"]))
+        if "llama_rpc" in r:
+            rows.append(("llama.cpp layers over 2 processes (RPC), 1 thread each", 1, llama_rpc, llama_bytes / bw1,
+                         None, r["llama_rpc"]))
+        for name, n, seconds, lim, peer, figures in rows:
+            if seconds is None:
+                lines.append(f"| {precision} | {name} | {n} | {figures.get('error', 'not run')} | | | | | | "
+                             f"{figures.get('load', 0):.1f} |")
+                continue
+            shares = (f"{figures['comm_share']:.1%} | {figures['idle_share']:.1%}" if "comm_share" in figures else " | ")
+            versus = f"{peer / seconds:.2f}" if peer else ""
+            lines.append(f"| {precision} | {name} | {n} | {seconds * 1e3:.1f} | {1 / seconds:.2f} | {lim / seconds:.2f} "
+                         f"| {versus} | {shares} | {figures.get('load', 0):.1f} |")
+        tp1, tp2 = r["tp1"].get("seconds_per_token"), r["tp2"].get("seconds_per_token")
+        checks = []
+        if tp1 and tp2 and precision != "int8":
+            checks += [("TP=1 share of the 1-core streaming limit", limit[1] / tp1, ">= 0.85"),
+                       ("TP=2 share of the 2-core streaming limit", limit[2] / tp2, ">= 0.80")]
+        for n, ours in ((1, tp1), (2, tp2)):
+            if ours and llama[n]:
+                checks.append((f"TP={n} vs llama.cpp with {n} thread(s) (theirs / ours)", llama[n] / ours, ">= 1.00"))
+        if r["pp2"].get("seconds_per_token") and llama_rpc:
+            checks.append(("PP=2 vs llama.cpp's RPC split (theirs / ours)", llama_rpc / r["pp2"]["seconds_per_token"],
+                           "reported"))
+        for name, value, goal in checks:
+            met = "" if goal == "reported" else ("met" if value >= float(goal.split()[-1]) else "MISSED")
+            goals.append(f"| {precision} | {name} | {value:.2f} | {goal} | {met} |")
+    lines += ["", "| precision | goal | measured | target | |", "|---|---|---|---|---|", *goals]
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small model, to check the script")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--precisions", default="float32,bfloat16,int8")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--skip", default="", help="comma-separated: hf, torch-tp, llama")
+    parser.add_argument("--llama-python", type=Path, default=LLAMA_PYTHON,
+                        help=f"python of the llama-cpp-python virtualenv (default {LLAMA_PYTHON})")
     parser.add_argument("--model-dir", type=Path, help="where the random checkpoint is kept "
                         "(default ~/.cache/shard-operator/bench-decode[-quick])")
     parser.add_argument("--out", type=Path, help="also write the raw figures as JSON here")
@@ -271,8 +433,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.child:
         kind, rest = args.child[0], args.child[1:]
-        if kind == "matvec":
-            out = child_matvec(rest[0], rest[1], int(rest[2]), [int(t) for t in rest[3].split(",")], rest[4])
+        if kind == "stream":
+            out = child_stream(int(rest[0]), int(rest[1]))
+        elif kind == "matvec":
+            out = child_matvec(rest[0], rest[1], rest[2], int(rest[3]))
         elif kind == "hf":
             out = child_hf(rest[0], rest[1], int(rest[2]), int(rest[3]), [int(t) for t in rest[4].split(",")])
         else:
@@ -282,16 +446,22 @@ def main() -> int:
         return 0
 
     shape = QUICK if args.quick else FULL
-    default_dir = Path.home() / ".cache" / "shard-operator" / ("bench-decode-quick" if args.quick else "bench-decode")
+    default_dir = CACHE / ("bench-decode-quick" if args.quick else "bench-decode")
     model_dir = str(ensure_checkpoint(args.model_dir or default_dir, shape))
     prompt = [(7 * i + 3) % shape["vocab_size"] for i in range(PROMPT_TOKENS)]
+    skip = set(filter(None, args.skip.split(",")))
     load = os.getloadavg()
-    results = {dtype: measure(model_dir, dtype, args.tokens, prompt) for dtype in args.dtypes.split(",")}
-    text = report(results, shape, args.tokens)
+    stream = run_child("stream", str(STREAM_BYTES), "5")
+    stream["load"] = os.getloadavg()[0]
+    print(f"  streaming read: {stream}", file=sys.stderr, flush=True)
+    results = {p: measure(model_dir, p, args.tokens, prompt, skip, args.llama_python, shape["num_layers"])
+               for p in args.precisions.split(",")}
+    text = report(stream, results, shape, args.tokens)
     print(f"load average before: {load[0]:.2f}, after: {os.getloadavg()[0]:.2f}\n")
     print(text)
     if args.out:
-        args.out.write_text(json.dumps({"shape": shape, "tokens": args.tokens, "results": results}, indent=2))
+        args.out.write_text(json.dumps({"shape": shape, "tokens": args.tokens, "stream": stream,
+                                        "results": results}, indent=2))
     return 0
 
 

@@ -78,7 +78,10 @@ class Plan(BaseModel):
     model: str
     architecture: str
     profile_digest: str = ""
-    dtype: str = Field(description="Runtime dtype of the weights and KV cache.")
+    dtype: str = Field(description="Runtime dtype of the weights, activations and KV cache.")
+    quantization: Literal["none", "int8"] = Field("none", description=(
+        "int8: the decoder layers' projection weights are int8 with one float32 scale per output "
+        "row (weight-only); embeddings, norms and the LM head stay in dtype."))
     num_layers: int
     tensor_parallel: int
     pipeline_parallel: int
@@ -114,7 +117,7 @@ class Plan(BaseModel):
     def group_hash(self, replica: int) -> str:
         """Identity of one group's placement: changes exactly when its pods must be replaced."""
         placement = [(r.rank, r.node, r.device, r.layers, r.tp_rank, r.stage) for r in self.group(replica)]
-        key = json.dumps([self.model, self.profile_digest, self.dtype, self.tensor_parallel,
+        key = json.dumps([self.model, self.profile_digest, self.dtype, self.quantization, self.tensor_parallel,
                           self.pipeline_parallel, self.max_model_len, self.max_batch_size, placement])
         return hashlib.sha256(key.encode()).hexdigest()[:10]
 

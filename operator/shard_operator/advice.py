@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from shard_contract.plan import Plan
-from shard_contract.units import count, human
+from shard_contract.units import count, gib, human
 
 from .api import ShardedModelSpec, parse_spec
 from .inventory import Device, Inventory
@@ -65,11 +65,13 @@ def works(attempt: Attempt, spec: ShardedModelSpec, inventory: Inventory, sugges
 @dataclass(frozen=True)
 class Asked:
     """What the spec asks for, as the planner resolved it (dtype "auto" and maxModelLen unset
-    become the checkpoint's)."""
+    become the checkpoint's), and the bytes of the model's weights by (dtype, quantization)."""
 
     dtype: str
+    quantization: str
     max_len: int
     batch: int
+    weights: dict[tuple[str, str], int] = field(default_factory=dict, hash=False, compare=False)
 
 
 Change = tuple[str, dict[str, Any]]  # words and a spec patch
@@ -97,8 +99,10 @@ def spec_changes(spec: ShardedModelSpec, asked: Asked) -> list[list[Change]]:
              [(f"lower maxModelLen to {n} (from {asked.max_len}; the KV cache shrinks with it)",
                {"model": {"maxModelLen": n}}) for n in lengths],
              [(f"lower maxBatchSize to {n} (from {asked.batch})", {"model": {"maxBatchSize": n}}) for n in batches],
-             [("set dtype: bfloat16 (half the bytes of float32)", {"model": {"dtype": "bfloat16"}})]
-             if asked.dtype == "float32" else []]
+             [(f"set dtype: bfloat16 (weights {gib(asked.weights[('bfloat16', asked.quantization)])} GiB)",
+               {"model": {"dtype": "bfloat16"}})] if asked.dtype == "float32" else [],
+             [(f"set quantization: int8 (weights {gib(asked.weights[(asked.dtype, 'int8')])} GiB)",
+               {"model": {"quantization": "int8"}})] if asked.quantization == "none" else []]
     return [kind for kind in kinds if kind]
 
 
@@ -141,7 +145,7 @@ def offer(found: list[Suggestion], goal: str = "make it fit") -> str:
     """The sentence that offers them (each was checked by planning again)."""
     if not found:
         return (f"Nothing tried would {goal} (more or bigger devices, auto parallelism, a shorter maxModelLen, "
-                "a smaller batch, bfloat16).")
+                "a smaller batch, bfloat16, int8 weights).")
     return f"To {goal} (each checked by planning again): " + "; or ".join(s.text for s in found) + "."
 
 

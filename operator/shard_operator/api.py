@@ -30,6 +30,7 @@ SHORT_NAMES = ["sm"]
 PHASES = ("Pending", "Planning", "Loading", "Ready", "Rebalancing", "Degraded", "Failed")
 Phase = Literal["Pending", "Planning", "Loading", "Ready", "Rebalancing", "Degraded", "Failed"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Quantization = Literal["none", "int8"]
 Auto = Literal["auto"]
 # Kubernetes int-or-string: a positive integer, or "auto" to let the planner choose.
 Degree = Annotated[int, Field(ge=1)] | Auto
@@ -111,6 +112,10 @@ class ModelSpec(ApiModel):
                 raise ValueError(f"a path on the node must not have '..' segments (got {path!r})")
         return (_normal(path).lstrip("/") or ".") if in_volume else _normal(path)
     dtype: Dtype = Field("auto", description="Runtime dtype; auto keeps the checkpoint's.")
+    quantization: Quantization = Field("none", description=(
+        "Weight-only quantization at load: int8 stores the decoder layers' projections as int8 with "
+        "one scale per output row (about half of bfloat16's bytes); embeddings, norms and the LM "
+        "head stay in dtype, and so do activations."))
     max_model_len: int | None = Field(None, ge=1, description=(
         "Longest sequence (prompt + generated) served; sizes the KV cache. Default: the model's "
         "max_position_embeddings, at most 4096."))
@@ -215,6 +220,7 @@ class StageStatus(ApiModel):
 class PlanSummary(ApiModel):
     tensor_parallel: int
     pipeline_parallel: int
+    quantization: Quantization = "none"
     stages: list[StageStatus] = Field(default_factory=list)
     imbalance: float = 0.0
     hash: str = ""
@@ -234,6 +240,7 @@ class ShardStatus(ApiModel):
     tp_rank: int = 0
     layers: list[int] = Field(default_factory=list)
     predicted_bytes: int = 0
+    quantization: Quantization = Field("none", description="How this shard's weights are stored (from its plan).")
     resident_bytes: int | None = None
     state: str = "Pending"
 

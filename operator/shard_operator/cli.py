@@ -195,6 +195,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     partition = parse_ids(args.layer_partition) if args.layer_partition else None
     kind = local_kind() if args.device_kind == "auto" else args.device_kind
     result_plan = plan_local(args.model_dir, args.tensor, args.pipeline, dtype=args.dtype,
+                             quantization=args.quantization,
                              max_model_len=len(prompt) + args.max_tokens, devices=args.devices,
                              device_kind=kind, layer_partition=partition)
     request = GenerateRequest(prompt_ids=prompt, max_new_tokens=args.max_tokens, temperature=args.temperature,
@@ -431,6 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=16, metavar="N", help="new tokens to generate")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="runtime dtype; auto: the checkpoint's")
+    p.add_argument("--quantization", choices=("none", "int8"), default="none",
+                   help="int8: weight-only int8 projections, quantized at load")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature; 0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling: the smallest set of tokens "
                                                             "whose probabilities add up to this")

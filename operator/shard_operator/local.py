@@ -47,12 +47,12 @@ class LaunchError(RuntimeError):
 
 
 def plan_local(model_dir: str | os.PathLike[str], tp: int, pp: int, *, dtype: str = "auto",
-               max_model_len: int | None = None, max_batch_size: int = 1, devices: str | None = None,
+               quantization: str = "none", max_model_len: int | None = None, max_batch_size: int = 1, devices: str | None = None,
                device_kind: str = "cpu", layer_partition: list[int] | None = None) -> Plan:
     """Plan `model_dir` over TP x PP ranks of this machine (or the `devices` spec)."""
     profile = profile_model(model_dir)
     spec = ShardedModelSpec(
-        model=ModelSpec(path=str(model_dir), dtype=dtype, max_model_len=max_model_len,
+        model=ModelSpec(path=str(model_dir), dtype=dtype, quantization=quantization, max_model_len=max_model_len,
                         max_batch_size=max_batch_size),
         parallelism=Parallelism(tensor=tp, pipeline=pp, layer_partition=layer_partition))
     inventory = parse_devices(devices, kind=device_kind) if devices is not None else local_inventory(ranks=tp * pp)

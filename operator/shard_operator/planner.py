@@ -49,8 +49,7 @@ from .sizing import (
     Shard,
     activation_bytes,
     kv_cache_bytes,
-    layer_weight_numel,
-    stage_seconds,
+    layer_weight_bytes,
     weight_bytes,
 )
 
@@ -121,6 +120,7 @@ class Request:
     """What the spec asks for, resolved against the profile."""
 
     dtype: str
+    quantization: str
     max_len: int
     batch: int
     replicas: int
@@ -250,7 +250,8 @@ def _resolve_request(profile: ModelProfile, spec: ShardedModelSpec) -> Request:
     if max_len > profile.max_position_embeddings:
         raise PlanError("InvalidSpec", f"spec.model.maxModelLen {max_len} exceeds the model's "
                         f"max_position_embeddings {profile.max_position_embeddings}")
-    return Request(dtype=dtype, max_len=max_len, batch=spec.model.max_batch_size,
+    return Request(dtype=dtype, quantization=spec.model.quantization, max_len=max_len,
+                   batch=spec.model.max_batch_size,
                    replicas=spec.replicas, headroom=spec.placement.memory_headroom,
                    spread_replicas=spec.placement.topology.spread_replicas)
 
@@ -330,12 +331,14 @@ class Costs:
         self.profile, self.request, self.options = profile, request, options
         self._cache: dict[tuple, StageModel] = {}
         self._partitions: dict[tuple, list[int] | None] = {}
-        self._layer_numel: dict[int, int] = {}
+        self._layer_bytes: dict[int, int] = {}
 
-    def layer_numel(self, tp: int) -> int:
-        if tp not in self._layer_numel:  # layers are alike in these families; take the largest
-            self._layer_numel[tp] = max(layer_weight_numel(self.profile, i, tp) for i in range(self.profile.num_layers))
-        return self._layer_numel[tp]
+    def layer_bytes(self, tp: int) -> int:
+        if tp not in self._layer_bytes:  # layers are alike in these families; take the largest
+            r = self.request
+            self._layer_bytes[tp] = max(layer_weight_bytes(self.profile, i, tp, r.dtype, r.quantization)
+                                        for i in range(self.profile.num_layers))
+        return self._layer_bytes[tp]
 
     def partition(self, shapes: tuple[tuple, ...], tp: int, given: list[int] | None) -> list[int] | None:
         """Layers per stage for stages of these block shapes (memoised: replicas repeat shapes)."""
@@ -365,7 +368,7 @@ class Costs:
         profile, request = self.profile, self.request
         empty = Shard(tp=tp, layers=(0, 0), embeds=embeds, has_lm_head=has_lm_head)
         one = Shard(tp=tp, layers=(0, 1), embeds=False, has_lm_head=False)
-        layer_bytes = self.layer_numel(tp) * profile.dtype_bytes(request.dtype)
+        layer_bytes = self.layer_bytes(tp)
         fixed = (weight_bytes(profile, empty, request.dtype)
                  + activation_bytes(profile, empty, request.max_len, request.batch, request.dtype)
                  + self.options.runtime_overhead[kind])
@@ -513,7 +516,7 @@ def _to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, op
             stages.append(StagePlan(stage=stage, layers=layers, seconds_per_token=layout.stage_seconds[stage]))
             shard = Shard(tp=tp, layers=layers, embeds=stage == 0, has_lm_head=stage == pp - 1)
             predicted = PredictedBytes(
-                weights=weight_bytes(profile, shard, request.dtype),
+                weights=weight_bytes(profile, shard, request.dtype, request.quantization),
                 kv_cache=kv_cache_bytes(profile, shard, request.max_len, request.batch, request.dtype),
                 activations=activation_bytes(profile, shard, request.max_len, request.batch, request.dtype),
                 overhead=options.runtime_overhead[block.kind])
@@ -530,7 +533,8 @@ def _to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, op
                                 critical_path_seconds=layout.critical_path))
     return Plan(
         model=profile.name, architecture=profile.architecture, profile_digest=profile.digest,
-        dtype=request.dtype, num_layers=profile.num_layers, tensor_parallel=tp, pipeline_parallel=pp,
+        dtype=request.dtype, quantization=request.quantization, num_layers=profile.num_layers,
+        tensor_parallel=tp, pipeline_parallel=pp,
         replicas=request.replicas, max_model_len=request.max_len, max_batch_size=request.batch,
         memory_headroom=request.headroom, groups=groups, ranks=ranks,
         reason=_reason(spec, best, found))
@@ -589,7 +593,10 @@ class _Question:
 @functools.lru_cache(maxsize=64)
 def _suggest(q: _Question, at_least: int, fitting: int = 0) -> tuple[Suggestion, ...]:
     request = _resolve_request(q.profile, q.spec)
-    asked = Asked(dtype=request.dtype, max_len=request.max_len, batch=request.batch)
+    whole = Shard(tp=1, layers=(0, q.profile.num_layers), embeds=True, has_lm_head=True)
+    asked = Asked(dtype=request.dtype, quantization=request.quantization, max_len=request.max_len,
+                  batch=request.batch, weights={(d, k): weight_bytes(q.profile, whole, d, k)
+                                                for d in ("bfloat16", request.dtype) for k in ("int8", request.quantization)})
     return tuple(suggestions(q.spec, q.inventory, asked, _attempt(q.profile, q.options), at_least, fitting))
 
 
@@ -629,13 +636,17 @@ def shortfall(plan: Plan, profile: ModelProfile, spec: ShardedModelSpec, invento
     return Shortage(message, found)
 
 
+def _weights_phrase(request: Request) -> str:
+    return request.dtype if request.quantization == "none" else f"{request.quantization} ({request.dtype} activations)"
+
+
 def _capacity_needed(profile: ModelProfile, request: Request, inventory: Inventory, tps: list[int],
                      options: PlannerOptions) -> Shortfall:
     whole = Shard(tp=1, layers=(0, profile.num_layers), embeds=True, has_lm_head=True)
     per_device = options.runtime_overhead[inventory.devices[0].kind] + \
         activation_bytes(profile, Shard(tp=max(tps), layers=(0, 0), embeds=False, has_lm_head=False),
                          request.max_len, request.batch, request.dtype)
-    return Shortfall(weights=weight_bytes(profile, whole, request.dtype),
+    return Shortfall(weights=weight_bytes(profile, whole, request.dtype, request.quantization),
                      kv_cache=kv_cache_bytes(profile, whole, request.max_len, request.batch, request.dtype),
                      per_device=per_device, devices=tuple(inventory.devices),
                      usable=tuple(int(d.memory_bytes * (1 - request.headroom)) for d in inventory.devices))
@@ -678,9 +689,10 @@ def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: R
                          f"the largest device offers {gib(max(usable))} GiB usable.")
     facts.append(
         f"one replica needs at least {gib(need)} GiB across {count(len(usable), 'device')} ({gib(weights)} GiB "
-        f"of {request.dtype} weights and {gib(kv)} GiB of KV cache for {request.max_len} tokens x "
+        f"of {_weights_phrase(request)} weights and {gib(kv)} GiB of KV cache for {request.max_len} tokens x "
         f"{count(request.batch, 'sequence')} per replica, plus ~{gib(per_device)} GiB per device for runtime "
-        f"and activations); the pool has {gib(sum(usable))} GiB usable ({inventory.describe()}, {request.headroom:.0%} headroom)"
+        f"and activations); the pool has {gib(sum(usable))} GiB usable ({inventory.describe()}, "
+        f"{request.headroom:.0%} headroom)"
         + ("." if need > sum(usable) else ": enough in all, but no split of the layers fits these devices."))
     lines = [f"{profile.name} does not fit: {facts[0]}", *(f[0].upper() + f[1:] for f in facts[1:])]
     if inventory.skipped:
@@ -689,6 +701,4 @@ def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: R
     at_least = math.ceil((need - sum(usable)) / largest) if need > sum(usable) and largest > 0 else 1
     found = list(_suggest(_Question.of(profile, spec, inventory, options), at_least=at_least))
     lines.append(offer(found))
-    lines.append(f"(Quantized 8-bit weights would need about "
-                 f"{gib(weights * 1 / profile.dtype_bytes(request.dtype))} GiB; this runtime does not run them yet.)")
     return "\n".join(lines), found

@@ -45,12 +45,20 @@ _IGNORED = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry; recom
 
 
 class LayerProfile(BaseModel):
-    """Elements of one decoder layer by how they split under tensor parallelism."""
+    """Elements of one decoder layer by how they split under tensor parallelism; and of those,
+    the projection matrices' elements and output rows (what int8 quantizes, with one scale a row).
+    Those have no default, so a profile cached by an older operator, which lacks them, fails
+    validation and is profiled again."""
 
     column: int = 0
     kv: int = 0
     row: int = 0
     replicated: int = 0
+    column_matrix: int
+    kv_matrix: int
+    column_rows: int
+    kv_rows: int
+    row_rows: int
 
     @property
     def numel(self) -> int:
@@ -121,7 +129,8 @@ def _classify(name: str) -> tuple[str, int | None]:
 def _build(config: dict[str, Any], infos: dict[str, TensorInfo], source: str, name: str,
            digest: str) -> ModelProfile:
     facts = dataclasses.asdict(ModelShape.from_config(config))
-    layers = [LayerProfile() for _ in range(facts["num_layers"])]
+    layers = [LayerProfile(column_matrix=0, kv_matrix=0, column_rows=0, kv_rows=0, row_rows=0)
+              for _ in range(facts["num_layers"])]
     parts = {"embed": 0, "lm_head": 0, "final_norm": 0, "other": 0}
     for tensor_name, info in infos.items():
         part, layer = _classify(tensor_name)
@@ -131,7 +140,12 @@ def _build(config: dict[str, Any], infos: dict[str, TensorInfo], source: str, na
             if layer >= len(layers):
                 raise CheckpointError(f"tensor {tensor_name} (in {info.file}) names layer {layer}, but "
                                       f"config.json has num_hidden_layers={len(layers)}")
-            setattr(layers[layer], part, getattr(layers[layer], part) + info.numel)
+            lp = layers[layer]
+            setattr(lp, part, getattr(lp, part) + info.numel)
+            if part in ("column", "kv", "row") and tensor_name.endswith(".weight") and len(info.shape) == 2:
+                if part != "row":
+                    setattr(lp, f"{part}_matrix", getattr(lp, f"{part}_matrix") + info.numel)
+                setattr(lp, f"{part}_rows", getattr(lp, f"{part}_rows") + info.shape[0])
         else:
             parts[part] += info.numel
     dtypes = {info.dtype for info in infos.values()}

@@ -69,6 +69,7 @@ def incompatibility(current: Plan, profile: ModelProfile, spec: ShardedModelSpec
         return "the checkpoint changed"
     request = _resolve_request(profile, spec)
     for what, old, new in (("dtype", current.dtype, request.dtype),
+                           ("quantization", current.quantization, request.quantization),
                            ("maxModelLen", current.max_model_len, request.max_len),
                            ("maxBatchSize", current.max_batch_size, request.batch),
                            ("memoryHeadroom", current.memory_headroom, request.headroom)):

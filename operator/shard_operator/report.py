@@ -33,7 +33,8 @@ def render_plan(plan: Plan, profile: ModelProfile | None = None, inventory: Inve
                      f"{count(profile.num_layers, 'layer')}, {profile.num_heads} heads / {profile.num_kv_heads} "
                      f"KV heads (profiled from {profile.source})")
     lines.append(f"decision {plan.reason}")
-    lines.append(f"serving  {plan.max_model_len} tokens x {count(plan.max_batch_size, 'sequence')} in {plan.dtype}, "
+    weights = plan.dtype if plan.quantization == "none" else f"{plan.dtype} with {plan.quantization} weights"
+    lines.append(f"serving  {plan.max_model_len} tokens x {count(plan.max_batch_size, 'sequence')} in {weights}, "
                  f"{plan.memory_headroom:.0%} headroom per device, {_replicas(plan)}, plan {plan.hash}")
     if inventory is not None:
         lines.append(f"pool     {inventory.describe()}")

@@ -5,6 +5,10 @@ How a Llama shards (heads, KV heads, vocabulary rows per rank) is the contract's
 rules into bytes and seconds. The first stage embeds; the last stage holds the final norm and the
 LM head. Tied embeddings are stored once when one stage does both, twice when they are different
 stages.
+
+With `quantization="int8"` the decoder layers' projection matrices take 1 byte a weight plus one
+float32 scale per output row (a row-parallel rank keeps the scales of whole rows: all of them);
+their biases, the norms, the embeddings and the LM head stay in the runtime dtype.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ ALLREDUCE_SECONDS = {"gpu": 15e-6, "cpu": 300e-6}
 HOP_SECONDS = {"gpu": 30e-6, "cpu": 200e-6}
 HOP_ACROSS_NODES_SECONDS = 60e-6
 
+QUANTIZATIONS = ("none", "int8")
+SCALE_BYTES = 4  # one float32 scale per output row of an int8 matrix
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -44,8 +51,22 @@ def layer_weight_numel(profile: ModelProfile, layer: int, tp: int) -> int:
     return lp.column // tp + round(lp.kv * kv_share) + lp.row // tp + lp.replicated
 
 
-def weight_numel(profile: ModelProfile, shard: Shard) -> int:
-    numel = sum(layer_weight_numel(profile, i, shard.tp) for i in range(*shard.layers))
+def layer_weight_bytes(profile: ModelProfile, layer: int, tp: int, dtype: str = "auto",
+                       quantization: str = "none") -> int:
+    size = profile.dtype_bytes(dtype)
+    if quantization == "none":
+        return layer_weight_numel(profile, layer, tp) * size
+    lp = profile.layers[layer]
+    kv_share = kv_heads_per_rank(profile, tp) / profile.num_kv_heads
+    matrices = lp.column_matrix // tp + round(lp.kv_matrix * kv_share) + lp.row // tp
+    scales = lp.column_rows // tp + round(lp.kv_rows * kv_share) + lp.row_rows
+    others = (lp.column - lp.column_matrix) // tp + round((lp.kv - lp.kv_matrix) * kv_share) + lp.replicated
+    return matrices + scales * SCALE_BYTES + others * size
+
+
+def outside_layers_numel(profile: ModelProfile, shard: Shard) -> int:
+    """Embeddings, final norm, LM head and unknown tensors: never quantized."""
+    numel = 0
     vocab_part = vocab_rows_per_rank(profile, shard.tp) * profile.hidden_size
     if shard.embeds:
         numel += vocab_part
@@ -56,8 +77,9 @@ def weight_numel(profile: ModelProfile, shard: Shard) -> int:
     return numel + profile.other_numel
 
 
-def weight_bytes(profile: ModelProfile, shard: Shard, dtype: str = "auto") -> int:
-    return weight_numel(profile, shard) * profile.dtype_bytes(dtype)
+def weight_bytes(profile: ModelProfile, shard: Shard, dtype: str = "auto", quantization: str = "none") -> int:
+    layers = sum(layer_weight_bytes(profile, i, shard.tp, dtype, quantization) for i in range(*shard.layers))
+    return layers + outside_layers_numel(profile, shard) * profile.dtype_bytes(dtype)
 
 
 def kv_cache_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: int, dtype: str = "auto") -> int:
@@ -86,9 +108,9 @@ def activation_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: i
 
 
 def stage_seconds(profile: ModelProfile, shard: Shard, kind: str, speed_tbps: float,
-                  dtype: str = "auto") -> float:
+                  dtype: str = "auto", quantization: str = "none") -> float:
     """Decode time of one stage per token: stream its weights once, plus two all-reduces a layer."""
-    stream = weight_bytes(profile, shard, dtype) / (speed_tbps * 1e12)
+    stream = weight_bytes(profile, shard, dtype, quantization) / (speed_tbps * 1e12)
     n_layers = shard.layers[1] - shard.layers[0]
     collectives = (2 * n_layers + shard.embeds + shard.has_lm_head) * ALLREDUCE_SECONDS[kind] if shard.tp > 1 else 0.0
     return stream + collectives

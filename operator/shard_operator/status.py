@@ -49,7 +49,7 @@ class Observation:
 def plan_summary(plan: Plan) -> PlanSummary:
     return PlanSummary(
         tensor_parallel=plan.tensor_parallel, pipeline_parallel=plan.pipeline_parallel,
-        stages=[StageStatus(stage=s.stage, layers=list(s.layers)) for s in plan.stages],
+        quantization=plan.quantization, stages=[StageStatus(stage=s.stage, layers=list(s.layers)) for s in plan.stages],
         imbalance=round(plan.imbalance, 4), hash=plan.hash, reason=plan.reason,
         max_predicted_bytes=max((r.predicted_bytes.total for r in plan.ranks), default=0),
         predicted_step_seconds=round(max((g.critical_path_seconds for g in plan.groups), default=0.0), 6))
@@ -79,6 +79,7 @@ def _shards(obs: Observation, previous: dict[str, Any]) -> list[ShardStatus]:
                 group=key[0], rank=rank, pod=pod, node=(rs.node if rs and rs.node else rp.node if rp else ""),
                 device=rp.device if rp else "", stage=rp.stage if rp else 0, tp_rank=rp.tp_rank if rp else 0,
                 layers=list(rp.layers) if rp else [], predicted_bytes=rp.predicted_bytes.total if rp else 0,
+                quantization=plan.quantization if plan else "none",
                 resident_bytes=_stable(before.get(pod), obs.measured.get(pod)) if pod else None,
                 state=rs.state if rs else "Missing"))
     return shards

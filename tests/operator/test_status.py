@@ -132,6 +132,15 @@ def test_shards_and_groups_report_plan_and_pods():
     assert status["selector"] == "sharding.dev/model=m,sharding.dev/role=leader"
 
 
+def test_shards_say_how_their_weights_are_stored():
+    obs = observation([group(0, "new", ["Ready"] * 2)], replicas=1)
+    assert {s["quantization"] for s in build_status(obs, None, NOW)["shards"]} == {"none"}
+    int8 = obs.plan.model_copy(update={"quantization": "int8"})
+    obs.plan, obs.group_plans = int8, {key: int8 for key in obs.group_plans}
+    status = build_status(obs, None, NOW)
+    assert {s["quantization"] for s in status["shards"]} == {"int8"} and status["plan"]["quantization"] == "int8"
+
+
 def test_a_steady_world_writes_nothing():
     obs = observation([group(0, "new", ["Ready"] * 2), group(1, "new", ["Ready"] * 2)], measured={"m-0-new-0": 1000})
     first = build_status(obs, None, NOW)

@@ -152,6 +152,27 @@ def test_kv_heads_fewer_than_tp_are_replicated():
     assert rank.predicted_bytes.kv_cache == one_head
 
 
+def test_int8_counts_a_byte_a_weight_plus_a_scale_a_row():
+    """TP=2 over Llama-3-8B: the arithmetic written out from the shapes, independent of sizing.py."""
+    profile = profile_from_config(LLAMA_8B)
+    result = plan(profile, spec(model={"quantization": "int8"}, parallelism={"tensor": 2, "pipeline": 1}),
+                  parse_devices("a:80GiB*2"))
+    assert result.quantization == "int8"
+    h, inter, kv, vocab, layers = 4096, 14336, 8 * 128, 128256, 32
+    column = (h * h + 2 * inter * h) // 2 + 2 * kv * h // 2  # q, gate, up and k, v: half the rows
+    row = (h * h + h * inter) // 2  # o, down: half the columns
+    scales = 4 * ((h + 2 * inter + 2 * kv) // 2 + 2 * h)  # float32; o and down keep every row's
+    norms = 2 * h * 2  # bfloat16
+    vocab_part = vocab // 2 * h * 2  # embeddings and LM head stay bfloat16
+    expected = layers * (column + row + scales + norms) + 2 * vocab_part + h * 2
+    assert [r.predicted_bytes.weights for r in result.ranks] == [expected, expected]
+    bf16 = plan(profile, spec(parallelism={"tensor": 2, "pipeline": 1}), parse_devices("a:80GiB*2"))
+    assert bf16.quantization == "none" and bf16.ranks[0].predicted_bytes.weights > 1.8 * expected - 2 * vocab_part
+    assert result.group_hash(0) != bf16.group_hash(0)  # other weights: other pods
+    # a faster decode estimate, too: fewer bytes to stream
+    assert result.groups[0].critical_path_seconds < bf16.groups[0].critical_path_seconds
+
+
 def test_infeasible_says_what_is_needed_and_what_would_help():
     profile = profile_from_config({**LLAMA_70B, "torch_dtype": "float32"})
     with pytest.raises(PlanError) as err:
@@ -161,9 +182,11 @@ def test_infeasible_says_what_is_needed_and_what_would_help():
     assert "does not fit: one replica needs at least" in message
     assert "262.83 GiB of float32 weights" in message
     assert "the pool has 129.60 GiB usable (6 x 24.0 GiB (gpu) on 2 nodes, 10% headroom)" in message
-    assert "To make it fit (each checked by planning again): add 2 more nodes like a (4 x 24.0 GiB (gpu) each)." \
-        in message  # bfloat16 alone would not: 131.42 GiB of weights
-    assert "Quantized 8-bit weights would need about 65.71 GiB" in message
+    # bfloat16 alone would not fit (131.42 GiB of weights), int8 would:
+    # per layer 855,638,016 projection weights at 1 byte + 83,968 rows x 4-byte scales + 2 float32
+    # norms of 8192; x 80 layers, + float32 embeddings, LM head (2 x 128256 x 8192) and final norm
+    assert "To make it fit (each checked by planning again): add 2 more nodes like a (4 x 24.0 GiB (gpu) each); " \
+        "or set quantization: int8 (weights 71.61 GiB)." in message
     assert [s.text for s in err.value.suggestions] == message.split("planning again): ")[1].split("\n")[0] \
         .removesuffix(".").split("; or ")
 

@@ -174,3 +174,27 @@ def test_pickle_checkpoints_are_refused(tmp_path, hf_checkpoint):
     (directory / "pytorch_model.bin").write_bytes(b"\x80\x04pickle")
     with pytest.raises(CheckpointError, match=r"only pickle checkpoints \(pytorch_model.bin\).+safetensors only"):
         profile_model(directory)
+
+
+def test_a_profile_cached_without_the_int8_counts_is_profiled_again():
+    """The operator re-profiles a cached profile that fails validation; one written before the
+    int8 counts existed must fail, not count int8 weights with zeros."""
+    import json
+
+    from pydantic import ValidationError
+
+    from shard_operator.profile import ModelProfile
+
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
+              "num_hidden_layers": 2, "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256}
+    layer = profile_from_config(config).layers[0]
+    # q, gate, up rows and elements; k, v; o and down rows (what an int8 rank keeps scales of)
+    assert (layer.column_rows, layer.kv_rows, layer.row_rows) == (8192 + 2 * 28672, 2 * 1024, 2 * 8192)
+    assert (layer.column_matrix, layer.kv_matrix) == (8192 * 8192 + 2 * 28672 * 8192, 2 * 1024 * 8192)
+    profile = profile_from_config(config)
+    old = json.loads(profile.model_dump_json())
+    for layer in old["layers"]:
+        for key in ("column_matrix", "kv_matrix", "column_rows", "kv_rows", "row_rows"):
+            del layer[key]
+    with pytest.raises(ValidationError):
+        ModelProfile.model_validate_json(json.dumps(old))

@@ -60,8 +60,8 @@ def pool():
 
 
 def make_plan(model_dir: Path, tp: int, pp: int, *, max_len: int = 64, batch: int = 1,
-              partition: list[int] | None = None, dtype: str = "auto"):
+              partition: list[int] | None = None, dtype: str = "auto", quantization: str = "none"):
     from shard_operator.local import plan_local
 
-    return plan_local(model_dir, tp, pp, dtype=dtype, max_model_len=max_len, max_batch_size=batch,
+    return plan_local(model_dir, tp, pp, dtype=dtype, quantization=quantization, max_model_len=max_len, max_batch_size=batch,
                       devices="local:4GiB*8", device_kind="cpu", layer_partition=partition)

@@ -100,5 +100,6 @@ class MemorySample:
                    cuda_allocated=allocated, cuda_reserved=reserved)
 
     def held(self, on_cuda: bool) -> int:
-        """The bytes that grow with what the rank allocates: the device's, or anonymous memory."""
-        return self.cuda_allocated if on_cuda else self.rss_anon
+        """The bytes that grow with what the rank allocates: what CUDA's caching allocator
+        reserved on the device (what the device really gives up), or anonymous memory."""
+        return self.cuda_reserved if on_cuda else self.rss_anon

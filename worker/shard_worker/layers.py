@@ -1,6 +1,9 @@
 """Tensor-parallel building blocks. Each allocates only this rank's shard, uninitialised (the
-loader fills it), and keeps weights in `nn.Linear`'s [out, in] layout for `F.linear` (on CPU,
-bf16 decode is about twice as fast that way as `x @ W` on a transposed copy).
+loader fills it), and keeps weights in `nn.Linear`'s [out, in] layout, which both our decode
+kernels and `F.linear` stream row by row (`kernels.linear` picks one).
+
+With `quantized`, a projection holds int8 weights and one float32 scale per output row
+(weight-only, symmetric: W ~ q * scale); activations stay in the runtime dtype.
 
 Plain classes rather than `nn.Module`: no hooks, no per-call dispatch, and the collective each
 layer needs is the one line you see in its `__call__`.
@@ -12,36 +15,47 @@ import torch
 import torch.nn.functional as F
 
 from .dist import Comm
+from .kernels import linear
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype, device=device)
 
 
-class ColumnParallelLinear:
+class Projection:
+    """A weight [out, in] in the runtime dtype, or int8 with a float32 scale per output row."""
+
+    def __init__(self, out_features: int, in_features: int, bias: bool, quantized: bool, dtype: torch.dtype,
+                 device: torch.device):
+        self.weight = _empty(out_features, in_features, dtype=torch.int8 if quantized else dtype, device=device)
+        self.scale = _empty(out_features, dtype=torch.float32, device=device) if quantized else None
+        self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
+
+
+class ColumnParallelLinear(Projection):
     """y_r = x W_r^T + b_r with W_r this rank's rows (output features). No communication: the
     output stays split, ready for a row-parallel layer."""
 
-    def __init__(self, in_features: int, out_local: int, bias: bool, dtype: torch.dtype, device: torch.device):
-        self.weight = _empty(out_local, in_features, dtype=dtype, device=device)
-        self.bias = _empty(out_local, dtype=dtype, device=device) if bias else None
+    def __init__(self, in_features: int, out_local: int, bias: bool, dtype: torch.dtype, device: torch.device,
+                 quantized: bool = False):
+        super().__init__(out_local, in_features, bias, quantized, dtype, device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.scale, self.bias)
 
 
-class RowParallelLinear:
+class RowParallelLinear(Projection):
     """y = sum_r x_r W_r^T + b with W_r this rank's columns (input features): one all-reduce,
-    and the bias added once, after it."""
+    and the bias added once, after it. An int8 rank's scales are those of whole rows (every rank
+    holds the same), so the quantization does not depend on the tensor-parallel degree."""
 
     def __init__(self, in_local: int, out_features: int, bias: bool, comm: Comm, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, quantized: bool = False):
+        super().__init__(out_features, in_local, bias, quantized, dtype, device)
         self.comm = comm
-        self.weight = _empty(out_features, in_local, dtype=dtype, device=device)
-        self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, self.scale)
         self.comm.all_reduce(y)
         if self.bias is not None:
             y += self.bias
@@ -80,7 +94,7 @@ class ParallelLMHead:
         self.weight = weight if weight is not None else _empty(rows, hidden, dtype=dtype, device=device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        local = F.linear(x, self.weight)
+        local = linear(x, self.weight)
         return self.comm.all_gather(local)[..., :self.vocab_size].float()
 
 

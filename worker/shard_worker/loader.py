@@ -9,8 +9,14 @@ Bytes are read with `os.preadv` at exact offsets into the destination tensor's m
 mapped file faults whole readahead windows in and inflates resident memory while loading. Row
 slices are one contiguous range. A column slice (row-parallel weights) is one range per row; many
 rows go into one `preadv` (other ranks' columns land in a small scratch buffer), because one
-syscall per row is several times slower. When the checkpoint dtype differs from the runtime dtype
-(or the tensor lives on a GPU) a bounded chunk is read into a staging buffer and converted.
+syscall per row is several times slower.
+
+Conversions leave nothing behind. When the checkpoint dtype differs from the runtime dtype, or
+the weights are quantized to int8, or the tensor lives on a GPU, a bounded chunk of rows is read
+into a staging area and converted (or quantized) on the CPU straight into the destination; a GPU
+only ever receives same-dtype copies, so its caching allocator holds no conversion temporaries.
+The staging area is one anonymous memory map for the whole load, unmapped at its end: heap
+buffers of that size would stay in the process's heap after being freed.
 
 Only safetensors: pickle checkpoints (`.bin`, `.pt`) are refused, because unpickling runs code.
 """
@@ -18,6 +24,7 @@ Only safetensors: pickle checkpoints (`.bin`, `.pt`) are refused, because unpick
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import time
 from dataclasses import dataclass
@@ -30,9 +37,10 @@ from shard_contract.checkpoint import DTYPE_BYTES, CheckpointError, read_weights
 
 from .config import ModelConfig
 from .model import Piece, Stage
+from .quant import quantize_rows_
 
 TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-STAGING_BYTES = 16 * 2**20  # the most memory a converting read holds beside its destination
+STAGING_BYTES = 4 * 2**20  # rows converted at once; the staging area holds three such buffers
 DIRECT_CHUNK_BYTES = 256 * 2**20  # Linux returns at most ~2 GiB per read call; stay well below
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
@@ -84,12 +92,16 @@ class Checkpoint:
 
 def load_stage(stage: Stage, model_dir: str | Path,
                progress: Callable[[int, int], None] | None = None) -> LoadStats:
-    """Fill every tensor of `stage` from the checkpoint in `model_dir`; `progress(loaded, total)`
-    after each tensor (bytes of this rank's tensors filled so far, and in all)."""
+    """Fill every tensor of `stage` from the checkpoint in `model_dir`; int8 projections are
+    quantized as they are read, with the scales of whole checkpoint rows. `progress(loaded,
+    total)` after each tensor (bytes of this rank's tensors filled so far, and in all)."""
     start = time.perf_counter()
     checkpoint = Checkpoint(model_dir, stage.config)
     table, tensors = stage.pieces(), stage.tensors()
-    assert table.keys() == tensors.keys(), "the name-mapping table must cover every tensor exactly"
+    scales = {name: tensors[name.removesuffix("weight") + "scale"] for name in table
+              if name.endswith(".weight") and name.removesuffix("weight") + "scale" in tensors}
+    assert table.keys() | {n.removesuffix("weight") + "scale" for n in scales} == tensors.keys(), \
+        "the name-mapping table must cover every tensor exactly"
     entries = {p.tensor: checkpoint.entry(p.tensor) for pieces in table.values() for p in pieces}
     stats = LoadStats()
     total, loaded = sum(t.numel() * t.element_size() for t in tensors.values()), 0
@@ -98,10 +110,10 @@ def load_stage(stage: Stage, model_dir: str | Path,
             dst = tensors[name]
             covered = 0
             for piece in pieces:
-                covered = max(covered, reader.read(entries[piece.tensor], piece, dst))
+                covered = max(covered, reader.read(entries[piece.tensor], piece, dst, scales.get(name)))
             if covered < dst.shape[0]:
                 dst[covered:].zero_()  # vocabulary padding of the last rank
-            loaded += dst.numel() * dst.element_size()
+            loaded += sum(t.numel() * t.element_size() for t in (dst, scales.get(name)) if t is not None)  # its scales too
             if progress is not None:
                 progress(loaded, total)
     stats.seconds = time.perf_counter() - start
@@ -114,11 +126,43 @@ def _memory(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
 
 
+class Staging:
+    """Three buffers of STAGING_BYTES in one anonymous memory map, made on first use and unmapped
+    by `close`: `raw` (bytes as read), `work` (float32 rows being quantized) and `out` (converted
+    rows on their way to a GPU)."""
+
+    KINDS = ("raw", "work", "out")
+
+    def __init__(self) -> None:
+        self._map: mmap.mmap | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, kind: str, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """A [rows, width] tensor of `dtype` over the `kind` buffer (rows * width must fit)."""
+        if self._map is None:
+            self._map = mmap.mmap(-1, len(self.KINDS) * STAGING_BYTES)
+            whole = torch.frombuffer(self._map, dtype=torch.uint8)
+            self._buffers = {k: whole[i * STAGING_BYTES:(i + 1) * STAGING_BYTES] for i, k in enumerate(self.KINDS)}
+        nbytes = rows * width * dtype.itemsize
+        assert nbytes <= STAGING_BYTES, (kind, rows, width, dtype)
+        return self._buffers[kind][:nbytes].view(dtype).view(rows, width)
+
+    def close(self) -> None:
+        self._buffers.clear()
+        if self._map is not None:
+            try:
+                self._map.close()  # every view is gone: the pages go back to the kernel
+            except BufferError:  # a view lives on in an error's traceback: unmapped when it goes
+                pass
+            self._map = None
+
+
 class SliceReader:
     def __init__(self, stats: LoadStats):
         self.stats = stats
         self._fds: dict[Path, int] = {}
         self._scratch: bytearray = bytearray()
+        self._staging = Staging()
 
     def __enter__(self) -> "SliceReader":
         return self
@@ -127,6 +171,7 @@ class SliceReader:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._staging.close()
 
     def _fd(self, path: Path) -> int:
         if path not in self._fds:
@@ -137,8 +182,9 @@ class SliceReader:
             self.stats.files += 1
         return self._fds[path]
 
-    def read(self, entry: Entry, piece: Piece, dst: torch.Tensor) -> int:
-        """Copy `piece` of `entry` into `dst` from row `piece.offset`; returns the row after it."""
+    def read(self, entry: Entry, piece: Piece, dst: torch.Tensor, scale: torch.Tensor | None = None) -> int:
+        """Copy `piece` of `entry` into `dst` from row `piece.offset` (int8 `dst`: quantized, its
+        rows' scales into `scale`); returns the row after it."""
         rows_total = entry.shape[0]
         cols = entry.shape[1] if len(entry.shape) == 2 else 1
         if piece.dim == 1 and (piece.start, piece.stop) == (0, cols):  # every column: one contiguous range
@@ -152,21 +198,49 @@ class SliceReader:
             raise CheckpointError(f"{entry.path}: tensor {entry.name}: slice {piece} does not fit the "
                                   f"destination of shape {list(dst.shape)}")
         region = region.view(out_rows, width)
+        if scale is not None:
+            self._quantize(entry, piece, region, scale[piece.offset:piece.offset + out_rows], cols)
+            return piece.offset + out_rows
         src_dtype = TORCH_DTYPES[entry.dtype]
         item = DTYPE_BYTES[entry.dtype]
         direct = region.device.type == "cpu" and region.dtype == src_dtype and region.is_contiguous()
-        limit = DIRECT_CHUNK_BYTES if direct else STAGING_BYTES
-        chunk = max(1, limit // max(1, width * item))
+        limit = DIRECT_CHUNK_BYTES if direct else STAGING_BYTES // max(item, region.element_size())
+        chunk = max(1, limit // max(1, width * (item if direct else 1)))
         if piece.dim == 1:
             chunk = min(chunk, (IOV_MAX + 1) // 2)
         fd = self._fd(entry.path)
         for a in range(0, out_rows, chunk):
             b = min(out_rows, a + chunk)
-            target = region[a:b] if direct else torch.empty(b - a, width, dtype=src_dtype)
+            target = region[a:b] if direct else self._staging.get("raw", b - a, width, src_dtype)
             self._read_rows(fd, entry, piece, a, b, cols, item, target)
             if not direct:
-                region[a:b].copy_(target)
+                self._deliver(region[a:b], target)
         return piece.offset + out_rows
+
+    def _quantize(self, entry: Entry, piece: Piece, region: torch.Tensor, scale: torch.Tensor, cols: int) -> None:
+        """int8 rows of the piece with the scales of whole checkpoint rows: a column slice
+        (row-parallel weights) reads its rows whole, so every TP degree quantizes alike."""
+        src_dtype, item = TORCH_DTYPES[entry.dtype], DTYPE_BYTES[entry.dtype]
+        first = piece.start if piece.dim == 0 else 0
+        c0, c1 = (0, cols) if piece.dim == 0 else (piece.start, piece.stop)
+        whole_rows = Piece(piece.tensor, 0, first, first + region.shape[0])
+        chunk = max(1, STAGING_BYTES // (cols * 4))
+        fd = self._fd(entry.path)
+        for a in range(0, region.shape[0], chunk):
+            b = min(region.shape[0], a + chunk)
+            raw = self._staging.get("raw", b - a, cols, src_dtype)
+            self._read_rows(fd, entry, whole_rows, a, b, cols, item, raw)
+            work = raw if src_dtype == torch.float32 else self._staging.get("work", b - a, cols, torch.float32).copy_(raw)
+            self._deliver(scale[a:b], quantize_rows_(work))
+            self._deliver(region[a:b], work[:, c0:c1])
+        self.stats.scratch_bytes += region.shape[0] * (cols - (c1 - c0)) * item
+
+    def _deliver(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst <- src (CPU), converting on the CPU: a GPU destination gets a same-dtype copy."""
+        if dst.device.type == "cpu" or src.dtype == dst.dtype:
+            dst.copy_(src)
+        else:
+            dst.copy_(self._staging.get("out", *src.shape, dst.dtype).copy_(src))
 
     def _read_rows(self, fd: int, entry: Entry, piece: Piece, a: int, b: int, cols: int, item: int,
                    target: torch.Tensor) -> None:

@@ -197,12 +197,14 @@ class KVCache:
 
 # ---------------------------------------------------------------- layers
 class Attention:
-    def __init__(self, layout: Layout, window: int | None, comm: Comm, dtype: torch.dtype, device: torch.device):
+    def __init__(self, layout: Layout, window: int | None, comm: Comm, dtype: torch.dtype, device: torch.device,
+                 quantized: bool):
         c = layout.config
         self.heads, self.kv_heads, self.head_dim, self.window = layout.heads, layout.kv_heads, c.head_dim, window
         self.q_size, self.kv_size = self.heads * c.head_dim, self.kv_heads * c.head_dim
-        self.qkv = ColumnParallelLinear(c.hidden_size, self.q_size + 2 * self.kv_size, c.qkv_bias, dtype, device)
-        self.o = RowParallelLinear(self.q_size, c.hidden_size, c.o_bias, comm, dtype, device)
+        self.qkv = ColumnParallelLinear(c.hidden_size, self.q_size + 2 * self.kv_size, c.qkv_bias, dtype, device,
+                                        quantized)
+        self.o = RowParallelLinear(self.q_size, c.hidden_size, c.o_bias, comm, dtype, device, quantized)
 
     def __call__(self, x: torch.Tensor, step: Step, cache: KVCache, layer: int) -> torch.Tensor:
         n, s, _ = x.shape
@@ -217,10 +219,11 @@ class Attention:
 
 
 class MLP:
-    def __init__(self, layout: Layout, comm: Comm, dtype: torch.dtype, device: torch.device):
+    def __init__(self, layout: Layout, comm: Comm, dtype: torch.dtype, device: torch.device, quantized: bool):
         c = layout.config
-        self.gate_up = ColumnParallelLinear(c.hidden_size, 2 * layout.intermediate, c.mlp_bias, dtype, device)
-        self.down = RowParallelLinear(layout.intermediate, c.hidden_size, c.mlp_bias, comm, dtype, device)
+        self.gate_up = ColumnParallelLinear(c.hidden_size, 2 * layout.intermediate, c.mlp_bias, dtype, device,
+                                            quantized)
+        self.down = RowParallelLinear(layout.intermediate, c.hidden_size, c.mlp_bias, comm, dtype, device, quantized)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -228,13 +231,14 @@ class MLP:
 
 
 class DecoderLayer:
-    def __init__(self, layout: Layout, index: int, comm: Comm, dtype: torch.dtype, device: torch.device):
+    def __init__(self, layout: Layout, index: int, comm: Comm, dtype: torch.dtype, device: torch.device,
+                 quantized: bool):
         c = layout.config
         self.index = index
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.attn = Attention(layout, c.sliding_windows[index], comm, dtype, device)
+        self.attn = Attention(layout, c.sliding_windows[index], comm, dtype, device, quantized)
         self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.mlp = MLP(layout, comm, dtype, device)
+        self.mlp = MLP(layout, comm, dtype, device, quantized)
 
     def __call__(self, x: torch.Tensor, step: Step, cache: KVCache, slot: int) -> torch.Tensor:
         x = x + self.attn(self.input_norm(x), step, cache, slot)
@@ -243,13 +247,18 @@ class DecoderLayer:
 
 # ---------------------------------------------------------------- the stage
 class Stage:
-    def __init__(self, layout: Layout, comm: Comm, dtype: torch.dtype, device: torch.device):
+    """`quantization` "int8": the decoder layers' projections hold int8 weights and per-row
+    scales; embeddings, norms and the LM head stay in `dtype`."""
+
+    def __init__(self, layout: Layout, comm: Comm, dtype: torch.dtype, device: torch.device,
+                 quantization: str = "none"):
         check_tp(layout.config, layout.tp)
         c = layout.config
         self.layout, self.config, self.dtype, self.device = layout, c, dtype, device
+        quantized = quantization == "int8"
         self.embed = VocabParallelEmbedding(layout.vocab_start, layout.vocab_rows, c.hidden_size, comm, dtype,
                                             device) if layout.embeds else None
-        self.layers = [DecoderLayer(layout, i, comm, dtype, device) for i in range(*layout.layers)]
+        self.layers = [DecoderLayer(layout, i, comm, dtype, device, quantized) for i in range(*layout.layers)]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device) if layout.has_lm_head else None
         self.lm_head = None
         if layout.has_lm_head:
@@ -272,7 +281,8 @@ class Stage:
 
     # ------------------------------------------------------------ what the loader fills
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor this rank holds, by our name (tied embeddings appear once)."""
+        """Every tensor this rank holds, by our name (tied embeddings appear once); an int8
+        projection's scales are `<name>.scale` beside its `<name>.weight`."""
         out: dict[str, torch.Tensor] = {}
         if self.embed is not None:
             out["embed.weight"] = self.embed.weight
@@ -282,6 +292,8 @@ class Stage:
                                  ("qkv", layer.attn.qkv), ("o", layer.attn.o),
                                  ("gate_up", layer.mlp.gate_up), ("down", layer.mlp.down)):
                 out[p + name + ".weight"] = module.weight
+                if getattr(module, "scale", None) is not None:
+                    out[p + name + ".scale"] = module.scale
                 if getattr(module, "bias", None) is not None:
                     out[p + name + ".bias"] = module.bias
         if self.norm is not None:
@@ -291,7 +303,8 @@ class Stage:
         return out
 
     def pieces(self) -> dict[str, list[Piece]]:
-        """The name-mapping table: for each of our tensors, the checkpoint slices that fill it."""
+        """The name-mapping table: for each of our tensors (but int8 scales, which the loader
+        computes beside their weights), the checkpoint slices that fill it."""
         lay, c = self.layout, self.config
         hd, r = c.head_dim, lay.tp_rank
         q = (r * lay.heads * hd, (r + 1) * lay.heads * hd)

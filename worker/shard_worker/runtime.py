@@ -3,6 +3,7 @@ rank's stage, allocate its KV cache, and measure what that costs in memory."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -40,6 +41,10 @@ def check_budget(what: str, nbytes: int, budget: int | None) -> None:
 
 def device_for(rank_plan: RankPlan, env: WorkerEnv) -> torch.device:
     if rank_plan.kind == "gpu":
+        # One growing segment instead of a 2 MiB-rounded block per tensor: what CUDA reserves for
+        # the weights is then what they need (the plan), not that plus each tensor's rounding.
+        # Read when the caching allocator starts, which is after this.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         if not torch.cuda.is_available():
             raise PlanMismatch(f"the plan puts rank {rank_plan.rank} on {rank_plan.device}, "
                                "but CUDA is not available in this process")
@@ -102,7 +107,7 @@ class Worker:
 
         try:
             before = MemorySample.take(device)
-            stage = Stage(layout, comm, dtype, device)
+            stage = Stage(layout, comm, dtype, device, plan.quantization)
             stats = load_stage(stage, env.model_dir, progress)
             loaded = MemorySample.take(device)
             cache = KVCache(layout.layers[1] - layout.layers[0], plan.max_batch_size, layout.kv_heads,

@@ -1,0 +1,112 @@
+"""The matrix products of decode: our C kernel (`shard_worker._gemv`) where it applies, torch's
+elsewhere.
+
+A decode step multiplies a few token vectors by every weight matrix once, so it is bound by the
+bytes of weights read; torch's CPU matrix-vector products stop well short of the memory's
+bandwidth (bfloat16 and int8 the most). `_gemv` streams float32, bfloat16 and int8 weights
+(one float32 scale per output row) for 1-8 rows of x, with AVX-512, AVX2 or portable C chosen
+by CPUID. Everything else -- prefill, float16, GPUs, a package built without a compiler -- goes
+through torch.
+
+`SHARD_KERNEL` picks the path: `auto` (default: the best this CPU runs), `torch` (never ours), or
+one level by name (`portable`, `avx2`, `avx512`, `avx512_bf16`) -- for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from . import _gemv
+except ImportError:  # built without a C compiler: torch's kernels only
+    _gemv = None
+
+MAX_ROWS = 8  # rows of x one call of ours takes; more is prefill, where torch's GEMMs win
+LEVELS: list[str] = _gemv.levels() if _gemv is not None else []  # slowest first
+_WTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_XTYPES = {torch.float32: 0, torch.bfloat16: 1}
+DEQUANT_CHUNK_BYTES = 8 * 2**20  # int8 rows dequantized at once where no int8 kernel applies
+
+
+def _chosen_level() -> str | None:
+    want = os.environ.get("SHARD_KERNEL", "auto")
+    if want == "torch" or not LEVELS:
+        return None
+    if want == "auto":
+        return LEVELS[-1]
+    if want not in LEVELS:
+        raise RuntimeError(f"SHARD_KERNEL={want!r}: this CPU and build run {['torch', *LEVELS]}")
+    return want
+
+
+LEVEL = _chosen_level()
+
+
+def describe() -> str:
+    """Which kernel decode uses here, for logs and reports."""
+    return f"shard_worker._gemv ({LEVEL})" if LEVEL else "torch (no _gemv kernel: " + (
+        "SHARD_KERNEL=torch)" if _gemv is not None else "the extension is not built)")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+           bias: torch.Tensor | None = None, level: str | None = "default") -> torch.Tensor:
+    """x W^T (times `scale` per output row for int8 W) + bias, in x's dtype. `level`: one of
+    LEVELS, None for torch only, or the process's choice (`SHARD_KERNEL`)."""
+    level = LEVEL if level == "default" else level
+    k = weight.shape[1]
+    rows = x.numel() // k
+    if level is not None and _ours(x, weight, scale, rows):
+        x2 = x.reshape(rows, k)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        n = weight.shape[0]
+        y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+        _gemv.linear(_WTYPES[weight.dtype], _XTYPES[x.dtype], weight.data_ptr(),
+                     0 if scale is None else scale.data_ptr(), x2.data_ptr(), y.data_ptr(), n, k, rows,
+                     x2.stride(0), n, torch.get_num_threads(), LEVELS.index(level))
+        if bias is not None:
+            y += bias
+        return y
+    if weight.dtype == torch.int8:
+        return _int8_torch(x, weight, scale, bias)
+    return F.linear(x, weight, bias)
+
+
+def _ours(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, rows: int) -> bool:
+    return (1 <= rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype in _XTYPES
+            and weight.is_contiguous() and weight.device.type == "cpu"
+            and (weight.dtype == x.dtype or (weight.dtype == torch.int8 and scale is not None
+                                              and scale.dtype == torch.float32 and scale.is_contiguous()))
+            and x.shape[-1] == weight.shape[1])
+
+
+def _int8_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """int8 rows through torch. On CUDA, decode uses its int8 matrix-vector product (float32
+    activations only). Elsewhere rows are dequantized a bounded chunk at a time (int8 values are
+    exact in any float dtype) and scaled after the product, in float32: prefill is compute-bound,
+    so the chunk costs little beside the GEMM, and no full-size copy of the weight ever exists.
+    (torch's CPU `_weight_int8pack_mm` is not used: its float32 path streams at a tenth of the
+    memory's speed, and its bfloat16 one is off by more than two roundings.)"""
+    k = weight.shape[1]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] <= MAX_ROWS and x.device.type == "cuda":
+        y = torch.ops.aten._weight_int8pack_mm(x2.float().contiguous(), weight, scale).to(x.dtype)
+    else:
+        y = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        step = max(1, DEQUANT_CHUNK_BYTES // (k * x.element_size()))
+        for a in range(0, weight.shape[0], step):
+            y[:, a:a + step] = F.linear(x2, weight[a:a + step].to(x.dtype)).float() * scale[a:a + step]
+    y = y.view(*x.shape[:-1], weight.shape[0])
+    if bias is not None:
+        y += bias
+    return y
+
+
+def read_once(buffer: torch.Tensor, threads: int, streams: int = 1) -> int:
+    """Read `buffer` once with plain vector loads, split over `threads`, each reading its share as
+    `streams` sequential streams side by side (1-8): the machine's read limit. Returns a checksum
+    (whose value depends on the split: it only keeps the reads from being optimised away)."""
+    return _gemv.read(buffer.data_ptr(), buffer.numel() * buffer.element_size(), threads, len(LEVELS) - 1, streams)

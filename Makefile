@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test system-tools crd bench clean
+.PHONY: demo test test-fast system-tools test-tools crd bench clean
 
 # Each step says what it does first: a first install is quiet for minutes otherwise.
 $(STAMP): pyproject.toml worker/shard_worker/_gemv.c  # the C kernel is built by the install
@@ -46,8 +46,20 @@ system-tools:
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
 	fi
 
-test: $(STAMP) system-tools
+# Binaries the tests run, fetched once per machine into ~/.cache/shard-operator (outside the
+# repository; SHARD_TEST_BIN_CACHE moves it): helm and kubectl (tests/support/k8s_binaries.py) and
+# checkov in a venv of its own (tests/packaging/scanner.py). Each step does nothing when it is there.
+test-tools: $(STAMP)
+	$(PY) -m tests.support.k8s_binaries
+	$(PY) -m tests.packaging.scanner
+
+test: $(STAMP) system-tools test-tools
 	$(PY) -m pytest -q -x
+
+# The pure and unit tiers, in under a minute: the contract, the operator's unit tests with the
+# reconcile's table tier, and the worker's tests not marked slow.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -x tests/contract tests/operator/unit tests/worker -m "not slow"
 
 crd: $(STAMP)
 	$(PY) -m shard_operator.crd > crds/shardedmodels.yaml

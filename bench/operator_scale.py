@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 import kubernetes  # noqa: E402
 
 from shard_devcluster.apiserver import SM, serve  # noqa: E402
-from shard_devcluster.kubelet import FakeKubelet  # noqa: E402
+from tests.support.fakekubelet import FakeKubelet  # noqa: E402
 from tests.support.cluster import gpu_node, sharded_model, write_model  # noqa: E402
 from tests.support.operator import fast_settings, running_operator  # noqa: E402
 

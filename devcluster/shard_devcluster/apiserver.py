@@ -1,4 +1,5 @@
-"""Fixtures' building blocks: an emulated API server on loopback with our CRD registered."""
+"""Fixtures' building blocks: an emulated API server on loopback with our CRD registered, and its
+control plane (scheduler, node lifecycle, pod GC, endpoints: controlplane.py)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,25 @@ import kmock
 
 from shard_operator.crd import build_crd
 
+from .controlplane import ControlPlane
 from .emulator import FidelityEmulator
 
 SM = 'sharding.dev/v1alpha1/shardedmodels'
 
 
 @contextlib.asynccontextmanager
-async def serve(**options) -> AsyncIterator[tuple[FidelityEmulator, str]]:
-    """A FidelityEmulator serving HTTP on 127.0.0.1:<random port>, with the ShardedModel CRD."""
+async def serve(*, control_plane: bool = True, **options) -> AsyncIterator[tuple[FidelityEmulator, str]]:
+    """A FidelityEmulator serving HTTP on 127.0.0.1:<random port>, with the ShardedModel CRD, and
+    unless `control_plane=False` the scheduler and controllers with a real cluster's timings."""
     emu = FidelityEmulator(**options)
     async with emu, kmock.Server(emu) as server:
         emu.add_crd(build_crd())
-        yield emu, str(server.url).rstrip('/')
+        url = str(server.url).rstrip('/')
+        if not control_plane:
+            yield emu, url
+            return
+        async with ControlPlane(emu):
+            yield emu, url
 
 
 def write_kubeconfig(path: Path, server: str) -> Path:

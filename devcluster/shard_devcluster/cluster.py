@@ -1,10 +1,16 @@
 """DevCluster: a Kubernetes cluster on one machine, assembled from the pieces of this package.
 
-    emulated API server on 127.0.0.1 (a kubeconfig for kubectl), with the ShardedModel CRD
-    + the cluster network: pod IPs, DNS names, ClusterIPs (network.py)
+    emulated API server on 127.0.0.1 (a kubeconfig for kubectl), with the ShardedModel CRD, and its
+      control plane: scheduler, node lifecycle, pod GC, endpoints (controlplane.py)
+      -- or any other API server, named by a kubeconfig (`attach`)
+    + the cluster network: pod IPs and ClusterIPs mapped onto loopback, DNS (network.py, dns.py)
     + a kubelet that runs every Pod as a local process (processkubelet.py)
     + a Service proxy on every ClusterIP (proxy.py)
+    + an HTTP proxy into the cluster network for processes outside the pods (gateway.py)
     + the real operator: `python -m shard_operator`, a process configured by its environment
+
+The kubelet, the proxies and DNS use only the Kubernetes HTTP API, so attached to a real control
+plane (kube-apiserver, kube-scheduler, kube-controller-manager) they run its pods just the same.
 
 Nodes are Node objects: what GPU feature discovery would label, with `sharding.dev/device-kind:
 cpu`, so each "GPU" is a CPU memory budget that the worker on it enforces. The operator reads model
@@ -24,15 +30,21 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, TypeVar
+from urllib.parse import urlsplit
 
 from shard_operator.inventory import COUNT_LABEL, KIND_LABEL, MEMORY_LABEL, PRODUCT_LABEL, SPEED_LABEL
 
-from .apiserver import serve, write_kubeconfig
-from .emulator import Faults
-from .network import ClusterNetwork
+from .dns import ClusterDNS
+from .gateway import Gateway
+from .kubeapi import KubeApi, path
+from .network import DEFAULT_POD_CIDR, ClusterNetwork
 from .processkubelet import ProcessKubelet, _die_with_parent
 from .proxy import ServiceProxy
+
+if TYPE_CHECKING:  # the emulator is loaded only when the cluster runs one (not when attached)
+    from .controlplane import ControlPlane
+    from .emulator import Faults
 
 T = TypeVar("T")
 
@@ -79,23 +91,35 @@ def default_nodes() -> list[dict[str, Any]]:
 
 
 class DevCluster:
+    """The cluster. `attach`: a kubeconfig of another API server, whose control plane is used
+    instead of starting the emulated one (`faults` and the timings below are the emulator's)."""
+
     def __init__(self, workdir: str | os.PathLike[str], *, host_root: str | os.PathLike[str] | None = None,
                  nodes: Iterable[dict[str, Any]] = (), operator_env: dict[str, str] | None = None,
                  probe_period: float = 1.0, grace: float = 5.0, run_operator: bool = True,
-                 faults: Faults | None = None):
+                 faults: Faults | None = None, attach: str | os.PathLike[str] | None = None,
+                 node_monitor_grace: float = 40.0, pod_gc_quarantine: float = 40.0, renew_seconds: float = 10.0,
+                 pod_cidr: str = DEFAULT_POD_CIDR, node_selector: str = ""):
         self.workdir = Path(workdir).resolve()
         self.host_root = Path(host_root).resolve() if host_root else self.workdir / "host"
-        self.kubeconfig = self.workdir / "kubeconfig"
+        self.attach = Path(attach).resolve() if attach else None
+        self.kubeconfig = self.attach or self.workdir / "kubeconfig"
         self.operator_log = self.workdir / "operator.log"
         self.nodes = list(nodes)
         self.operator_env = {**OPERATOR_ENV, **(operator_env or {})}
         self.probe_period, self.grace, self.run_operator = probe_period, grace, run_operator
         self.faults = faults  # failures the API server injects (emulator.Faults)
-        self.network = ClusterNetwork()
+        self.node_monitor_grace, self.pod_gc_quarantine = node_monitor_grace, pod_gc_quarantine
+        self.renew_seconds = renew_seconds
+        self.node_selector = node_selector  # the Nodes this cluster's kubelet serves (all: "")
+        self.network = ClusterNetwork(pod_cidr)
         self.url = ""
         self.emu: Any = None
+        self.control_plane: ControlPlane | None = None
+        self.api: KubeApi | None = None
         self.kubelet: ProcessKubelet | None = None
         self.proxy: ServiceProxy | None = None
+        self.gateway = Gateway(self.network)
         self.operator: asyncio.subprocess.Process | None = None
         self._stack = contextlib.AsyncExitStack()
 
@@ -111,22 +135,49 @@ class DevCluster:
         self.host_root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.workdir / "pods", ignore_errors=True)  # a previous run's pods are gone
         try:
-            self.emu, self.url = await self._stack.enter_async_context(
-                serve(allocate_cluster_ip=self.network.service_ip, faults=self.faults))
-            write_kubeconfig(self.kubeconfig, self.url)
+            if self.attach is None:
+                from .apiserver import serve, write_kubeconfig
+                from .controlplane import ControlPlane
+
+                self.emu, self.url = await self._stack.enter_async_context(serve(control_plane=False, faults=self.faults))
+                self.control_plane = await self._stack.enter_async_context(ControlPlane(
+                    self.emu, node_monitor_grace=self.node_monitor_grace, pod_gc_quarantine=self.pod_gc_quarantine))
+                write_kubeconfig(self.kubeconfig, self.url)
+                self.api = KubeApi(self.url)
+            else:
+                self.api = KubeApi.from_kubeconfig(self.attach)
+                self.url = self.api.server
+                await self._install_crd()
+            self._stack.push_async_callback(self.api.close)
             for node in self.nodes:
-                await self.emu.k8s_create("v1/nodes", None, node)
-            self.kubelet = ProcessKubelet(self.emu, self.network, self.workdir / "pods", host_root=str(self.host_root),
-                                          probe_period=self.probe_period, grace=self.grace, extra_env=RANK_ENV)
+                await self.add_node(node)
+            dns = ClusterDNS(self.api, self.network)
+            tasks = [asyncio.create_task(run) for run in dns.runners()]
+            self._stack.callback(lambda: [task.cancel() for task in tasks])
+            self.kubelet = ProcessKubelet(self.api, self.network, self.workdir / "pods", host_root=str(self.host_root),
+                                          probe_period=self.probe_period, grace=self.grace, extra_env=RANK_ENV,
+                                          renew_seconds=self.renew_seconds, node_selector=self.node_selector)
             await self._stack.enter_async_context(self.kubelet)
-            self.proxy = ServiceProxy(self.emu, self.network)
+            self.proxy = ServiceProxy(self.api, self.network)
             await self.proxy.start()
             self._stack.push_async_callback(self.proxy.stop)
+            await self.gateway.start()
+            self._stack.push_async_callback(self.gateway.stop)
             if self.run_operator:
                 await self.start_operator()
         except BaseException:
             await self.stop()
             raise
+
+    async def _install_crd(self) -> None:
+        """The ShardedModel CRD on the attached API server (created, or its spec brought up to date)."""
+        from shard_operator.crd import build_crd
+
+        assert self.api is not None
+        crd = build_crd()
+        url = path("apiextensions.k8s.io/v1/customresourcedefinitions")
+        if await self.api.create(url, crd) is None:
+            await self.api.patch(f"{url}/{crd['metadata']['name']}", {"spec": crd["spec"]})
 
     async def stop(self) -> None:
         await self.stop_operator()
@@ -134,8 +185,11 @@ class DevCluster:
 
     # ---------------------------------------------------------------- the operator process
     def operator_environment(self) -> dict[str, str]:
+        # The operator reaches leaders at their pod IPs through the gateway; the API server directly.
+        direct = ",".join(filter(None, ["127.0.0.1", "localhost", urlsplit(self.url).hostname]))
         ours = {"KUBECONFIG": str(self.kubeconfig), "SHARD_OPERATOR_HOST_PATH_PREFIX": str(self.host_root),
-                "SHARD_OPERATOR_PVC_ROOT": str(self.host_root / "pvc")}
+                "SHARD_OPERATOR_PVC_ROOT": str(self.host_root / "pvc"), "http_proxy": self.gateway.url,
+                "no_proxy": direct, "NO_PROXY": direct}
         return {**os.environ, **ours, **{f"SHARD_OPERATOR_{k}": v for k, v in self.operator_env.items()}}
 
     async def start_operator(self) -> None:
@@ -157,10 +211,12 @@ class DevCluster:
 
     # ---------------------------------------------------------------- what users and tests do
     async def add_node(self, node: dict[str, Any]) -> None:
-        await self.emu.k8s_create("v1/nodes", None, node)
+        """Register a Node (as `kubectl apply` of it would); its kubelet is this cluster's."""
+        assert self.api is not None
+        await self.api.create(path("v1/nodes"), node)
 
     def service_url(self, name: str, namespace: str = "default") -> str | None:
-        """http://CLUSTER-IP:PORT of a Service the proxy serves, or None."""
+        """http://ADDRESS:PORT where this machine reaches a Service the proxy serves, or None."""
         assert self.proxy is not None
         for (ip, port), (_, owner) in self.proxy.listeners.items():
             if owner == (namespace, name):

@@ -27,7 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "API server,\nthe operator, and a kubelet that runs pods as local processes; "
                                    "kubectl works against it.",
                        epilog="examples:\n  shardctl dev-cluster --demo-model\n"
-                              "  shardctl dev-cluster --nodes examples/dev-cluster/nodes.yaml --faults error=0.05")
+                              "  shardctl dev-cluster --nodes examples/dev-cluster/nodes.yaml --faults error=0.05\n"
+                              "  shardctl dev-cluster add-node sim-c   # beside a running one")
     p.add_argument("--dir", type=Path, default=None, metavar="DIR",
                    help="state directory: kubeconfig, logs, and the nodes' filesystem in host/ "
                         "(default: $XDG_CACHE_HOME/shard-operator/dev-cluster, XDG_CACHE_HOME being ~/.cache "
@@ -41,7 +42,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="make the API server fail a fraction of requests as a real one under load does, e.g. "
                         "error=0.05,conflict=0.1,timeout=0.02,slow=0.02,delay=2,drop_watch=0.2,watch_life=5,seed=1 "
                         "(docs/dev-cluster.md) (default: none)")
+    p.add_argument("--kubeconfig", type=Path, metavar="FILE",
+                   help="attach to the API server (and its scheduler and controllers) this kubeconfig names instead "
+                        "of starting the emulated one: the kubelet, the Service proxy and the operator run here "
+                        "(docs/dev-cluster.md) (default: start the emulated API server)")
+    p.add_argument("--node-selector", default="", metavar="LABELS",
+                   help="the kubelet serves only the Nodes these labels select (default: every Node), e.g. "
+                        "sharding.dev/device-kind=cpu beside real kubelets")
     p.set_defaults(func=run)
+    actions = p.add_subparsers(dest="action", metavar="{add-node}",
+                               help="another action instead of running the cluster (default: run it)")
+    add = actions.add_parser("add-node", help="add a Node of simulated GPUs to the running dev cluster",
+                             description="Add a Node of simulated GPUs (CPU memory budgets) to a running dev "
+                                         "cluster, or to the API server\nof --kubeconfig; its kubelet serves it "
+                                         "at once. `kubectl delete node NAME` removes it.",
+                             epilog="examples:\n  shardctl dev-cluster add-node sim-c\n"
+                                    "  shardctl dev-cluster add-node big --gpus 4 --memory 1GiB --speed 2")
+    add.add_argument("name", help="the Node's name")
+    add.add_argument("--gpus", type=int, default=2, help="simulated GPUs")
+    add.add_argument("--memory", type=_mib, default=200, metavar="SIZE",
+                     help="memory of each, with its unit, e.g. 512MiB (default: 200MiB)")
+    add.add_argument("--pool", default="dev", help="its sharding.dev/pool label")
+    add.add_argument("--speed", type=float, metavar="TBPS",
+                     help="memory bandwidth in TB/s, its sharding.dev/gpu-speed label (default: unlabelled, "
+                          "so the planner takes 1 as for any unknown product)")
+    add.add_argument("--dir", type=Path, default=None, metavar="DIR",
+                     help="the dev cluster's state directory, where its kubeconfig is (default: as dev-cluster's)")
+    add.add_argument("--kubeconfig", type=Path, metavar="FILE",
+                     help="the API server's kubeconfig instead (default: the one in --dir)")
+    add.set_defaults(func=add_node)
 
 
 def _faults(text: str):
@@ -53,8 +82,48 @@ def _faults(text: str):
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _mib(text: str) -> int:
+    from shard_contract.units import MiB, parse_bytes
+
+    try:
+        size = parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if size < MiB:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least 1MiB")
+    return size // MiB
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.kubeconfig is not None and args.faults is not None:
+        print("--faults is the emulated API server's: not with --kubeconfig", file=sys.stderr)
+        return 2
     return asyncio.run(_serve(args))
+
+
+def add_node(args: argparse.Namespace) -> int:
+    return asyncio.run(_add_node(args))
+
+
+async def _add_node(args: argparse.Namespace) -> int:
+    from .cluster import sim_node
+    from .kubeapi import ApiStatusError, KubeApi, path
+
+    kubeconfig = args.kubeconfig or (args.dir or default_dir()).resolve() / "kubeconfig"
+    if not kubeconfig.is_file():
+        print(f"{kubeconfig}: no such kubeconfig; is `shardctl dev-cluster` running (--dir)?", file=sys.stderr)
+        return 1
+    api = KubeApi.from_kubeconfig(kubeconfig)
+    try:
+        created = await api.create(path("v1/nodes"), sim_node(args.name, gpus=args.gpus, memory_mib=args.memory,
+                                                              pool=args.pool, speed=args.speed))
+    except (ApiStatusError, OSError) as err:
+        print(f"node/{args.name}: {err}", file=sys.stderr)
+        return 1
+    finally:
+        await api.close()
+    print(f"node/{args.name} {'created' if created else 'exists already'}")
+    return 0
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -62,7 +131,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
     from .cluster import DevCluster, default_nodes
 
-    nodes = load_nodes(args.nodes) if args.nodes else default_nodes()
+    nodes = load_nodes(args.nodes) if args.nodes else [] if args.kubeconfig else default_nodes()
     workdir: Path = (args.dir or default_dir()).resolve()
     host_root = workdir / "host"
     if args.demo_model and not (host_root / MODELS.lstrip("/") / "demo-llama" / "config.json").exists():
@@ -74,13 +143,14 @@ async def _serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    cluster = DevCluster(workdir, host_root=host_root, nodes=nodes, faults=args.faults)
+    cluster = DevCluster(workdir, host_root=host_root, nodes=nodes, faults=args.faults, attach=args.kubeconfig,
+                         node_selector=args.node_selector)
     await cluster.start()
     try:
         assert cluster.proxy is not None and cluster.operator is not None
         cluster.proxy.on_listen = lambda ns, name, url: print(f"service {ns}/{name}: {url}", flush=True)
         cluster.proxy.on_error = lambda message: print(message, file=sys.stderr, flush=True)
-        print(banner(cluster, nodes), flush=True)
+        print(banner(cluster), flush=True)
         operator_exit = asyncio.ensure_future(cluster.operator.wait())
         await asyncio.wait([operator_exit, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         if operator_exit.done():
@@ -93,16 +163,20 @@ async def _serve(args: argparse.Namespace) -> int:
         await cluster.stop()
 
 
-def banner(cluster, nodes: list[dict]) -> str:
+def banner(cluster) -> str:
     from shard_operator.inventory import MEMORY_LABEL
 
-    node_lines = [f"  {n['metadata']['name']}: {n['status']['allocatable'].get('nvidia.com/gpu', 0)} x "
-                  f"{n['metadata']['labels'].get(MEMORY_LABEL, '?')} MiB" for n in nodes]
-    faults = cluster.emu.faults
+    assert cluster.kubelet is not None
+    nodes = list(cluster.kubelet.nodes.objects.values())
+    node_lines = [f"  {n['metadata']['name']}: {n['status'].get('allocatable', {}).get('nvidia.com/gpu', 0)} x "
+                  f"{n['metadata'].get('labels', {}).get(MEMORY_LABEL, '?')} MiB" for n in nodes]
+    faults = cluster.emu.faults if cluster.emu is not None else None
+    server = f"attached to the API server {cluster.url}" if cluster.attach else f"API server {cluster.url}"
     return "\n".join([
-        f"dev cluster: API server {cluster.url}, operator log {cluster.operator_log}",
+        f"dev cluster: {server}, operator log {cluster.operator_log}",
         *([f"the API server fails requests: {faults!r}"] if faults is not None else []),
-        "nodes (each GPU is a CPU memory budget the worker on it enforces):", *node_lines,
+        "nodes (each GPU is a CPU memory budget the worker on it enforces; `shardctl dev-cluster add-node NAME`, "
+        "or kubectl apply/delete of Nodes, changes them):", *node_lines,
         f"hostPath volumes lie under {cluster.host_root}",
         "",
         "in another terminal:",
@@ -110,8 +184,10 @@ def banner(cluster, nodes: list[dict]) -> str:
         f"  shardctl demo-model {cluster.host_root / MODELS.lstrip('/') / 'demo-llama'}   # unless --demo-model",
         "  kubectl apply -f examples/dev-cluster/shardedmodel.yaml",
         "  kubectl get shardedmodels -w",
-        "then send requests to the model's Service (its address is printed here when it appears):",
-        "  curl -s http://SERVICE-IP:8000/v1/completions -H 'Content-Type: application/json' \\",
+        "then send requests to the model's URL (the URL column) through the cluster network's proxy:",
+        f"  export http_proxy={cluster.gateway.url}",
+        "  curl -s http://demo.default.svc:8000/v1/completions -H 'Content-Type: application/json' \\",
         "       -d '{\"model\": \"demo\", \"prompt\": \"Hello\", \"max_tokens\": 16}'",
+        "(each Service's address on this machine is printed here too when it appears)",
         "Ctrl-C stops everything.",
     ])

@@ -3,8 +3,9 @@ served over HTTP on loopback.
 
 `FidelityEmulator` extends kmock's KubernetesEmulator (pinned: kmock==0.8, whose internals this
 relies on) with the API-server semantics the real kopf operator, the real `kubernetes` client and
-real `kubectl` rely on. `tests/operator/test_emulator_conformance.py` probes each of them over raw
-HTTP.
+real `kubectl` rely on (checked against kube-apiserver v1.36).
+`tests/operator/integration/test_emulator_conformance.py` probes each of them over raw HTTP, and
+says which real behaviour each mimics.
 
 * server-populated metadata: uid, resourceVersion (global counter), creationTimestamp,
   generation, namespace from the URL, generateName; kind/apiVersion on lists & items;
@@ -15,31 +16,41 @@ HTTP.
 * status & scale subresources (spec/status isolation), generation bumps on spec changes;
 * finalizers + deletionTimestamp (no new finalizers while deleting), DELETE with
   preconditions, deletecollection, namespace deletion cascade;
+* graceful deletion of pods: a pod a kubelet runs gets a deletionTimestamp and grace period and
+  stays until its kubelet deletes it with grace 0 (or the pod GC does); unscheduled and finished
+  pods go at once;
+* pods: spec updates refused but for images and added tolerations; spec.nodeName is set through
+  the pods/binding subresource only;
 * ownerReference garbage collection (background / foreground / orphan);
 * list/watch: labelSelector, fieldSelector, limit/continue, resourceVersion resume,
   watch ADDED/DELETED transitions on selector changes, bookmarks, sendInitialEvents,
   timeoutSeconds, stream end on client disconnect, race-free snapshot+subscribe;
-* ClusterIP allocation for Services (when given an allocator: the dev cluster's network);
+* ClusterIP allocation for Services: a random free address of `service_cidr`;
 * Secrets: `stringData` folded into base64 `data`, `type` defaulted and fixed, keys and base64
   validated, `immutable` enforced;
-* scope checks (namespaced vs cluster-scoped), Table output for kubectl (printer columns; pods
-  and nodes with kubectl's own columns),
-  K8s-conformant Status errors (NotFound, AlreadyExists, Conflict, Invalid, ...);
-* pods/log from `pod_logs` (the simulated kubelet fills it); every request is kept for
-  assertions (`api_requests()`), e.g. that the operator uses only the permissions it declares.
+* custom resources: unknown fields pruned and defaults applied from the CRD's schema (schemas.py);
+* scope checks (namespaced vs cluster-scoped), K8s-conformant Status errors (NotFound,
+  AlreadyExists, Conflict, Invalid, ...);
+* for kubectl: server-side tables for every kind, in watches too (tables.py), OpenAPI v3 with the
+  CRD's schema (`kubectl explain`), /version of the kubectl release the tests use;
+* pods/log from the kubelet of the pod's node, at the endpoint its Node status names;
+* every request is kept for assertions (`api_requests()`), e.g. that the operator uses only the
+  permissions it declares;
 * fault injection (`faults=Faults(...)`): on a seeded fraction of requests, the 500s, 409s, 504s,
   slow answers and cut watch streams of a real API server under load or across a restart.
 
-Not emulated: built-in controllers (Deployments, endpoints, the scheduler), RBAC, admission,
-CRD schema validation and defaulting, managedFields, graceful pod termination, protobuf bodies.
+The scheduler, node lifecycle, pod GC and endpoints controllers are components of their own
+(controlplane.py). Not emulated: the other built-in controllers (Deployments, ...), RBAC,
+admission, CRD schema validation, managedFields, protobuf bodies.
 
-Also an in-process API (k8s_create/k8s_patch/k8s_delete/k8s_get/k8s_list) for fakes
-such as the FakeKubelet in kubelet.py and for tests that arrange the world.
+Also an in-process API (k8s_create/k8s_patch/k8s_delete/k8s_get/k8s_list/k8s_bind/k8s_watch) for
+the control plane's components and for tests that arrange the world.
 """
 import asyncio
 import base64
 import copy
 import datetime
+import ipaddress
 import json
 import random
 import re
@@ -54,6 +65,10 @@ import jsonpatch
 import kmock
 import yaml
 from kmock._internal import aiobus, enums, rendering
+
+from . import tables
+from .schemas import OPENAPI_V2, OPENAPI_V2_TYPE, openapi_v3, structural
+from .tables import dig
 
 Res = kmock.resource
 
@@ -76,6 +91,8 @@ def _parse_path(path: str) -> _parsing.ParsedPath:
 
 _parsing.parse_path = _parse_path
 Key = tuple  # (resource, namespace|None, name)
+PODS, NODES = Res('v1/pods'), Res('v1/nodes')
+KUBERNETES_VERSION = 'v1.33.0'
 
 SMP_MERGE_KEYS = {
     'containers': 'name', 'initContainers': 'name', 'ephemeralContainers': 'name',
@@ -184,14 +201,6 @@ def secret_write(old: dict | None, new: dict) -> dict:
     return new
 
 
-def _age(ts: str | None) -> str:
-    if not ts:
-        return '<unknown>'
-    secs = int((datetime.datetime.now(datetime.timezone.utc) -
-                datetime.datetime.strptime(ts, '%Y-%m-%dT%H:%M:%SZ').replace(tzinfo=datetime.timezone.utc)).total_seconds())
-    return f'{secs}s' if secs < 120 else f'{secs // 60}m' if secs < 7200 else f'{secs // 3600}h'
-
-
 # --- selectors -------------------------------------------------------------------------
 
 def _split_top(s: str) -> list[str]:
@@ -237,14 +246,6 @@ def parse_label_selector(sel: str | None):
     return check
 
 
-def _dig(obj: dict, path: str) -> Any:
-    for part in path.split('.'):
-        if not isinstance(obj, dict):
-            return None
-        obj = obj.get(part)
-    return obj
-
-
 def parse_field_selector(sel: str | None):
     if not sel:
         return lambda obj: True
@@ -257,7 +258,7 @@ def parse_field_selector(sel: str | None):
 
     def check(obj: dict) -> bool:
         for path, positive, val in reqs:
-            actual = _dig(obj, path)
+            actual = dig(obj, path)
             actual = '' if actual is None else str(actual).lower() if isinstance(actual, bool) else str(actual)
             if (actual == val) != positive:
                 return False
@@ -265,44 +266,46 @@ def parse_field_selector(sel: str | None):
     return check
 
 
-# --- kubectl's columns of pods and nodes --------------------------------------------------
+# --- pods ------------------------------------------------------------------------------
 
-def _pod_ready(pod: dict) -> str:
-    statuses = (pod.get('status') or {}).get('containerStatuses') or []
-    total = len((pod.get('spec') or {}).get('containers') or []) or len(statuses)
-    return f"{sum(1 for c in statuses if c.get('ready'))}/{total}"
+def in_seconds(seconds: float) -> str:
+    return (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=seconds)).strftime('%Y-%m-%dT%H:%M:%SZ')
 
 
-def _pod_status(pod: dict) -> str:
-    if pod['metadata'].get('deletionTimestamp'):
-        return 'Terminating'
-    status = pod.get('status') or {}
-    for c in status.get('containerStatuses') or []:
-        state = c.get('state') or {}
-        if state.get('waiting', {}).get('reason'):
-            return state['waiting']['reason']
-        if state.get('terminated', {}).get('reason') and status.get('phase') not in ('Running',):
-            return state['terminated']['reason']
-    return status.get('phase') or 'Pending'
+def deletion_grace(pod: dict, asked: Any) -> int | None:
+    """The grace period of a pod's deletion (kube-apiserver's pod strategy, CheckGracefulDelete):
+    the one asked for, else spec.terminationGracePeriodSeconds (30 by default); 0 for a pod that
+    no kubelet runs (unscheduled, or Succeeded/Failed). None: a graceful deletion is pending with a
+    period no longer than that, and this one changes nothing."""
+    spec, status, meta = pod.get('spec') or {}, pod.get('status') or {}, pod['metadata']
+    grace = int(asked) if asked is not None else int(spec.get('terminationGracePeriodSeconds', 30))
+    if not spec.get('nodeName') or status.get('phase') in ('Succeeded', 'Failed'):
+        grace = 0
+    pending = meta.get('deletionGracePeriodSeconds')
+    if meta.get('deletionTimestamp') and pending is not None and grace >= pending:
+        return None
+    return max(grace, 0)
 
 
-def _node_status(node: dict) -> str:
-    ready = next((c for c in (node.get('status') or {}).get('conditions') or [] if c.get('type') == 'Ready'), {})
-    text = 'Ready' if ready.get('status') == 'True' else 'NotReady'
-    return text + (',SchedulingDisabled' if (node.get('spec') or {}).get('unschedulable') else '')
-
-
-def _created(o: dict) -> str:
-    return _age(o['metadata'].get('creationTimestamp'))
-
-
-BUILTIN_COLUMNS = {  # as kubectl prints them (priority 1: with -o wide)
-    Res('v1/pods'): [('Ready', _pod_ready, 0), ('Status', _pod_status, 0),
-                     ('Restarts', lambda p: sum(c.get('restartCount', 0) for c in (p.get('status') or {}).get('containerStatuses') or []), 0),
-                     ('Age', _created, 0), ('IP', lambda p: (p.get('status') or {}).get('podIP') or '<none>', 1),
-                     ('Node', lambda p: (p.get('spec') or {}).get('nodeName') or '<none>', 1)],
-    Res('v1/nodes'): [('Status', _node_status, 0), ('Age', _created, 0)],
-}
+# What an update may change in a pod's spec (kube-apiserver's ValidatePodUpdate): images, the
+# activeDeadlineSeconds, added tolerations and removed scheduling gates. Binding goes through
+# pods/binding.
+def pod_update(old: dict, new: dict) -> None:
+    def mutable_cleared(spec: dict) -> dict:
+        spec = copy.deepcopy(spec or {})
+        for key in ('containers', 'initContainers'):
+            for container in spec.get(key) or []:
+                container.pop('image', None)
+        for key in ('activeDeadlineSeconds', 'tolerations', 'schedulingGates'):
+            spec.pop(key, None)
+        return spec
+    old_spec, new_spec = old.get('spec') or {}, new.get('spec') or {}
+    kept = all(t in (new_spec.get('tolerations') or []) for t in old_spec.get('tolerations') or [])
+    if mutable_cleared(old_spec) != mutable_cleared(new_spec) or not kept:
+        raise ApiError(422, 'Invalid', f'Pod "{old["metadata"]["name"]}" is invalid: spec: Forbidden: pod updates may not '
+                       'change fields other than `spec.containers[*].image`,`spec.initContainers[*].image`,'
+                       '`spec.activeDeadlineSeconds`,`spec.tolerations` (only additions to existing tolerations),'
+                       '`spec.terminationGracePeriodSeconds` (allow it to be set to 1 if it was previously negative)')
 
 
 # --- fault injection ---------------------------------------------------------------------
@@ -398,19 +401,23 @@ class FidelityEmulator(kmock.KubernetesEmulator):
     history_limit: int = 10000          # events kept per resource for ?resourceVersion= resume
     default_namespaces: tuple = ('default', 'kube-system', 'kube-public', 'kube-node-lease')
     load_builtin_resources: bool = True  # kmock's bundled K3s discovery snapshot (pods, nodes, ...)
-    # Services without spec.clusterIP get one from this (the API server's allocator); None: none.
-    allocate_cluster_ip: Any = None
+    # Services without spec.clusterIP get a random free address of it, as kube-apiserver's
+    # --service-cluster-ip-range allocator does.
+    service_cidr: str = '10.96.0.0/12'
     # Failures of a real API server under load, injected into a fraction of requests (None: none).
     faults: Faults | None = None
+    # What /version says: the release whose kubectl the tests use (no version-skew warning).
+    version: str = KUBERNETES_VERSION
 
     _rv: int = attrs.field(default=0, init=False)
     _history: dict = attrs.field(factory=dict, init=False)
     _custom: set = attrs.field(factory=set, init=False)
     _printer_columns: dict = attrs.field(factory=dict, init=False)
+    _schemas: dict = attrs.field(factory=dict, init=False)  # custom resource -> its structural schema
     _scale_paths: dict = attrs.field(factory=dict, init=False)
     _bg_tasks: set = attrs.field(factory=set, init=False)
-    pod_logs: dict = attrs.field(factory=dict, init=False)  # (namespace, name) -> bytes
     _known_cache: dict = attrs.field(factory=dict, init=False)
+    _info_cache: dict = attrs.field(factory=dict, init=False)
     _by_resource: dict = attrs.field(factory=dict, init=False)  # resource -> keys in self._objects
 
     def __attrs_post_init__(self) -> None:
@@ -419,14 +426,16 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             self.resources.load_bundled()
         self.fallback[enums.method.PUT] << self._serve_result
         self.fallback[enums.method.DELETE] << self._serve_result  # deletecollection (no name)
+        self.fallback['get /openapi/v2'] << self._serve_openapi_v2
         self.fallback['get /openapi/v3'] << self._serve_openapi_v3_root
         self.fallback['get', re.compile(r'/openapi/v3/apis?/.+')] << self._serve_openapi_v3_gv
 
     # ---- registration helpers ---------------------------------------------------------
     def add_custom_resource(self, key: str, *, kind: str, namespaced: bool = True, singular: str | None = None,
                             shortnames=(), status: bool = True, scale: bool = False,
-                            printer_columns: list[tuple[str, str, str]] = (),
+                            printer_columns: list[dict] = (), schema: dict | None = None,
                             scale_paths=('.spec.replicas', '.status.replicas', '.status.selector')) -> None:
+        """Serve a custom resource; `printer_columns` and `schema` as a CRD version has them."""
         res = Res(key)
         self.resources[res] = kmock.ResourceInfo(
             kind=kind, singular=singular or kind.lower(), namespaced=namespaced, shortnames=set(shortnames),
@@ -434,7 +443,10 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             subresources={s for s, on in (('status', status), ('scale', scale)) if on})
         self._custom.add(res)
         self._known_cache.clear()
+        self._info_cache.clear()
         self._printer_columns[res] = list(printer_columns)
+        if schema is not None:
+            self._schemas[res] = schema
         self._scale_paths[res] = scale_paths
 
     def add_crd(self, crd: dict) -> str:
@@ -448,8 +460,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             key, kind=spec['names']['kind'], namespaced=spec.get('scope', 'Namespaced') == 'Namespaced',
             singular=spec['names'].get('singular'), shortnames=spec['names'].get('shortNames') or (),
             status='status' in subs, scale='scale' in subs,
-            printer_columns=[(c['name'], c['type'], c['jsonPath']) for c in version.get('additionalPrinterColumns') or []
-                             if c['jsonPath'] != '.metadata.creationTimestamp'],  # Age is always added
+            printer_columns=version.get('additionalPrinterColumns') or [],
+            schema=(version.get('schema') or {}).get('openAPIV3Schema'),
             scale_paths=(scale.get('specReplicasPath', '.spec.replicas'), scale.get('statusReplicasPath', '.status.replicas'),
                          scale.get('labelSelectorPath')))
         return key
@@ -459,7 +471,9 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         return list(self._requests)
 
     def _info(self, res: Res) -> kmock.ResourceInfo | None:
-        return self.resources[res] if res in self.resources else None
+        if res not in self._info_cache:  # (kmock's lookup is slow, and asked on every request)
+            self._info_cache[res] = self.resources[res] if res in self.resources else None
+        return self._info_cache[res]
 
     def _namespaced(self, res: Res) -> bool:
         info = self._info(res)
@@ -550,9 +564,31 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         async with self._lock:
             return await self._do_patch(Res(res), namespace, name, subresource, content_type, patch)
 
-    async def k8s_delete(self, res, namespace, name, propagation='Background') -> dict:
+    async def k8s_delete(self, res, namespace, name, propagation='Background', grace: int | None = None) -> dict:
+        opts = {'propagationPolicy': propagation, **({'gracePeriodSeconds': grace} if grace is not None else {})}
         async with self._lock:
-            return await self._do_delete(Res(res), namespace, name, {'propagationPolicy': propagation})
+            return await self._do_delete(Res(res), namespace, name, opts)
+
+    async def k8s_bind(self, namespace, name, node) -> None:
+        """POST pods/<name>/binding: what a scheduler does."""
+        async with self._lock:
+            await self._do_bind(namespace, name, {'target': {'kind': 'Node', 'name': node}})
+
+    async def k8s_watch(self, res) -> AsyncIterator[dict]:
+        """ADDED for every object there is, then every change: an in-process informer's feed for
+        the control plane's components. The events are shared: never change them."""
+        res = Res(res)
+        bus = self._buses[res]
+        async with self._lock:  # snapshot + subscribe atomically
+            mark = await bus.mark()
+            existing = [copy.deepcopy(o.raw) for _, o in self._of(res) if not o.deleted]
+        try:
+            for obj in existing:
+                yield {'type': 'ADDED', 'object': obj}
+            async for event in bus.stream(since=mark):
+                yield event
+        finally:
+            await bus.unmark(mark)
 
     # ---- request dispatching ----------------------------------------------------------
     def _known(self, res) -> bool:
@@ -600,10 +636,15 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                         result = await self._do_apply(res, ns, name, sub, request, dry=dry)
                     else:
                         result = 200, await self._do_patch(res, ns, name, sub, ctype, self._parse_body(request), dry=dry)
+            elif method == 'POST' and res == PODS and sub == 'binding':
+                async with self._lock:
+                    await self._do_bind(ns, name, self._parse_body(request))
+                result = 201, {'kind': 'Status', 'apiVersion': 'v1', 'metadata': {}, 'status': 'Success', 'code': 201}
             elif method == 'DELETE' and name is not None:
                 opts = dict(request.data) if isinstance(request.data, dict) else {}
-                if 'propagationPolicy' in request.params:
-                    opts['propagationPolicy'] = request.params['propagationPolicy']
+                for key in ('propagationPolicy', 'gracePeriodSeconds'):
+                    if key in request.params:
+                        opts[key] = request.params[key]
                 async with self._lock:
                     result = 200, await self._do_delete(res, ns, name, opts, dry=dry)
             elif method == 'DELETE' and name is None:
@@ -693,10 +734,13 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         if res == Res('v1/secrets'):
             body = secret_write(None, body)
             meta = body['metadata']
-        if res == Res('v1/services') and self.allocate_cluster_ip is not None and not dry:
+        if res in self._schemas:
+            body = structural(self._schemas[res], body)
+            meta = body['metadata']
+        if res == Res('v1/services') and not dry:
             spec = body.setdefault('spec', {})
             if not spec.get('clusterIP') and spec.get('type', 'ClusterIP') != 'ExternalName':
-                spec['clusterIP'] = self.allocate_cluster_ip()
+                spec['clusterIP'] = self._free_cluster_ip()
                 spec['clusterIPs'] = [spec['clusterIP']]
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=now(), generation=1)
         if dry:
@@ -706,6 +750,14 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         self._store(key, body)
         await self._emit(res, 'ADDED', body)
         return copy.deepcopy(body)
+
+    def _free_cluster_ip(self) -> str:
+        network = ipaddress.ip_network(self.service_cidr)
+        taken = {(o.raw.get('spec') or {}).get('clusterIP') for _, o in self._of(Res('v1/services')) if not o.deleted}
+        while True:  # (the first address is the `kubernetes` Service's)
+            ip = str(network[random.randrange(2, network.num_addresses - 1)])
+            if ip not in taken:
+                return ip
 
     def _get_or_404(self, res: Res, ns: str | None, name: str) -> dict:
         self._check_scope(res, ns, writing_named=True)
@@ -811,6 +863,11 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         if res == Res('v1/secrets'):
             new = secret_write(old, new)
             nm = new['metadata']
+        if res in self._schemas:
+            new = structural(self._schemas[res], new)
+            nm = new['metadata']
+        if res == PODS and sub is None:
+            pod_update(old, new)
         nm['resourceVersion'] = om['resourceVersion']
         if new == old:
             return old  # no-op: no new resourceVersion, no watch event
@@ -821,7 +878,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             return new
         nm['resourceVersion'] = self._next_rv()
         key = (res, ns, name)
-        if nm.get('deletionTimestamp') and not nm.get('finalizers'):
+        if nm.get('deletionTimestamp') and not nm.get('finalizers') and not nm.get('deletionGracePeriodSeconds'):
             self._store(key, new)
             self._objects[key].delete()
             await self._emit(res, 'DELETED', new, old)
@@ -830,6 +887,29 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         self._store(key, new)
         await self._emit(res, 'MODIFIED', new, old)
         return copy.deepcopy(new)
+
+    async def _do_bind(self, ns, name, binding: Any) -> None:
+        """pods/binding (the only way to set spec.nodeName after creation): the pod is assigned to
+        the target node and its PodScheduled condition turns True, as kube-apiserver's binding
+        storage does; a pod bound or being deleted already is a 409."""
+        target = (binding.get('target') or {}).get('name') if isinstance(binding, dict) else None
+        if not target:
+            raise ApiError(422, 'Invalid', f'Binding "{name}" is invalid: target.name: Required value')
+        old = self._get_or_404(PODS, ns, name)
+        conflict = (f'pod {name} is being deleted, cannot be assigned to a host' if old['metadata'].get('deletionTimestamp')
+                    else f'pod {name} is already assigned to node "{old["spec"]["nodeName"]}"'
+                    if (old.get('spec') or {}).get('nodeName') else None)
+        if conflict:
+            raise ApiError(409, 'Conflict', f'Operation cannot be fulfilled on pods/binding "{name}": {conflict}')
+        new = copy.deepcopy(old)
+        new.setdefault('spec', {})['nodeName'] = target
+        status = new.setdefault('status', {})
+        others = [c for c in status.get('conditions') or [] if c.get('type') != 'PodScheduled']
+        status['conditions'] = others + [{'type': 'PodScheduled', 'status': 'True', 'lastProbeTime': None,
+                                          'lastTransitionTime': now()}]
+        new['metadata']['resourceVersion'] = self._next_rv()
+        self._store((PODS, ns, name), new)
+        await self._emit(PODS, 'MODIFIED', new, old)
 
     async def _patch_scale(self, res, ns, name, old, ctype, patch, dry) -> dict:
         if not self._has_sub(res, 'scale'):
@@ -851,9 +931,9 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         m = obj['metadata']
         return {'kind': 'Scale', 'apiVersion': 'autoscaling/v1',
                 'metadata': {k: m[k] for k in ('name', 'namespace', 'uid', 'resourceVersion', 'creationTimestamp') if k in m},
-                'spec': {'replicas': _dig(obj, spec_p.strip('.')) or 0},
-                'status': {'replicas': _dig(obj, status_p.strip('.')) or 0,
-                           **({'selector': _dig(obj, sel_p.strip('.'))} if sel_p and _dig(obj, sel_p.strip('.')) else {})}}
+                'spec': {'replicas': dig(obj, spec_p) or 0},
+                'status': {'replicas': dig(obj, status_p) or 0,
+                           **({'selector': dig(obj, sel_p)} if sel_p and dig(obj, sel_p) else {})}}
 
     async def _do_delete(self, res, ns, name, opts: dict, dry=False) -> dict:
         old = self._get_or_404(res, ns, name)
@@ -864,13 +944,26 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         policy = opts.get('propagationPolicy') or 'Background'
         new = copy.deepcopy(old)
         nm = new['metadata']
+        grace = deletion_grace(old, opts.get('gracePeriodSeconds')) if res == PODS else 0
+        if grace is None:
+            return old  # a graceful deletion with no shorter period is pending already
+        if grace > 0:  # the pod stays, Terminating, until its kubelet deletes it with grace 0
+            nm['deletionTimestamp'] = in_seconds(grace)
+            nm['deletionGracePeriodSeconds'] = grace
+            nm['generation'] = om.get('generation', 1) + 1
+            if dry:
+                return new
+            nm['resourceVersion'] = self._next_rv()
+            self._store((res, ns, name), new)
+            await self._emit(res, 'MODIFIED', new, old)
+            return copy.deepcopy(new)
         if policy == 'Foreground' and self._dependents(om.get('uid')):
             nm['finalizers'] = list(dict.fromkeys((nm.get('finalizers') or []) + ['foregroundDeletion']))
         if policy == 'Orphan':
             nm['finalizers'] = list(dict.fromkeys((nm.get('finalizers') or []) + ['orphan']))
         key = (res, ns, name)
         if nm.get('finalizers'):
-            if om.get('deletionTimestamp'):
+            if om.get('deletionTimestamp') and om.get('deletionGracePeriodSeconds') == 0:
                 return old
             nm['deletionTimestamp'] = now()
             nm['deletionGracePeriodSeconds'] = 0
@@ -975,27 +1068,11 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                 return v
         return None
 
-    def _table(self, res: Res, objs: list[dict]) -> dict:
-        cols = [{'name': 'Name', 'type': 'string', 'format': 'name', 'description': 'Name', 'priority': 0}]
-        if res in BUILTIN_COLUMNS:  # kubectl's own columns: (name, cell of an object, priority)
-            builtin = BUILTIN_COLUMNS[res]
-            cols += [{'name': n, 'type': 'string', 'format': '', 'description': n, 'priority': prio} for n, _, prio in builtin]
-            rows = [{'cells': [o['metadata']['name']] + [cell(o) for _, cell, _ in builtin],
-                     'object': {'kind': 'PartialObjectMetadata', 'apiVersion': 'meta.k8s.io/v1', 'metadata': o['metadata']}}
-                    for o in objs]
-            return {'kind': 'Table', 'apiVersion': 'meta.k8s.io/v1', 'metadata': {'resourceVersion': str(self._rv)},
-                    'columnDefinitions': cols, 'rows': rows}
-        extra = self._printer_columns.get(res, [])
-        cols += [{'name': n, 'type': t, 'format': '', 'description': p, 'priority': 0} for n, t, p in extra]
-        cols += [{'name': 'Age', 'type': 'string', 'format': '', 'description': 'Age', 'priority': 0}]
-        rows = []
-        for o in objs:
-            cells = [o['metadata']['name']] + [_dig(o, p.strip('.')) for _, _, p in extra]
-            cells.append(_age(o['metadata'].get('creationTimestamp')))
-            rows.append({'cells': cells, 'object': {'kind': 'PartialObjectMetadata', 'apiVersion': 'meta.k8s.io/v1',
-                                                     'metadata': o['metadata']}})
-        return {'kind': 'Table', 'apiVersion': 'meta.k8s.io/v1', 'metadata': {'resourceVersion': str(self._rv)},
-                'columnDefinitions': cols, 'rows': rows}
+    def _table(self, request, res: Res, objs: list[dict], definitions: bool = True) -> dict:
+        columns = (tables.custom_columns(self._printer_columns.get(res, [])) if res in self._custom
+                   else tables.BUILTIN.get(f'{self._api_version(res)}/{res.plural}', tables.DEFAULT))
+        return tables.table(columns, objs, str(self._rv), include_object=request.params.get('includeObject') or 'Metadata',
+                            definitions=definitions)
 
     async def _serve_fetch(self, request):
         res, ns, name, sub = request.resource, request.namespace, request.name, request.subresource
@@ -1008,16 +1085,57 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                 if not self._has_sub(res, 'scale'):
                     raise self._not_found(res, f'{name}/scale')
                 return rendering.Response(status=200, payload=self._scale_of(res, obj))
-            if sub == 'log' and res == Res('v1/pods'):
-                return rendering.Response(status=200, headers={'Content-Type': 'text/plain'},
-                                          payload=bytes(self.pod_logs.get((ns, name), b'')))
+            if sub == 'log' and res == PODS:
+                return await self._pod_log(request, obj)
             if sub not in (None, 'status'):
                 raise self._not_found(res, f'{name}/{sub}')
         except ApiError as e:
             return rendering.Response(status=e.code, payload=e.status())
         # NB: always return an explicit status: kmock's Response._render() stores the status of a
         # returned Response on the (shared) fallback reaction, so it would leak into later requests.
-        return rendering.Response(status=200, payload=self._table(res, [obj]) if self._wants_table(request) else obj)
+        return rendering.Response(status=200, payload=self._table(request, res, [obj]) if self._wants_table(request) else obj)
+
+    async def _pod_log(self, request, pod: dict) -> rendering.Response:
+        """pods/log, as kube-apiserver serves it: from the kubelet of the pod's node, at the
+        address and port the Node's status names (addresses, daemonEndpoints.kubeletEndpoint),
+        over HTTPS without checking the kubelet's certificate (the apiserver's default without
+        --kubelet-certificate-authority); the answer is streamed through (`-f` follows)."""
+        meta, spec = pod['metadata'], pod.get('spec') or {}
+        containers = [c['name'] for c in spec.get('containers') or []]
+        container = request.params.get('container') or (containers[0] if len(containers) == 1 else None)
+        if container is None:
+            raise ApiError(400, 'BadRequest', f'a container name must be specified for pod {meta["name"]}, '
+                           f'choose one of: [{" ".join(containers)}]')
+        if container not in containers:
+            raise ApiError(400, 'BadRequest', f'container {container} is not valid for pod {meta["name"]}')
+        async with self._lock:
+            node = self._current((NODES, None, spec['nodeName'])) if spec.get('nodeName') else None
+        if node is None:
+            raise ApiError(400, 'BadRequest', f'pod {meta["name"]} does not have a host assigned')
+        status = node.get('status') or {}
+        port = dig(status, 'daemonEndpoints.kubeletEndpoint.Port')
+        address = next((a['address'] for kind in ('Hostname', 'InternalIP', 'ExternalIP')
+                        for a in status.get('addresses') or [] if a.get('type') == kind), None)
+        if not port or not address:
+            raise ApiError(500, 'InternalError', f'no kubelet endpoint for node {node["metadata"]["name"]}')
+        query = {k: v for k, v in request.params.items() if k in ('follow', 'tailLines', 'limitBytes', 'timestamps',
+                                                                    'previous', 'sinceSeconds')}
+        url = f'https://{address}:{port}/containerLogs/{meta["namespace"]}/{meta["name"]}/{container}'
+        session = aiohttp.ClientSession()
+        try:
+            upstream = await session.get(url, params=query, ssl=False)
+        except aiohttp.ClientError as err:
+            await session.close()
+            raise ApiError(500, 'InternalError', f'Get "{url}": {err}')
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in upstream.content.iter_any():
+                    yield chunk
+            finally:
+                upstream.release()
+                await session.close()
+        return rendering.Response(status=upstream.status, headers={'Content-Type': 'text/plain'}, payload=body())
 
     async def _serve_list(self, request):
         res = request.resource
@@ -1039,7 +1157,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         page = objs[offset:offset + limit] if limit else objs[offset:]
         cont = base64.b64encode(str(offset + limit).encode()).decode() if limit and offset + limit < len(objs) else ''
         if self._wants_table(request):
-            return rendering.Response(status=200, payload=self._table(res, page))
+            return rendering.Response(status=200, payload=self._table(request, res, page))
         return rendering.Response(status=200, payload={
             'kind': f'{self._kind(res)}List', 'apiVersion': self._api_version(res),
             'metadata': {'resourceVersion': rv, **({'continue': cont} if cont else {})}, 'items': page})
@@ -1073,6 +1191,14 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         yield b''  # send the headers now
 
         bus = self._buses[res]
+        as_table, first = self._wants_table(request), [True]
+
+        def render(event: dict) -> dict:  # (as a Table: one row each, the columns in the first only)
+            if not as_table:
+                return event
+            table = self._table(request, res, [event['object']], definitions=first[0])
+            first[0] = False
+            return {'type': event['type'], 'object': table}
         async with self._lock:  # snapshot + subscribe atomically: no lost/duplicated events
             mark = await bus.mark()
             if since in ('', '0') or initial_events:
@@ -1093,7 +1219,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                     return
                 out = self._filter_event(request, ev, lcheck, fcheck)
                 if out:
-                    yield out
+                    yield render(out)
             if initial_events:
                 yield {'type': 'BOOKMARK', 'object': {'kind': self._kind(res), 'apiVersion': self._api_version(res),
                                                       'metadata': {'resourceVersion': current_rv,
@@ -1121,7 +1247,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                     ev, pending = pending.result(), None
                     out = self._filter_event(request, ev, lcheck, fcheck)
                     if out:
-                        yield out
+                        yield render(out)
                     continue
                 if transport is None or transport.is_closing():
                     return  # the client has gone
@@ -1166,32 +1292,28 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                     r.update(kind='Scale', group='autoscaling', version='v1')
         return result
 
+    async def _serve_server_version(self, request):
+        major, minor = self.version.lstrip('v').split('.')[:2]
+        return {'major': major, 'minor': minor, 'gitVersion': self.version, 'gitTreeState': 'clean',
+                'goVersion': 'go1.24', 'compiler': 'gc', 'platform': 'linux/amd64'}
+
+    async def _serve_openapi_v2(self, request):
+        return rendering.Response(status=200, headers={'Content-Type': OPENAPI_V2_TYPE}, payload=OPENAPI_V2)
+
     async def _serve_openapi_v3_root(self, request):
-        # Minimal OpenAPI v3 index: each group-version doc declares the ?fieldValidation= parameter,
-        # so kubectl (--validate=strict, the default) delegates validation to the "server" (=none).
         paths = {}
         for res in self._get_resources():
             gv = f'api/{res.version}' if not res.group else f'apis/{res.group}/{res.version}'
-            paths[gv] = {'serverRelativeURL': f'/openapi/v3/{gv}?hash=0'}
+            paths[gv] = {'serverRelativeURL': f'/openapi/v3/{gv}?hash={self._rv}'}
         return {'paths': paths}
 
     async def _serve_openapi_v3_gv(self, request):
         parts = request.url.path.strip('/').split('/')[2:]  # api/v1 | apis/g/v
         group, version = ('', parts[1]) if parts[0] == 'api' else (parts[1], parts[2])
-        fv = {'name': 'fieldValidation', 'in': 'query', 'schema': {'type': 'string'}}
-        paths, schemas = {}, {}
-        for res in self._get_resources():
-            if res.group != group or res.version != version or not res.plural:
-                continue
-            gvk = [{'group': group, 'version': version, 'kind': self._kind(res)}]
-            base = f'/{"/".join(parts)}' + ('/namespaces/{namespace}' if self._namespaced(res) else '')
-            op = {'x-kubernetes-group-version-kind': gvk[0], 'parameters': [fv], 'responses': {}}
-            paths[f'{base}/{res.plural}'] = {'post': op, 'get': {'responses': {}}}
-            paths[f'{base}/{res.plural}/{{name}}'] = {'patch': op, 'put': op, 'get': {'responses': {}}}
-            schemas[f'{group or "core"}.{version}.{self._kind(res)}'] = {
-                'type': 'object', 'x-kubernetes-preserve-unknown-fields': True, 'x-kubernetes-group-version-kind': gvk}
-        return {'openapi': '3.0.0', 'info': {'title': 'kmock', 'version': version}, 'paths': paths,
-                'components': {'schemas': schemas}}
+        preserve = {'type': 'object', 'x-kubernetes-preserve-unknown-fields': True}
+        kinds = [(res.plural, self._kind(res), self._namespaced(res), self._schemas.get(res, preserve))
+                 for res in self._get_resources() if res.group == group and res.version == version and res.plural]
+        return openapi_v3(group, version, kinds)
 
     async def __aenter__(self):
         result = await super().__aenter__()

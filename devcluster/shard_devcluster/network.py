@@ -1,31 +1,38 @@
-"""The cluster network of the one-machine cluster: pod IPs, Service IPs, DNS names.
+"""The cluster network of the one-machine cluster: pod and Service addresses, and cluster DNS.
 
-Every address in 127.0.0.0/8 is loopback on Linux, so each pod gets an address of its own in
-127.10.0.0/16 and each ClusterIP Service one in 127.96.0.0/16 (like a cluster's pod and service
-CIDRs). A process that binds its pod's address can use the port its container declares, beside
-every other pod: the worker's HTTP server (SHARD_HOST) and rank 0's rendezvous store
-(SHARD_BIND_ADDR, the pod IP from the downward API) both do.
+The API server sees a real cluster's addresses: pod IPs from a pod CIDR (the kubelet's IPAM:
+a random free address of the node's `spec.podCIDR`, else of its own `pod_cidr`) and ClusterIPs
+from the API server's service CIDR (whatever that server assigns). Every process of the dev
+cluster, though, runs on this machine, where only loopback addresses are its own. So each cluster
+address is *mapped* onto loopback, keeping its last three octets: 10.128.4.7 is 127.128.4.7 on this
+machine (`local()`). Every address in 127.0.0.0/8 is loopback on Linux, so a pod binds its own
+mapped address and can use the ports its container declares beside every other pod. Two cluster
+addresses that differ only in their first octet would map to one (a pod CIDR of 10.1.0.0/16 beside
+a service CIDR of 172.1.0.0/16): `local()` refuses the second. The processes see their mapped
+address as their pod IP (downward API `status.podIP`, POD_IP, SHARD_HOST); the API shows the
+cluster one. Processes outside the pods (the operator, curl) reach cluster addresses and names
+through the dev cluster's HTTP proxy (gateway.py).
 
-Cluster DNS is a table: `hostname.subdomain.namespace.svc[.cluster.local]` of every running pod
-that has both, and `service.namespace.svc[.cluster.local]` of every Service with a ClusterIP. A real
-resolver is not involved: the kubelet resolves `MASTER_ADDR` before it starts a process, and the
-Service proxy and tests ask this table. Bookkeeping only: no sockets.
+Cluster DNS is a table, filled from Services and EndpointSlices as CoreDNS fills its records
+(dns.py): `service.namespace.svc[.cluster.local]` of a Service with a ClusterIP, and
+`hostname.service.namespace.svc[.cluster.local]` of each endpoint with a hostname (a pod whose
+subdomain is a headless Service's name). No resolver is involved: the kubelet resolves
+`MASTER_ADDR` before it starts a process, and the proxies ask the table.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import random
 import socket
 import threading
-from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable
 
-POD_CIDR = "127.10.0.0/16"
-SERVICE_CIDR = "127.96.0.0/16"
+DEFAULT_POD_CIDR = "10.128.0.0/9"  # 8M addresses drawn at random: dev clusters side by side rarely meet
 DOMAIN = "cluster.local"
 
 
-def taken_ports(address: "PodAddress", container: dict[str, Any]) -> list[int]:
+def taken_ports(local_ip: str, container: dict[str, Any]) -> list[int]:
     """The container's declared ports that cannot be bound on the pod's address: another process
     of this machine listens on them on every address (e.g. `python -m http.server` on 8000)."""
     taken = []
@@ -35,39 +42,10 @@ def taken_ports(address: "PodAddress", container: dict[str, Any]) -> list[int]:
             # As servers do (uvicorn, http.server): closed connections in TIME_WAIT do not count.
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                s.bind((address.ip, port))
+                s.bind((local_ip, port))
             except OSError:
                 taken.append(port)
     return taken
-
-
-def _addresses(cidr: str) -> Iterator[str]:
-    for host in ipaddress.ip_network(cidr).hosts():
-        if not str(host).endswith((".0", ".1", ".255")):  # keep them for gateways, as clusters do
-            yield str(host)
-
-
-@dataclass(frozen=True)
-class PodAddress:
-    """Where a pod's processes listen."""
-
-    ip: str
-
-
-def pod_dns_names(pod: dict[str, Any]) -> list[str]:
-    """The pod's DNS names: hostname.subdomain.namespace.svc (and .cluster.local), when it has both."""
-    spec, meta = pod.get("spec") or {}, pod["metadata"]
-    hostname, subdomain = spec.get("hostname"), spec.get("subdomain")
-    if not hostname or not subdomain:
-        return []
-    short = f"{hostname}.{subdomain}.{meta.get('namespace') or 'default'}.svc"
-    return [short, f"{short}.{DOMAIN}"]
-
-
-def service_dns_names(service: dict[str, Any]) -> list[str]:
-    meta = service["metadata"]
-    short = f"{meta['name']}.{meta.get('namespace') or 'default'}.svc"
-    return [short, f"{short}.{DOMAIN}"]
 
 
 def container_port(container: dict[str, Any], port: int | str) -> int | None:
@@ -80,46 +58,70 @@ def container_port(container: dict[str, Any], port: int | str) -> int | None:
     return None
 
 
-class ClusterNetwork:
-    """Allocates addresses and answers DNS questions; safe to share between threads."""
+def service_names(namespace: str, service: str, hostname: str | None = None) -> list[str]:
+    short = ".".join(filter(None, (hostname, service, namespace, "svc")))
+    return [short, f"{short}.{DOMAIN}"]
 
-    def __init__(self) -> None:
-        self._pod_ips, self._service_ips = _addresses(POD_CIDR), _addresses(SERVICE_CIDR)
-        self._names: dict[str, tuple[str, PodAddress]] = {}  # DNS name -> (owner uid, address)
-        self._ips: dict[str, tuple[str, PodAddress]] = {}    # IP -> (owner uid, address)
+
+class ClusterNetwork:
+    """Address mapping, pod address allocation and the DNS table; safe to share between threads."""
+
+    def __init__(self, pod_cidr: str = DEFAULT_POD_CIDR) -> None:
+        self.pod_cidr = pod_cidr
+        self._mapped: dict[str, str] = {}                    # local address -> the cluster address it maps
+        self._records: dict[str, dict[str, str]] = {}        # owner -> {DNS name: cluster address}
+        self._names: dict[str, str] = {}                     # DNS name -> cluster address
+        self._pods: set[str] = set()                         # pod addresses handed out
         self._lock = threading.Lock()
 
-    # ---------------------------------------------------------------- allocation
-    def pod_address(self) -> PodAddress:
-        """A fresh address for a pod that is about to start."""
+    # ---------------------------------------------------------------- addresses
+    def local(self, address: str) -> str:
+        """The loopback address a cluster address is on this machine (one in 127/8: itself)."""
+        ip = ipaddress.ip_address(address)
+        if ip.version != 4:
+            raise ValueError(f"{address}: the dev cluster's network is IPv4")
+        if ip.is_loopback:
+            return address
+        local = "127." + address.split(".", 1)[1]
         with self._lock:
-            return PodAddress(next(self._pod_ips))
+            if self._mapped.setdefault(local, address) != address:
+                raise ValueError(f"{address} and {self._mapped[local]} both map to {local} on this machine: "
+                                 "use pod and service CIDRs that differ beyond their first octet")
+        return local
 
-    def service_ip(self) -> str:
+    def pod_address(self, cidr: str | None = None) -> str:
+        """A free address of `cidr` (the node's podCIDR; default: this network's) for a new pod."""
+        network = ipaddress.ip_network(cidr or self.pod_cidr)
         with self._lock:
-            return next(self._service_ips)
+            for _ in range(1000):
+                ip = str(network[random.randrange(1, network.num_addresses - 1)])
+                if ip not in self._pods and not ip.endswith((".0", ".1", ".255")):
+                    self._pods.add(ip)
+                    return ip
+        raise RuntimeError(f"no free pod address in {network}")
+
+    def release(self, ip: str) -> None:
+        with self._lock:
+            self._pods.discard(ip)
 
     # ---------------------------------------------------------------- DNS
-    def register(self, names: list[str], uid: str, address: PodAddress) -> None:
+    def set_records(self, owner: str, records: dict[str, str]) -> None:
+        """The DNS names one Service (or its EndpointSlices) answers, replacing what it had."""
         with self._lock:
-            self._ips[address.ip] = (uid, address)
-            for name in names:
-                self._names[name.rstrip(".").lower()] = (uid, address)
+            self._records[owner] = {name.lower(): ip for name, ip in records.items()}
+            if not records:
+                del self._records[owner]
+            self._names = {name: ip for table in self._records.values() for name, ip in table.items()}
 
-    def unregister(self, uid: str) -> None:
-        """Drop every name of a pod or Service (a newer owner of a name keeps it)."""
-        with self._lock:
-            for table in (self._names, self._ips):
-                for key in [k for k, (owner, _) in table.items() if owner == uid]:
-                    del table[key]
-
-    def resolve(self, name: str) -> PodAddress | None:
-        """A DNS name's address (an IP: its pod's, with the port mappings); None when nothing answers."""
-        with self._lock:
-            found = self._names.get(name.rstrip(".").lower()) or self._ips.get(name)
-        if found:
-            return found[1]
+    def resolve(self, name: str) -> str | None:
+        """A DNS name's cluster address (an address: itself); None when nothing answers."""
         try:
-            return PodAddress(str(ipaddress.ip_address(name)))
+            return str(ipaddress.ip_address(name))
         except ValueError:
-            return None
+            pass
+        with self._lock:
+            return self._names.get(name.rstrip(".").lower())
+
+    def names(self) -> Iterable[str]:
+        with self._lock:
+            return list(self._names)

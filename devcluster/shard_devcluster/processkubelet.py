@@ -1,30 +1,40 @@
 """ProcessKubelet: the dev cluster's kubelet, which runs every Pod as a local process.
 
-What a kubelet on each Node would do, for all Nodes of the one-machine cluster at once:
+It is the kubelet of every Node it serves (all Nodes, or those `node_selector` picks), and talks
+to the API server only through the Kubernetes HTTP API (kubeapi.py), so it runs against the
+emulated server or any other:
 
-* schedule: a pod pinned to a Node (spec.nodeName or a `metadata.name` node-affinity term) is bound
-  there; one pinned to a Node that does not exist stays Pending/Unschedulable;
-* network: the pod gets its own loopback address and DNS names (network.py). A pod has its own
-  network namespace and binds "every address"; here that would collide, so `SHARD_HOST` (the
-  worker's bind address) is the pod's address. `MASTER_ADDR` (a DNS name) is resolved before the
-  process starts;
-* volumes: hostPath lies under `host_root` (the "node's" filesystem), configMap and secret volumes
-  are written out, emptyDirs are fresh directories; env values and arguments under a mount path
-  point there;
+* nodes: it registers each Node's status (Ready, its address 127.0.0.1, the port of its HTTPS
+  endpoint in `daemonEndpoints`) and renews the Node's Lease in kube-node-lease every
+  `renew_seconds`, the heartbeat without which the node lifecycle controller turns the Node
+  Ready=Unknown; a Node that is deleted is a machine that disappeared: its processes are killed
+  and nothing more is reported about its pods (the pod GC, or the operator, deletes them);
+* pods: it runs the pods bound to its Nodes (it never schedules: the scheduler binds pods through
+  pods/binding), reports their status through pods/status (phase, conditions with
+  lastTransitionTime, container state with the start time of the process), and when a pod is
+  deleted stops its process (SIGTERM, then SIGKILL after the grace period, at most `grace`
+  seconds) and deletes it for good with grace 0, as the kubelet does;
+* network: a pod gets a cluster address from the node's podCIDR (else from the network's pod
+  CIDR), which the API shows, and listens on its loopback mapping (network.py); `SHARD_HOST` (the
+  worker's bind address) and the downward API's `status.podIP` are that local address, because
+  here "every address" would collide with the other pods. `MASTER_ADDR` (a DNS name) is resolved
+  before the process starts, waiting for it to exist as a resolver retries;
+* volumes: hostPath lies under `host_root` (the "node's" filesystem), configMap and secret
+  volumes are read from the API and written out, emptyDirs are fresh directories; env values and
+  arguments under a mount path point there;
 * devices: a container that requests a GPU gets its node's GPU memory (label
   `nvidia.com/gpu.memory`) as `SHARD_MEMORY_BUDGET`, which the worker enforces;
 * runs the first container's command (`python` is this interpreter; `$(VAR)` references to its
-  env expanded), and its output is the pod's log (`kubectl logs`);
+  env expanded); its output is the container log, served to the API server's pods/log on this
+  kubelet's HTTPS endpoint (kubeletserver.py);
 * probes over HTTP: startup and readiness (the pod's Ready condition) every `probe_period`
   seconds at most, so pods serve soon; liveness (a failing rank is killed) at the pod's own period;
-* lifecycle: restartPolicy Never: an exit makes the pod Succeeded or Failed with the exit code and,
-  under FallbackToLogsOnError, the log's tail as message; a deleted pod gets SIGTERM, then SIGKILL
-  after its grace period (at most `grace` seconds);
-* a Node that is deleted takes its processes with it: they are killed, and its pods lose their
-  Ready condition (the node controller's part) but keep their last phase, as on a real cluster.
+* a container that cannot be created (a missing volume, a name that does not resolve) waits with
+  its reason and is retried, as a kubelet retries; a pod this kubelet finds running without a
+  process (the dev cluster restarted) is Failed with ContainerStatusUnknown.
 
-Not done: restarting containers (restartPolicy Always), init containers, resource limits other than
-the GPU memory, exec/tcp probes.
+Not done: restarting containers (restartPolicy Always), init containers, containers after the
+first, resource limits other than the GPU memory, exec/tcp probes, pods of other kubelets.
 """
 
 from __future__ import annotations
@@ -32,7 +42,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import ctypes
+import itertools
+import logging
 import os
+import platform
 import re
 import shutil
 import signal
@@ -42,17 +55,21 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import kmock
 
 from shard_contract.units import MiB
 from shard_operator.inventory import MEMORY_LABEL
 
-from .kubelet import NODES, PODS, FakeKubelet, _now, required_node
-from .network import ClusterNetwork, PodAddress, container_port, pod_dns_names, taken_ports
+from .kubeapi import SMP, ApiStatusError, Informer, KubeApi, microtime, path, timestamp
+from .kubeletserver import KubeletServer, LogBuffer
+from .network import ClusterNetwork, container_port, taken_ports
 
-CONFIGMAPS = "v1/configmaps"
-SECRETS = "v1/secrets"
+log = logging.getLogger("shard_devcluster")
+
+PODS, NODES, LEASES = "v1/pods", "v1/nodes", "coordination.k8s.io/v1/leases"
+NODE_LEASE_NAMESPACE = "kube-node-lease"
+HOST_IP = "127.0.0.1"  # every node's address: the kubelet's endpoint listens there
 LOG_TAIL_BYTES = 2048  # what FallbackToLogsOnError keeps of the log as the termination message
+RETRY_SECONDS = (1, 2, 4, 8, 10)  # a container that cannot be created is tried again after these
 
 
 class PodError(Exception):
@@ -65,17 +82,40 @@ class PodError(Exception):
 
 @dataclass
 class Sandbox:
-    """One pod this kubelet runs."""
+    """One pod this kubelet runs, and the status it reports for it."""
 
     uid: str
+    namespace: str
+    name: str
     node: str
-    address: PodAddress
+    ip: str                    # the pod IP, as the API shows it
+    local: str                 # where its processes listen on this machine
     directory: Path
+    container: dict[str, Any]
+    logs: LogBuffer = field(default_factory=LogBuffer)
     proc: asyncio.subprocess.Process | None = None
+    phase: str = "Pending"
+    state: dict[str, Any] = field(default_factory=lambda: {"waiting": {"reason": "ContainerCreating"}})
+    ready: bool = False
+    started_at: str = ""
+    start_time: str = field(default_factory=timestamp)
+    reason: dict[str, str] = field(default_factory=dict)  # the pod's own reason and message
+    transitions: dict[str, tuple[str, str]] = field(default_factory=dict)  # condition -> (status, since)
     lost: bool = False         # its node is gone: nobody reports on it any more
-    deleted: bool = False      # the pod was deleted: the process is being stopped
+    deleting: bool = False     # the pod is being deleted: the process is being stopped
     killed_by: str = ""        # why the kubelet killed the process (a failed probe)
-    tasks: list[asyncio.Task] = field(default_factory=list)
+    main: asyncio.Task | None = None      # starts the process, then collects its output
+    stopper: asyncio.Task | None = None   # stops it after the pod's deletion
+    tasks: list[asyncio.Task] = field(default_factory=list)  # its probes
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def condition(self, type_: str, ok: bool) -> dict[str, Any]:
+        """A pod condition whose lastTransitionTime moves only when its status does."""
+        status = str(ok)
+        old = self.transitions.get(type_)
+        if old is None or old[0] != status:
+            self.transitions[type_] = old = (status, timestamp())
+        return {"type": type_, "status": status, "lastProbeTime": None, "lastTransitionTime": old[1]}
 
 
 def _die_with_parent() -> None:
@@ -104,41 +144,67 @@ def _requests_gpu(container: dict[str, Any]) -> bool:
     return any(key.endswith("/gpu") and str(value) not in ("0", "") for key, value in limits.items())
 
 
-class ProcessKubelet(FakeKubelet):
-    def __init__(self, emu, network: ClusterNetwork, workdir: str | os.PathLike[str], *, host_root: str = "/",
+def _ready(obj: dict[str, Any]) -> str | None:
+    return next((c.get("status") for c in (obj.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"),
+                None)
+
+
+class ProcessKubelet:
+    def __init__(self, api: KubeApi, network: ClusterNetwork, workdir: str | os.PathLike[str], *, host_root: str = "/",
                  probe_period: float = 1.0, grace: float = 5.0, dns_wait: float = 120.0,
-                 extra_env: dict[str, str] | None = None, bind_env: tuple[str, ...] = ("SHARD_HOST",)):
-        super().__init__(emu, run_processes=True, extra_env=extra_env)
+                 extra_env: dict[str, str] | None = None, bind_env: tuple[str, ...] = ("SHARD_HOST",),
+                 node_selector: str = "", renew_seconds: float = 10.0, lease_seconds: int = 40):
+        self.api, self.network = api, network
+        self.workdir, self.host_root = Path(workdir), Path(host_root)
+        self.probe_period, self.grace, self.dns_wait = probe_period, grace, dns_wait
+        self.extra_env = dict(extra_env or {})
         # Env vars set to the pod's address: what a process binds instead of "every address",
         # which in a pod means its own network namespace and here would collide with other pods.
         self.bind_env = bind_env
-        self.network, self.workdir, self.host_root = network, Path(workdir), Path(host_root)
-        self.probe_period, self.grace, self.dns_wait = probe_period, grace, dns_wait
+        self.renew_seconds, self.lease_seconds = renew_seconds, lease_seconds
         self.sandboxes: dict[tuple[str, str], Sandbox] = {}
+        self.server = KubeletServer(self._find_logs, self.workdir / ".kubelet")
+        self.nodes = Informer(api, NODES, self._on_node, label_selector=node_selector)
+        self.pods = Informer(api, PODS, self._on_pod)
         self._session: aiohttp.ClientSession | None = None
-        self._nodes_task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._finalized: set[str] = set()  # uids of pods deleted for good by this kubelet
+        self._writes: set[asyncio.Task] = set()  # what the watch handlers asked for, under way
+
+    def _spawn(self, coro) -> None:
+        """Run API writes beside the watches, so a slow or failing API server holds up no event."""
+        task = asyncio.create_task(coro)
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self._session = aiohttp.ClientSession()
-        bus = self.emu._buses[kmock.resource(NODES)]
-        mark = await bus.mark()
-        self._nodes_task = asyncio.create_task(self._watch_nodes(bus, mark))
-        await super().start()
+        await self.server.start()
+        self._tasks = [asyncio.create_task(self.nodes.run())]
+        await self.nodes.synced.wait()  # its nodes first: their pods are recognised as theirs
+        self._tasks += [asyncio.create_task(self.pods.run()), asyncio.create_task(self._heartbeat())]
+        await self.pods.synced.wait()
 
     async def stop(self) -> None:
-        if self._nodes_task:
-            self._nodes_task.cancel()
-        if self._main:
-            self._main.cancel()
-        for t in list(self._tasks):
-            t.cancel()
+        for task in [*self._tasks, *self._writes]:
+            task.cancel()
         for sandbox in list(self.sandboxes.values()):
-            for task in sandbox.tasks:
-                task.cancel()
+            for task in [*sandbox.tasks, sandbox.main, sandbox.stopper]:
+                if task is not None:
+                    task.cancel()
             await self._kill(sandbox, signal.SIGKILL)
+        await self.server.stop()
         if self._session:
             await self._session.close()
+
+    async def __aenter__(self) -> "ProcessKubelet":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
 
     # ---------------------------------------------------------------- what tests and users do
     def process(self, namespace: str, name: str) -> asyncio.subprocess.Process | None:
@@ -153,150 +219,243 @@ class ProcessKubelet(FakeKubelet):
         proc.send_signal(sig)
         return proc.pid
 
-    # ---------------------------------------------------------------- events
-    async def _loop(self, bus, mark) -> None:
-        async for ev in bus.stream(since=mark):
-            pod = ev["object"]
-            meta = pod["metadata"]
-            key = (meta.get("namespace"), meta["name"])
-            if ev["type"] == "ADDED":
-                self._spawn(self._on_added(pod))
-            elif ev["type"] == "DELETED" or meta.get("deletionTimestamp"):
-                sandbox = self.sandboxes.get(key)
-                if sandbox is not None and sandbox.uid == meta.get("uid") and not sandbox.deleted:
-                    sandbox.deleted = True
-                    self.network.unregister(sandbox.uid)  # no longer an endpoint, no longer a name
-                    grace = (pod.get("spec") or {}).get("terminationGracePeriodSeconds", 30)
-                    self._spawn(self._terminate(key, sandbox, min(float(grace), self.grace)))
+    def logs(self, namespace: str, name: str) -> bytes:
+        sandbox = self.sandboxes.get((namespace, name))
+        return bytes(sandbox.logs.data) if sandbox else b""
 
-    async def _watch_nodes(self, bus, mark) -> None:
-        async for ev in bus.stream(since=mark):
-            if ev["type"] == "DELETED":
-                await self._node_gone(ev["object"]["metadata"]["name"])
+    def _find_logs(self, namespace: str, name: str, container: str) -> LogBuffer | None:
+        sandbox = self.sandboxes.get((namespace, name))
+        return sandbox.logs if sandbox and sandbox.container.get("name") == container else None
+
+    # ---------------------------------------------------------------- nodes
+    async def _on_node(self, kind: str, node: dict, old: dict | None) -> None:
+        name = node["metadata"]["name"]
+        if kind == "DELETED":
+            await self._node_gone(name)
+        elif old is None:
+            self._spawn(self._register(node))
+
+    async def _register(self, node: dict) -> None:
+        await self._post_node(node)
+        await self._renew(node["metadata"]["name"])
+
+    async def _post_node(self, node: dict) -> None:
+        """The node's status as its kubelet reports it: Ready, its address and endpoint."""
+        name = node["metadata"]["name"]
+        ready = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
+        now = timestamp()
+        status = {"conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                                  "message": "kubelet is posting ready status", "lastHeartbeatTime": now,
+                                  "lastTransitionTime": ready.get("lastTransitionTime") if ready.get("status") == "True"
+                                  else now}],
+                  "addresses": [{"type": "InternalIP", "address": HOST_IP}],
+                  "daemonEndpoints": {"kubeletEndpoint": {"Port": self.server.port}},
+                  "nodeInfo": {"kubeletVersion": "shard-devcluster", "containerRuntimeVersion": "process://local",
+                               "osImage": platform.platform(terse=True), "kernelVersion": platform.release(),
+                               "operatingSystem": "linux", "architecture": platform.machine(),
+                               "kubeProxyVersion": "", "machineID": "", "systemUUID": "", "bootID": ""}}
+        try:
+            await self.api.patch(path(NODES, name=name, sub="status"), {"status": status}, SMP)
+        except (ApiStatusError, aiohttp.ClientError, asyncio.TimeoutError) as err:
+            log.warning("node %s: status not posted: %s", name, err)
+
+    async def _renew(self, name: str) -> None:
+        url = path(LEASES, NODE_LEASE_NAMESPACE, name)
+        try:
+            if await self.api.patch(url, {"spec": {"renewTime": microtime()}}) is None:
+                await self.api.create(path(LEASES, NODE_LEASE_NAMESPACE), {
+                    "metadata": {"name": name}, "spec": {"holderIdentity": name, "renewTime": microtime(),
+                                                         "leaseDurationSeconds": self.lease_seconds}})
+        except (ApiStatusError, aiohttp.ClientError, asyncio.TimeoutError) as err:
+            log.warning("node %s: lease not renewed: %s", name, err)
+
+    async def _heartbeat(self) -> None:
+        """Renew every node's lease; report a node Ready again where someone said otherwise."""
+        while True:
+            await asyncio.sleep(self.renew_seconds)
+            for node in list(self.nodes.objects.values()):
+                await self._renew(node["metadata"]["name"])
+                if _ready(node) != "True":
+                    await self._post_node(node)
 
     async def _node_gone(self, node: str) -> None:
-        for (ns, name), sandbox in list(self.sandboxes.items()):
-            if sandbox.node != node or sandbox.lost:
-                continue
+        for sandbox in [s for s in self.sandboxes.values() if s.node == node and not s.lost]:
             sandbox.lost = True
-            self.network.unregister(sandbox.uid)
+            for task in [*sandbox.tasks, sandbox.stopper, sandbox.main if sandbox.proc is None else None]:
+                if task is not None:
+                    task.cancel()
             await self._kill(sandbox, signal.SIGKILL)
-            await self._set_status(ns, name, {"conditions": [
-                {"type": "Ready", "status": "False", "reason": "NodeLost", "message": f"node {node} is gone"},
-                {"type": "ContainersReady", "status": "False", "reason": "NodeLost"}]})
 
-    # ---------------------------------------------------------------- one pod
-    async def _on_added(self, pod: dict) -> None:
+    # ---------------------------------------------------------------- pods
+    async def _on_pod(self, kind: str, pod: dict, old: dict | None) -> None:
         meta, spec = pod["metadata"], pod.get("spec") or {}
-        ns, name, uid = meta.get("namespace"), meta["name"], meta.get("uid", "")
-        if (pod.get("status") or {}).get("phase") in ("Running", "Succeeded", "Failed"):
+        key, uid = (meta["namespace"], meta["name"]), meta.get("uid", "")
+        sandbox = self.sandboxes.get(key)
+        if sandbox is not None and sandbox.uid != uid:
+            await self._forget(sandbox)  # a pod of the same name replaced it
+            sandbox = None
+        if kind == "DELETED":
+            if sandbox is not None:
+                await self._forget(sandbox)
+            self._finalized.discard(uid)
             return
-        node_name = required_node(pod)
-        node = await self.emu.k8s_get(NODES, None, node_name) if node_name else None
-        if node is None:
-            why = f"node {node_name} does not exist" if node_name else "no node pinned (this scheduler needs one)"
-            await self._set_status(ns, name, {"phase": "Pending", "conditions": [{
-                "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                "message": f"0/1 nodes are available: {why}"}]})
+        if (spec.get("nodeName") or "") not in {n for _, n in self.nodes.objects} or uid in self._finalized:
             return
-        if not spec.get("nodeName"):
-            try:
-                await self.emu.k8s_patch(PODS, ns, name, {"spec": {"nodeName": node_name}})
-            except Exception:
-                return  # gone already
-        container = (spec.get("containers") or [{}])[0]
-        address = self.network.pod_address()
-        sandbox = Sandbox(uid=uid, node=node_name, address=address, directory=self.workdir / ns / f"{name}-{uid[:8]}")
-        self.sandboxes[(ns, name)] = sandbox
-        self.network.register(pod_dns_names(pod), uid, address)
-        await self._set_status(ns, name, {
-            "phase": "Pending", "hostIP": "127.0.0.1", "podIP": address.ip, "podIPs": [{"ip": address.ip}],
-            "startTime": _now(), "conditions": [{"type": "PodScheduled", "status": "True"},
-                                                {"type": "Ready", "status": "False"}],
-            "containerStatuses": [self._cstatus(container, False, {"waiting": {"reason": "ContainerCreating"}})]})
-        taken = taken_ports(address, container)
+        if meta.get("deletionTimestamp"):
+            if sandbox is None:
+                self._finalized.add(uid)
+                self._spawn(self._final_delete(pod))
+            elif not sandbox.deleting and not sandbox.lost:
+                sandbox.deleting = True
+                grace = min(float(meta.get("deletionGracePeriodSeconds") or 0), self.grace)
+                sandbox.stopper = asyncio.create_task(self._terminate(sandbox, grace, pod))
+            return
+        if sandbox is None:
+            status = pod.get("status") or {}
+            if status.get("phase") in ("Succeeded", "Failed"):
+                return
+            if status.get("phase") == "Running" or any((c.get("state") or {}).get("running")
+                                                        for c in status.get("containerStatuses") or []):
+                self._finalized.add(uid)  # (nothing more to do for it)
+                self._spawn(self._unknown(pod))  # it ran under a kubelet before this one: its process is gone
+                return
+            self._start(pod)
+        elif sandbox.phase == "Running" and not sandbox.lost and _ready(pod) != str(sandbox.ready):
+            self._spawn(self._report(sandbox))  # someone else changed its readiness: the kubelet says again
+
+    def _start(self, pod: dict) -> None:
+        meta, spec = pod["metadata"], pod.get("spec") or {}
+        node = self.nodes.objects[(None, spec["nodeName"])]
+        ip = self.network.pod_address((node.get("spec") or {}).get("podCIDR"))
+        sandbox = Sandbox(uid=meta["uid"], namespace=meta["namespace"], name=meta["name"], node=spec["nodeName"],
+                          ip=ip, local=self.network.local(ip), container=(spec.get("containers") or [{}])[0],
+                          directory=self.workdir / meta["namespace"] / f"{meta['name']}-{meta['uid'][:8]}")
+        self.sandboxes[(sandbox.namespace, sandbox.name)] = sandbox
+        sandbox.main = asyncio.create_task(self._run_pod(sandbox, pod, node))
+
+    async def _run_pod(self, sandbox: Sandbox, pod: dict, node: dict) -> None:
+        await self._report(sandbox)
+        container = sandbox.container
+        taken = taken_ports(sandbox.local, container)
         if taken:  # on a real node each pod has its own ports; here one stray listener blocks them all
             message = (f"port {', '.join(map(str, taken))} is taken on every address of this machine by another "
-                       f"process; stop it: the dev cluster's pods listen on their own addresses ({address.ip})")
-            await self._set_status(ns, name, {"phase": "Failed", "reason": "PortInUse", "message": message,
-                                              "containerStatuses": [self._cstatus(container, False, {"terminated": {
-                                                  "exitCode": 1, "reason": "PortInUse", "message": message,
-                                                  "finishedAt": _now()}})]})
-            self.network.unregister(uid)
-            del self.sandboxes[(ns, name)]
+                       f"process; stop it: the dev cluster's pods listen on their own addresses ({sandbox.local})")
+            sandbox.phase, sandbox.reason = "Failed", {"reason": "PortInUse", "message": message}
+            sandbox.state = {"terminated": {"exitCode": 1, "reason": "PortInUse", "message": message,
+                                            "finishedAt": timestamp()}}
+            sandbox.logs.ended = True
+            await self._report(sandbox)
             return
+        for attempt in itertools.count():
+            try:
+                mounts = await self._volumes(pod, sandbox)
+                env = await self._environment(pod, container, node, sandbox, mounts)
+                break
+            except PodError as err:
+                sandbox.state = {"waiting": {"reason": err.reason, "message": err.message}}
+                await self._report(sandbox)
+                await asyncio.sleep(RETRY_SECONDS[min(attempt, len(RETRY_SECONDS) - 1)])
+        defined = {e["name"]: env[e["name"]] for e in container.get("env") or [] if e.get("name") in env}
+        argv = [self._path(expand(a, defined), mounts)
+                for a in list(container.get("command") or []) + list(container.get("args") or [])]
+        if not argv:
+            sandbox.state = {"waiting": {"reason": "CreateContainerConfigError",
+                                         "message": "the container has no command (no image to run here)"}}
+            await self._report(sandbox)
+            return
+        if argv[0] == "python":
+            argv[0] = sys.executable
         try:
-            mounts = await self._volumes(pod, sandbox)
-            env = await self._environment(pod, container, node, sandbox, mounts)
-            defined = {e["name"]: env[e["name"]] for e in container.get("env") or [] if e.get("name") in env}
-            argv = [self._path(expand(a, defined), mounts)
-                    for a in list(container.get("command") or []) + list(container.get("args") or [])]
-            if not argv:
-                raise PodError("CreateContainerConfigError", "the container has no command (no image to run here)")
-            if argv[0] == "python":
-                argv[0] = sys.executable
-        except PodError as err:
-            await self._set_status(ns, name, {"containerStatuses": [self._cstatus(container, False, {
-                "waiting": {"reason": err.reason, "message": err.message}})]})
-            return
-        if sandbox.deleted or sandbox.lost:
-            return
-        try:
-            proc = await asyncio.create_subprocess_exec(
+            sandbox.proc = await asyncio.create_subprocess_exec(
                 *argv, env=env, cwd=self._path(container.get("workingDir") or "", mounts) or str(sandbox.directory),
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
                 preexec_fn=_die_with_parent)
         except (OSError, ValueError) as err:
-            await self._set_status(ns, name, {"phase": "Failed", "reason": "StartError", "message": str(err)})
+            sandbox.phase, sandbox.reason = "Failed", {"reason": "StartError", "message": str(err)}
+            sandbox.state = {"terminated": {"exitCode": 128, "reason": "StartError", "message": str(err),
+                                            "finishedAt": timestamp()}}
+            sandbox.logs.ended = True
+            await self._report(sandbox)
             return
-        sandbox.proc = proc
-        if sandbox.deleted or sandbox.lost:  # deleted while it started
-            await self._kill(sandbox, signal.SIGKILL)
         probed = any(container.get(p) for p in ("startupProbe", "readinessProbe", "livenessProbe"))
-        await self._set_status(ns, name, {
-            "phase": "Running", "conditions": [{"type": "PodScheduled", "status": "True"},
-                                               {"type": "Ready", "status": str(not probed)},
-                                               {"type": "ContainersReady", "status": str(not probed)}],
-            "containerStatuses": [self._cstatus(container, not probed, {"running": {"startedAt": _now()}})]})
+        sandbox.phase, sandbox.ready, sandbox.started_at = "Running", not probed, timestamp()
+        sandbox.state = {"running": {"startedAt": sandbox.started_at}}
+        await self._report(sandbox)
         if probed:
-            sandbox.tasks.append(asyncio.create_task(self._probe(ns, name, sandbox, container)))
-        await self._run(ns, name, sandbox, container)
+            sandbox.tasks.append(asyncio.create_task(self._probe(sandbox)))
+        await self._collect(sandbox)
 
-    async def _run(self, ns: str, name: str, sandbox: Sandbox, container: dict) -> None:
-        """Collect the output until the process exits, then report how it ended."""
+    async def _collect(self, sandbox: Sandbox) -> None:
+        """The output until the process exits, then how it ended."""
         proc = sandbox.proc
         assert proc is not None and proc.stdout is not None
-        logs = self.emu.pod_logs.setdefault((ns, name), bytearray())
         while line := await proc.stdout.readline():
-            logs += line
+            sandbox.logs.data += line
         code = await proc.wait()
+        sandbox.logs.ended = True
         for task in sandbox.tasks:
             task.cancel()
-        if self.sandboxes.get((ns, name)) is sandbox:
-            del self.sandboxes[(ns, name)]
-        self.network.unregister(sandbox.uid)
         shutil.rmtree(sandbox.directory, ignore_errors=True)  # its volumes; the log stays with the pod
-        if sandbox.lost or sandbox.deleted:
-            return  # no kubelet left to tell, or no pod left to tell about
+        if sandbox.lost:
+            return  # no kubelet left to tell
         message = sandbox.killed_by
-        if not message and code != 0 and container.get("terminationMessagePolicy") == "FallbackToLogsOnError":
-            message = bytes(logs[-LOG_TAIL_BYTES:]).decode(errors="replace")
-        terminated = {"exitCode": code, "reason": "Completed" if code == 0 else "Error", "finishedAt": _now(),
-                      **({"message": message} if message else {})}
-        await self._set_status(ns, name, {
-            "phase": "Succeeded" if code == 0 else "Failed",
-            "conditions": [{"type": "Ready", "status": "False"}, {"type": "ContainersReady", "status": "False"}],
-            "containerStatuses": [self._cstatus(container, False, {"terminated": terminated})]})
+        if not message and code != 0 and sandbox.container.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            message = bytes(sandbox.logs.data[-LOG_TAIL_BYTES:]).decode(errors="replace")
+        sandbox.phase, sandbox.ready = ("Succeeded" if code == 0 else "Failed"), False
+        sandbox.state = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                                        "startedAt": sandbox.started_at, "finishedAt": timestamp(),
+                                        **({"message": message} if message else {})}}
+        await self._report(sandbox)
 
-    async def _terminate(self, key: tuple[str, str], sandbox: Sandbox, grace: float) -> None:
-        await self._kill(sandbox, signal.SIGTERM)
-        proc = sandbox.proc
-        if proc is None:
-            return
-        try:
-            await asyncio.wait_for(proc.wait(), grace)
-        except TimeoutError:
-            await self._kill(sandbox, signal.SIGKILL)
+    async def _terminate(self, sandbox: Sandbox, grace: float, pod: dict) -> None:
+        """Stop a deleted pod's process within its grace period, then delete the pod for good."""
+        if sandbox.proc is None:
+            if sandbox.main is not None:
+                sandbox.main.cancel()
+        else:
+            await self._kill(sandbox, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(sandbox.proc.wait(), grace)
+            except TimeoutError:
+                await self._kill(sandbox, signal.SIGKILL)
+        if sandbox.main is not None:
+            await asyncio.gather(sandbox.main, return_exceptions=True)
+        if not sandbox.lost:
+            await self._final_delete(pod)
+
+    async def _final_delete(self, pod: dict) -> None:
+        """DELETE with grace 0, on condition that it is still this pod: what lets a deleted pod go."""
+        meta = pod["metadata"]
+        self._finalized.add(meta["uid"])
+        for attempt in range(20):  # (as long as the API server fails it: nothing else will)
+            try:
+                await self.api.delete(path(PODS, meta["namespace"], meta["name"]),
+                                      {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}})
+                return
+            except (ApiStatusError, aiohttp.ClientError, asyncio.TimeoutError) as err:
+                log.warning("pod %s/%s: final delete failed: %s", meta["namespace"], meta["name"], err)
+                await asyncio.sleep(0.5)
+        self._finalized.discard(meta["uid"])  # the next event about it tries again
+
+    async def _forget(self, sandbox: Sandbox) -> None:
+        """The pod is gone from the API: its process and everything of it go."""
+        del self.sandboxes[(sandbox.namespace, sandbox.name)]
+        sandbox.lost = True
+        for task in [*sandbox.tasks, sandbox.main, sandbox.stopper]:
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+        await self._kill(sandbox, signal.SIGKILL)
+        self.network.release(sandbox.ip)
+        shutil.rmtree(sandbox.directory, ignore_errors=True)
+
+    async def _unknown(self, pod: dict) -> None:
+        meta = pod["metadata"]
+        container = ((pod.get("spec") or {}).get("containers") or [{}])[0]
+        status = {"phase": "Failed", "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": timestamp()}],
+                  "containerStatuses": [self._container_status(container, False, {"terminated": {
+                      "exitCode": 137, "reason": "ContainerStatusUnknown", "finishedAt": timestamp(),
+                      "message": "The container could not be located when the pod was terminated"}})]}
+        await self._patch_status(meta["namespace"], meta["name"], status)
 
     @staticmethod
     async def _kill(sandbox: Sandbox, sig: int) -> None:
@@ -309,20 +468,56 @@ class ProcessKubelet(FakeKubelet):
             if sig == signal.SIGKILL:
                 await proc.wait()
 
+    # ---------------------------------------------------------------- status
+    @staticmethod
+    def _container_status(container: dict, ready: bool, state: dict, pid: int | None = None) -> dict:
+        image = container.get("image") or "local"
+        return {"name": container.get("name", "c"), "image": image, "imageID": "process://" + image,
+                **({"containerID": f"process://{pid}"} if pid else {}), "ready": ready,
+                "started": "running" in state, "restartCount": 0, "state": state}
+
+    async def _report(self, sandbox: Sandbox) -> None:
+        """Post the pod's status as this kubelet sees it now (again, until the API server takes it)."""
+        async with sandbox.lock:
+            running = sandbox.phase == "Running"
+            status = {"phase": sandbox.phase, "hostIP": HOST_IP, "hostIPs": [{"ip": HOST_IP}],
+                      "podIP": sandbox.ip, "podIPs": [{"ip": sandbox.ip}], "startTime": sandbox.start_time,
+                      "conditions": [sandbox.condition("PodReadyToStartContainers", True),
+                                     sandbox.condition("Initialized", True),
+                                     sandbox.condition("ContainersReady", running and sandbox.ready),
+                                     sandbox.condition("Ready", running and sandbox.ready)],
+                      "containerStatuses": [self._container_status(sandbox.container, running and sandbox.ready,
+                                                                   sandbox.state, sandbox.proc and sandbox.proc.pid)],
+                      **sandbox.reason}
+            for attempt in range(20):
+                if sandbox.lost:
+                    return
+                if await self._patch_status(sandbox.namespace, sandbox.name, status) is not False:
+                    return
+                await asyncio.sleep(0.5)
+
+    async def _patch_status(self, ns: str, name: str, status: dict) -> bool | None:
+        """True: written; None: the pod is gone; False: the API server failed (try again)."""
+        try:
+            return await self.api.patch(path(PODS, ns, name, "status"), {"status": status}, SMP) is not None or None
+        except (ApiStatusError, aiohttp.ClientError, asyncio.TimeoutError) as err:
+            log.debug("pod %s/%s: status not written: %s", ns, name, err)
+            return False
+
     # ---------------------------------------------------------------- what the process sees
     async def _volumes(self, pod: dict, sandbox: Sandbox) -> dict[str, str]:
         """Mount path -> local directory, for the first container's volumeMounts."""
-        spec, ns = pod.get("spec") or {}, pod["metadata"].get("namespace")
+        spec, ns = pod.get("spec") or {}, pod["metadata"]["namespace"]
         local: dict[str, Path] = {}
         for volume in spec.get("volumes") or []:
             vname = volume["name"]
             here = sandbox.directory / "volumes" / vname
             if "hostPath" in volume:
-                path = self.host_root / volume["hostPath"]["path"].lstrip("/")
-                if volume["hostPath"].get("type") == "Directory" and not path.is_dir():
+                where = self.host_root / volume["hostPath"]["path"].lstrip("/")
+                if volume["hostPath"].get("type") == "Directory" and not where.is_dir():
                     raise PodError("CreateContainerConfigError",
-                                   f"hostPath {volume['hostPath']['path']} is not a directory on the node ({path})")
-                local[vname] = path
+                                   f"hostPath {volume['hostPath']['path']} is not a directory on the node ({where})")
+                local[vname] = where
             elif "configMap" in volume or "secret" in volume:
                 await self._project(volume, ns, here)
                 local[vname] = here
@@ -335,9 +530,8 @@ class ProcessKubelet(FakeKubelet):
                 raise PodError("CreateContainerConfigError", f"volume {vname}: only hostPath, configMap, secret, "
                                "emptyDir and persistentVolumeClaim volumes run here")
         sandbox.directory.mkdir(parents=True, exist_ok=True)
-        container = (spec.get("containers") or [{}])[0]
         mounts = {}
-        for mount in container.get("volumeMounts") or []:
+        for mount in sandbox.container.get("volumeMounts") or []:
             if mount["name"] in local:
                 mounts[mount["mountPath"]] = str(local[mount["name"]] / mount.get("subPath", ""))
         return mounts
@@ -346,13 +540,16 @@ class ProcessKubelet(FakeKubelet):
         """Write a configMap's or a Secret's keys (a Secret's decoded from base64) as files with the
         volume's mode (0644 unless it says otherwise), as the kubelet does."""
         if "configMap" in volume:
-            source, kind, name = volume["configMap"], "configmap", volume["configMap"]["name"]
+            source, kind, name = volume["configMap"], "configmaps", volume["configMap"]["name"]
         else:
-            source, kind, name = volume["secret"], "secret", volume["secret"]["secretName"]
-        obj = await self.emu.k8s_get(CONFIGMAPS if kind == "configmap" else SECRETS, ns, name)
+            source, kind, name = volume["secret"], "secrets", volume["secret"]["secretName"]
+        try:
+            obj = await self.api.get(path(f"v1/{kind}", ns, name))
+        except (ApiStatusError, aiohttp.ClientError, asyncio.TimeoutError) as err:
+            raise PodError("CreateContainerConfigError", f"{kind[:-1]} {name}: {err}") from None
         if obj is None:
-            raise PodError("CreateContainerConfigError", f"{kind} {name} not found")
-        data = {k: v.encode() if kind == "configmap" else base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
+            raise PodError("CreateContainerConfigError", f"{kind[:-1]} {name} not found")
+        data = {k: v.encode() if kind == "configmaps" else base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
         here.mkdir(parents=True, exist_ok=True)
         for item in source.get("items") or [{"key": k, "path": k} for k in data]:
             target = here / item["path"]
@@ -372,42 +569,41 @@ class ProcessKubelet(FakeKubelet):
     async def _environment(self, pod: dict, container: dict, node: dict, sandbox: Sandbox,
                            mounts: dict[str, str]) -> dict[str, str]:
         meta = pod["metadata"]
-        fields = {"metadata.name": meta["name"], "metadata.namespace": meta.get("namespace") or "",
-                  "status.podIP": sandbox.address.ip, "spec.nodeName": sandbox.node}
+        fields = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"], "metadata.uid": meta["uid"],
+                  "status.podIP": sandbox.local, "status.hostIP": HOST_IP, "spec.nodeName": sandbox.node}
         env = {**os.environ, **self.extra_env}
         for e in container.get("env") or []:
             if "value" in e:
                 env[e["name"]] = self._path(str(e["value"]), mounts)
             elif ((e.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath") in fields:
                 env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
-        env.update(HOSTNAME=meta["name"], POD_NAME=meta["name"], POD_NAMESPACE=meta.get("namespace") or "",
-                   POD_IP=sandbox.address.ip, **dict.fromkeys(self.bind_env, sandbox.address.ip))
+        env.update(HOSTNAME=meta["name"], POD_NAME=meta["name"], POD_NAMESPACE=meta["namespace"],
+                   POD_IP=sandbox.local, **dict.fromkeys(self.bind_env, sandbox.local))
         labels = (node.get("metadata") or {}).get("labels") or {}
         if MEMORY_LABEL in labels and _requests_gpu(container):
             env["SHARD_MEMORY_BUDGET"] = str(int(labels[MEMORY_LABEL]) * MiB)
         if "MASTER_ADDR" in env:  # torch's rendezvous: a DNS name, resolved as the process would
-            env["MASTER_ADDR"] = (await self._resolve(env["MASTER_ADDR"], sandbox)).ip
+            env["MASTER_ADDR"] = await self._resolve(env["MASTER_ADDR"])
         return env
 
-    async def _resolve(self, name: str, sandbox: Sandbox) -> PodAddress:
-        """Wait for a DNS name to answer (its pod may start later), as a resolver's retries would."""
+    async def _resolve(self, name: str) -> str:
+        """The local address of a DNS name; waits for it to exist (its pod may start later)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.dns_wait
         while (address := self.network.resolve(name)) is None:
-            if sandbox.deleted or sandbox.lost:
-                raise PodError("ContainerCreating", "deleted while waiting")
             if loop.time() > deadline:
                 raise PodError("CreateContainerError", f"{name} did not resolve within {self.dns_wait:.0f}s")
             await asyncio.sleep(0.05)
-        return address
+        return self.network.local(address)
 
     # ---------------------------------------------------------------- probes
-    async def _get(self, sandbox: Sandbox, container: dict, probe: dict) -> bool:
+    async def _get(self, sandbox: Sandbox, probe: dict) -> bool:
         http = probe.get("httpGet") or {}
-        port = container_port(container, http.get("port", 80))
+        port = container_port(sandbox.container, http.get("port", 80))
         if port is None:
             return False
-        url = f"http://{http.get('host') or sandbox.address.ip}:{port}{http.get('path', '/')}"
+        host = self.network.local(http["host"]) if http.get("host") else sandbox.local
+        url = f"http://{host}:{port}{http.get('path', '/')}"
         assert self._session is not None
         try:
             async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=probe.get("timeoutSeconds", 1))) as r:
@@ -415,19 +611,21 @@ class ProcessKubelet(FakeKubelet):
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
 
-    def _alive(self, sandbox: Sandbox) -> bool:
+    @staticmethod
+    def _alive(sandbox: Sandbox) -> bool:
         return sandbox.proc is not None and sandbox.proc.returncode is None and not sandbox.lost
 
     def _fast(self, probe: dict) -> float:
         """Startup and readiness decide how soon a pod serves: at most `probe_period` apart."""
         return min(float(probe.get("periodSeconds", 10)), self.probe_period)
 
-    async def _probe(self, ns: str, name: str, sandbox: Sandbox, container: dict) -> None:
+    async def _probe(self, sandbox: Sandbox) -> None:
         """The startup probe, then readiness and liveness side by side, as a kubelet runs them."""
+        container = sandbox.container
         startup, readiness, liveness = (container.get(p) for p in ("startupProbe", "readinessProbe", "livenessProbe"))
         if startup is not None:
             failures = 0
-            while not await self._get(sandbox, container, startup):
+            while not await self._get(sandbox, startup):
                 failures += 1
                 if failures >= int(startup.get("failureThreshold", 3)):
                     await self._kill_for(sandbox, f"Startup probe failed {failures} times")
@@ -435,35 +633,32 @@ class ProcessKubelet(FakeKubelet):
                 await asyncio.sleep(self._fast(startup))
                 if not self._alive(sandbox):
                     return
-        checks = [self._readiness(ns, name, sandbox, container, readiness)]
+        checks = [self._readiness(sandbox, readiness)]
         if liveness is not None:
-            checks.append(self._liveness(sandbox, container, liveness))
+            checks.append(self._liveness(sandbox, liveness))
         await asyncio.gather(*checks)
 
-    async def _readiness(self, ns: str, name: str, sandbox: Sandbox, container: dict, probe: dict | None) -> None:
+    async def _readiness(self, sandbox: Sandbox, probe: dict | None) -> None:
         """The pod's Ready condition: at the first success; lost after failureThreshold failures."""
-        ready, failures = None, 0
-        while self._alive(sandbox) and not sandbox.deleted:
-            ok = probe is None or await self._get(sandbox, container, probe)
+        failures = 0
+        while self._alive(sandbox) and not sandbox.deleting:
+            ok = probe is None or await self._get(sandbox, probe)
             failures = 0 if ok else failures + 1
-            now_ready = ok or (bool(ready) and failures < int(probe.get("failureThreshold", 3)))
-            if now_ready != ready and self._alive(sandbox) and not sandbox.deleted:
-                ready = now_ready
-                await self._set_status(ns, name, {
-                    "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": str(ready)},
-                                   {"type": "ContainersReady", "status": str(ready)}],
-                    "containerStatuses": [self._cstatus(container, ready, {"running": {"startedAt": _now()}})]})
+            ready = ok or (sandbox.ready and failures < int(probe.get("failureThreshold", 3)))
+            if ready != sandbox.ready and self._alive(sandbox) and not sandbox.deleting:
+                sandbox.ready = ready
+                await self._report(sandbox)
             if probe is None:
                 return
             await asyncio.sleep(self._fast(probe))
 
-    async def _liveness(self, sandbox: Sandbox, container: dict, probe: dict) -> None:
+    async def _liveness(self, sandbox: Sandbox, probe: dict) -> None:
         """Kill the container after failureThreshold failures in a row. At the pod's own period: a
         busy machine must not kill ranks that a cluster would keep."""
         failures = 0
         while self._alive(sandbox):
             await asyncio.sleep(float(probe.get("periodSeconds", 10)))
-            failures = 0 if await self._get(sandbox, container, probe) else failures + 1
+            failures = 0 if await self._get(sandbox, probe) else failures + 1
             if failures >= int(probe.get("failureThreshold", 3)):
                 await self._kill_for(sandbox, f"Liveness probe failed {failures} times")
                 return

@@ -1,10 +1,14 @@
 """ServiceProxy: the dev cluster's kube-proxy for ClusterIP Services, with a gateway's retries.
 
-Every Service with a ClusterIP gets a listener on that address and each of its ports. A request is
-forwarded to one of the Service's *ready endpoints* -- pods that match its selector, run, are Ready
-and are not being deleted -- round robin, at the pod's address and target port. So a ShardedModel's
-endpoint Service (which selects its leaders) sends traffic only to groups whose every rank has
-loaded, and a group stops getting new requests when its pods stop being Ready or are deleted.
+Like kube-proxy it reads only Services and EndpointSlices, through the Kubernetes API, so it works
+against any API server. Every Service with a selector and a ClusterIP (not the `kubernetes`
+Service, whose endpoints are the API server itself) gets a listener on that address's loopback
+mapping (network.py) and each of its ports. A request is forwarded to one of the Service's *ready
+endpoints* -- the EndpointSlices' endpoints whose `ready` condition is true: pods that run, are
+Ready and are not being deleted -- round robin, at the pod's address and the slice's port of the
+same name. So a ShardedModel's endpoint Service (which selects its leaders) sends traffic only to
+groups whose every rank has loaded, and a group stops getting new requests when its pods stop
+being Ready or are deleted.
 
 kube-proxy forwards connections and never replays one: it picks another endpoint only while a
 connection to one cannot be made. This proxy forwards HTTP requests over a fresh connection each
@@ -31,12 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import aiohttp
-import kmock
 from aiohttp import web
 
-from .network import ClusterNetwork, container_port
+from .kubeapi import Informer, KubeApi
+from .network import ClusterNetwork
 
-SERVICES, PODS = "v1/services", "v1/pods"
+SERVICES, SLICES = "v1/services", "discovery.k8s.io/v1/endpointslices"
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 RETRY_STATUSES = (502, 503, 504)
 IDEMPOTENT = {"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"}
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -52,22 +57,10 @@ class ProxyStats:
     served_by: Counter = field(default_factory=Counter)        # pod -> requests answered
 
 
-def ready_endpoint(pod: dict[str, Any]) -> bool:
-    status = pod.get("status") or {}
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-    return ready and status.get("phase") == "Running" and bool(status.get("podIP")) \
-        and not pod["metadata"].get("deletionTimestamp")
-
-
-def _selector(service: dict[str, Any]) -> str | None:
-    selector = (service.get("spec") or {}).get("selector")
-    return ",".join(f"{k}={v}" for k, v in sorted(selector.items())) if selector else None
-
-
 class ServiceProxy:
-    def __init__(self, emu, network: ClusterNetwork, *, attempts: int = 3, wait_for_endpoints: float = 30.0,
+    def __init__(self, api: KubeApi, network: ClusterNetwork, *, attempts: int = 3, wait_for_endpoints: float = 30.0,
                  timeout: float = 600.0):
-        self.emu, self.network = emu, network
+        self.network = network
         self.attempts, self.wait_for_endpoints, self.timeout = attempts, wait_for_endpoints, timeout
         self.stats = ProxyStats()
         self.listeners: dict[tuple[str, int], tuple[asyncio.AbstractServer, tuple[str, str]]] = {}
@@ -76,79 +69,67 @@ class ServiceProxy:
         self.on_error: Callable[[str], None] | None = None
         self.errors: list[str] = []
         self._session: aiohttp.ClientSession | None = None
-        self._task: asyncio.Task | None = None
+        self.services = Informer(api, SERVICES, self._service)
+        self.slices = Informer(api, SLICES)
+        self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True), auto_decompress=False,
                                               timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=5))
-        bus = self.emu._buses[kmock.resource(SERVICES)]
-        async with self.emu._lock:  # snapshot + subscribe atomically
-            mark = await bus.mark()
-        for service in await self.emu.k8s_list(SERVICES):
-            await self._listen(service)
-        self._task = asyncio.create_task(self._watch(bus, mark))
+        self._tasks = [asyncio.create_task(self.slices.run()), asyncio.create_task(self.services.run())]
+        await self.services.synced.wait()
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
         for server, _ in self.listeners.values():
             server.close()
         self.listeners.clear()
         if self._session:
             await self._session.close()
 
-    async def _watch(self, bus, mark) -> None:
-        async for ev in bus.stream(since=mark):
-            service = ev["object"]
-            if ev["type"] == "DELETED":
-                key = (service["metadata"].get("namespace"), service["metadata"]["name"])
-                for address, (server, owner) in list(self.listeners.items()):
-                    if owner == key:
-                        server.close()
-                        del self.listeners[address]
-            else:
-                await self._listen(service)
-
-    async def _listen(self, service: dict[str, Any]) -> None:
+    async def _service(self, kind: str, service: dict[str, Any], old: dict[str, Any] | None) -> None:
         spec, meta = service.get("spec") or {}, service["metadata"]
+        key = (meta["namespace"], meta["name"])
         ip = spec.get("clusterIP")
-        if not ip or ip == "None":
-            return  # headless: DNS names only
-        key = (meta.get("namespace"), meta["name"])
-        for port in spec.get("ports") or []:
-            if (ip, int(port["port"])) in self.listeners:
-                continue
+        served = kind != "DELETED" and spec.get("selector") and ip and ip != "None"  # (headless: DNS names only)
+        wanted = {(self.network.local(ip), int(p["port"])): dict(p) for p in spec.get("ports") or []} if served else {}
+        for address, (server, owner) in list(self.listeners.items()):
+            if owner == key and address not in wanted:
+                server.close()
+                del self.listeners[address]
+        for (local, number), port in wanted.items():
+            if (local, number) not in self.listeners:
+                await self._listen(key, local, port)
 
-            async def handle(request: web.BaseRequest, key=key, port=dict(port)) -> web.StreamResponse:
-                return await self._forward(request, key, port)
-            try:
-                server = await asyncio.get_running_loop().create_server(web.Server(handle), ip, int(port["port"]))
-            except OSError as err:  # another process listens on that port on every address
-                self.errors.append(f"service {key[0]}/{key[1]}: cannot listen on {ip}:{port['port']}: {err}")
-                if self.on_error is not None:
-                    self.on_error(self.errors[-1])
-                continue
-            self.listeners[(ip, int(port["port"]))] = (server, key)
-            if self.on_listen is not None:
-                self.on_listen(*key, f"http://{ip}:{port['port']}")
+    async def _listen(self, key: tuple[str, str], local: str, port: dict[str, Any]) -> None:
+        async def handle(request: web.BaseRequest) -> web.StreamResponse:
+            return await self._forward(request, key, port)
+        try:
+            server = await asyncio.get_running_loop().create_server(web.Server(handle), local, int(port["port"]))
+        except OSError as err:  # another process listens on that port on every address
+            self.errors.append(f"service {key[0]}/{key[1]}: cannot listen on {local}:{port['port']}: {err}")
+            if self.on_error is not None:
+                self.on_error(self.errors[-1])
+            return
+        self.listeners[(local, int(port["port"]))] = (server, key)
+        if self.on_listen is not None:
+            self.on_listen(*key, f"http://{local}:{port['port']}")
 
     # ---------------------------------------------------------------- routing
     async def endpoints(self, namespace: str, name: str, port: dict[str, Any]) -> list[tuple[str, str]]:
         """(pod, base URL) of every ready endpoint of a Service port."""
-        service = await self.emu.k8s_get(SERVICES, namespace, name)
-        selector = _selector(service) if service else None
-        if selector is None:
-            return []
-        target = port.get("targetPort", port["port"])
         found = []
-        for pod in await self.emu.k8s_list(PODS, namespace, selector):
-            if not ready_endpoint(pod):
+        for (ns, _), endpoint_slice in list(self.slices.objects.items()):
+            if ns != namespace or (endpoint_slice["metadata"].get("labels") or {}).get(SERVICE_NAME_LABEL) != name:
                 continue
-            containers = (pod.get("spec") or {}).get("containers") or []
-            number = next((n for c in containers if (n := container_port(c, target)) is not None), None)
-            address = self.network.resolve(pod["status"]["podIP"])
-            if number is not None and address is not None:
-                found.append((pod["metadata"]["name"], f"http://{address.ip}:{number}"))
+            number = next((p.get("port") for p in endpoint_slice.get("ports") or []
+                           if (p.get("name") or "") == (port.get("name") or "")), None)
+            for endpoint in endpoint_slice.get("endpoints") or []:
+                if number is None or not (endpoint.get("conditions") or {}).get("ready") or not endpoint.get("addresses"):
+                    continue
+                pod = (endpoint.get("targetRef") or {}).get("name") or endpoint["addresses"][0]
+                found.append((pod, f"http://{self.network.local(endpoint['addresses'][0])}:{number}"))
         return sorted(found)
 
     async def _pick(self, key: tuple[str, str], port: dict[str, Any], tried: set[str],

@@ -273,6 +273,9 @@ class ShardedModelStatus(ApiModel):
     replicas: int = 0
     ready_replicas: int = 0
     selector: str = Field("", description="Label selector of the leader pods (scale subresource).")
+    ready: str = Field("", description="Ready groups of the replicas wanted, as kubectl shows it (1/2).")
+    url: str = Field("", description="Where the model serves inside the cluster: its endpoint Service.")
+    reason: str = Field("", description="Why the model is Failed or Degraded (the Degraded condition's reason).")
     plan: PlanSummary | None = None
     shards: list[ShardStatus] = Field(default_factory=list)
     groups: list[GroupStatus] = Field(default_factory=list)

@@ -84,6 +84,11 @@ def free_gpus(nodes: Iterable[dict[str, Any]], uses: Iterable[GpuUse], resource:
     return {node: n - used.get(node, 0) for node, n in allocatable(nodes, resource).items()}
 
 
+def node_names(nodes: Iterable[dict[str, Any]]) -> set[str]:
+    """Nodes that exist: a pod bound elsewhere will never run again (its node is gone)."""
+    return {node["metadata"]["name"] for node in nodes}
+
+
 def healthy_nodes(nodes: Iterable[dict[str, Any]]) -> set[str]:
     """Nodes that exist and are Ready: pods elsewhere are lost."""
     out = set()

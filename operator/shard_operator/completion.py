@@ -63,6 +63,7 @@ def completion_script(parser: argparse.ArgumentParser, shell: str = "bash") -> s
             lines.append('            case "$prev" in')
             lines += [f"                {arm}" for arm in arms]
             lines.append("            esac")
-        lines.append(f'            COMPREPLY=($(compgen -W {shlex.quote(" ".join(_flags(sub)))} -- "$cur"));;')
+        words = " ".join([*_subcommands(sub), *_flags(sub)])  # its own actions (dev-cluster add-node)
+        lines.append(f'            COMPREPLY=($(compgen -W {shlex.quote(words)} -- "$cur"));;')
     lines += ["    esac", "}", f"complete -o default -F _{prog} {prog}", ""]
     return "\n".join(lines)

@@ -16,12 +16,16 @@ from pydantic import BaseModel
 
 from . import api
 
+# As `kubectl get` shows them: READY as ready/wanted groups (as for Deployments), the in-cluster
+# URL (as KServe's), and why a Failed or Degraded model is so.
 PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "TP", "type": "integer", "jsonPath": ".status.plan.tensorParallel"},
     {"name": "PP", "type": "integer", "jsonPath": ".status.plan.pipelineParallel"},
-    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
-    {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
+    {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
+    {"name": "URL", "type": "string", "jsonPath": ".status.url"},
+    {"name": "Reason", "type": "string", "jsonPath": ".status.reason"},
+    {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -82,6 +82,10 @@ class Kube:
         self._count("list")
         return _json(self._method("list", kind)(namespace, label_selector=label_selector, **self.raw))["items"]
 
+    def event(self, body: dict[str, Any]) -> None:
+        self._count("create")
+        _body(self.core.create_namespaced_event(body["metadata"]["namespace"], body, **self.raw))
+
     def pod_log(self, namespace: str, name: str, tail_lines: int = 200) -> str:
         self._count("get")
         return _body(self.core.read_namespaced_pod_log(name, namespace, tail_lines=tail_lines, **self.raw)) \
@@ -102,12 +106,14 @@ class Kube:
         self._count("patch")
         return _json(self._method("patch", kind)(name, namespace, patch, _content_type=MERGE, **self.raw))
 
-    def delete(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        """Delete an object (its dependents are collected in the background); what the server
-        answered (the object, now terminating, or a Status), or None when it was gone."""
+    def delete(self, kind: str, namespace: str, name: str, grace_seconds: int | None = None) -> dict[str, Any] | None:
+        """Delete an object (its dependents are collected in the background; a pod after its grace
+        period, or `grace_seconds`); what the server answered (the object, now terminating, or a
+        Status), or None when it was gone."""
         self._count("delete")
+        grace = {"grace_period_seconds": grace_seconds} if grace_seconds is not None else {}
         try:
-            return _json(self._method("delete", kind)(name, namespace, **self.raw))
+            return _json(self._method("delete", kind)(name, namespace, **grace, **self.raw))
         except ApiException as err:
             if err.status == 404:
                 return None

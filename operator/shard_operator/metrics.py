@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterator, get_args
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -19,6 +19,10 @@ from .api import Phase
 
 if TYPE_CHECKING:
     from .handlers import Controller
+
+# No `<name>_created` series beside the reconcile histogram: a timestamp no query reads
+# (prometheus_client reads this process-wide setting at every scrape).
+disable_created_metrics()
 
 
 class ControllerCollector(Collector):

@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
 from shard_contract.checkpoint import CheckpointError, CheckpointFacts
 
 from .api import ShardedModelSpec, inside
-from .kube import Kube
 from .manifests import (
     COMPONENT_LABEL,
     PROFILE_KEY,
@@ -33,6 +32,7 @@ from .manifests import (
 )
 from .profile import ModelProfile, profile_from_facts, profile_model
 from .settings import Settings
+from .writes import Write
 
 
 class ModelNotFound(CheckpointError):
@@ -107,9 +107,14 @@ def _last_json_line(log: str) -> dict[str, Any] | None:
     return None
 
 
-def remote_profile(ctx: Context, kube: Kube, pods: list[dict[str, Any]], configmaps: list[dict[str, Any]],
-                   timeout_seconds: float) -> ModelProfile | None:
-    """The profile from the cache ConfigMap or a profiling Pod; None while the Pod is running.
+class LogReader(Protocol):
+    def pod_log(self, namespace: str, name: str, tail_lines: int = 200) -> str: ...
+
+
+def remote_profile(ctx: Context, kube: LogReader, pods: list[dict[str, Any]], configmaps: list[dict[str, Any]],
+                   timeout_seconds: float) -> tuple[ModelProfile | None, list[Write]]:
+    """The profile from the cache ConfigMap or a profiling Pod (None while the Pod is running), and
+    the writes that get there: the Pod created, then its profile recorded and the Pod deleted.
 
     Raises CheckpointError when the Pod failed (its log says why).
     """
@@ -118,25 +123,24 @@ def remote_profile(ctx: Context, kube: Kube, pods: list[dict[str, Any]], configm
     record = next((c for c in configmaps if c["metadata"]["name"] == name), None)
     if record is not None and (record["metadata"].get("annotations") or {}).get(SOURCE_ANNOTATION) == source:
         try:
-            return ModelProfile.model_validate_json((record.get("data") or {}).get(PROFILE_KEY, ""))
+            return ModelProfile.model_validate_json((record.get("data") or {}).get(PROFILE_KEY, "")), []
         except ValidationError:
             pass  # written by another version: profile again
     pod = next((p for p in pods if p["metadata"]["name"] == name
                 and (p["metadata"].get("labels") or {}).get(COMPONENT_LABEL) == "profiler"), None)
+    delete_pod = Write("delete", "Pod", owner.namespace, name)
     if pod is not None and (pod["metadata"].get("annotations") or {}).get(SOURCE_ANNOTATION) != source:
-        kube.delete("Pod", owner.namespace, name)  # profiling an old path
-        return None
+        return None, [delete_pod]  # profiling an old path
     if pod is None:
-        kube.create(profiling_pod(ctx, int(timeout_seconds)))
-        return None
+        return None, [Write.create(profiling_pod(ctx, int(timeout_seconds)))]
     if pod["metadata"].get("deletionTimestamp"):
-        return None
+        return None, []
     phase = (pod.get("status") or {}).get("phase")
     if phase == "Failed":
         tail = kube.pod_log(owner.namespace, name, tail_lines=5).strip() or (pod.get("status") or {}).get("message", "")
         raise CheckpointError(f"profiling pod {name} failed: {tail or 'no output'}")
     if phase != "Succeeded":
-        return None
+        return None, []
     data = _last_json_line(kube.pod_log(owner.namespace, name))
     try:
         facts = CheckpointFacts.model_validate(data)
@@ -145,10 +149,7 @@ def remote_profile(ctx: Context, kube: Kube, pods: list[dict[str, Any]], configm
             from None
     profile = profile_from_facts(facts)
     wanted = profile_record(owner, source, profile.model_dump_json())
-    if record is None:
-        kube.create(wanted)
-    else:
-        kube.patch("ConfigMap", owner.namespace, name, {"metadata": {"annotations": wanted["metadata"]["annotations"]},
-                                                        "data": wanted["data"]})
-    kube.delete("Pod", owner.namespace, name)
-    return profile
+    keep = Write.create(wanted) if record is None else Write(
+        "patch", "ConfigMap", owner.namespace, name,
+        {"metadata": {"annotations": wanted["metadata"]["annotations"]}, "data": wanted["data"]})
+    return profile, [keep, delete_pod]

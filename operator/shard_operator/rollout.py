@@ -5,6 +5,11 @@ rank fails the group, and the operator recreates all of it (up to a restart budg
 node is gone or NotReady is *lost*: it is not recreated in place (that would fail again) but waits
 for the planner to move it.
 
+A pod bound to a Node that no longer exists is lost even while it is being deleted: no kubelet
+will ever confirm its deletion, and the pod GC removes it only after a quarantine (40 s). The
+operator deletes such pods with grace 0 (`deletion_grace`), as the pod GC will, so a replaced group
+on a vanished node does not hold the model's status back.
+
 Replacing a group (new placement or pod template) follows LeaderWorkerSet's rules: with `maxSurge`
 the new group starts beside the old one, which is deleted once the new one is ready (the endpoint
 Service selects ready leaders, so traffic moves by itself); with `maxUnavailable` an old group may
@@ -82,8 +87,20 @@ def pod_node(pod: dict[str, Any]) -> str:
         ((pod["metadata"].get("annotations") or {}).get(NODE_ANNOTATION) or "")
 
 
-def rank_state(pod: dict[str, Any], healthy_nodes: set[str] | None = None) -> RankState:
-    """What one rank pod is doing. `healthy_nodes`: nodes that exist and are Ready (None: unknown)."""
+def bound_to_missing_node(pod: dict[str, Any], existing_nodes: set[str] | None) -> bool:
+    node = (pod.get("spec") or {}).get("nodeName")
+    return existing_nodes is not None and bool(node) and node not in existing_nodes
+
+
+def deletion_grace(pod: dict[str, Any], existing_nodes: set[str] | None) -> int | None:
+    """The grace period to delete a pod with: 0 where its node no longer exists; None: the pod's own."""
+    return 0 if bound_to_missing_node(pod, existing_nodes) else None
+
+
+def rank_state(pod: dict[str, Any], healthy_nodes: set[str] | None = None,
+               existing_nodes: set[str] | None = None) -> RankState:
+    """What one rank pod is doing. `healthy_nodes`: nodes that exist and are Ready; `existing_nodes`:
+    nodes that exist (None: unknown)."""
     meta, status = pod["metadata"], pod.get("status") or {}
     phase = status.get("phase") or "Pending"
     statuses = status.get("containerStatuses") or []
@@ -92,6 +109,8 @@ def rank_state(pod: dict[str, Any], healthy_nodes: set[str] | None = None) -> Ra
                                         (cs.get("state") or {}).get("terminated") for cs in statuses)
     common = dict(rank=int(meta["labels"][RANK_LABEL]), pod=meta["name"], node=node, started=started,
                   pod_ip=status.get("podIP") or "")
+    if bound_to_missing_node(pod, existing_nodes):
+        return RankState(state="Lost", message=f"node {node} no longer exists", **common)
     if meta.get("deletionTimestamp"):
         return RankState(state="Terminating", **common)
     if phase in ("Failed", "Succeeded"):
@@ -125,7 +144,7 @@ def _world_size(pod: dict[str, Any]) -> int | None:
 
 
 def observe_groups(pods: Iterable[dict[str, Any]], other_objects: Iterable[dict[str, Any]] = (),
-                   healthy_nodes: set[str] | None = None) -> list[ObservedGroup]:
+                   healthy_nodes: set[str] | None = None, existing_nodes: set[str] | None = None) -> list[ObservedGroup]:
     """Groups from rank pods, plus groups of which only a Service or ConfigMap is left."""
     ranks: dict[GroupKey, list[RankState]] = defaultdict(list)
     info: dict[GroupKey, tuple[str, int]] = {}
@@ -134,7 +153,7 @@ def observe_groups(pods: Iterable[dict[str, Any]], other_objects: Iterable[dict[
         if RANK_LABEL not in labels or GROUP_LABEL not in labels:
             continue
         key = (int(labels[GROUP_LABEL]), labels.get(REVISION_LABEL, ""))
-        ranks[key].append(rank_state(pod, healthy_nodes))
+        ranks[key].append(rank_state(pod, healthy_nodes, existing_nodes))
         world = _world_size(pod)
         if world is not None:
             info[key] = (labels.get(PLAN_LABEL, ""), world)

@@ -26,7 +26,7 @@ from shard_contract.plan import Plan, describe_layers
 from shard_contract.units import count, human, table_unit
 from shard_contract.wire import ShardEntry
 
-from .local import LaunchError, LocalGroup, sigterm_unwinds
+from .local import LaunchError, LocalGroup, RankProcess, sigterm_unwinds
 
 POLL_SECONDS = 0.25
 HEALTH_PERIOD_SECONDS = 1.0
@@ -167,6 +167,12 @@ def render_shards(shards: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def render_metrics(host: str, ranks: list[RankProcess]) -> str:
+    """Where each rank serves its Prometheus metrics."""
+    return "\n".join(["each rank's metrics (Prometheus text):",
+                      *(f"  rank {r.rank}  http://{host}:{r.port}/metrics" for r in ranks)])
+
+
 def complete(base_url: str, prompt: str, max_tokens: int, api_key: bytes | None = None,
              timeout: float = 300) -> dict[str, Any]:
     headers = {"Authorization": "Bearer " + api_key.decode("latin-1")} if api_key else None
@@ -237,6 +243,7 @@ def _serve(plan: Plan, model_dir: str | os.PathLike[str], logs: Path, failures: 
                     f"(model {model_name!r}; OpenAI-compatible: /v1/completions, /v1/chat/completions"
                     f"{'; API key required' if key else ''})")
                 out(render_shards(shards))
+                out(render_metrics(host, group.ranks))
                 if prompt is not None:
                     answer = complete(base_url, prompt, max_tokens, key)
                     choice = answer["choices"][0]

@@ -13,7 +13,7 @@ from typing import Any
 from shard_contract.plan import Plan
 
 from .api import Condition, GroupStatus, PlanSummary, ShardedModelSpec, ShardedModelStatus, ShardStatus, StageStatus
-from .manifests import MODEL_LABEL, ROLE_LABEL, model_label
+from .manifests import MODEL_LABEL, ROLE_LABEL, endpoint_name, model_label
 from .rollout import Decision, GroupKey, ObservedGroup, Want, group_state
 
 MEASURE_TOLERANCE = 0.01  # resident bytes within 1% of the reported value are not re-reported
@@ -28,13 +28,14 @@ class Problem:
     fatal: bool = True  # nothing can run until the spec or the pool changes
 
 
-@dataclass
+@dataclass(frozen=True)
 class Observation:
-    """Everything the status is computed from."""
+    """Everything the status is computed from: what the reconcile's steps saw and decided."""
 
     name: str
     generation: int
     spec: ShardedModelSpec | None
+    namespace: str = "default"
     plan: Plan | None = None
     problem: Problem | None = None
     planning: str = ""  # non-empty while the profile or plan is being worked out
@@ -197,6 +198,8 @@ def build_status(obs: Observation, previous: dict[str, Any] | None, now: str) ->
         phase=phase, observed_generation=gen,
         replicas=len({g.replica for g in obs.groups if g.ranks}), ready_replicas=ready,
         selector=f"{MODEL_LABEL}={model_label(obs.name)},{ROLE_LABEL}=leader",
+        ready=f"{ready}/{replicas}", reason=degraded[1] if degraded[0] else "",
+        url=f"http://{endpoint_name(obs.name)}.{obs.namespace}.svc:{spec.worker.port}" if spec else "",
         plan=plan_summary(obs.plan) if obs.plan is not None else None,
         shards=_shards(obs, previous), groups=_groups(obs),
         conditions=[_condition("Available", *available, gen, previous, now),
@@ -207,6 +210,13 @@ def build_status(obs: Observation, previous: dict[str, Any] | None, now: str) ->
     return wire
 
 
+def newly_ready(previous: dict[str, Any] | None, status: dict[str, Any]) -> list[dict[str, Any]]:
+    """The groups `status` has Ready that `previous` did not: each is worth an Event."""
+    before = {(g.get("replica"), g.get("revision")): g.get("state") for g in (previous or {}).get("groups") or []}
+    return [g for g in status.get("groups") or []
+            if g.get("state") == "Ready" and before.get((g.get("replica"), g.get("revision"))) != "Ready"]
+
+
 def failed_status(previous: dict[str, Any] | None, message: str, generation: int, now: str) -> dict[str, Any]:
     """The status after a reconcile raised what nothing expected: Degraded says so (ReconcileError,
     with the message) and the rest stays as last seen, since that reconcile saw nothing new."""
@@ -214,7 +224,8 @@ def failed_status(previous: dict[str, Any] | None, message: str, generation: int
     degraded = _condition("Degraded", True, "ReconcileError", message, generation, previous, now).model_dump(
         by_alias=True, mode="json", exclude_none=True)
     conditions = [c for c in previous.get("conditions") or [] if c.get("type") != "Degraded"]
-    return {**previous, "phase": previous.get("phase") or "Pending", "conditions": [*conditions, degraded]}
+    return {**previous, "phase": previous.get("phase") or "Pending", "reason": "ReconcileError",
+            "conditions": [*conditions, degraded]}
 
 
 def status_patch(previous: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any] | None:

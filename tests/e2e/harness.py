@@ -80,8 +80,9 @@ class Harness:
                          f"{[(c.get('type'), c.get('reason'), c.get('message')) for c in status.get('conditions') or []]}")
         log = self.cluster.operator_log.read_text(errors="replace") if self.cluster.operator_log.exists() else ""
         lines.append("operator log: " + "\n".join(l for l in log.splitlines() if "Handler '" not in l)[-3000:])
-        for (ns, pod), data in list(self.cluster.emu.pod_logs.items())[-8:]:
-            lines.append(f"{pod}: {bytes(data[-800:]).decode(errors='replace')}")
+        assert self.cluster.kubelet is not None
+        for (ns, pod), sandbox in list(self.cluster.kubelet.sandboxes.items())[-8:]:
+            lines.append(f"{pod}: {bytes(sandbox.logs.data[-800:]).decode(errors='replace')}")
         return "\n".join(lines)
 
 

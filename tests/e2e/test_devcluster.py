@@ -1,9 +1,11 @@
 """The one-machine cluster itself (shard_devcluster), with small stand-in pods: addresses,
-DNS and the rendezvous port, volumes, device memory budgets, probes, node loss, Services."""
+DNS and the rendezvous port, volumes, device memory budgets, probes, graceful deletion, node loss,
+Services, the gateway, and the kubelet and proxies attached to another API server."""
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import signal
 import stat
 from pathlib import Path
@@ -12,9 +14,10 @@ import httpx
 import pytest
 
 from shard_devcluster.cluster import DevCluster
-from shard_devcluster.network import ClusterNetwork, PodAddress
+from shard_devcluster.network import ClusterNetwork
 from shard_devcluster.processkubelet import expand
 from tests.support.cluster import gpu_node
+from tests.support.k8s_binaries import rows
 from tests.support.operator import eventually
 
 pytestmark = pytest.mark.e2e
@@ -30,21 +33,29 @@ SERVE = ("import os, sys, functools, http.server as h\n"
 
 def pod(name: str, node: str, *, labels=None, env=(), probes=None, subdomain="grp", gpu=True, volumes=(),
         mounts=()) -> dict:
+    """A stand-in pod bound to `node` at creation (no scheduler involved)."""
     container = {"name": "c", "image": "none", "command": ["python", "-c", SERVE, "/data"],
                  "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}, *env],
                  "ports": [{"name": "http", "containerPort": 8000}, {"name": "rendezvous", "containerPort": 29500}],
                  "resources": {"limits": {"nvidia.com/gpu": "1"}} if gpu else {},
                  "volumeMounts": [{"name": "data", "mountPath": "/data"}, *mounts], **(probes or {})}
     return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": "default", "labels": labels or {}},
+            "metadata": {"name": name, "namespace": "default", "labels": {"app": "grp", **(labels or {})}},
             "spec": {"hostname": name, "subdomain": subdomain, "nodeName": node, "restartPolicy": "Never",
                      "containers": [container], "volumes": [{"name": "data", "emptyDir": {}}, *volumes]}}
+
+
+# The headless Service that gives the stand-in pods their names, as the operator's group Services do.
+GROUP_SERVICE = {"metadata": {"name": "grp"}, "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                                                       "selector": {"app": "grp"}}}
 
 
 @pytest.fixture
 async def cluster(tmp_path):
     nodes = [gpu_node("a", gpus=2, memory_mib=160, labels=SIM), gpu_node("b", gpus=2, memory_mib=96, labels=SIM)]
-    async with DevCluster(tmp_path, nodes=nodes, run_operator=False, probe_period=0.2, grace=2) as c:
+    async with DevCluster(tmp_path, nodes=nodes, run_operator=False, probe_period=0.2, grace=2,
+                          pod_gc_quarantine=1.0) as c:
+        await c.emu.k8s_create("v1/services", "default", GROUP_SERVICE)
         yield c
 
 
@@ -58,7 +69,7 @@ def ready(st: dict) -> bool:
 
 async def first_line(c: DevCluster, name: str) -> list[str]:
     async def printed():
-        log = bytes(c.emu.pod_logs.get(("default", name), b"")).decode()
+        log = c.kubelet.logs("default", name).decode()
         return log.splitlines()[:2] if log.count("\n") >= 2 else None
     return await eventually(printed, timeout=30)
 
@@ -67,17 +78,20 @@ def data_dir(c: DevCluster, name: str) -> Path:
     return c.kubelet.sandboxes[("default", name)].directory / "volumes" / "data"
 
 
-def test_network_allocates_distinct_addresses_and_answers_dns():
-    net = ClusterNetwork()
+def test_network_maps_cluster_addresses_onto_loopback_and_answers_dns():
+    net = ClusterNetwork("10.200.0.0/16")
     a, b = net.pod_address(), net.pod_address()
-    assert a.ip != b.ip and a.ip.startswith("127.10.")
-    net.register(["x.g.default.svc", "x.g.default.svc.cluster.local"], "uid-1", a)
+    assert a != b and ipaddress.ip_address(a) in ipaddress.ip_network("10.200.0.0/16")
+    assert net.local(a) == "127." + a.split(".", 1)[1] and net.local("127.0.0.1") == "127.0.0.1"
+    assert net.local("10.96.3.4") == "127.96.3.4"
+    with pytest.raises(ValueError, match="both map to 127.96.3.4"):
+        net.local("172.96.3.4")
+    assert ipaddress.ip_address(net.pod_address("10.1.2.0/24")) in ipaddress.ip_network("10.1.2.0/24")  # a node's podCIDR
+    net.set_records("default/g", {"x.g.default.svc": a, "x.g.default.svc.cluster.local": a})
     assert net.resolve("X.g.default.svc.") == a and net.resolve("x.g.default.svc.cluster.local") == a
-    assert net.resolve(a.ip) == a and net.resolve("10.1.2.3") == PodAddress("10.1.2.3")
-    net.register(["x.g.default.svc"], "uid-2", b)  # a recreated pod takes the name over
-    net.unregister("uid-1")
+    assert net.resolve("10.1.2.3") == "10.1.2.3" and net.resolve("nope.default.svc") is None
+    net.set_records("default/g", {"x.g.default.svc": b})  # the Service's endpoints changed
     assert net.resolve("x.g.default.svc") == b and net.resolve("x.g.default.svc.cluster.local") is None
-    assert net.service_ip().startswith("127.96.")
 
 
 def test_command_references_expand_like_kubernetes():
@@ -99,9 +113,11 @@ async def test_pods_get_own_addresses_a_resolved_rendezvous_volumes_and_the_devi
     (l0, p0), (l1, p1) = await first_line(cluster, "r0"), await first_line(cluster, "r1")
     ip0, addr0, port0, budget0, plan0 = l0.split("|")
     ip1, addr1, port1, budget1, _ = l1.split("|")
-    leader = cluster.network.resolve(leader_name)
-    assert ip0 != ip1 and {ip0, ip1} == {(await status(cluster, n))["podIP"] for n in ("r0", "r1")}
-    assert addr0 == addr1 == ip0 == leader.ip                      # MASTER_ADDR: the leader's address
+    pod_ips = {(await status(cluster, n))["podIP"] for n in ("r0", "r1")}  # what the API shows: the cluster's
+    assert all(ipaddress.ip_address(ip) in ipaddress.ip_network("10.128.0.0/9") for ip in pod_ips)
+    assert ip0 != ip1 and {ip0, ip1} == {cluster.network.local(ip) for ip in pod_ips}  # what the processes see
+    leader = cluster.network.resolve(leader_name)                  # (from the headless Service's slices)
+    assert addr0 == addr1 == ip0 == cluster.network.local(leader)  # MASTER_ADDR: the leader's address
     assert port0 == port1 == "29500"                               # as the pods say: each leader binds its own address
     assert (budget0, budget1) == (str(160 * 2**20), str(96 * 2**20))  # each node's GPU memory
     assert plan0.startswith(str(cluster.workdir)) and p0 == p1 == 'plan: {"x": 1}'
@@ -131,9 +147,16 @@ async def test_probes_set_readiness_and_a_failed_liveness_probe_kills_the_contai
     data = data_dir(cluster, "p")
     (data / "alive").write_text("ok")
     await asyncio.sleep(1.0)
-    assert (await status(cluster, "p"))["phase"] == "Running" and not ready(await status(cluster, "p"))
+    running = await status(cluster, "p")
+    assert running["phase"] == "Running" and not ready(running)
+    await asyncio.sleep(1.0)  # (so that a transition time a second later would differ)
     (data / "ready").write_text("ok")
     await eventually(lambda: _is(cluster, "p", True), timeout=10)
+    became = await status(cluster, "p")
+    since = {c["type"]: c["lastTransitionTime"] for c in became["conditions"]}
+    assert since["Ready"] > since["Initialized"] == {c["type"]: c["lastTransitionTime"] for c in running["conditions"]}["Initialized"]
+    # The process started when it started, whenever it turned Ready.
+    assert became["containerStatuses"][0]["state"] == running["containerStatuses"][0]["state"]
     (data / "ready").unlink()
     await eventually(lambda: _is(cluster, "p", False), timeout=10)
     (data / "alive").unlink()
@@ -151,26 +174,40 @@ async def _phase(c, name, phase):
     return st if st.get("phase") == phase else None
 
 
-async def test_a_lost_node_takes_its_processes_and_unschedulable_pods_wait(cluster):
+async def test_a_lost_node_takes_its_processes_and_its_pods_go_after_the_quarantine(cluster):
     await cluster.emu.k8s_create("v1/pods", "default", pod("on-b", "b"))
-    await cluster.emu.k8s_create("v1/pods", "default", pod("nowhere", "c"))
+    nowhere = pod("nowhere", "c")
+    del nowhere["spec"]["nodeName"]
+    nowhere["spec"]["nodeSelector"] = {"kubernetes.io/hostname": "c"}
+    await cluster.emu.k8s_create("v1/pods", "default", nowhere)
     await first_line(cluster, "on-b")
     proc = cluster.kubelet.process("default", "on-b")
     await cluster.emu.k8s_delete("v1/nodes", None, "b")
-    await asyncio.wait_for(proc.wait(), 10)
+    await asyncio.wait_for(proc.wait(), 10)  # the machine is gone, and its processes with it
     st = await status(cluster, "on-b")
-    assert st["phase"] == "Running" and not ready(st)  # what the node controller leaves behind
-    assert cluster.network.resolve("on-b.grp.default.svc") is None
-    st = await status(cluster, "nowhere")
-    assert st["phase"] == "Pending" and "node c does not exist" in st["conditions"][0]["message"]
+    assert st["phase"] == "Running"  # nobody is left to report on it ...
+
+    async def collected():  # ... until the pod GC deletes it
+        return await cluster.emu.k8s_get("v1/pods", "default", "on-b") is None
+    await eventually(collected, timeout=10)
+    await eventually(lambda: cluster.network.resolve("on-b.grp.default.svc") is None, timeout=10)
+    st = await status(cluster, "nowhere")  # the scheduler's account of why it waits
+    assert st["phase"] == "Pending" and st["conditions"][0]["message"] == \
+        "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity/selector."
 
 
-async def test_a_deleted_pod_is_stopped_and_a_missing_host_path_is_reported(cluster):
+async def test_a_deleted_pod_is_stopped_then_deleted_for_good_and_a_missing_host_path_is_reported(cluster):
     await cluster.emu.k8s_create("v1/pods", "default", pod("p", "a"))
     await first_line(cluster, "p")
     proc = cluster.kubelet.process("default", "p")
-    await cluster.emu.k8s_delete("v1/pods", "default", "p")
+    started = (await status(cluster, "p"))["containerStatuses"][0]["state"]["running"]["startedAt"]
+    deleting = await cluster.emu.k8s_delete("v1/pods", "default", "p")
+    assert deleting["metadata"]["deletionGracePeriodSeconds"] == 30  # the API server keeps it, Terminating
     assert await asyncio.wait_for(proc.wait(), 10) == -signal.SIGTERM
+
+    await eventually(gone_pod(cluster, "p"), timeout=10)  # the kubelet's final delete, with grace 0
+    assert started
+
     missing = pod("q", "a", volumes=[{"name": "m", "hostPath": {"path": "/no/such", "type": "Directory"}}],
                   mounts=[{"name": "m", "mountPath": "/models"}])
     await cluster.emu.k8s_create("v1/pods", "default", missing)
@@ -179,15 +216,23 @@ async def test_a_deleted_pod_is_stopped_and_a_missing_host_path_is_reported(clus
         st = await status(cluster, "q")
         return ((st.get("containerStatuses") or [{}])[0].get("state") or {}).get("waiting", {}).get("message")
     assert "hostPath /no/such is not a directory" in await eventually(waiting, timeout=10)
+    sandbox = cluster.kubelet.sandboxes[("default", "q")]
+    await cluster.emu.k8s_delete("v1/pods", "default", "q")  # never started: it goes with its sandbox
+    await eventually(gone_pod(cluster, "q"), timeout=10)
+    assert ("default", "q") not in cluster.kubelet.sandboxes and not sandbox.directory.exists()
+
+
+def gone_pod(c: DevCluster, name: str):
+    async def gone():
+        return await c.emu.k8s_get("v1/pods", "default", name) is None and ("default", name) not in c.kubelet.sandboxes
+    return gone
 
 
 async def test_a_service_routes_to_ready_endpoints_and_retries_a_dead_one(cluster):
     service = {"metadata": {"name": "web"}, "spec": {"selector": {"app": "web"},
                                                       "ports": [{"port": 80, "targetPort": "http"}]}}
-    headless = {"metadata": {"name": "grp"}, "spec": {"clusterIP": "None", "selector": {"app": "web"}}}
     created = await cluster.emu.k8s_create("v1/services", "default", service)
-    assert created["spec"]["clusterIP"].startswith("127.96.")
-    assert (await cluster.emu.k8s_create("v1/services", "default", headless))["spec"]["clusterIP"] == "None"
+    assert ipaddress.ip_address(created["spec"]["clusterIP"]) in ipaddress.ip_network("10.96.0.0/12")
     probes = {"readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "failureThreshold": 30}}
     for name in ("w0", "w1", "w2"):
         await cluster.emu.k8s_create("v1/pods", "default", pod(name, "a", labels={"app": "web"}, probes=probes))
@@ -200,8 +245,12 @@ async def test_a_service_routes_to_ready_endpoints_and_retries_a_dead_one(cluste
         (data_dir(cluster, name) / "ready").write_text(name)
     for name in ("w0", "w1", "w3"):
         await eventually(lambda: _is(cluster, name, True), timeout=10)
+    # A Service without a selector (as the `kubernetes` one) has endpoints the proxy does not know of.
+    await cluster.emu.k8s_create("v1/services", "default", {"metadata": {"name": "manual"}, "spec": {
+        "ports": [{"port": 443}]}})
     url = await eventually(lambda: cluster.service_url("web"), timeout=10)
-    assert url == f"http://{created['spec']['clusterIP']}:80"
+    assert url == f"http://{cluster.network.local(created['spec']['clusterIP'])}:80"
+    assert {key[1] for _, key in cluster.proxy.listeners.values()} == {"web"}  # headless: names only
     async with httpx.AsyncClient() as http:
         answers = [(await http.get(url + "/ready")) for _ in range(6)]
         assert {r.text for r in answers} == {"w0", "w1"} and all(r.status_code == 200 for r in answers)
@@ -213,6 +262,21 @@ async def test_a_service_routes_to_ready_endpoints_and_retries_a_dead_one(cluste
         answers = [(await http.get(url + "/ready")) for _ in range(4)]
         assert [r.text for r in answers] == ["w1"] * 4
     assert stats.failed == 0
+    # From outside the pods, the cluster network's proxy takes a Service's name and a pod's IP.
+    w1 = (await status(cluster, "w1"))["podIP"]
+    async with httpx.AsyncClient(proxy=cluster.gateway.url) as http:
+        assert (await http.get("http://web.default.svc.cluster.local/ready")).text == "w1"
+        assert (await http.get(f"http://{w1}:8000/ready")).text == "w1"
+
+async def output_line(proc: asyncio.subprocess.Process, seen: list[str], text: str) -> str:
+    """The next line of `dev-cluster`'s output that holds `text` (each line read is kept in `seen`)."""
+    while True:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+        assert line, "dev-cluster ended early:\n" + "".join(seen)
+        seen.append(line)
+        if text in line:
+            return line
+
 
 
 # A stand-in endpoint that records every request it receives (in /data/seen) and answers as
@@ -254,7 +318,7 @@ async def test_a_service_never_replays_a_post_that_reached_an_endpoint(cluster):
         endpoint["spec"]["containers"][0]["command"] = ["python", "-c", RECORDER, "/data"]
         await cluster.emu.k8s_create("v1/pods", "default", endpoint)
         await eventually(lambda: _is(cluster, name, True), timeout=10)
-        ip = (await status(cluster, name))["podIP"]
+        ip = cluster.network.local((await status(cluster, name))["podIP"])
         await eventually(lambda: _answers(f"http://{ip}:8000/"), timeout=30)
     url = await eventually(lambda: cluster.service_url("api"), timeout=10)
 
@@ -316,12 +380,7 @@ async def test_shardctl_dev_cluster_starts_a_cluster_kubectl_can_use_and_stops_e
     seen: list[str] = []
 
     async def line_with(text: str) -> str:
-        while True:
-            line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
-            assert line, "dev-cluster ended early:\n" + "".join(seen)
-            seen.append(line)
-            if text in line:
-                return line
+        return await output_line(proc, seen, text)
 
     async def kubectl(*args: str) -> str:
         run = await asyncio.create_subprocess_exec(str(binary("kubectl")), *args, env={**os.environ, "KUBECONFIG": kubeconfig},
@@ -335,17 +394,34 @@ async def test_shardctl_dev_cluster_starts_a_cluster_kubectl_can_use_and_stops_e
         assert (await kubectl("get", "nodes", "-o", "name")).split() == ["node/sim-a", "node/sim-b"]
         example = Path(__file__).resolve().parents[2] / "examples" / "dev-cluster" / "shardedmodel.yaml"
         await kubectl("apply", "-f", str(example))
-        service = await line_with("service default/demo: http://127.96.")
+        service = await line_with("service default/demo: http://127.")
         assert service.strip().endswith(":8000")
 
         async def ranks_running():
             return len(_children(proc.pid)) >= 5  # the operator and four ranks (and their threads' kin)
         await eventually(ranks_running, timeout=60)
         started = _children(proc.pid)
-        table = [line.split() for line in (await kubectl("get", "pods", "-o", "wide")).splitlines()]
-        assert table[0] == ["NAME", "READY", "STATUS", "RESTARTS", "AGE", "IP", "NODE"]
-        assert len(table) == 5 and {row[5][:7] for row in table[1:]} == {"127.10."}
-        assert sorted(row[6] for row in table[1:]) == ["sim-a", "sim-a", "sim-b", "sim-b"]
+        pods = rows(await kubectl("get", "pods", "-o", "wide"))
+        assert list(pods[0]) == ["NAME", "READY", "STATUS", "RESTARTS", "AGE", "IP", "NODE", "NOMINATED NODE",
+                                 "READINESS GATES"]
+        assert len(pods) == 4 and all(ipaddress.ip_address(p["IP"]) in ipaddress.ip_network("10.128.0.0/9") for p in pods)
+        assert sorted(p["NODE"] for p in pods) == ["sim-a", "sim-a", "sim-b", "sim-b"]
+
+        async def logged():  # kubectl logs: the API server asks the kubelet's endpoint
+            return await kubectl("logs", pods[0]["NAME"])
+        await eventually(logged, timeout=60)
+
+        # A node added and removed while it runs.
+        add = await asyncio.create_subprocess_exec(sys.executable, "-m", "shard_operator.cli", "dev-cluster", "add-node",
+                                                   "sim-c", "--dir", str(tmp_path), stdout=asyncio.subprocess.PIPE)
+        assert (await add.communicate())[0].decode().strip() == "node/sim-c created" and add.returncode == 0
+
+        async def node_ready():  # its kubelet (this cluster's) posts its status
+            nodes = {n["NAME"]: n for n in rows(await kubectl("get", "nodes", "-o", "wide"))}
+            return nodes.get("sim-c", {}).get("STATUS") == "Ready" and nodes["sim-c"]["INTERNAL-IP"] == "127.0.0.1"
+        await eventually(node_ready, timeout=30)
+        await kubectl("delete", "node", "sim-c")
+        assert "sim-c" not in await kubectl("get", "nodes", "-o", "name")
     finally:
         proc.send_signal(signal.SIGTERM)
         await asyncio.wait_for(proc.wait(), 60)
@@ -368,3 +444,89 @@ async def test_a_port_taken_on_every_address_fails_the_pod_with_the_reason(clust
     assert st["reason"] == "PortInUse" and f"port {port} is taken on every address" in st["message"]
     assert st["containerStatuses"][0]["state"]["terminated"]["reason"] == "PortInUse"
     assert cluster.network.resolve("blocked.grp.default.svc") is None
+
+
+ATTACHED = """import sys
+sys.modules["shard_devcluster.emulator"] = None  # the emulator cannot be imported: only the HTTP API is used
+from shard_operator.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+async def test_the_kubelet_and_proxies_attach_to_another_api_server_without_the_emulator(tmp_path):
+    """`shardctl dev-cluster --kubeconfig FILE` runs the kubelet, the Service proxy, DNS and the operator
+    against another API server (here an emulator in this process, with its scheduler and controllers),
+    in a process where the emulator cannot even be imported: a pod is scheduled by that control plane,
+    run, served through its Service, logged through the API server, and deleted gracefully."""
+    import os
+    import sys
+
+    import yaml
+
+    from shard_devcluster.apiserver import serve, write_kubeconfig
+    from tests.support.k8s_binaries import binary
+
+    async with serve() as (emu, url):
+        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", url)
+        nodes = tmp_path / "nodes.yaml"
+        nodes.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": [
+            gpu_node("a", gpus=2, memory_mib=160, labels=SIM), gpu_node("real", gpus=2)]}))  # (a real kubelet's)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", ATTACHED, "dev-cluster", "--kubeconfig", str(kubeconfig), "--nodes", str(nodes),
+            "--node-selector", "sharding.dev/device-kind=cpu", "--dir", str(tmp_path / "state"),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        out: list[str] = []
+
+        async def line_with(text: str) -> str:
+            return await output_line(proc, out, text)
+        try:
+            await line_with("attached to the API server")
+            await emu.k8s_create("v1/services", "default", GROUP_SERVICE)
+            web = await emu.k8s_create("v1/services", "default", {"metadata": {"name": "web"}, "spec": {
+                "selector": {"app": "grp"}, "ports": [{"port": 80, "targetPort": "http"}]}})
+            unbound = pod("w", "a")
+            del unbound["spec"]["nodeName"]  # the control plane's scheduler binds it
+            await emu.k8s_create("v1/pods", "default", unbound)
+            service = await line_with("service default/web: ")
+            local = service.split(": ", 1)[1].strip()
+            assert local == f"http://127.{web['spec']['clusterIP'].split('.', 1)[1]}:80"
+
+            async def logged():
+                run = await asyncio.create_subprocess_exec(str(binary("kubectl")), "--kubeconfig", str(kubeconfig),
+                                                           "logs", "w", stdout=asyncio.subprocess.PIPE)
+                return (await run.communicate())[0].decode()
+            first = (await eventually(logged, timeout=60)).splitlines()[0]
+            ip = (await emu.k8s_get("v1/pods", "default", "w"))["status"]["podIP"]
+            assert first.split("|")[0] == "127." + ip.split(".", 1)[1]  # POD_IP: its address on this machine
+            async with httpx.AsyncClient() as http:
+                r = await http.get(local + "/")  # the stand-in serves its /data directory
+            assert r.status_code == 200 and r.headers["x-upstream-pod"] == "w"
+            await emu.k8s_create("v1/pods", "default", pod("elsewhere", "real"))  # not its node: not its pod
+            await emu.k8s_delete("v1/pods", "default", "w")
+
+            async def gone():  # the attached kubelet stopped it and deleted it with grace 0
+                return await emu.k8s_get("v1/pods", "default", "w") is None
+            await eventually(gone, timeout=30)
+            assert not (await emu.k8s_get("v1/pods", "default", "elsewhere")).get("status")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(proc.wait(), 60)
+        assert proc.returncode == 0, "".join(out) + (await proc.stdout.read()).decode()
+
+
+def test_the_node_components_need_no_emulator():
+    """The kubelet, the proxies and DNS import without the emulator (or kmock) and call nothing of it:
+    they speak the Kubernetes HTTP API only (the attach test above runs them so)."""
+    import subprocess
+    import sys
+
+    modules = ["processkubelet", "proxy", "dns", "gateway", "kubeapi", "kubeletserver", "network", "cluster"]
+    code = ("import sys; sys.modules['shard_devcluster.emulator'] = None; sys.modules['kmock'] = None\n"
+            + "".join(f"import shard_devcluster.{m}\n" for m in modules))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    root = Path(__file__).resolve().parents[2] / "devcluster" / "shard_devcluster"
+    for module in modules[:-1]:
+        source = (root / f"{module}.py").read_text()
+        assert "emu" not in source.replace("emulated", "").replace("emulator", "") and "kmock" not in source, module

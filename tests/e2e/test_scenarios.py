@@ -1,10 +1,11 @@
 """End to end on one machine: `kubectl apply` to served tokens, and a sharded model that keeps
 serving while its nodes come and go.
 
-The real chain runs: kubectl -> the emulated API server -> the operator process (`python -m
-shard_operator`) -> pods -> the process kubelet -> `python -m shard_worker` ranks (gloo on CPU) ->
-Ready -> completions through the model's Service (the dev cluster's proxy, which routes to ready
-leaders). The model is the demo model (196 MiB of float32 weights); every node has two simulated
+The real chain runs: kubectl -> the emulated API server and its control plane (the scheduler binds
+pods, graceful deletion waits for the kubelet, the pod GC keeps a deleted node's pods for the real
+40 s) -> the operator process (`python -m shard_operator`) -> pods -> the process kubelet ->
+`python -m shard_worker` ranks (gloo on CPU) -> Ready -> completions through the model's Service
+(the dev cluster's proxy, which routes to the ready endpoints of its EndpointSlices). The model is the demo model (196 MiB of float32 weights); every node has two simulated
 GPUs of 200 MiB, which the workers enforce.
 
 The scenarios share one cluster and run in order; each uses its own ShardedModel and node pool:
@@ -21,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -29,6 +31,7 @@ from shard_operator.api import load_sharded_models
 from shard_operator.inventory import inventory_from_nodes, load_nodes
 from shard_operator.planner import PlanError, plan
 from shard_operator.profile import profile_model
+from tests.support.k8s_binaries import rows
 
 from .conftest import MODELS
 from .harness import Harness, Traffic, complete, completion_body, tokens_of
@@ -125,8 +128,9 @@ def test_1_kubectl_apply_the_example_serves_the_tokens_of_shardctl_generate(h, d
     for shard in status["shards"]:
         assert shard["state"] == "Ready"
         assert 40 * 2**20 < shard["residentBytes"] <= shard["predictedBytes"] <= BUDGET, shard
-    columns = dict(zip(*(line.split() for line in h.kubectl("get", "shardedmodels", "demo").splitlines())))
-    assert (columns["PHASE"], columns["TP"], columns["PP"], columns["READY"]) == ("Ready", "2", "2", "1")
+    (columns,) = rows(h.kubectl("get", "shardedmodels", "demo"))
+    assert (columns["PHASE"], columns["TP"], columns["PP"], columns["READY"]) == ("Ready", "2", "2", "1/1")
+    assert columns["URL"] == "http://demo.default.svc:8000"
 
     # A completion through the model's Service: the tokens of `shardctl generate` on the same files.
     served = complete(h.service_url("demo"), completion_body(PROMPT, max_tokens=8))
@@ -141,6 +145,10 @@ def test_1_kubectl_apply_the_example_serves_the_tokens_of_shardctl_generate(h, d
     choice = served.json()["choices"][0]
     assert choice["text"] == result["text"]
     assert tokens_of(served) == tuple(result["token_ids"])
+    # The model's URL (its row's URL column), as a pod would call it, through the cluster network's proxy.
+    proxied = httpx.post(columns["URL"] + "/v1/completions", json=completion_body(PROMPT, max_tokens=8),
+                         proxy=h.cluster.gateway.url, timeout=120)
+    assert proxied.status_code == 200 and tokens_of(proxied) == tokens_of(served)
 
 
 # ---------------------------------------------------------------- 4
@@ -198,7 +206,7 @@ def test_5_kubectl_scale_adds_a_second_group_that_serves(h, twin, report):
     assert len(leaders) == 2 and len(nodes_of(leaders)) == 2  # replicas spread over nodes
     # Both leaders answer, directly and through the Service.
     for leader in leaders:
-        direct = complete(f"http://{leader['status']['podIP']}:8000", body)
+        direct = complete(f"http://{h.cluster.network.local(leader['status']['podIP'])}:8000", body)
         assert direct.status_code == 200 and tokens_of(direct) == expected
     served_by = set()
     for _ in range(8):
@@ -231,6 +239,9 @@ def test_2_a_removed_node_replans_its_group_while_the_other_keeps_serving(h, twi
                and h.ready("twin", 2), timeout=180)
         replaced = time.monotonic()
         traffic.wait_for(4)
+    # Ready as soon as the new group served: the lost pods did not wait out the pod GC's 40 s
+    # quarantine, the operator deleted them with grace 0.
+    assert h.cluster.control_plane.pod_gc.deleted == 0 and not (uids(h.pods("twin")) & uids(group0))
     assert uids(h.pods("twin", group="1")) == uids(group1)  # the other group was never touched
     window = traffic.during(removed, replaced)
     served = {r.pod for r in traffic.results if r.start > replaced}

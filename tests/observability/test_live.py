@@ -19,7 +19,7 @@ from shard_contract.plan import describe_layers
 from shard_contract.units import human
 from shard_operator import metrics
 from shard_operator.local import free_port
-from tests.operator.conftest import world  # noqa: F401 -- the emulated cluster the operator runs against
+from tests.operator.integration.conftest import world  # noqa: F401 -- the emulated cluster the operator runs against
 from tests.packaging.chart import MONITORING_API, one, render
 from tests.packaging.test_dashboard import LABEL_VALUES, dashboard, panels
 from tests.support.cluster import gpu_node, sharded_model, write_model
@@ -159,6 +159,7 @@ def evaluate_everything(group, operator_port: int, tmp_path) -> None:
         assert float(prom.query(f'sum(shard_group_ready{{model="{MODEL}"}})')[0]["value"][1]) == 4
         assert float(prom.query(f'sum(rate(shard_tokens_generated_total{{model="{MODEL}"}}[20s]))')[0]["value"][1]) > 0
         assert len(prom.query('shard_resident_bytes{kind="total"}')) == 4
+        assert not prom.query('{__name__=~".+_created"}')  # neither the ranks nor the operator expose them
         assert prom.query(f'shard_operator_replicas{{namespace="default", model="{MODEL}"}}')[0]["value"][1] == "1"
         for var in dashboard()["templating"]["list"][1:]:  # label_values(selector, label)
             match = LABEL_VALUES.match(var["query"]["query"].replace("$namespace", GRAFANA["$namespace"]))

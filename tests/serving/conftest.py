@@ -20,7 +20,7 @@ import pytest
 
 from shard_operator.demo_model import DemoShape, write_demo_model
 from shard_operator.local import free_port
-from tests.support.processes import environ, shardctl, worker_ranks
+from tests.support.processes import shardctl, worker_ranks
 
 TINY = DemoShape(layers=4, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=600, max_positions=512, files=3)
 
@@ -50,10 +50,6 @@ spec:
 
 
 # ---------------------------------------------------------------- processes
-def rank_port(pid: int) -> int:
-    return int(environ(pid)["SHARD_PORT"])
-
-
 def wait_for(what: str, check, timeout: float, period: float = 0.1):
     """Poll `check()` until it returns something truthy; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -63,6 +59,21 @@ def wait_for(what: str, check, timeout: float, period: float = 0.1):
             return value
         assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f}s"
         time.sleep(period)
+
+
+def wait_group_ready(group, url: str, timeout: float = 120) -> None:
+    """Until the LocalGroup `group` answers /ready at `url`. A rank that exits fails at once with its
+    log; the deadline fails with every rank's log (so a failure on CI says why)."""
+    def ready() -> bool:
+        failure = group.failure()
+        assert failure is None, str(failure)
+        response = get(url + "/ready")
+        return response is not None and response.status_code == 200
+    try:
+        wait_for("/ready", ready, timeout)
+    except AssertionError as error:
+        logs = "\n".join(f"--- rank {r.rank} (port {r.port}):\n{r.tail()}" for r in group.ranks)
+        raise AssertionError(f"{error}\n{logs}") from None
 
 
 def get(url: str, **kwargs) -> httpx.Response | None:

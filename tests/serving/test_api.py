@@ -18,9 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from shard_worker.metrics import FAMILIES
 from shard_worker.rankmetrics import LEADER_FAMILIES
 
-from tests.support.processes import alive
+from tests.support.processes import alive, rank_port
 
-from .conftest import KILLERS, check_killer, get, rank_port, shardctl_run, sharded_model_yaml, wait_for
+from .conftest import KILLERS, check_killer, get, shardctl_run, sharded_model_yaml, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -237,11 +237,15 @@ def scrape(port: int) -> dict:
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
-def test_every_rank_exposes_its_metrics(server):
+def test_every_rank_is_named_in_ps_and_exposes_its_metrics(server):
     server.complete(prompt=PROMPT, max_tokens=4, temperature=0)
     ranks = server.ranks()
     assert sorted(ranks) == [0, 1] and rank_port(ranks[0]) == int(server.url.rsplit(":", 1)[1])
     for rank, pid in ranks.items():
+        title = subprocess.run(["ps", "-o", "args=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+        assert title == f"shard-worker model=tiny group=0 rank={rank} port={rank_port(pid)}"
+        text = get(f"http://127.0.0.1:{rank_port(pid)}/metrics").text
+        assert "_created" not in text  # no creation-time series beside counters and histograms
         families = scrape(rank_port(pid))
         expected = set(FAMILIES) if rank == 0 else set(FAMILIES) - set(LEADER_FAMILIES)
         for name in expected:
@@ -262,6 +266,8 @@ def test_every_rank_exposes_its_metrics(server):
             assert value("shard_tokens_generated", "_total") >= 4
             assert value("shard_requests", "_total", outcome="completed") >= 1
             assert value("shard_time_to_first_token_seconds", "_count") >= 1
+            assert value("shard_time_per_output_token_seconds", "_count") >= 1
+            assert (value("shard_kv_cache_capacity_rows"), value("shard_kv_cache_capacity_tokens")) == (4, 4 * 256)
     follower = scrape(rank_port(ranks[1]))
     assert not any(family.samples for name, family in follower.items() if name in set(LEADER_FAMILIES))
 

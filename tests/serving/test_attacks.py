@@ -16,8 +16,9 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
 from shard_contract.wire import SEED_MAX, SEED_MIN, TEMPERATURE_MAX
+from tests.support.processes import rank_port
 
-from .conftest import KILLERS, check_killer, get, rank_port, shardctl_run, sharded_model_yaml
+from .conftest import KILLERS, check_killer, get, shardctl_run, sharded_model_yaml
 
 pytestmark = pytest.mark.slow
 

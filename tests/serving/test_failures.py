@@ -20,7 +20,7 @@ from shard_operator.local import LocalGroup, free_port, plan_local
 from shard_worker.sequences import FAILED_ELSEWHERE
 from tests.support.checkpoints import break_embedding
 
-from .conftest import InFlight, get, kill_all, wait_for
+from .conftest import InFlight, get, kill_all, wait_for, wait_group_ready
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +102,7 @@ def test_a_killed_rank_is_found_and_the_request_in_flight_ends(tiny_model, tmp_p
     url = f"http://127.0.0.1:{port}"
     with LocalGroup(plan(tiny_model, 1, 2), tiny_model, tmp_path, leader_port=port,
                     extra_env={"SHARD_HOST": "127.0.0.1"}) as group:
-        wait_for("/ready", lambda: status(url + "/ready") == 200, timeout=120)
+        wait_group_ready(group, url)
         stream = InFlight(url)
         stream.start()
         stream.started.wait(60)
@@ -122,7 +122,7 @@ def test_a_request_whose_token_cannot_be_chosen_fails_alone(tiny_model, tmp_path
     url = f"http://127.0.0.1:{port}"
     with LocalGroup(plan(broken, 1, 2), broken, tmp_path / "group", leader_port=port,
                     extra_env={"SHARD_HOST": "127.0.0.1"}) as group:
-        wait_for("/ready", lambda: status(url + "/ready") == 200, timeout=120)
+        wait_group_ready(group, url)
         stream = InFlight(url, max_tokens=100)
         stream.start()
         stream.started.wait(60)

@@ -5,6 +5,7 @@ failed with a reason)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from datetime import timedelta
@@ -29,6 +30,7 @@ from shard_worker.health import (
 )
 from shard_worker.rankmetrics import RankMetrics
 from shard_worker.sequences import SequenceState
+from shard_worker.servelog import Throughput
 
 MiB = 2**20
 
@@ -302,7 +304,7 @@ class ScriptedEngine:
 
 
 def metrics() -> RankMetrics:
-    return RankMetrics("m", 0, rank_plan(1, 1, 10), leader=True)
+    return RankMetrics("m", 0, rank_plan(1, 1, 10), leader=True, max_batch=4, max_len=64)
 
 
 async def result(sink: Sink):
@@ -315,7 +317,7 @@ async def test_requests_waiting_together_run_as_one_batch_and_all_end():
     aio = asyncio.get_running_loop()
     sinks = [Sink(aio, stream=i == 0) for i in range(6)]
     for s in sinks:
-        loop.submit(Pending(req(3, 4), s))  # queued before the engine thread starts: two batches
+        loop.submit(Pending(req(3, 4), s, "cmpl-test"))  # queued before the engine thread starts: two batches
     thread = threading.Thread(target=loop.run)
     thread.start()
     events = [await result(s) for s in sinks]
@@ -324,7 +326,7 @@ async def test_requests_waiting_together_run_as_one_batch_and_all_end():
     assert all(isinstance(e, Done) for e in events[1:4])
     assert events[4] == Failed(400, "too long") == events[5]  # refused batch; the group is fine
     later = Sink(aio, stream=False)
-    loop.submit(Pending(req(3, 4), later))
+    loop.submit(Pending(req(3, 4), later, "cmpl-test"))
     assert isinstance(await result(later), Done)
     await asyncio.sleep(0.2)
     assert engine.heartbeats > 0  # idle: the followers are kept from timing out
@@ -340,13 +342,13 @@ async def test_a_sequence_that_fails_alone_fails_its_request_only():
     aio = asyncio.get_running_loop()
     sinks = [Sink(aio, stream=False) for _ in range(3)]
     for s in sinks:
-        loop.submit(Pending(req(3, 4), s))
+        loop.submit(Pending(req(3, 4), s, "cmpl-test"))
     thread = threading.Thread(target=loop.run)
     thread.start()
     assert [type(await result(s)) for s in sinks[:2]] == [Done, Done]
     assert await result(sinks[2]) == Failed(500, "this request failed: no token")
     later = Sink(aio, stream=False)
-    loop.submit(Pending(req(3, 4), later))
+    loop.submit(Pending(req(3, 4), later, "cmpl-test"))
     assert isinstance(await result(later), Done) and not loop.lost  # the group serves on
     assert counted.m.get("shard_requests", outcome="failed")._value.get() == 1
     loop.close()
@@ -368,13 +370,13 @@ async def test_waiting_requests_join_the_running_batch_when_they_fit_and_are_ans
     aio = asyncio.get_running_loop()
     first = Sink(aio, stream=True)
     long_prompt, short, never = (Sink(aio, stream=False) for _ in range(3))
-    loop.submit(Pending(req(3, 12), first))
+    loop.submit(Pending(req(3, 12), first, "cmpl-test"))
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
     assert await result(first) == Step([7, 8])  # it runs
-    loop.submit(Pending(req(12, 2), long_prompt))  # its prompt ends past column 10: it must wait
-    loop.submit(Pending(req(3, 2), short))
-    loop.submit(Pending(req(20, 1), never))
+    loop.submit(Pending(req(12, 2), long_prompt, "cmpl-test"))  # its prompt ends past column 10: it must wait
+    loop.submit(Pending(req(3, 2), short, "cmpl-test"))
+    loop.submit(Pending(req(20, 1), never, "cmpl-test"))
     assert await result(never) == Failed(400, "never fits")  # refused at once, never queued
     engine.tick.release()  # the step at column 10: the short one joins, passing the long prompt
     assert isinstance(await result(short), Done)
@@ -398,8 +400,8 @@ async def test_a_client_that_leaves_is_dropped_from_the_queue_or_stopped_at_the_
     counted = metrics()
     loop = EngineLoop(engine, max_batch=2, max_len=16, metrics=counted, idle_seconds=5)
     aio = asyncio.get_running_loop()
-    running = Pending(req(3, 12), Sink(aio, stream=True))
-    waiting = Pending(req(12, 2), Sink(aio, stream=False))  # it could join at column 12
+    running = Pending(req(3, 12), Sink(aio, stream=True), "cmpl-test")
+    waiting = Pending(req(12, 2), Sink(aio, stream=False), "cmpl-test")  # it could join at column 12
     loop.submit(running)
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
@@ -428,18 +430,18 @@ async def test_a_lost_group_fails_running_and_waiting_requests_and_refuses_new_o
     loop = EngineLoop(engine, max_batch=1, max_len=64, metrics=metrics(), idle_seconds=5)
     aio = asyncio.get_running_loop()
     running, waiting = Sink(aio, stream=True), Sink(aio, stream=False)
-    loop.submit(Pending(req(3, 4), running))
+    loop.submit(Pending(req(3, 4), running, "cmpl-test"))
     thread = threading.Thread(target=lambda: pytest.raises(RuntimeError, loop.run))
     thread.start()
     while not engine.batches:
         await asyncio.sleep(0.01)
-    loop.submit(Pending(req(3, 4), waiting))
+    loop.submit(Pending(req(3, 4), waiting, "cmpl-test"))
     loop.fail_all("rank 1 has sent no heartbeat for 5.0 s (dead or hung)")  # as the health monitor does
     for sink in (running, waiting):
         assert await result(sink) == Failed(503, "the group failed: rank 1 has sent no heartbeat for 5.0 s "
                                                  "(dead or hung)")
     with pytest.raises(Unavailable, match="no heartbeat"):
-        loop.submit(Pending(req(3, 4), Sink(aio, stream=False)))
+        loop.submit(Pending(req(3, 4), Sink(aio, stream=False), "cmpl-test"))
     engine.release.set()  # the stuck collective finally errors: nothing more to tell anyone
     thread.join(5)
     assert not engine.shut  # never talk to a broken group
@@ -449,7 +451,7 @@ async def test_a_failing_collective_fails_the_batch_with_its_error():
     engine = ScriptedEngine([RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234")])
     loop = EngineLoop(engine, max_batch=4, max_len=64, metrics=metrics(), idle_seconds=5)
     sink = Sink(asyncio.get_running_loop(), stream=False)
-    loop.submit(Pending(req(3, 4), sink))
+    loop.submit(Pending(req(3, 4), sink, "cmpl-test"))
     thread = threading.Thread(target=lambda: pytest.raises(RuntimeError, loop.run))
     thread.start()
     assert await result(sink) == Failed(503, "the group failed: RuntimeError: [gloo] Connection closed by peer "
@@ -460,10 +462,100 @@ async def test_a_failing_collective_fails_the_batch_with_its_error():
 async def test_a_full_queue_says_try_later_and_a_closing_server_says_so():
     loop = EngineLoop(ScriptedEngine([]), max_batch=4, max_len=64, metrics=metrics(), idle_seconds=5, max_waiting=1)
     aio = asyncio.get_running_loop()
-    loop.submit(Pending(req(3, 4), Sink(aio, stream=False)))
+    loop.submit(Pending(req(3, 4), Sink(aio, stream=False), "cmpl-test"))
     with pytest.raises(Unavailable, match="1 requests are already waiting") as info:
-        loop.submit(Pending(req(3, 4), Sink(aio, stream=False)))
+        loop.submit(Pending(req(3, 4), Sink(aio, stream=False), "cmpl-test"))
     assert info.value.status == 429
     loop.close()
     with pytest.raises(Unavailable, match="shutting down"):
-        loop.submit(Pending(req(3, 4), Sink(aio, stream=False)))
+        loop.submit(Pending(req(3, 4), Sink(aio, stream=False), "cmpl-test"))
+
+
+def value(metrics: RankMetrics, name: str, **labels: str) -> float:
+    return metrics.m.get(name, **labels)._value.get()
+
+
+async def until(what: str, check, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+async def test_running_requests_and_the_kv_cache_use_are_gauged_at_every_step():
+    engine = ScriptedEngine(["join"])
+    counted = metrics()  # maxBatchSize 4 x maxModelLen 64
+    loop = EngineLoop(engine, max_batch=2, max_len=16, metrics=counted, idle_seconds=5)
+    aio = asyncio.get_running_loop()
+    first = Pending(req(3, 12), Sink(aio, stream=True), "cmpl-first")
+    joiner = Pending(req(5, 2), Sink(aio, stream=False), "cmpl-joiner")
+    assert (value(counted, "shard_kv_cache_capacity_rows"), value(counted, "shard_kv_cache_capacity_tokens")) == \
+        (4, 256)
+    loop.submit(first)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    assert await result(first.sink) == Step([7, 8])
+    # its prompt and its tokens so far (before the step, its prompt alone)
+    await until("its first step gauged", lambda: value(counted, "shard_kv_cache_used_tokens") == 3 + 2)
+    assert value(counted, "shard_requests_running") == 1
+    loop.submit(joiner)
+    assert value(counted, "shard_requests_waiting") == 1
+    engine.tick.release()  # it joins at column 10 and takes its tokens
+    assert isinstance(await result(joiner.sink), Done)
+    # set in the step that answered it, before its answer
+    assert (value(counted, "shard_requests_running"), value(counted, "shard_requests_waiting"),
+            value(counted, "shard_kv_cache_used_tokens")) == (2, 0, 3 + 2 + 5 + 2)
+    engine.finish.set()
+    engine.tick.release()
+    while isinstance(event := await result(first.sink), Step):
+        pass
+    assert isinstance(event, Done)
+    await until("nothing running", lambda: value(counted, "shard_requests_running") == 0)
+    assert value(counted, "shard_kv_cache_used_tokens") == 0
+    # two completed requests of two tokens each: one time per output token each
+    assert counted.m.get("shard_time_per_output_token_seconds")._sum.get() >= 0
+    text = counted.exposition(None, ready=True).decode()
+    assert "shard_time_per_output_token_seconds_count{" in text and "_created" not in text
+    assert [line.rsplit(" ", 1)[1] for line in text.splitlines()
+            if line.startswith("shard_time_per_output_token_seconds_count")] == ["2.0"]
+    loop.close()
+    thread.join(5)
+
+
+REQUEST_LINE = re.compile(r"\[shard_worker rank 0\] request (\S+): prompt (\d+) tokens, generated (\d+), "
+                          r"TTFT (-|[\d.]+ s), total [\d.]+ s, finish (\w+)")
+
+
+async def test_every_queued_request_is_logged_once_when_it_ends_and_throughput_while_busy(capsys):
+    engine = ScriptedEngine(["one fails", "join"])
+    loop = EngineLoop(engine, max_batch=3, max_len=64, metrics=metrics(), idle_seconds=0.05)
+    loop.throughput = Throughput(period=0.0)  # a line at every chance
+    aio = asyncio.get_running_loop()
+    batch = [Pending(req(3, 4), Sink(aio, stream=False), f"cmpl-{i}") for i in range(3)]
+    for pending in batch:
+        loop.submit(pending)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    for pending in batch:
+        await result(pending.sink)
+    running = Pending(req(3, 12), Sink(aio, stream=True), "cmpl-running")
+    waiting = Pending(req(12, 2), Sink(aio, stream=False), "cmpl-waiting")
+    loop.submit(running)
+    assert await result(running.sink) == Step([7, 8])
+    loop.submit(waiting)
+    loop.cancel(waiting)
+    loop.cancel(running)
+    engine.finish.set()
+    engine.tick.release()
+    await until("the batch ended", lambda: not loop.running)
+    loop.close()
+    thread.join(5)
+    err = capsys.readouterr().err
+    ends = {m[1]: (int(m[2]), int(m[3]), m[4] != "-", m[5]) for m in REQUEST_LINE.finditer(err)}
+    assert len(REQUEST_LINE.findall(err)) == len(ends) == 5  # one line each
+    assert ends == {"cmpl-0": (3, 2, True, "length"), "cmpl-1": (3, 2, True, "length"),
+                    "cmpl-2": (3, 2, True, "error"),  # it failed alone
+                    "cmpl-running": (3, 2, True, "cancelled"), "cmpl-waiting": (12, 0, False, "cancelled")}
+    throughput = re.findall(r"throughput: prompt ([\d.]+) tokens/s, generation ([\d.]+) tokens/s; "
+                            r"running (\d) of 3 rows, waiting (\d); KV cache (\d+) of 192 tokens", err)
+    assert throughput and any(float(prompt) > 0 and float(generated) > 0 for prompt, generated, *_ in throughput)

@@ -19,7 +19,7 @@ from shard_operator.local import free_port, plan_local
 from shard_operator.run import run_local
 
 from tests.support.malicious import ATTACKS, write_attack, write_good
-from tests.support.processes import alive, shardctl, worker_ranks
+from tests.support.processes import alive, rank_port, shardctl, worker_ranks
 
 from .conftest import get, sharded_model_yaml, stop, wait_for
 
@@ -77,17 +77,23 @@ def test_ctrl_c_stops_every_rank(tiny_model, tmp_path):
     yaml_file = sharded_model_yaml(tmp_path / "m.yaml", tiny_model, name="interrupted", tensor=2, pipeline=1)
     port = free_port()
     proc = shardctl("run", "-f", str(yaml_file), "--port", str(port), "--devices", "localhost:1GiB*2")
+    said = []
     try:
-        wait_for("/ready", lambda: proc.poll() is not None or (r := get(f"http://127.0.0.1:{port}/ready")) is not None
-                 and r.status_code == 200, timeout=180)
+        while (line := proc.stdout.readline()) and not line.startswith("Ctrl-C stops every rank"):  # it serves
+            said.append(line)
         ranks = worker_ranks(proc.pid)
         assert sorted(ranks) == [0, 1]
+        ports = {rank: rank_port(pid) for rank, pid in ranks.items()}
+        assert ports[0] == port
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
         stop(proc)
+    out = "".join(said) + out
     assert proc.returncode == 130 and "stopped every rank" in err
     assert not any(alive(pid) for pid in ranks.values())
+    assert f"each rank's metrics (Prometheus text):\n  rank 0  http://127.0.0.1:{port}/metrics\n" \
+           f"  rank 1  http://127.0.0.1:{ports[1]}/metrics\n" in out
     (logs,) = logs_named(out)
     assert not logs.parent.exists() and "kept" not in err  # nothing failed: its temporary logs are gone
 

@@ -20,9 +20,8 @@ import torch.distributed as dist
 from prometheus_client.parser import text_string_to_metric_families
 
 from shard_operator.local import LocalGroup, free_port, plan_local
-from tests.support.processes import environ
 
-from .conftest import get, wait_for
+from .conftest import get, wait_for, wait_group_ready
 
 pytestmark = pytest.mark.slow
 
@@ -72,15 +71,15 @@ def group(tiny_model, tmp_path_factory):
     the_plan = plan_local(tiny_model, 2, 1, max_model_len=256, max_batch_size=2, devices="local:1GiB*2",
                           device_kind="cpu")
     with LocalGroup(the_plan, tiny_model, tmp_path_factory.mktemp("group"), leader_port=port,
-                    extra_env={"SHARD_HOST": "127.0.0.1"}) as running:
+                    rendezvous_port=free_port(), extra_env={"SHARD_HOST": "127.0.0.1"}) as running:
         url = f"http://127.0.0.1:{port}"
-        wait_for("/ready", lambda: (r := get(url + "/ready")) is not None and r.status_code == 200, timeout=120)
+        wait_group_ready(running, url)
         running.url = url
         yield running
 
 
 def store_port(group: LocalGroup) -> int:
-    return int(environ(group.ranks[0].process.pid)["MASTER_PORT"])
+    return group.rendezvous_port
 
 
 def test_the_store_and_every_rank_listen_on_loopback_only(group):
@@ -99,15 +98,18 @@ def test_the_store_and_every_rank_listen_on_loopback_only(group):
 
 
 def test_the_group_key_is_a_private_file_never_on_a_command_line_or_in_the_environment(group):
-    key_file = Path(environ(group.ranks[0].process.pid)["SHARD_GROUP_SECRET_FILE"])
-    assert key_file == group.secret_file
+    key_file = group.secret_file
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and stat.S_IMODE(key_file.parent.stat().st_mode) == 0o700
     key = key_file.read_bytes()
     assert len(key) == 32
     for rank in group.ranks:
-        for what in ("environ", "cmdline"):
-            assert key.hex().encode() not in Path(f"/proc/{rank.process.pid}/{what}").read_bytes()
-            assert key not in Path(f"/proc/{rank.process.pid}/{what}").read_bytes()
+        command = Path(f"/proc/{rank.process.pid}/cmdline").read_bytes()
+        assert key.hex().encode() not in command and key not in command
+        # the environment it was started with (its process title overwrites /proc/PID/environ)
+        env = group.rank_env(rank.rank, group.rendezvous_port, group.workdir / "plan.json")
+        assert env["SHARD_GROUP_SECRET_FILE"] == str(key_file)
+        values = "\0".join(env.values()).encode(errors="surrogateescape")
+        assert key.hex().encode() not in values and key not in values
 
 
 def rejected(group: LocalGroup, ranks: tuple[int, ...] | None = None) -> dict[int, float]:
@@ -116,7 +118,7 @@ def rejected(group: LocalGroup, ranks: tuple[int, ...] | None = None) -> dict[in
     for rank in group.ranks:
         if ranks is not None and rank.rank not in ranks:
             continue
-        text = httpx.get(f"http://127.0.0.1:{environ(rank.process.pid)['SHARD_PORT']}/metrics", timeout=5).text
+        text = httpx.get(f"http://127.0.0.1:{rank.port}/metrics", timeout=5).text
         (family,) = [f for f in text_string_to_metric_families(text) if f.name == "shard_heartbeat_rejected"]
         counts[rank.rank] = next(s.value for s in family.samples if s.name.endswith("_total"))
     return counts

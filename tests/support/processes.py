@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,19 +25,27 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def environ(pid: int) -> dict[str, str]:
+# How `ps` shows a rank once it has named itself (shard_worker.__main__.process_title); its
+# environment is no longer readable from /proc then (setproctitle writes over it).
+TITLE = re.compile(rb"shard-worker model=\S+ group=(?P<group>\d+) rank=(?P<rank>\d+)(?: port=(?P<port>\d+))?")
+
+
+def cmdline(pid: int) -> bytes:
     try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return {}
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+        return b""
 
 
 def is_worker(pid: int) -> bool:
-    try:
-        return b"shard_worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
+    """A rank: `python -m shard_worker`, or named by its title."""
+    command = cmdline(pid)
+    return b"shard_worker" in command or TITLE.match(command) is not None
+
+
+def rank_port(pid: int) -> int:
+    """The HTTP port of the serving rank `pid`, from its title."""
+    return int(TITLE.match(cmdline(pid))["port"])
 
 
 def alive(pid: int) -> bool:
@@ -48,5 +57,7 @@ def alive(pid: int) -> bool:
 
 
 def worker_ranks(launcher_pid: int) -> dict[int, int]:
-    """rank -> pid of the live `python -m shard_worker` children of `launcher_pid`."""
-    return {int(environ(p)["RANK"]): p for p in children(launcher_pid) if is_worker(p) and alive(p)}
+    """rank -> pid of the live ranks `launcher_pid` started that have named themselves (a rank
+    still importing torch has not yet)."""
+    titles = {p: TITLE.match(cmdline(p)) for p in children(launcher_pid)}
+    return {int(title["rank"]): p for p, title in titles.items() if title and alive(p)}

@@ -2,7 +2,8 @@
 in a continuous batch, every sequence ends with a token or a stop and the group runs on; and a
 request whose token cannot be chosen (its logits are NaN: the checkpoint's embedding of one of its
 prompt tokens is broken) ends with an error while the others in its batch are answered as alone,
-at TP=2 and with two pipeline stages (where only the last stage samples)."""
+at TP=2 and with two pipeline stages (where only the last stage samples), and leaves nothing in its
+row for the requests that take it next."""
 
 from __future__ import annotations
 
@@ -53,6 +54,25 @@ def test_a_request_whose_token_cannot_be_chosen_fails_alone(pool, broken_model, 
     assert finished == [1, 0]  # answered (with its error) at once, long before the other
     for peer in results[1:tp]:  # the first stage's TP peer decided the same
         assert [c.finish_reason for c in peer["output"].completions] == ["length", "error"]
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_a_failed_sequence_leaves_nothing_in_its_row_for_the_next(pool, broken_model, tp, pp):
+    """The failed sequence's keys and values in its row are NaN; the requests that take that row
+    next (left-padded over those columns, which attention masks but still multiplies) answer
+    exactly as in a fresh group, greedy and sampled alike."""
+    plan = make_plan(broken_model, tp, pp, max_len=64, batch=2)
+    broken = {"prompt_ids": [5, BROKEN_TOKEN, 9], "max_new_tokens": 6, "temperature": 0.8, "seed": 4}
+    greedy = {"prompt_ids": [5, 9, 33], "max_new_tokens": 4, "ignore_eos": True}
+    sampled = {"prompt_ids": [8, 1, 77, 120], "max_new_tokens": 5, "temperature": 1.3, "top_p": 0.9, "seed": 5,
+               "ignore_eos": True}
+    results = pool.run(plan, broken_model, ContinuousJob([LONG, broken], arrivals={2: [greedy, sampled]}))
+    completions = results[0]["output"].completions
+    assert [c.finish_reason for c in completions] == ["length", "error", "length", "length"]
+    rows = {index: row for kind, _, index, row in results[0]["events"] if kind == "finished"}
+    assert rows[1] == rows[2] == rows[3] == 1  # the failed one's row served both, one after the other
+    assert [c.token_ids for c in completions[2:]] == [alone(pool, broken_model, plan, r).token_ids
+                                                      for r in (greedy, sampled)]
 
 
 sampling = st.fixed_dictionaries({

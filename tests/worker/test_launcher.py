@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ import torch
 from shard_contract.env import WorkerEnv
 from shard_contract.wire import GenerateRequest, GenerateTask
 from shard_operator.local import LaunchError, LocalGroup, free_port, run_generate
+from shard_worker.__main__ import name_process
 from shard_worker.accounting import Accounting
 from shard_worker.dist import RendezvousError, Topology, init_comm
 from tests.support.processes import children, is_worker, shardctl
@@ -82,6 +85,13 @@ def test_sigterm_to_shardctl_stops_its_ranks(checkpoint):
     proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM
     assert not any(is_worker(pid) for pid in ranks)
+
+
+def test_without_setproctitle_a_rank_keeps_the_name_python_gave_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "setproctitle", None)  # as where it is not installed: import fails
+    before = Path("/proc/self/cmdline").read_bytes()
+    name_process("shard-worker model=m group=0 rank=0")
+    assert Path("/proc/self/cmdline").read_bytes() == before
 
 
 @pytest.mark.parametrize("rank", [0, 1])

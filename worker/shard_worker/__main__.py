@@ -5,7 +5,7 @@ pod and as a local process of `shardctl`.
 Without SHARD_TASK, every rank serves HTTP (`rank.py`: the OpenAI-compatible API on rank 0,
 health, readiness and metrics on all). With it, the leader (rank 0) runs that one-shot task and
 writes the result to SHARD_RESULT; every other rank follows the leader's commands until it says
-shutdown.
+shutdown. `ps` shows each rank as `shard-worker model=... group=... rank=... port=...`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,24 @@ from .runtime import PlanMismatch, Worker
 KNOWN_ERRORS = (CheckpointError, ConfigError, RendezvousError, RequestError, PlanMismatch)
 
 
+def process_title(env: WorkerEnv, serving: bool) -> str:
+    """How `ps` shows this rank: its model, group and rank, and where a serving rank listens."""
+    return f"shard-worker model={env.model_name} group={env.replica} rank={env.rank}" + \
+        (f" port={env.port}" if serving else "")
+
+
+def name_process(title: str) -> None:
+    """Show `title` in `ps` and `top` instead of `python -m shard_worker`, with setproctitle (the
+    worker extra; without it, nothing changes). Like Postgres and gunicorn, it writes the title
+    over the process's argv and environment strings: /proc/PID/environ then reads empty, while
+    os.environ is untouched."""
+    try:
+        from setproctitle import setproctitle
+    except ImportError:
+        return
+    setproctitle(title)
+
+
 def run_task(worker: Worker, task_path: str, result_path: str) -> None:
     """The leader's one-shot job: generate, gather every rank's report, write the result."""
     task = GenerateTask.model_validate_json(Path(task_path).read_text())
@@ -54,6 +72,7 @@ def main() -> int:
     except (WorkerEnvError, OSError, ValueError) as err:
         print(f"shard_worker: {err}", file=sys.stderr)
         return 1
+    name_process(process_title(env, serving))
     if serving:  # every rank serves HTTP (the API on rank 0) until it is stopped
         return rank.serve(env, plan, baseline, KNOWN_ERRORS)
     start = time.perf_counter()

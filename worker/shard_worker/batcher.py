@@ -18,6 +18,10 @@ and frees its row (`Hooks.cancelled`).
 Only the engine thread touches torch.distributed. The HTTP side talks to it through `Sink`s:
 each request's events (`Step`, then one `Done` or `Failed`) are handed to its asyncio loop, never
 awaited by the engine.
+
+Every request that was queued is logged once when it ends (`servelog.request_line`), and while
+the engine works a throughput line every 10 s; the gauges of running and waiting requests and of
+the KV cache's use are set at every step.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from typing import Sequence
 from shard_contract.wire import Completion, GenerateRequest
 
 from .engine import Engine, Hooks, RequestError, SequenceState, fits_at
-from .log import first_line
+from .log import first_line, log
 from .rankmetrics import RankMetrics
+from .servelog import Throughput, request_line
 
 MAX_WAITING = 256
 # When the engine is free and a request arrives, wait this long for others to arrive with it:
@@ -41,6 +46,7 @@ MAX_WAITING = 256
 # padded to the longest prompt, instead of the rest joining the first one row by row (a joiner's
 # prompt must fit before the current column, which a batch started alone is short of).
 GATHER_SECONDS = 0.02
+LEADER = 0  # the rank the engine loop runs on, in its log lines
 
 
 class Unavailable(Exception):
@@ -114,6 +120,7 @@ class Sink:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.arrived = time.monotonic()
         self.first_token_at: float | None = None
+        self.generated = 0  # tokens its sequence has taken so far
         self._closed = False
         self._lock = threading.Lock()
 
@@ -123,14 +130,15 @@ class Sink:
         except RuntimeError:  # the loop is closed: the server has gone
             pass
 
-    def step(self, tokens: list[int]) -> None:
+    def step(self, tokens: list[int]) -> int:
+        """Its sequence's tokens so far (all of them); returns how many are new."""
         with self._lock:
-            if self._closed:
-                return
+            new, self.generated = len(tokens) - self.generated, len(tokens)
             if self.first_token_at is None:
                 self.first_token_at = time.monotonic()
-            if self.stream:
+            if self.stream and not self._closed:
                 self._post(Step(list(tokens)))
+        return new
 
     def _close(self) -> bool:
         """Mark the request ended; False when it had ended already (only the first end counts)."""
@@ -159,6 +167,7 @@ class Sink:
 class Pending:
     request: GenerateRequest
     sink: Sink
+    id: str  # as its answer names it (cmpl-..., chatcmpl-...), for the log
 
 
 class EngineLoop:
@@ -175,6 +184,7 @@ class EngineLoop:
         self.lost = ""  # why the group is lost; set once, never cleared
         self.closing = False
         self.started = threading.Event()
+        self.throughput = Throughput()
 
     # ------------------------------------------------------------ any thread
     def submit(self, pending: Pending) -> None:
@@ -194,7 +204,7 @@ class EngineLoop:
             if len(self.waiting) >= self.max_waiting:
                 raise Unavailable(f"{len(self.waiting)} requests are already waiting; try again later", 429)
             self.waiting.append(pending)
-            self.metrics.queue_depth(len(self.waiting))
+            self.metrics.waiting(len(self.waiting))
             self.cond.notify()
 
     def cancel(self, pending: Pending) -> None:
@@ -205,10 +215,11 @@ class EngineLoop:
         with self.cond:
             if pending in self.waiting:
                 self.waiting.remove(pending)
-                self.metrics.queue_depth(len(self.waiting))
+                self.metrics.waiting(len(self.waiting))
             elif pending in self.running:
                 self.cancelling.append(self.running.index(pending))
         self.metrics.outcome("cancelled")
+        self._ended(pending, "cancelled")
 
     def fail_all(self, reason: str) -> None:
         """The group is lost: every running and waiting request ends with `reason`, now."""
@@ -216,11 +227,12 @@ class EngineLoop:
             self.lost = self.lost or reason
             victims = self.running + list(self.waiting)
             self.waiting.clear()
-            self.metrics.queue_depth(0)
+            self.metrics.waiting(0)
             self.cond.notify_all()
         for pending in victims:
             if pending.sink.fail(f"the group failed: {self.lost}"):
                 self.metrics.outcome("failed")
+                self._ended(pending, "failed")
 
     def close(self) -> None:
         with self.cond:
@@ -236,6 +248,7 @@ class EngineLoop:
                     self._run(batch)
                 else:
                     self.engine.heartbeat()  # keep the followers' collective timeout from expiring
+                    self._publish(0, 0)  # the last throughput line of a burst
         except Exception as err:  # a collective failed: a rank died, or the group timed out
             self.fail_all(first_line(err))
             raise
@@ -257,8 +270,10 @@ class EngineLoop:
                 return []
             n = take_batch([p.request for p in self.waiting], self.max_batch, self.max_len)
             self.running = [self.waiting.popleft() for _ in range(n)]
-            self.metrics.queue_depth(len(self.waiting))
-            return list(self.running)
+            self.metrics.waiting(len(self.waiting))
+        self.throughput.busy(time.monotonic())
+        self._publish(len(self.running), sum(len(p.request.prompt_ids) for p in self.running))
+        return list(self.running)
 
     def _run(self, batch: list[Pending]) -> None:
         """One continuous `generate`, started with `batch`; `self.running` grows as others join,
@@ -271,6 +286,7 @@ class EngineLoop:
             for pending in batch:
                 if pending.sink.fail(str(err), 400):
                     self.metrics.outcome("rejected")
+                    self._ended(pending, "rejected")
             return
         # (any other error leaves the batch in `running`, for `fail_all`)
         self._ran()
@@ -284,7 +300,7 @@ class EngineLoop:
             for i in reversed(chosen):
                 del self.waiting[i]
             self.running.extend(joining)
-            self.metrics.queue_depth(len(self.waiting))
+            self.metrics.waiting(len(self.waiting))
         return [p.request for p in joining]
 
     def _cancelled(self) -> list[int]:
@@ -294,22 +310,48 @@ class EngineLoop:
 
     def _step(self, seqs: list[SequenceState]) -> None:
         self.metrics.batch(len(seqs))
+        prompt = generated = 0
         for seq in seqs:
-            self.running[seq.index].sink.step(seq.tokens)
+            sink = self.running[seq.index].sink
+            prompt += len(seq.request.prompt_ids) if sink.generated == 0 else 0  # prefilled in this step
+            generated += sink.step(seq.tokens)
+        self.throughput.step(time.monotonic(), prompt, generated)
+        self._publish(len(seqs), sum(len(seq.request.prompt_ids) + len(seq.tokens) for seq in seqs))
 
     def _finished(self, seq: SequenceState, completion: Completion) -> None:
-        sink = self.running[seq.index].sink
+        pending = self.running[seq.index]
+        sink = pending.sink
         if completion.finish_reason == "error":
-            if sink.fail(f"this request failed: {completion.error}", 500):
-                self.metrics.outcome("failed")
+            if not sink.fail(f"this request failed: {completion.error}", 500):
+                return
+            self.metrics.outcome("failed")
         elif sink.done(completion):
             now = time.monotonic()
             first = sink.first_token_at or now
             self.metrics.finished(now - sink.arrived, first - sink.arrived, len(completion.token_ids))
+        else:  # its client had gone: logged as cancelled
+            return
+        self._ended(pending, completion.finish_reason)
 
     def _ran(self) -> None:
         with self.cond:
             self.running, self.cancelling = [], []
+        self._publish(0, 0)
+
+    def _publish(self, running: int, kv_tokens: int) -> None:
+        """The gauges of the `running` requests (those that took a token in the last step) and of
+        the KV-cache positions they take, and the throughput line when one is due."""
+        self.metrics.running(running, kv_tokens)
+        line = self.throughput.line(time.monotonic(), running, len(self.waiting), self.max_batch, kv_tokens,
+                                    self.max_batch * self.max_len)
+        if line is not None:
+            log(LEADER, line)
+
+    def _ended(self, pending: Pending, finish: str) -> None:
+        """Its one log line, when a request that was queued ends."""
+        sink = pending.sink
+        log(LEADER, request_line(pending.id, len(pending.request.prompt_ids), sink.generated, sink.arrived,
+                                 sink.first_token_at, time.monotonic(), finish))
 
     def _finish(self) -> None:
         with self.cond:
@@ -318,6 +360,7 @@ class EngineLoop:
         for pending in leftovers:
             if pending.sink.fail("the server is shutting down"):
                 self.metrics.outcome("failed")
+                self._ended(pending, "failed")
         if not self.lost:
             try:
                 self.engine.shutdown()  # the followers leave `follow()` and exit

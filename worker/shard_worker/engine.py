@@ -308,16 +308,24 @@ class Engine:
         work, joined = [], seqs.free_rows()[:len(newcomers)]
         for row, request in zip(joined, newcomers):
             pad = col - len(request.prompt_ids)
-            rows.place(row, request, pad)
+            self._take_row(rows, Join(row, pad, request))
             seqs.start(row, request)
-            if not self.topo.is_last:
-                self.link.send_join(Join(row, pad, request))
             prompt = torch.tensor([request.prompt_ids])
             work += [(u, prompt[:, u.c0 - pad:u.c1 - pad]) for u in prefill_units((row, row + 1), (pad, col),
                                                                                    self.topo.pp)]
         tokens, _ = self._pass(work, rows, None)
         seqs.feed(joined, tokens)
         return joined, tokens.tolist()
+
+    def _take_row(self, rows: Rows, join: Join) -> None:
+        """A joiner takes its row on this rank (and is passed on down the pipeline). Its prefill
+        writes columns [pad, col); the columns before, masked, still hold the row's previous
+        sequence (NaN if it failed): they are zeroed, one row's padding across this rank's layers.
+        (A new batch needs none of this: its prefill writes every column of its rows, padding too.)"""
+        rows.place(join.row, join.request, join.pad)
+        self.cache.clear(join.row, join.pad)
+        if not self.topo.is_last:
+            self.link.send_join(join)
 
     def _orders(self, seqs: Sequences, col: int, hooks: Hooks | None) -> list[GenerateRequest]:
         """A step boundary's orders: the sequences whose clients left stop, then newcomers are
@@ -349,9 +357,7 @@ class Engine:
         last = self.topo.is_last
         while (got := self.link.recv()) is not None:
             if isinstance(got, Join):
-                rows.place(got.row, got.request, got.pad)
-                if not last:
-                    self.link.send_join(got)
+                self._take_row(rows, got)
                 continue
             unit, hidden = got
             hidden = self._forward(unit, hidden, rows.pads)

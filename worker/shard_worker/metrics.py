@@ -9,12 +9,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+# No `<name>_created` series beside each counter and histogram: a timestamp per child that doubles
+# the series a rank exposes and that no query here reads (prometheus_client reads this setting, a
+# process-wide one, at every scrape).
+disable_created_metrics()
 
 LABELS = ("model", "group", "rank", "stage", "tp_rank")
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)  # a decode step: ms to s
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+BUCKETS = {"shard_batch_size": BATCH_BUCKETS, "shard_time_per_output_token_seconds": TOKEN_BUCKETS}
 
 # name -> (type, help, extra labels). Counters are exposed with the `_total` suffix.
 FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -29,7 +36,16 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "shard_requests": ("counter", "Requests finished, by outcome (leader only).", ("outcome",)),
     "shard_request_latency_seconds": ("histogram", "Request latency, arrival to last token.", ()),
     "shard_time_to_first_token_seconds": ("histogram", "Arrival to first generated token.", ()),
-    "shard_queue_depth": ("gauge", "Requests waiting to be batched (leader only).", ()),
+    "shard_time_per_output_token_seconds": ("histogram", "A completed request's time per generated token after "
+                                                          "its first (leader only).", ()),
+    "shard_requests_running": ("gauge", "Requests in the running batch, each in a KV-cache row (leader only).", ()),
+    "shard_requests_waiting": ("gauge", "Requests waiting to be batched (leader only).", ()),
+    "shard_kv_cache_used_tokens": ("gauge", "KV-cache positions the running requests' prompts and generated "
+                                            "tokens take (leader only).", ()),
+    "shard_kv_cache_capacity_tokens": ("gauge", "KV-cache positions there are: maxBatchSize rows x maxModelLen "
+                                                "(leader only).", ()),
+    "shard_kv_cache_capacity_rows": ("gauge", "KV-cache rows there are: maxBatchSize, the most requests that run "
+                                              "at once (leader only).", ()),
     "shard_batch_size": ("histogram", "Sequences that took a token in each step (leader only).", ()),
     "shard_group_ready": ("gauge", "1 when every rank of the group has loaded and been checked.", ()),
     "shard_heartbeat_rejected": ("counter", "Heartbeat records this rank ignored: not sealed with the group's "
@@ -56,8 +72,8 @@ class WorkerMetrics:
             elif kind == "counter":
                 metric = Counter(name, help_text, labelnames, registry=registry)
             else:
-                buckets = BATCH_BUCKETS if name == "shard_batch_size" else LATENCY_BUCKETS
-                metric = Histogram(name, help_text, labelnames, registry=registry, buckets=buckets)
+                metric = Histogram(name, help_text, labelnames, registry=registry,
+                                   buckets=BUCKETS.get(name, LATENCY_BUCKETS))
             setattr(metrics, name, metric)
         return metrics
 

@@ -194,6 +194,13 @@ class KVCache:
         vc[:, :, step.c0:step.c1] = v
         return kc[:, :, :step.c1], vc[:, :, :step.c1]
 
+    def clear(self, row: int, cols: int) -> None:
+        """Zero columns [0, cols) of `row` in every layer. Attention masks them out but still
+        multiplies their values by 0, and 0 x NaN (or inf) is NaN: what a failed sequence left
+        there would poison the row's next one."""
+        self.k[:, row, :, :cols].zero_()
+        self.v[:, row, :, :cols].zero_()
+
 
 # ---------------------------------------------------------------- layers
 class Attention:

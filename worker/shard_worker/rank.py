@@ -49,7 +49,8 @@ class Rank:
         self.env, self.plan, self.baseline, self.known_errors = env, plan, baseline, known_errors
         self.rank_plan = plan.rank_plan(env.replica, env.rank)
         self.leader = env.rank == 0
-        self.metrics = RankMetrics(env.model_name, env.replica, self.rank_plan, self.leader)
+        self.metrics = RankMetrics(env.model_name, env.replica, self.rank_plan, self.leader,
+                                   max_batch=plan.max_batch_size, max_len=plan.max_model_len)
         self.worker: Worker | None = None
         self.state, self.error, self.problems = "loading", "", []
         self.progress: tuple[int, int] | None = None  # set by the engine thread as it loads

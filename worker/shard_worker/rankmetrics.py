@@ -23,13 +23,15 @@ if TYPE_CHECKING:
 OUTCOMES = ("completed", "rejected", "failed", "cancelled")  # cancelled: the client went away
 # Families only the leader records (it alone sees requests); the other ranks expose them empty.
 LEADER_FAMILIES = ("shard_tokens_generated", "shard_requests", "shard_request_latency_seconds",
-                   "shard_time_to_first_token_seconds", "shard_queue_depth", "shard_batch_size")
+                   "shard_time_to_first_token_seconds", "shard_time_per_output_token_seconds",
+                   "shard_requests_running", "shard_requests_waiting", "shard_batch_size",
+                   "shard_kv_cache_used_tokens", "shard_kv_cache_capacity_tokens", "shard_kv_cache_capacity_rows")
 PREDICTED_KINDS = ("weights", "kv_cache", "activations", "overhead", "total")
 RESIDENT_KINDS = ("weights", "kv_cache", "rss_anon", "cuda_allocated", "total", "peak")
 
 
 class RankMetrics:
-    def __init__(self, model: str, group: int, rank_plan: RankPlan, leader: bool):
+    def __init__(self, model: str, group: int, rank_plan: RankPlan, leader: bool, max_batch: int, max_len: int):
         self.m = WorkerMetrics.create(model=model, group=group, rank=rank_plan.rank, stage=rank_plan.stage,
                                       tp_rank=rank_plan.tp_rank)
         self.leader = leader
@@ -44,10 +46,16 @@ class RankMetrics:
             for name in LEADER_FAMILIES:
                 for outcome in OUTCOMES if name == "shard_requests" else (None,):
                     self.m.get(name, **({"outcome": outcome} if outcome else {}))
+            self.m.get("shard_kv_cache_capacity_rows").set(max_batch)
+            self.m.get("shard_kv_cache_capacity_tokens").set(max_batch * max_len)
 
     # ------------------------------------------------------------ the leader's requests
-    def queue_depth(self, n: int) -> None:
-        self.m.get("shard_queue_depth").set(n)
+    def waiting(self, n: int) -> None:
+        self.m.get("shard_requests_waiting").set(n)
+
+    def running(self, n: int, kv_tokens: int) -> None:
+        self.m.get("shard_requests_running").set(n)
+        self.m.get("shard_kv_cache_used_tokens").set(kv_tokens)
 
     def batch(self, size: int) -> None:
         self.m.get("shard_batch_size").observe(size)
@@ -58,6 +66,8 @@ class RankMetrics:
     def finished(self, latency: float, ttft: float, tokens: int) -> None:
         self.m.get("shard_request_latency_seconds").observe(latency)
         self.m.get("shard_time_to_first_token_seconds").observe(ttft)
+        if tokens > 1:  # the time of the decode steps that gave the others
+            self.m.get("shard_time_per_output_token_seconds").observe((latency - ttft) / (tokens - 1))
         self.m.get("shard_tokens_generated").inc(tokens)
         self.outcome("completed")
 

@@ -108,18 +108,18 @@ class OpenAIRoutes:
     async def _run(self, request: Request, body: openai.Sampling, prompt_ids: list[int], max_tokens: int | None,
                    param: str, chat: bool) -> Response:
         """Queue the request on the engine loop and answer it."""
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             loop = self.rank.ready_loop()
             generate = openai.to_generate(body, prompt_ids, max_len=self.max_len,
                                           vocab_size=loop.engine.config.vocab_size, max_tokens=max_tokens,
                                           has_tokenizer=self.codec is not None, param=param)
-            pending = Pending(generate, Sink(asyncio.get_running_loop(), stream=body.stream))
+            pending = Pending(generate, Sink(asyncio.get_running_loop(), stream=body.stream), rid)
             loop.submit(pending)
         except Unavailable as err:
             raise openai.unavailable(err.reason, err.status) from None
         text = openai.TextStream(self.codec.decode if self.codec is not None else None, generate.stop)
-        reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), self.model, chat,
-                      len(prompt_ids), body.include_usage)
+        reply = Reply(rid, int(time.time()), self.model, chat, len(prompt_ids), body.include_usage)
         if body.stream:
             return StreamingResponse(reply.events(loop, pending, text), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -4,7 +4,8 @@ first stage knows of each sequence.
 A row is one sequence's slot in the KV cache. Rows are left-padded: row r's tokens start at
 column pads[r], which gives its attention mask and RoPE positions. In continuous batching a
 finished sequence's row is taken by a newcomer whose prompt ends at the current decode column;
-its new padding masks out what the old sequence left in the row.
+its new padding masks out what the old sequence left in the row (and the engine zeroes it:
+masked values are still multiplied by 0, and a failed sequence's may be NaN).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`shardctl`'s help and error messages, by snapshot: a file per subcommand's --help and one of
-errors, in tests/unit/snapshots/. After a deliberate change, rewrite them with
-`SHARD_UPDATE_SNAPSHOTS=1 .venv/bin/python -m pytest tests/unit/test_cli_help.py` and read the diff.
+errors, in tests/operator/unit/snapshots/. After a deliberate change, rewrite them with
+`SHARD_UPDATE_SNAPSHOTS=1 .venv/bin/python -m pytest tests/operator/unit/test_cli_help.py` and read the diff.
 The rules every command's help follows are checked apart from the snapshots."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from shard_operator.cli import build_parser, main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
 UPDATE = os.environ.get("SHARD_UPDATE_SNAPSHOTS") == "1"
 PLUGINS = {"dev-cluster"}  # another package's command: held to the rules, not snapshotted here
@@ -36,8 +36,15 @@ def steady_width(monkeypatch):
     monkeypatch.setenv("COLUMNS", "100")  # argparse wraps at the terminal's width
 
 
-def subcommands() -> dict[str, argparse.ArgumentParser]:
-    return dict(build_parser()._subparsers._group_actions[0].choices)
+def subcommands(parser: argparse.ArgumentParser | None = None, prefix: str = "") -> dict[str, argparse.ArgumentParser]:
+    """Every subcommand by its words ("dev-cluster add-node"), nested ones included."""
+    found = {}
+    for action in (parser or build_parser())._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                found[prefix + name] = child
+                found.update(subcommands(child, f"{prefix}{name} "))
+    return found
 
 
 @pytest.mark.parametrize("command", ["shardctl", *COMMANDS])
@@ -99,6 +106,8 @@ def test_bash_completion_knows_commands_flags_choices_and_files(capsys, tmp_path
     assert complete(script, "shardctl", "plan", "--dev") == ["--devices", "--device-kind"]
     assert complete(script, "shardctl", "run", "--device-kind", "") == ["auto", "gpu", "cpu"]
     assert "--max-tokens" in complete(script, "shardctl", "generate", "--max")
+    if "dev-cluster" in subcommands():  # a plugin's own actions
+        assert complete(script, "shardctl", "dev-cluster", "add") == ["add-node"]
     (tmp_path / "model.yaml").write_text("")
     assert complete(script, "shardctl", "plan", "-f", str(tmp_path / "mo")) == [str(tmp_path / "model.yaml")]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shard_operator.api import Rollout
-from shard_operator.rollout import (ObservedGroup, RankState, Want, decide, group_state, observe_groups,
-                                    rank_state)
+from shard_operator.rollout import (ObservedGroup, RankState, Want, decide, deletion_grace, group_state,
+                                    observe_groups, rank_state)
 
 
 def pod(name="m-0-r1-0", rank=0, phase="Running", ready=True, node="a", **extra):
@@ -44,6 +44,26 @@ def pod(name="m-0-r1-0", rank=0, phase="Running", ready=True, node="a", **extra)
 def test_rank_state(p, healthy, state, message):
     rs = rank_state(p, healthy)
     assert rs.state == state
+    assert message in rs.message
+
+
+def bound(node, **extra):
+    p = pod(node=node, **extra)
+    p["spec"]["nodeName"] = node
+    return p
+
+
+@pytest.mark.parametrize("p,state,message,grace", [
+    (bound("a"), "Ready", "", None),
+    (bound("gone"), "Lost", "node gone no longer exists", 0),
+    # Deleted already, but no kubelet will ever confirm it: lost, and deleted again with grace 0.
+    (bound("gone", metadata={"deletionTimestamp": "2026-01-01T00:00:00Z"}), "Lost", "no longer exists", 0),
+    (bound("a", metadata={"deletionTimestamp": "2026-01-01T00:00:00Z"}), "Terminating", "", None),
+    (pod(node="gone", phase="Pending", ready=False), "Pending", "", None),  # pinned by the plan, never bound: no grace to cut short
+])
+def test_pods_bound_to_a_node_that_no_longer_exists_are_lost_and_deleted_at_once(p, state, message, grace):
+    rs = rank_state(p, healthy_nodes={"a"} if state != "Pending" else None, existing_nodes={"a"})
+    assert (rs.state, deletion_grace(p, {"a"})) == (state, grace)
     assert message in rs.message
 
 

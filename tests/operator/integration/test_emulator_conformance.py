@@ -1,5 +1,7 @@
 """Conformance of the emulated API server: raw HTTP probes of the API-server behaviour that kopf,
-the `kubernetes` client and kubectl rely on (see tests/support/emulator.py for the list)."""
+the `kubernetes` client, kubectl and the dev cluster's kubelet rely on (shard_devcluster/emulator.py
+lists them); each test says what a real kube-apiserver does. Its control plane (scheduler,
+controllers) is probed in test_control_plane.py."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 
 from shard_devcluster.apiserver import serve
 from shard_devcluster.emulator import Faults
+from shard_devcluster.kubeletserver import KubeletServer, LogBuffer
 
 NS = "default"
 PODS = f"/api/v1/namespaces/{NS}/pods"
@@ -43,10 +46,10 @@ class Api:
             except ValueError:
                 return r.status, text
 
-    async def watch(self, url, seconds=0.4):
+    async def watch(self, url, seconds=0.4, headers=None):
         events = []
         try:
-            async with self.s.get(url, timeout=aiohttp.ClientTimeout(total=seconds)) as r:
+            async with self.s.get(url, timeout=aiohttp.ClientTimeout(total=seconds), headers=headers) as r:
                 async for line in r.content:
                     if line.strip():
                         e = json.loads(line)
@@ -58,7 +61,7 @@ class Api:
 
 @pytest.fixture
 async def api():
-    async with serve(bookmark_interval=0.1, check_namespaces=True) as (emu, url):
+    async with serve(control_plane=False, bookmark_interval=0.1, check_namespaces=True) as (emu, url):
         async with aiohttp.ClientSession(base_url=url) as session:
             yield Api(session)
 
@@ -122,9 +125,12 @@ async def test_patch_flavours(api):
     await api("POST", PODS, json=pod("p1", {"app": "a"}))
     st, b = await api("PATCH", f"{PODS}/p1", json={"metadata": {"labels": {"app": None, "new": "n"}}}, headers=MERGE)
     assert b["metadata"]["labels"] == {"new": "n"}
-    st, b = await api("PATCH", f"{PODS}/p1", json={"spec": {"containers": [{"name": "sidecar", "image": "x"}]}},
-                      headers=SMP)
-    assert sorted(c["name"] for c in b["spec"]["containers"]) == ["c", "sidecar"]
+    deployments = f"/apis/apps/v1/namespaces/{NS}/deployments"
+    template = {"metadata": {"labels": {"app": "d"}}, "spec": {"containers": [{"name": "c", "image": "x"}]}}
+    await api("POST", deployments, json={"metadata": {"name": "d"}, "spec": {"template": template}})
+    st, b = await api("PATCH", f"{deployments}/d", json={"spec": {"template": {"spec": {"containers": [
+        {"name": "sidecar", "image": "x"}]}}}}, headers=SMP)
+    assert sorted(c["name"] for c in b["spec"]["template"]["spec"]["containers"]) == ["c", "sidecar"]
     st, b = await api("PATCH", f"{PODS}/p1", json=[{"op": "add", "path": "/metadata/annotations", "value": {"a": "b"}}],
                       headers=JSON_PATCH)
     assert st == 200 and b["metadata"]["annotations"] == {"a": "b"}
@@ -279,24 +285,166 @@ async def test_scopes_namespaces_and_errors(api):
     assert b["groupVersion"] == "v1"
 
 
-async def test_tables_for_kubectl_and_pod_logs(api):
+TABLE = {"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io,application/json"}
+
+
+async def test_server_side_tables_for_every_kind_in_lists_gets_and_watches(api):
+    """kube-apiserver answers `Accept: ...;as=Table` with the columns of its printer for the kind
+    (pkg/printers/internalversion), a CRD's additionalPrinterColumns, else NAME and CREATED AT; in a
+    watch, each event's object is a one-row Table (columns in the first event only), which is what
+    makes `kubectl get -w` print whole rows."""
     await api("POST", SMS, json=sm())
-    await api("PATCH", f"{SMS}/m1/status", json={"status": {"phase": "Ready", "readyReplicas": 2}}, headers=MERGE)
-    st, b = await api("GET", SMS, headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io,application/json"})
+    await api("PATCH", f"{SMS}/m1/status", json={"status": {"phase": "Ready", "ready": "2/2"}}, headers=MERGE)
+    st, b = await api("GET", SMS, headers=TABLE)
     assert b["kind"] == "Table"
-    columns = [c["name"] for c in b["columnDefinitions"]]
-    assert columns == ["Name", "Phase", "TP", "PP", "Ready", "Replicas", "Age"]
-    assert b["rows"][0]["cells"][:6] == ["m1", "Ready", None, None, 2, 2]
+    assert [(c["name"], c["priority"]) for c in b["columnDefinitions"]] == [
+        ("Name", 0), ("Phase", 0), ("TP", 0), ("PP", 0), ("Ready", 0), ("URL", 0), ("Reason", 0), ("Replicas", 1),
+        ("Age", 0)]
+    assert b["rows"][0]["cells"][:8] == ["m1", "Ready", None, None, "2/2", "", "", 2]
+    await api("POST", f"/api/v1/namespaces/{NS}/services", json={"metadata": {"name": "web"}, "spec": {
+        "selector": {"app": "web"}, "ports": [{"port": 80, "protocol": "TCP"}]}})
+    st, b = await api("GET", f"/api/v1/namespaces/{NS}/services/web", headers=TABLE)
+    cells = dict(zip([c["name"] for c in b["columnDefinitions"]], b["rows"][0]["cells"]))
+    assert cells["Type"] == "ClusterIP" and cells["Cluster-IP"].startswith("10.") and cells["Port(s)"] == "80/TCP"
+    assert cells["Selector"] == "app=web"
+    await api("POST", f"/api/v1/namespaces/{NS}/events", json={"metadata": {"name": "e1"}, "type": "Warning",
+                                                              "reason": "Boom", "message": "it broke",
+                                                              "involvedObject": {"kind": "Pod", "name": "p1"}})
+    st, b = await api("GET", f"/api/v1/namespaces/{NS}/events", headers=TABLE)
+    columns = [c["name"] for c in b["columnDefinitions"] if c["priority"] == 0]
+    assert columns == ["Last Seen", "Type", "Reason", "Object", "Message"]
+    assert b["rows"][0]["cells"][1:4] == ["Warning", "Boom", "pod/p1"]
+    st, b = await api("GET", "/apis/rbac.authorization.k8s.io/v1/clusterroles", headers=TABLE)
+    assert [c["name"] for c in b["columnDefinitions"]] == ["Name", "Created At"]
+
+    task = asyncio.create_task(api.watch(f"{PODS}?watch=true&includeObject=Object", 0.8, headers=TABLE))
+    await asyncio.sleep(0.2)
     await api("POST", PODS, json=pod("p1"))
-    st, text = await api("GET", f"{PODS}/p1/log")
-    assert st == 200 and text == ""
+    await api("PATCH", f"{PODS}/p1/status", json={"status": {"phase": "Running"}}, headers=MERGE)
+    (kind1, _, first), (kind2, _, second) = await task
+    assert (kind1, kind2, first["kind"], second["kind"]) == ("ADDED", "MODIFIED", "Table", "Table")
+    assert [c["name"] for c in first["columnDefinitions"]][:5] == ["Name", "Ready", "Status", "Restarts", "Age"]
+    assert second["columnDefinitions"] == [] and second["rows"][0]["cells"][:3] == ["p1", "0/1", "Running"]
+    assert second["rows"][0]["object"]["kind"] == "Pod"
+
+
+async def test_version_and_openapi_for_kubectl(api):
+    """/version names a release within kubectl's supported skew (the tests' kubectl is v1.33);
+    /openapi/v3 lists a document per group-version, in which a CRD's kind has its schema (what
+    `kubectl explain` reads) and every write declares fieldValidation (so kubectl lets the server
+    validate); /openapi/v2 answers in protobuf, as kubectl asks it to."""
+    st, b = await api("GET", "/version")
+    assert (b["major"], b["minor"], b["gitVersion"]) == ("1", "33", "v1.33.0")
+    st, b = await api("GET", "/openapi/v3")
+    url = b["paths"]["apis/sharding.dev/v1alpha1"]["serverRelativeURL"]
+    st, doc = await api("GET", url)
+    schema = doc["components"]["schemas"]["dev.sharding.v1alpha1.ShardedModel"]
+    assert schema["x-kubernetes-group-version-kind"] == [{"group": "sharding.dev", "version": "v1alpha1",
+                                                          "kind": "ShardedModel"}]
+    assert "tensor" in schema["properties"]["spec"]["properties"]["parallelism"]["properties"]
+    post = doc["paths"]["/apis/sharding.dev/v1alpha1/namespaces/{namespace}/shardedmodels"]["post"]
+    assert {"name": "fieldValidation", "in": "query", "schema": {"type": "string", "uniqueItems": True}} in post["parameters"]
+    async with api.s.get("/openapi/v2") as r:
+        assert r.status == 200 and "protobuf" in r.headers["Content-Type"] and (await r.read()).startswith(b"\n\x032.0")
+
+
+async def test_custom_resources_get_their_schema_defaults_and_lose_unknown_fields(api):
+    """A CRD's structural schema prunes what it does not declare (unless
+    x-kubernetes-preserve-unknown-fields) and fills in its defaults, on every write, spec and
+    status alike; apiVersion, kind and metadata are the server's."""
+    body = sm()
+    body["spec"]["typo"] = 1
+    body["spec"]["model"]["maxModelLenn"] = 4096
+    st, b = await api("POST", SMS, json=body)
+    assert st == 201 and "typo" not in b["spec"] and "maxModelLenn" not in b["spec"]["model"]
+    assert b["spec"]["parallelism"] == {"tensor": "auto", "pipeline": "auto"}  # defaults, nested ones too
+    assert b["spec"]["rollout"] == {"maxSurge": 1, "maxUnavailable": 0}
+    st, b = await api("PATCH", f"{SMS}/m1/status", json={"status": {"phase": "Ready", "bogus": True}}, headers=MERGE)
+    assert b["status"]["phase"] == "Ready" and "bogus" not in b["status"] and b["status"]["readyReplicas"] == 0
+
+
+async def test_graceful_deletion_holds_a_running_pod_until_its_kubelet_deletes_it(api):
+    """DELETE of a pod a kubelet runs sets deletionTimestamp (now + grace) and
+    deletionGracePeriodSeconds (DeleteOptions, else spec.terminationGracePeriodSeconds, else 30):
+    the pod stays, Terminating, through status updates, until a DELETE with grace 0 (the kubelet's,
+    once its containers stopped). A shorter grace shortens a pending one; a longer one changes
+    nothing. A pod no kubelet runs (unbound, or Succeeded/Failed) goes at once."""
+    bound = {**pod("p1"), "spec": {"nodeName": "n1", "terminationGracePeriodSeconds": 20,
+                                   "containers": [{"name": "c", "image": "x"}]}}
+    await api("POST", PODS, json=bound)
+    st, b = await api("DELETE", f"{PODS}/p1")
+    assert st == 200 and b["metadata"]["deletionGracePeriodSeconds"] == 20 and b["metadata"]["deletionTimestamp"]
+    st, b = await api("PATCH", f"{PODS}/p1/status", json={"status": {"phase": "Running"}}, headers=MERGE)
+    assert st == 200 and b["metadata"]["deletionGracePeriodSeconds"] == 20  # still there
+    st, b = await api("DELETE", f"{PODS}/p1", json={"gracePeriodSeconds": 60})
+    assert b["metadata"]["deletionGracePeriodSeconds"] == 20
+    st, b = await api("DELETE", f"{PODS}/p1?gracePeriodSeconds=5")
+    assert b["metadata"]["deletionGracePeriodSeconds"] == 5
+    st, b = await api("DELETE", f"{PODS}/p1", json={"gracePeriodSeconds": 0, "preconditions": {"uid": "someone-else"}})
+    assert st == 409
+    uid = (await api("GET", f"{PODS}/p1"))[1]["metadata"]["uid"]
+    st, _ = await api("DELETE", f"{PODS}/p1", json={"gracePeriodSeconds": 0, "preconditions": {"uid": uid}})
+    assert st == 200 and (await api("GET", f"{PODS}/p1"))[0] == 404
+    await api("POST", PODS, json=pod("unbound"))
+    await api("DELETE", f"{PODS}/unbound")
+    assert (await api("GET", f"{PODS}/unbound"))[0] == 404
+    await api("POST", PODS, json={**pod("done"), "spec": {"nodeName": "n1", "containers": [{"name": "c", "image": "x"}]}})
+    await api("PATCH", f"{PODS}/done/status", json={"status": {"phase": "Succeeded"}}, headers=MERGE)
+    await api("DELETE", f"{PODS}/done")
+    assert (await api("GET", f"{PODS}/done"))[0] == 404
+
+
+async def test_a_pod_is_bound_through_pods_binding_and_its_spec_is_not_updated(api):
+    """spec.nodeName is set at creation or through the pods/binding subresource, which also turns
+    PodScheduled True; binding a bound pod is a 409. A pod's spec cannot be changed by an update
+    except for images, activeDeadlineSeconds and added tolerations (ValidatePodUpdate)."""
+    await api("POST", PODS, json=pod("p1"))
+    st, b = await api("PATCH", f"{PODS}/p1", json={"spec": {"nodeName": "n1"}}, headers=MERGE)
+    assert st == 422 and "pod updates may not change fields" in b["message"]
+    binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": "p1"}, "target": {"kind": "Node", "name": "n1"}}
+    st, b = await api("POST", f"{PODS}/p1/binding", json=binding)
+    assert (st, b["status"]) == (201, "Success")
+    st, b = await api("GET", f"{PODS}/p1")
+    assert b["spec"]["nodeName"] == "n1"
+    assert [(c["type"], c["status"]) for c in b["status"]["conditions"]] == [("PodScheduled", "True")]
+    st, b = await api("POST", f"{PODS}/p1/binding", json={**binding, "target": {"kind": "Node", "name": "n2"}})
+    assert st == 409 and 'already assigned to node "n1"' in b["message"]
+    st, b = await api("PATCH", f"{PODS}/p1", json={"spec": {"containers": [{"name": "c", "image": "busybox:2"}],
+                                                            "tolerations": [{"key": "k", "operator": "Exists"}]}},
+                      headers=SMP)
+    assert st == 200 and b["spec"]["containers"][0]["image"] == "busybox:2"
+
+
+async def test_pod_logs_come_from_the_kubelet_of_the_pods_node(api, tmp_path):
+    """pods/log is the kubelet's answer: kube-apiserver asks the node's kubelet at the address and
+    port of the Node's status (daemonEndpoints.kubeletEndpoint) over HTTPS (its certificate
+    unchecked without --kubelet-certificate-authority), passing tailLines, limitBytes and follow;
+    a pod without a node has no logs."""
+    buffers = {("default", "p1", "c"): LogBuffer(bytearray(b"one\ntwo\nthree\n"), ended=True)}
+    kubelet = KubeletServer(lambda ns, name, container: buffers.get((ns, name, container)), tmp_path)
+    await kubelet.start()
+    try:
+        await api("POST", "/api/v1/nodes", json={"metadata": {"name": "n1"}, "status": {
+            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": kubelet.port}}}})
+        await api("POST", PODS, json={**pod("p1"), "spec": {"nodeName": "n1", "containers": [{"name": "c", "image": "x"}]}})
+        assert await api("GET", f"{PODS}/p1/log") == (200, "one\ntwo\nthree\n")
+        assert await api("GET", f"{PODS}/p1/log?tailLines=1") == (200, "three\n")
+        assert await api("GET", f"{PODS}/p1/log?container=c&limitBytes=3") == (200, "one")
+        st, b = await api("GET", f"{PODS}/p1/log?container=nope")
+        assert st == 400 and "container nope is not valid" in b["message"]
+        await api("POST", PODS, json=pod("unbound"))
+        st, b = await api("GET", f"{PODS}/unbound/log")
+        assert st == 400 and "does not have a host assigned" in b["message"]
+    finally:
+        await kubelet.stop()
 
 
 # ---------------------------------------------------------------- injected faults
 @pytest.fixture
 async def faulty():
     """An emulator (and a raw client of it) whose faults a test sets."""
-    async with serve() as (emu, url):
+    async with serve(control_plane=False) as (emu, url):
         async with aiohttp.ClientSession(base_url=url) as session:
             yield emu, Api(session)
 

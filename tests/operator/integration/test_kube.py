@@ -8,7 +8,11 @@ import asyncio
 import kubernetes
 
 from shard_devcluster.apiserver import SM, serve
+from shard_devcluster.kubeletserver import LogBuffer
 from shard_operator.kube import Kube, client_for
+from tests.support.cluster import gpu_node
+from tests.support.fakekubelet import FakeKubelet
+from tests.support.operator import eventually
 
 
 def configmap(name: str) -> dict:
@@ -27,7 +31,7 @@ def writes_and_reads(kube: Kube, rounds: int) -> int:
         assert [c["metadata"]["name"] for c in kube.list("ConfigMap", "default", "")] == [f"c{i}"]
         assert kube.pod_log("default", "p") == "hello\n"
         model = kube.patch_status("default", "m", {"phase": f"round {i}"})
-        assert model["status"] == {"phase": f"round {i}"}
+        assert model["status"]["phase"] == f"round {i}"  # (with the defaults of the status schema)
         assert kube.patch_status("default", "gone", {"phase": "x"}) is None  # 404: deleted meanwhile
         assert kube.delete("ConfigMap", "default", f"c{i}")["metadata"]["name"] == f"c{i}"
         assert kube.delete("ConfigMap", "default", f"c{i}") is None  # 404: gone
@@ -35,10 +39,13 @@ def writes_and_reads(kube: Kube, rounds: int) -> int:
 
 
 async def test_every_response_is_read_so_each_request_hands_its_connection_back():
-    async with serve() as (emu, url):
+    async with serve() as (emu, url), FakeKubelet(emu) as kubelet:
         await emu.k8s_create(SM, "default", {"metadata": {"name": "m"}, "spec": {"model": {"path": "x"}}})
-        await emu.k8s_create("v1/pods", "default", {"metadata": {"name": "p"}, "spec": {"containers": []}})
-        emu.pod_logs[("default", "p")] = b"hello\n"
+        await emu.k8s_create("v1/nodes", None, gpu_node("a"))
+        await emu.k8s_create("v1/pods", "default", {"metadata": {"name": "p"}, "spec": {
+            "nodeName": "a", "containers": [{"name": "c", "image": "x"}]}})
+        kubelet.logs[("default", "p")] = LogBuffer(bytearray(b"hello\n"))
+        await eventually(lambda: _log_served(emu))  # (the kubelet has named its endpoint in the Node)
         kube = Kube(client_for(kubernetes.client.Configuration(host=url)), timeout=10)
         try:
             requests = await asyncio.to_thread(writes_and_reads, kube, 5)
@@ -49,3 +56,8 @@ async def test_every_response_is_read_so_each_request_hands_its_connection_back(
             assert (pool.num_requests, pool.num_connections) == (requests, 1)
         finally:
             kube.core.api_client.close()
+
+
+async def _log_served(emu) -> bool:
+    node = await emu.k8s_get("v1/nodes", None, "a")
+    return bool(((node.get("status") or {}).get("daemonEndpoints") or {}).get("kubeletEndpoint"))

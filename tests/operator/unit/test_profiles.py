@@ -9,10 +9,8 @@ import pytest
 from shard_operator.api import SpecError
 from shard_operator.profiles import LocalProfiles, ModelNotFound, local_model_dir
 from shard_operator.settings import Settings
-
+from tests.operator.conftest import make_spec
 from tests.support.cluster import write_model
-
-from .conftest import make_spec
 
 
 @pytest.mark.parametrize("volume,settings,expected", [

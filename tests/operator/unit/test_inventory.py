@@ -18,7 +18,7 @@ from shard_operator.inventory import (
     parse_devices,
 )
 
-NODES = Path(__file__).resolve().parents[2] / "examples" / "nodes.yaml"
+NODES = Path(__file__).resolve().parents[3] / "examples" / "nodes.yaml"
 
 
 def pool(**kwargs) -> Placement:

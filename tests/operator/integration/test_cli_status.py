@@ -11,11 +11,12 @@ import sys
 import pytest
 
 from shard_devcluster.apiserver import SM, serve, write_kubeconfig
-from shard_devcluster.kubelet import FakeKubelet
+from tests.operator.conftest import RESIDENT
 from tests.support.cluster import gpu_node, sharded_model, write_model
+from tests.support.fakekubelet import FakeKubelet
 from tests.support.operator import eventually, fast_settings, running_operator
 
-from .conftest import RESIDENT, fake_leaders
+from .conftest import fake_leaders
 
 
 async def shardctl_status(kubeconfig, *args: str) -> tuple[int, str, str]:

@@ -7,10 +7,8 @@ import pytest
 from shard_operator.inventory import parse_devices
 from shard_operator.planner import PlanError
 from shard_operator.replan import choose_plan, critical_path, incompatibility, without_devices, without_held
-
+from tests.operator.conftest import make_spec, tiny_profile
 from tests.support.cluster import SEVEN_B
-
-from .conftest import make_spec, tiny_profile
 
 POOL = "a:24GiB*2,b:24GiB*2,c:24GiB*2"
 

@@ -12,7 +12,7 @@ from shard_operator.cli import main
 from shard_operator.inventory import inventory_from_nodes, load_nodes
 from tests.support.cluster import write_model
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def usable_nodes() -> set[str]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from shard_operator.rollout import Decision, ObservedGroup, RankState, Want
-from shard_operator.status import Observation, Problem, build_status, status_patch
+from shard_operator.events import event_body
+from shard_operator.status import Observation, Problem, build_status, newly_ready, status_patch
 
-from .conftest import make_plan, make_spec
+from tests.operator.conftest import make_plan, make_spec
 
 NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
@@ -136,8 +139,7 @@ def test_shards_say_how_their_weights_are_stored():
     obs = observation([group(0, "new", ["Ready"] * 2)], replicas=1)
     assert {s["quantization"] for s in build_status(obs, None, NOW)["shards"]} == {"none"}
     int8 = obs.plan.model_copy(update={"quantization": "int8"})
-    obs.plan, obs.group_plans = int8, {key: int8 for key in obs.group_plans}
-    status = build_status(obs, None, NOW)
+    status = build_status(replace(obs, plan=int8, group_plans={key: int8 for key in obs.group_plans}), None, NOW)
     assert {s["quantization"] for s in status["shards"]} == {"int8"} and status["plan"]["quantization"] == "int8"
 
 
@@ -159,3 +161,30 @@ def test_transition_times_change_only_with_the_status():
     still = build_status(observation([group(0, "new", ["Ready"] * 2), group(1, "new", ["Failed"] * 2)]), broken,
                          "2026-01-01T00:09:00Z")
     assert {c["type"]: c["lastTransitionTime"] for c in still["conditions"]} == times
+
+
+def test_the_printer_columns_fields_ready_of_wanted_the_url_and_the_reason():
+    ready = build_status(observation([group(0, "new", ["Ready"] * 2), group(1, "new", ["Running"] * 2)]), None, NOW)
+    assert (ready["ready"], ready["url"], ready["reason"]) == ("1/2", "http://m.default.svc:8000", "")
+    failed = build_status(Observation(name="m", generation=1, spec=make_spec(replicas=2), namespace="team",
+                                      problem=Problem("InvalidParallelism", "tensor=3 ...")), None, NOW)
+    assert (failed["phase"], failed["ready"], failed["reason"]) == ("Failed", "0/2", "InvalidParallelism")
+    assert failed["url"] == "http://m.team.svc:8000"
+
+
+def test_a_group_that_turns_ready_is_named_once():
+    starting = build_status(observation([group(0, "new", ["Ready", "Running"])], replicas=1), None, NOW)
+    ready = build_status(observation([group(0, "new", ["Ready"] * 2)], replicas=1), starting, LATER)
+    assert [(g["replica"], g["revision"]) for g in newly_ready(starting, ready)] == [(0, "new")]
+    assert newly_ready(ready, ready) == []
+
+
+def test_events_say_what_the_operator_did_and_who_it_is():
+    model = {"metadata": {"name": "m", "namespace": "team", "uid": "u1", "resourceVersion": "7"}}
+    event = event_body(model, "Normal", "GroupReady", "group 0 serves", "2026-01-01T00:00:00.123456Z", "op-1")
+    assert (event["action"], event["reportingComponent"], event["reportingInstance"]) == (
+        "GroupReady", "sharding.dev/shard-operator", "op-1")
+    assert event["involvedObject"] == {"apiVersion": "sharding.dev/v1alpha1", "kind": "ShardedModel", "name": "m",
+                                       "namespace": "team", "uid": "u1", "resourceVersion": "7"}
+    assert (event["eventTime"], event["lastTimestamp"]) == ("2026-01-01T00:00:00.123456Z", "2026-01-01T00:00:00Z")
+    assert event_body(model, "Warning", "InvalidSpec", "x", "2026-01-01T00:00:00.000000Z", "op-1")["action"] == "Reconcile"

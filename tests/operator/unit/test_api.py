@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from shard_operator import api
 from shard_operator.crd import build_crd, render
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.yaml"))
 
 
@@ -87,7 +87,8 @@ def test_crd_has_subresources_columns_and_short_name():
         "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
         "labelSelectorPath": ".status.selector"}
     assert version["subresources"]["status"] == {}
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Phase", "TP", "PP", "Ready", "Replicas", "Age"]
+    assert [(c["name"], c.get("priority", 0)) for c in version["additionalPrinterColumns"]] == [
+        ("Phase", 0), ("TP", 0), ("PP", 0), ("Ready", 0), ("URL", 0), ("Reason", 0), ("Replicas", 1), ("Age", 0)]
 
 
 def test_crd_carries_defaults_bounds_and_enums():

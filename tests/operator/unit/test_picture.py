@@ -21,7 +21,7 @@ from shard_operator.picture import infeasible_svg, plan_svg
 from shard_operator.planner import PlanError, plan
 from tests.operator.conftest import make_plan, make_spec, tiny_profile
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SVG = "{http://www.w3.org/2000/svg}"
 # The commands docs/planner.md shows, and the pictures they drew (kept in docs/).
 DOC_PICTURES = {

@@ -31,7 +31,7 @@ from shard_operator.manifests import (
     profiling_pod,
 )
 
-from .conftest import make_plan, make_spec
+from tests.operator.conftest import make_plan, make_spec
 
 OWNER = Owner(name="llama", namespace="serving", uid="uid-1")
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")

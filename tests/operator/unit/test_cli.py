@@ -15,7 +15,7 @@ from shard_operator.cli import build_parser, inventory_for, main
 from shard_operator.inventory import local_kind
 from tests.support.malicious import ATTACKS, CORPUS, write_attack
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "examples"
 
 

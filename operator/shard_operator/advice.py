@@ -3,8 +3,8 @@
 The planner's message says what is missing; these say what to do about it. A suggestion is a
 change to the spec (a patch in the YAML's own terms), devices added to the pool, or both, and it
 is offered only when planning again with it applied places every replica the spec asks for. The
-planning is handed in (`Attempt`), so this module decides what to try and the planner alone
-decides what fits.
+planning is handed in (`Fits`), so this module decides what to try and the planner alone decides
+what fits.
 """
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from shard_contract.plan import Plan
 from shard_contract.units import count, gib, human
 
 from .api import ShardedModelSpec, parse_spec
 from .inventory import Device, Inventory
 
-# A plan of `spec` on `inventory` (the groups that fit), or None when not even one fits.
-Attempt = Callable[[ShardedModelSpec, Inventory], "Plan | None"]
+# Whether planning `spec` on `inventory` places at least this many groups (replicas).
+Fits = Callable[[ShardedModelSpec, Inventory, int], bool]
 
 # The most devices an "add devices" suggestion may add: beyond this the answer is another pool.
 MAX_ADDED_DEVICES = 256
@@ -55,11 +54,10 @@ def patched(spec: ShardedModelSpec, patch: dict[str, Any]) -> ShardedModelSpec:
     return parse_spec(merge(spec.dump(), patch)) if patch else spec
 
 
-def works(attempt: Attempt, spec: ShardedModelSpec, inventory: Inventory, suggestion: Suggestion) -> bool:
+def works(fits: Fits, spec: ShardedModelSpec, inventory: Inventory, suggestion: Suggestion) -> bool:
     """Planning again with `suggestion` applied places every replica of the spec."""
     new_spec, new_inventory = suggestion.apply(spec, inventory)
-    result = attempt(new_spec, new_inventory)
-    return result is not None and len(result.groups) >= max(new_spec.replicas, 1)
+    return fits(new_spec, new_inventory, max(new_spec.replicas, 1))
 
 
 @dataclass(frozen=True)
@@ -122,7 +120,7 @@ def _mildest(changes: list[Change], good: Callable[[Change], bool]) -> Change | 
     return changes[hi]
 
 
-def suggestions(spec: ShardedModelSpec, inventory: Inventory, asked: Asked, attempt: Attempt,
+def suggestions(spec: ShardedModelSpec, inventory: Inventory, asked: Asked, fits: Fits,
                 at_least: int = 1, fitting: int = 0) -> list[Suggestion]:
     """Every change tried that places all of the spec's replicas: more devices first (or bigger
     ones), then the mildest change of each kind of the spec that does (the largest maxModelLen
@@ -130,13 +128,13 @@ def suggestions(spec: ShardedModelSpec, inventory: Inventory, asked: Asked, atte
     replicas. `at_least`: devices the pool lacks by its bytes alone, where the search starts."""
     kinds = spec_changes(spec, asked)
     relax = next((kind[-1] for kind in kinds if "parallelism" in kind[-1][1]), None)
-    out = device_suggestions(spec, inventory, attempt, at_least, relax, fitting)
+    out = device_suggestions(spec, inventory, fits, at_least, relax, fitting)
     for kind in kinds:
-        change = _mildest(kind, lambda c: works(attempt, spec, inventory, Suggestion(*c)))
+        change = _mildest(kind, lambda c: works(fits, spec, inventory, Suggestion(*c)))
         if change is not None:
             out.append(Suggestion(*change))
     fewer = Suggestion(f"lower spec.replicas to {fitting}", {"replicas": fitting})
-    if fitting and works(attempt, spec, inventory, fewer):
+    if fitting and works(fits, spec, inventory, fewer):
         out.append(fewer)
     return out
 
@@ -183,34 +181,37 @@ def _fewest(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
     return hi
 
 
-def device_suggestions(spec: ShardedModelSpec, inventory: Inventory, attempt: Attempt, at_least: int,
+def device_suggestions(spec: ShardedModelSpec, inventory: Inventory, fits: Fits, at_least: int,
                        relax: Change | None, fitting: int = 0) -> list[Suggestion]:
     """The fewest devices like the largest that run every replica (with the `relax` change to the
     spec when the spec as given cannot use more devices); failing that, bigger devices. When no
     group fits yet and several are asked, also how many would run the first."""
     wanted = max(spec.replicas, 1)
 
-    def placed(patch: dict[str, Any], n: int) -> int:
-        result = attempt(patched(spec, patch), Inventory(devices=[*inventory.devices, *more_devices(inventory, n)[0]]))
-        return len(result.groups) if result is not None else 0
+    def placed(patch: dict[str, Any], n: int, groups: int) -> bool:
+        """`groups` fit with `n` more devices and `patch` applied."""
+        added = Inventory(devices=[*inventory.devices, *more_devices(inventory, n)[0]])
+        return fits(patched(spec, patch), added, groups)
 
     lo = max(1, at_least)
-    for words, patch in [("", {}), *([relax] if relax else [])] if lo <= MAX_ADDED_DEVICES else []:
-        n = _fewest(lo, min(max(2 * lo, lo + 16), MAX_ADDED_DEVICES), lambda k: placed(patch, k) >= wanted) \
-            or _fewest(1, MAX_ADDED_DEVICES, lambda k: placed(patch, k) >= wanted)
+    ways = [("", {}), *([relax] if relax else [])]
+    for words, patch in ways if lo <= MAX_ADDED_DEVICES else []:
+        near = min(max(2 * lo, lo + 16), MAX_ADDED_DEVICES)  # the bytes' estimate is often close
+        n = _fewest(lo, near, lambda k: placed(patch, k, wanted)) \
+            or _fewest(near + 1, MAX_ADDED_DEVICES, lambda k: placed(patch, k, wanted))
         if n is None:
             continue
         added, amount, what = more_devices(inventory, n)
         text = f"add {amount} {what}"
-        one = _fewest(1, n, lambda k: placed(patch, k) >= 1) if wanted > 1 and not fitting else None
+        one = _fewest(1, n, lambda k: placed(patch, k, 1)) if wanted > 1 and not fitting else None
         if one is not None and one < n:
             text += f" ({more_devices(inventory, one)[1]} would run 1 of the {wanted} replicas)"
         return [Suggestion(f"{words}, and {text}" if words else text, patch, added)]
     smallest = min(d.memory_bytes for d in inventory.devices)
     for factor in (2, 4, 8):
-        for words, patch in [("", {}), *([relax] if relax else [])]:
+        for words, patch in ways:
             text = f"devices with {factor} times the memory (at least {human(smallest * factor)} each; as many)"
             bigger = Suggestion(f"{words}, and {text}" if words else text, patch, memory_factor=factor)
-            if works(attempt, spec, inventory, bigger):
+            if works(fits, spec, inventory, bigger):
                 return [bigger]
     return []

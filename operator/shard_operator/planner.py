@@ -31,13 +31,13 @@ import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Iterable, Iterator
 
 from shard_contract.plan import GroupPlan, Plan, PredictedBytes, RankPlan, StagePlan
 from shard_contract.sharding import tp_problem, valid_tensor_degrees
 from shard_contract.units import count, gib, human
 
-from .advice import Asked, Suggestion, offer, suggestions
+from .advice import Asked, Fits, Suggestion, offer, suggestions
 from .api import ShardedModelSpec
 from .inventory import Device, Inventory
 from .profile import ModelProfile
@@ -204,39 +204,62 @@ def _plan(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory, o
 def consider(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
              options: PlannerOptions) -> tuple[Request, list[int], list[Considered]]:
     """Every layout the planner tries, in order (`plan` chooses among those that fit)."""
+    request, tps = _prepare(profile, spec, inventory)
+    return request, tps, list(_tries(profile, spec, inventory, request, tps, options))
+
+
+def _prepare(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory) -> tuple[Request, list[int]]:
+    """The request and the tensor degrees to try; a PlanError for a spec no pool could run."""
     request = _resolve_request(profile, spec)
     check_parallelism(profile, spec)
     if not inventory.devices:
         skipped = "; ".join(f"{s.node}: {s.reason}" for s in inventory.skipped) or "no nodes"
         raise PlanError("NoDevices", f"no usable devices in the node pool ({skipped})")
-    tps = _tensor_candidates(profile, spec, inventory)
+    return request, _tensor_candidates(profile, spec, inventory)
+
+
+def _tries(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory, request: Request,
+           tps: list[int], options: PlannerOptions, groups: int = 0) -> Iterator[Considered]:
+    """`consider`'s layouts one at a time, so a question that any one answers can stop early.
+    With `groups`, only the layouts that could place that many groups are tried (`places`)."""
     pps = _pipeline_candidates(profile, spec)
     partition = spec.parallelism.layer_partition
     wanted = max(request.replicas, 1)
     costs = Costs(profile, request, options)
-    considered: list[Considered] = []
     for tp in tps:
         blocks = make_blocks(inventory.devices, tp)
+        room = _layer_room(costs, blocks, tp) if groups else []
         previous: float | None = None
         for pp in pps:
             if len(blocks) < pp:
                 have = "has" if tp == 1 else "makes"
-                considered.append(Considered(tp, pp, None, f"needs {_sets(pp, tp)}; the pool {have} {len(blocks)}",
-                                             onwards=pp < pps[-1]))
+                yield Considered(tp, pp, None, f"needs {_sets(pp, tp)}; the pool {have} {len(blocks)}",
+                                 onwards=pp < pps[-1])
                 break
+            if groups and len(blocks) < groups * pp:
+                break
+            if groups and sum(room[:groups * pp]) < groups * profile.num_layers:
+                continue  # the roomiest blocks cannot hold the layers: more stages might
             candidate = _place_replicas(costs, blocks, tp, pp, wanted, partition)
-            considered.append(Considered(tp, pp, candidate, "" if candidate else "no split of the layers fits "
-                                                                                "the devices' memory"))
+            yield Considered(tp, pp, candidate, "" if candidate else "no split of the layers fits the devices' memory")
             if candidate is None or len(candidate.groups) < wanted:
                 continue  # more stages may fit more replicas (smaller devices take part)
             # More stages only add hops and slower devices once every replica fits: stop when worse.
             if previous is not None and candidate.critical_path >= previous:
                 if pp < pps[-1]:
-                    considered.append(Considered(tp, pp + 1, None, "not tried: once every replica fits, more "
-                                                                   "stages only add hops", onwards=True))
+                    yield Considered(tp, pp + 1, None, "not tried: once every replica fits, more stages only "
+                                                       "add hops", onwards=True)
                 break
             previous = candidate.critical_path
-    return request, tps, considered
+
+
+def _layer_room(costs: Costs, blocks: list[Block], tp: int) -> list[int]:
+    """The most layers each block could hold, roomiest first: as a middle stage (a stage with the
+    embeddings or the LM head has more fixed bytes, so it holds no more), and no more than the
+    model has (a block is one stage of one group). `groups` groups of `pp` stages need the first
+    `groups * pp` to hold `groups` times the layers."""
+    layers = costs.profile.num_layers
+    return sorted((min(max(costs.stage(b, tp, False, False).capacity(), 0), layers) for b in blocks), reverse=True)
 
 
 def _sets(pp: int, tp: int) -> str:
@@ -561,14 +584,33 @@ def _reason(spec: ShardedModelSpec, best: Candidate, found: list[Candidate]) -> 
 
 
 # ---------------------------------------------------------------- when not everything fits
-def _attempt(profile: ModelProfile, options: PlannerOptions) -> Callable[[ShardedModelSpec, Inventory], Plan | None]:
-    """Planning as the suggestions are checked: the plan, or None when not one group fits."""
-    def attempt(spec: ShardedModelSpec, inventory: Inventory) -> Plan | None:
-        try:
-            return _plan(profile, spec, inventory, options)
-        except (NothingFits, PlanError):
-            return None
-    return attempt
+def places(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory, groups: int,
+           options: PlannerOptions | None = None) -> bool:
+    """Whether `plan` places at least `groups` groups (how the suggestions are checked): the same
+    answer as planning and counting, sooner. Only the layouts that could place them are tried
+    (enough blocks, and the roomiest of them hold the layers by the planner's own stage sizes),
+    and the first that does answers yes. Each tensor degree's layouts are tried apart from the
+    others', so their order does not change the answer: the widest first, which usually answers
+    yes soonest (fewer stages to arrange)."""
+    try:
+        request, tps = _prepare(profile, spec, inventory)
+    except PlanError:
+        return False
+    return any(c.candidate is not None and len(c.candidate.groups) >= groups
+               for c in _tries(profile, spec, inventory, request, tps[::-1], options or PlannerOptions(), groups))
+
+
+def _memoised(fits: Fits) -> Fits:
+    """`fits` answering each question once: the searches ask some twice (a count of devices, or
+    one replica and all of them on the same pool)."""
+    answers: dict[tuple[str, str, int], bool] = {}
+
+    def memo(spec: ShardedModelSpec, inventory: Inventory, groups: int) -> bool:
+        key = (spec.model_dump_json(), inventory.model_dump_json(), groups)
+        if key not in answers:
+            answers[key] = fits(spec, inventory, groups)
+        return answers[key]
+    return memo
 
 
 @dataclass(frozen=True)
@@ -597,7 +639,8 @@ def _suggest(q: _Question, at_least: int, fitting: int = 0) -> tuple[Suggestion,
     asked = Asked(dtype=request.dtype, quantization=request.quantization, max_len=request.max_len,
                   batch=request.batch, weights={(d, k): weight_bytes(q.profile, whole, d, k)
                                                 for d in ("bfloat16", request.dtype) for k in ("int8", request.quantization)})
-    return tuple(suggestions(q.spec, q.inventory, asked, _attempt(q.profile, q.options), at_least, fitting))
+    fits = _memoised(lambda spec, inventory, groups: places(q.profile, spec, inventory, groups, q.options))
+    return tuple(suggestions(q.spec, q.inventory, asked, fits, at_least, fitting))
 
 
 def _layout_words(tp: int, pp: int, replicas: int) -> str:

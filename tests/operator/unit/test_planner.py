@@ -14,7 +14,7 @@ from shard_contract.sharding import valid_tensor_degrees
 from shard_contract.units import GiB
 from shard_operator.api import parse_spec
 from shard_operator.inventory import Device, Inventory, parse_devices
-from shard_operator.planner import PlanError, PlannerOptions, plan, shortfall
+from shard_operator.planner import PlanError, PlannerOptions, places, plan, shortfall
 from shard_operator.profile import ModelProfile, profile_from_config
 from shard_operator.replan import choose_plan
 from shard_operator.sizing import Shard, activation_bytes, kv_cache_bytes, weight_bytes
@@ -419,6 +419,29 @@ def test_every_suggestion_it_prints_makes_every_replica_fit(data):
     for suggestion in found:
         new_spec, new_inventory = suggestion.apply(the_spec, inventory)
         assert len(plan(profile, new_spec, new_inventory, OPTIONS).groups) == new_spec.replicas, suggestion.text
+
+
+def _planned(profile: ModelProfile, the_spec, inventory: Inventory) -> int:
+    try:
+        return len(plan(profile, the_spec, inventory, OPTIONS).groups)
+    except PlanError:
+        return 0
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_places_answers_as_planning_and_counting_does(data):
+    """How the suggestions are checked (sooner, skipping layouts that cannot answer yes) agrees
+    with the plan itself, for every number of groups."""
+    profile = data.draw(small_profiles())
+    inventory = Inventory(devices=[*data.draw(pools(profile, largest=1.0)).devices,
+                                   *(d.model_copy(update={"node": f"m{d.node}"})
+                                     for d in data.draw(pools(profile, largest=1.0)).devices)])
+    the_spec = small_spec(tensor=data.draw(st.sampled_from(["auto", 1, 2])),
+                          pipeline=data.draw(st.sampled_from(["auto", 1, 2, 3])), replicas=data.draw(st.integers(1, 4)))
+    planned = _planned(profile, the_spec, inventory)
+    for groups in range(1, the_spec.replicas + 1):
+        assert places(profile, the_spec, inventory, groups, OPTIONS) == (planned >= groups), groups
 
 
 @pytest.mark.parametrize("devices, spec_fields, first, offered", [

@@ -155,7 +155,8 @@ def more_devices(inventory: Inventory, n: int) -> tuple[tuple[Device, ...], str,
     """`n` devices like the pool's largest, how many (words) and what and where: on its node when
     the pool is one node (a machine or a server grows), else as whole nodes like that node (a
     cluster grows by nodes; `n` is then rounded up to whole nodes)."""
-    largest = max(inventory.devices, key=lambda d: (d.memory_bytes, d.speed))
+    # Ties go to the first node by name, so the answer does not depend on the pool's order.
+    largest = min(inventory.devices, key=lambda d: (-d.memory_bytes, -d.speed, d.node, d.index))
     like = f"{human(largest.memory_bytes)} ({largest.product or largest.kind})"
     if len({d.node for d in inventory.devices}) == 1:
         start = max(d.index for d in inventory.devices) + 1

@@ -185,8 +185,9 @@ def _fewest(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
 def device_suggestions(spec: ShardedModelSpec, inventory: Inventory, fits: Fits, at_least: int,
                        relax: Change | None, fitting: int = 0) -> list[Suggestion]:
     """The fewest devices like the largest that run every replica (with the `relax` change to the
-    spec when the spec as given cannot use more devices); failing that, bigger devices. When no
-    group fits yet and several are asked, also how many would run the first."""
+    spec when the spec as given cannot use more devices and the change alone does not do); failing
+    that, bigger devices. When no group fits yet and several are asked, also how many would run
+    the first."""
     wanted = max(spec.replicas, 1)
 
     def placed(patch: dict[str, Any], n: int, groups: int) -> bool:
@@ -195,7 +196,8 @@ def device_suggestions(spec: ShardedModelSpec, inventory: Inventory, fits: Fits,
         return fits(patched(spec, patch), added, groups)
 
     lo = max(1, at_least)
-    ways = [("", {}), *([relax] if relax else [])]
+    # The spec as given, and relaxed unless that alone places them (a suggestion of its own then).
+    ways = [("", {}), *([relax] if relax and not placed(relax[1], 0, wanted) else [])]
     for words, patch in ways if lo <= MAX_ADDED_DEVICES else []:
         near = min(max(2 * lo, lo + 16), MAX_ADDED_DEVICES)  # the bytes' estimate is often close
         n = _fewest(lo, near, lambda k: placed(patch, k, wanted)) \

@@ -419,6 +419,8 @@ def test_every_suggestion_it_prints_makes_every_replica_fit(data):
     for suggestion in found:
         new_spec, new_inventory = suggestion.apply(the_spec, inventory)
         assert len(plan(profile, new_spec, new_inventory, OPTIONS).groups) == new_spec.replicas, suggestion.text
+        if suggestion.patch and (suggestion.add or suggestion.memory_factor != 1):  # not more than it takes
+            assert _planned(profile, new_spec, inventory) < new_spec.replicas, suggestion.text
 
 
 def _planned(profile: ModelProfile, the_spec, inventory: Inventory) -> int:
@@ -454,6 +456,10 @@ def test_places_answers_as_planning_and_counting_does(data):
      "tensor=2 x pipeline=2 x 2 replicas needs 8 devices, tensor-parallel ranks on one node; the pool has 5.",
      "set tensor: auto and pipeline: auto, and add 11 more devices of 24.0 GiB (gpu) to node a (3 more devices "
      "would run 1 of the 2 replicas)"),
+    # Auto tensor alone fits: no devices added to it as well.
+    ("a:80GiB*2,b:80GiB*2", {"parallelism": {"tensor": 8}},
+     "spec.parallelism.tensor=8 needs 8 devices on one node; the largest node in the pool has 2.",
+     "set tensor: auto"),
     # 70B on two 24 GiB devices: 14 more run both replicas (not "about 17").
     ("a:24GiB*2", {"replicas": 2}, "one replica needs at least 162.59 GiB across 2 devices",
      "add 14 more devices of 24.0 GiB (gpu) to node a (6 more devices would run 1 of the 2 replicas)"),

@@ -5,12 +5,16 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: demo test test-fast system-tools test-tools crd bench images push-images clean
 
+# Each step says what it does first: a first install is quiet for minutes otherwise.
 $(STAMP): pyproject.toml worker/shard_worker/_gemv.c  # the C kernel is built by the install
-	test -x $(PY) || python3 -m venv $(VENV)
-	# The CPU wheel of torch lies on disk; an unpinned torch would pull a multi-GB CUDA build.
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
-	touch $(STAMP)
+	@test -x $(PY) || { echo "make: creating the virtualenv $(VENV) (python3 -m venv)"; python3 -m venv $(VENV); }
+	@# The CPU wheel of torch lies on disk; an unpinned torch would pull a multi-GB CUDA build.
+	@$(PY) -c "import torch" 2>/dev/null || { echo "make: installing torch 2.13.0, the CPU build (a minute or two) ..."; \
+		$(PY) -m pip install -q torch==2.13.0; }
+	@echo "make: installing shard-operator and its dependencies into $(VENV) (pip install -e '.[dev]', which builds the C decode kernels; about a minute) ..."
+	@$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+	@echo "make: $(VENV) is ready ($(VENV)/bin/shardctl)"
 
 # The main job: a model that fits no single local device budget, sharded over two local ranks
 # (`shardctl run`); one completion through the API; the plan, the answer and what each rank
@@ -28,6 +32,7 @@ demo: $(DEMO_SETUP) $(DEMO_MODEL)/config.json
 	@echo " $(VENV)/bin/shardctl run -f examples/local-demo.yaml --devices \"$(DEMO_DEVICES)\")"
 
 $(DEMO_MODEL)/config.json: | $(DEMO_SETUP)
+	@echo "make: writing the demo model (a random Llama) to $(DEMO_MODEL) ..."
 	$(PY) -m shard_operator.cli demo-model $(DEMO_MODEL) --force
 
 # Debian packages the tests run for real: chromium (the dashboards in a headless browser) and

@@ -16,6 +16,17 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from .units import count
+
+
+def describe_layers(layers: tuple[int, int] | list[int]) -> str:
+    """A stage's decoder layers [start, stop) as every table and picture writes them: '0-7 (8
+    layers)', '5 (1 layer)', 'none'."""
+    start, stop = layers
+    if stop <= start:
+        return "none"
+    return f"{start} (1 layer)" if stop - start == 1 else f"{start}-{stop - 1} ({count(stop - start, 'layer')})"
+
 
 class PredictedBytes(BaseModel):
     weights: int

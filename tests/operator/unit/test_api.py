@@ -108,7 +108,13 @@ def test_crd_carries_defaults_bounds_and_enums():
      'spec.parallelism.tensor: must be a positive integer or "auto" (got 0)'),
     ({"model": {"path": "m"}, "parallelism": {"pipeline": "many"}},
      'spec.parallelism.pipeline: must be a positive integer or "auto" (got \'many\')'),
-    ({"model": {"pth": "m"}}, "spec.model.pth: unknown field"),
+    ({"model": {"path": "m", "maxModeLen": 8}}, "spec.model.maxModeLen: unknown field (did you mean maxModelLen?)"),
+    ({"model": {"path": "m", "maxbatchsize": 8}}, "spec.model.maxbatchsize: unknown field (did you mean maxBatchSize?)"),
+    ({"model": {"path": "m"}, "replica": 2}, "spec.replica: unknown field (did you mean replicas?)"),
+    ({"model": {"path": "m"}, "placement": {"tolerations": [{"kee": "a"}]}},
+     "spec.placement.tolerations.0.kee: unknown field (did you mean key?)"),
+    ({"model": {"path": "m", "volume": {"hostPath": {"path": "/m"}, "readOnly": True}}},
+     "spec.model.volume.readOnly: unknown field (check its spelling and indentation)"),
     ({"model": {}}, "spec.model.path: required"),
     ({}, "spec.model: required"),
     ({"model": {"path": "m", "volume": {}}}, "spec.model.volume: give exactly one of pvc, hostPath or image"),
@@ -149,6 +155,18 @@ def test_whole_object_error_names_the_object():
     with pytest.raises(api.SpecError, match=r"ShardedModel broken is invalid:\nspec.replicas"):
         api.parse_sharded_model({"apiVersion": api.API_VERSION, "kind": api.KIND,
                                  "metadata": {"name": "broken"}, "spec": {"model": {"path": "m"}, "replicas": "x"}})
+
+
+def test_a_misspelt_field_of_a_whole_object_gets_the_nearest_name():
+    with pytest.raises(api.SpecError, match=r"spec.parallelism.pipelin: unknown field \(did you mean pipeline\?\)"):
+        api.parse_sharded_model({"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": "m"},
+                                 "spec": {"model": {"path": "m"}, "parallelism": {"pipelin": 2}}})
+
+
+def test_a_missing_file_is_one_line(tmp_path):
+    with pytest.raises(api.SpecError) as err:
+        api.load_sharded_models(tmp_path / "nope.yaml")
+    assert str(err.value) == f"{tmp_path / 'nope.yaml'}: no such file"
 
 
 def test_load_sharded_models_rejects_files_without_one(tmp_path):

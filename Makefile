@@ -3,14 +3,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast system-tools test-tools crd bench clean
+.PHONY: demo test test-fast system-tools test-tools crd bench images push-images clean
 
+# Each step says what it does first: a first install is quiet for minutes otherwise.
 $(STAMP): pyproject.toml worker/shard_worker/_gemv.c  # the C kernel is built by the install
-	test -x $(PY) || python3 -m venv $(VENV)
-	# The CPU wheel of torch lies on disk; an unpinned torch would pull a multi-GB CUDA build.
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
-	touch $(STAMP)
+	@test -x $(PY) || { echo "make: creating the virtualenv $(VENV) (python3 -m venv)"; python3 -m venv $(VENV); }
+	@# The CPU wheel of torch lies on disk; an unpinned torch would pull a multi-GB CUDA build.
+	@$(PY) -c "import torch" 2>/dev/null || { echo "make: installing torch 2.13.0, the CPU build (a minute or two) ..."; \
+		$(PY) -m pip install -q torch==2.13.0; }
+	@echo "make: installing shard-operator and its dependencies into $(VENV) (pip install -e '.[dev]', which builds the C decode kernels; about a minute) ..."
+	@$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+	@echo "make: $(VENV) is ready ($(VENV)/bin/shardctl)"
 
 # The main job: a model that fits no single local device budget, sharded over two local ranks
 # (`shardctl run`); one completion through the API; the plan, the answer and what each rank
@@ -28,6 +32,7 @@ demo: $(DEMO_SETUP) $(DEMO_MODEL)/config.json
 	@echo " $(VENV)/bin/shardctl run -f examples/local-demo.yaml --devices \"$(DEMO_DEVICES)\")"
 
 $(DEMO_MODEL)/config.json: | $(DEMO_SETUP)
+	@echo "make: writing the demo model (a random Llama) to $(DEMO_MODEL) ..."
 	$(PY) -m shard_operator.cli demo-model $(DEMO_MODEL) --force
 
 # Debian packages the tests run for real: chromium (the dashboards in a headless browser) and
@@ -62,6 +67,25 @@ crd: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/plan_scale.py
+
+# The two images, named as the chart and the operator expect them (docs/operations.md, "Build and
+# push the images"); `make -n images REGISTRY=...` prints the commands without running them.
+#   make push-images REGISTRY=registry.example.com/ml                    CUDA worker (cu128)
+#   make push-images REGISTRY=registry.example.com/ml TORCH_VARIANT=cpu  CPU worker, tag VERSION-cpu
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+REGISTRY ?=
+TORCH_VARIANT ?= cu128
+IMAGE_PREFIX := $(if $(REGISTRY),$(REGISTRY:%/=%)/)
+OPERATOR_IMAGE := $(IMAGE_PREFIX)shard-operator:$(VERSION)
+WORKER_IMAGE := $(IMAGE_PREFIX)shard-operator-worker:$(VERSION)$(if $(filter cpu,$(TORCH_VARIANT)),-cpu)
+
+images:
+	docker build -f Dockerfile.operator -t $(OPERATOR_IMAGE) .
+	docker build -f Dockerfile.worker --build-arg TORCH_VARIANT=$(TORCH_VARIANT) -t $(WORKER_IMAGE) .
+
+push-images: images
+	docker push $(OPERATOR_IMAGE)
+	docker push $(WORKER_IMAGE)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,7 +1,9 @@
 """Plan a 405B-class Llama (from config.json alone) onto 1,024 GPUs of three kinds in 128 nodes.
 
-Usage: python bench/plan_scale.py [--replicas N] [--repeat K]
+Usage: python bench/plan_scale.py [--replicas N ...] [--repeat K]
 Prints the chosen layout and the planning time (median of K runs); the goal is under one second.
+When not every replica fits (48 do not), also the time of the checked suggestions of what would
+(`shortfall`, median of K runs, each computed afresh); the goal is under two seconds.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 
 from shard_operator.api import parse_spec
 from shard_operator.inventory import inventory_from_nodes
-from shard_operator.planner import plan
+from shard_operator.planner import _suggest, plan, shortfall
 from shard_operator.profile import profile_from_config
 
 LLAMA_405B = {  # the published shape of Llama 3.1 405B
@@ -43,7 +45,7 @@ def nodes() -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--replicas", type=int, nargs="*", default=[1, 8])
+    parser.add_argument("--replicas", type=int, nargs="*", default=[1, 8, 48])
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     profile = profile_from_config(LLAMA_405B, name="llama-405b")
@@ -63,6 +65,17 @@ def main() -> None:
               f"{len(result.ranks)} ranks, imbalance {result.imbalance:.3f}; "
               f"plan time median {statistics.median(times):.3f} s (min {min(times):.3f}, max {max(times):.3f})")
         print(f"  reason: {result.reason}")
+        if len(result.groups) < replicas:
+            advice_times = []
+            for _ in range(args.repeat):
+                _suggest.cache_clear()  # the operator's memo of the answer: measure computing it
+                start = time.perf_counter()
+                missing = shortfall(result, profile, spec, inventory)
+                advice_times.append(time.perf_counter() - start)
+            assert missing is not None
+            print(f"  {len(result.groups)} of {replicas} fit; suggestions median {statistics.median(advice_times):.3f} s "
+                  f"(min {min(advice_times):.3f}, max {max(advice_times):.3f}): "
+                  + "; or ".join(s.text for s in missing.suggestions))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import textwrap
 from typing import Sequence
 from xml.sax.saxutils import escape, quoteattr
 
+from .plan import describe_layers
 from .units import human
 from .wire import ShardEntry
 
@@ -150,9 +151,10 @@ def group_svg(ranks: Sequence[ShardEntry], title: str = "", reason: str = "") ->
     for column, stage in enumerate(stages):
         members = sorted((r for r in ranks if r.stage == stage), key=lambda r: r.tp_rank)
         x = PAD + column * (BOX_W + GAP_X)
-        start, stop = members[0].layers
-        streamed = f" ({len(members[0].offload.layers)} streamed)" if members[0].offload else ""
-        parts = [f"layers {start}–{stop - 1}{streamed}" if stop > start else "no layers"]
+        layers = describe_layers(members[0].layers)  # '0-31 (32 layers)'
+        if members[0].offload:
+            layers = f"{layers.removesuffix(')')}, {len(members[0].offload.layers)} streamed)"
+        parts = [f"layers {layers}"]
         parts += ["embeddings"] if stage == stages[0] else []
         parts += ["LM head"] if stage == stages[-1] else []
         svg.text(x, top + 12, f"stage {stage}", size=13, weight="bold")

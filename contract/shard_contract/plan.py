@@ -18,6 +18,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 DEFAULT_PREFETCH = 2  # staging slots: one computes while the next loads (double buffering)
 
+from .units import count
+
+
+def describe_layers(layers: tuple[int, int] | list[int]) -> str:
+    """A stage's decoder layers [start, stop) as every table and picture writes them: '0-7 (8
+    layers)', '5 (1 layer)', 'none'."""
+    start, stop = layers
+    if stop <= start:
+        return "none"
+    return f"{start} (1 layer)" if stop - start == 1 else f"{start}-{stop - 1} ({count(stop - start, 'layer')})"
+
 
 class PredictedBytes(BaseModel):
     weights: int = Field(description="Resident weights (an offloading rank's streamed layers are not).")

@@ -8,7 +8,7 @@ from decimal import Decimal
 from typing import Any
 
 _UNITS = {
-    "": 1, "b": 1,
+    "b": 1,
     "k": 10**3, "kb": 10**3, "ki": 2**10, "kib": 2**10,
     "m": 10**6, "mb": 10**6, "mi": 2**20, "mib": 2**20,
     "g": 10**9, "gb": 10**9, "gi": 2**30, "gib": 2**30,
@@ -21,13 +21,24 @@ MiB = 2**20
 
 
 def parse_bytes(text: str | int | float) -> int:
-    """Parse "80GiB", "24G", "512Mi" or a plain number of bytes."""
+    """Parse "80GiB", "24G", "512Mi" or "4096B"; a number (not a string) is bytes.
+
+    A string needs its unit: "80" is far more often 80 GiB forgotten than 80 bytes meant."""
     if isinstance(text, (int, float)):
         return int(text)
     match = _QUANTITY.match(text)
+    if match and not match.group(2):
+        raise ValueError(f"{text!r} has no unit; write it like {match.group(1)}GiB, {match.group(1)}GB "
+                         f"or {match.group(1)}MiB")
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"{text!r} is not a memory size; write it like 80GiB, 24GB or 512MiB")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def table_unit(largest: int | float) -> tuple[str, int]:
+    """The one unit of a table whose largest figure is `largest`: GiB from 1 GiB up, else MiB
+    (a plan and what its ranks measured are then told in the same unit)."""
+    return ("GiB", GiB) if largest >= GiB else ("MiB", MiB)
 
 
 def gib(n_bytes: int | float) -> str:
@@ -55,3 +66,8 @@ def quantity(value: Any) -> Decimal:
     if not match:
         raise ValueError(f"{value!r} is not a Kubernetes quantity; write it like 16Gi, 500M or 250m")
     return Decimal(match.group(1)) * Decimal(_KUBE_SUFFIXES[match.group(2)])
+
+
+def count(n: int, noun: str) -> str:
+    """'1 device', '2 devices', '0 replicas': the number and the noun, plural unless one."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"

@@ -113,6 +113,13 @@ class GenerateResult(BaseModel):
     decode_steps: int
 
 
+class LoadProgress(BaseModel):
+    """How far a rank has read its slices of the checkpoint."""
+
+    loaded: int = Field(description="Bytes of this rank's tensors filled so far.")
+    total: int = Field(description="Bytes of all its tensors.")
+
+
 class ShardEntry(BaseModel):
     """One rank in `GET /v1/shards`: its place in the plan, and once it has loaded, the rest of
     its `RankReport` (a rank that has not loaded yet has no `resident_bytes`)."""
@@ -138,6 +145,7 @@ class ShardEntry(BaseModel):
     alive: bool = True
     state: str = Field("starting", description="starting, loading, ready, failed or broken")
     problems: list[str] = Field(default_factory=list, description="A failed memory check.")
+    load_progress: LoadProgress | None = Field(None, description="While it loads, and after.")
 
     @classmethod
     def planned(cls, rp: RankPlan, **measured: object) -> "ShardEntry":
@@ -155,6 +163,8 @@ class ShardsResponse(BaseModel):
     replica: int
     ready: bool
     reason: str = Field("", description="Why the group is not ready.")
+    predicted_step_seconds: float = Field(0.0, description="The plan's estimate of one decode step "
+                                                           "(its critical path through every stage).")
     ranks: list[ShardEntry]
 
     def measured_by_rank(self) -> dict[int, "Measured"]:

@@ -22,9 +22,17 @@ def default_dir() -> Path:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("dev-cluster", help="run a Kubernetes cluster on this machine: API server, operator, "
-                                           "pods as local processes")
-    p.add_argument("--dir", type=Path, default=default_dir(),
-                   help="state directory: kubeconfig, logs, and the nodes' filesystem in host/ (default %(default)s)")
+                                           "pods as local processes",
+                       description="Run a Kubernetes cluster on this machine for trying the operator: an emulated "
+                                   "API server,\nthe operator, and a kubelet that runs pods as local processes; "
+                                   "kubectl works against it.",
+                       epilog="examples:\n  shardctl dev-cluster --demo-model\n"
+                              "  shardctl dev-cluster --nodes examples/dev-cluster/nodes.yaml --faults error=0.05\n"
+                              "  shardctl dev-cluster add-node sim-c   # beside a running one")
+    p.add_argument("--dir", type=Path, default=None, metavar="DIR",
+                   help="state directory: kubeconfig, logs, and the nodes' filesystem in host/ "
+                        "(default: $XDG_CACHE_HOME/shard-operator/dev-cluster, XDG_CACHE_HOME being ~/.cache "
+                        "when unset)")
     p.add_argument("--nodes", metavar="NODES.yaml",
                    help="Node objects to start with (default: two nodes of two 200 MiB simulated GPUs, "
                         "as examples/dev-cluster/nodes.yaml)")
@@ -33,25 +41,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--faults", type=_faults, metavar="SPEC",
                    help="make the API server fail a fraction of requests as a real one under load does, e.g. "
                         "error=0.05,conflict=0.1,timeout=0.02,slow=0.02,delay=2,drop_watch=0.2,watch_life=5,seed=1 "
-                        "(docs/dev-cluster.md)")
+                        "(docs/dev-cluster.md) (default: none)")
     p.add_argument("--kubeconfig", type=Path, metavar="FILE",
                    help="attach to the API server (and its scheduler and controllers) this kubeconfig names instead "
                         "of starting the emulated one: the kubelet, the Service proxy and the operator run here "
-                        "(docs/dev-cluster.md)")
+                        "(docs/dev-cluster.md) (default: start the emulated API server)")
     p.add_argument("--node-selector", default="", metavar="LABELS",
                    help="the kubelet serves only the Nodes these labels select (default: every Node), e.g. "
                         "sharding.dev/device-kind=cpu beside real kubelets")
     p.set_defaults(func=run)
-    actions = p.add_subparsers(dest="action", metavar="{add-node}")
-    add = actions.add_parser("add-node", help="add a Node of simulated GPUs to the running dev cluster")
-    add.add_argument("name")
-    add.add_argument("--gpus", type=int, default=2, help="simulated GPUs (default %(default)s)")
-    add.add_argument("--memory", type=int, default=200, metavar="MiB", help="memory of each (default %(default)s)")
-    add.add_argument("--pool", default="dev", help="its sharding.dev/pool label (default %(default)s)")
-    add.add_argument("--speed", type=float, help="memory bandwidth in TB/s (sharding.dev/gpu-speed)")
-    add.add_argument("--dir", type=Path, default=default_dir(), help="the dev cluster's state directory "
-                     "(its kubeconfig; default %(default)s)")
-    add.add_argument("--kubeconfig", type=Path, metavar="FILE", help="the API server's kubeconfig instead")
+    actions = p.add_subparsers(dest="action", metavar="{add-node}",
+                               help="another action instead of running the cluster (default: run it)")
+    add = actions.add_parser("add-node", help="add a Node of simulated GPUs to the running dev cluster",
+                             description="Add a Node of simulated GPUs (CPU memory budgets) to a running dev "
+                                         "cluster, or to the API server\nof --kubeconfig; its kubelet serves it "
+                                         "at once. `kubectl delete node NAME` removes it.",
+                             epilog="examples:\n  shardctl dev-cluster add-node sim-c\n"
+                                    "  shardctl dev-cluster add-node big --gpus 4 --memory 1GiB --speed 2")
+    add.add_argument("name", help="the Node's name")
+    add.add_argument("--gpus", type=int, default=2, help="simulated GPUs")
+    add.add_argument("--memory", type=_mib, default=200, metavar="SIZE",
+                     help="memory of each, with its unit, e.g. 512MiB (default: 200MiB)")
+    add.add_argument("--pool", default="dev", help="its sharding.dev/pool label")
+    add.add_argument("--speed", type=float, metavar="TBPS",
+                     help="memory bandwidth in TB/s, its sharding.dev/gpu-speed label (default: unlabelled, "
+                          "so the planner takes 1 as for any unknown product)")
+    add.add_argument("--dir", type=Path, default=None, metavar="DIR",
+                     help="the dev cluster's state directory, where its kubeconfig is (default: as dev-cluster's)")
+    add.add_argument("--kubeconfig", type=Path, metavar="FILE",
+                     help="the API server's kubeconfig instead (default: the one in --dir)")
     add.set_defaults(func=add_node)
 
 
@@ -62,6 +80,18 @@ def _faults(text: str):
         return Faults.parse(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _mib(text: str) -> int:
+    from shard_contract.units import MiB, parse_bytes
+
+    try:
+        size = parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if size < MiB:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least 1MiB")
+    return size // MiB
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,7 +109,7 @@ async def _add_node(args: argparse.Namespace) -> int:
     from .cluster import sim_node
     from .kubeapi import ApiStatusError, KubeApi, path
 
-    kubeconfig = args.kubeconfig or args.dir.resolve() / "kubeconfig"
+    kubeconfig = args.kubeconfig or (args.dir or default_dir()).resolve() / "kubeconfig"
     if not kubeconfig.is_file():
         print(f"{kubeconfig}: no such kubeconfig; is `shardctl dev-cluster` running (--dir)?", file=sys.stderr)
         return 1
@@ -102,7 +132,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from .cluster import DevCluster, default_nodes
 
     nodes = load_nodes(args.nodes) if args.nodes else [] if args.kubeconfig else default_nodes()
-    workdir: Path = args.dir.resolve()
+    workdir: Path = (args.dir or default_dir()).resolve()
     host_root = workdir / "host"
     if args.demo_model and not (host_root / MODELS.lstrip("/") / "demo-llama" / "config.json").exists():
         from shard_operator.demo_model import write_demo_model

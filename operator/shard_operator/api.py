@@ -7,8 +7,10 @@ snake_case in Python.
 
 from __future__ import annotations
 
+import difflib
 import os
 import posixpath
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -288,6 +290,8 @@ class PlanSummary(ApiModel):
     hash: str = ""
     reason: str = ""
     max_predicted_bytes: int = 0
+    predicted_step_seconds: float = Field(0.0, description="Estimated time of one decode step (the slowest "
+                                                           "group's critical path through every stage).")
 
 
 class ShardOffload(ApiModel):
@@ -385,8 +389,33 @@ def _field_path(loc: tuple[Any, ...], root: str) -> str:
     return ".".join(p for p in [root, *parts] if p)
 
 
-def explain(err: ValidationError, root: str = "") -> str:
-    """One line per offending field, named as a Kubernetes user writes it."""
+def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The wire names of the fields beside the one at `loc` (its parent model's), or [] where the
+    location leaves the models (a dict, a list of scalars)."""
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        info = next((f for name, f in model.model_fields.items() if part in (name, f.alias)), None)
+        if info is None:
+            return []
+        inner = [a for a in (typing.get_args(info.annotation) or (info.annotation,))
+                 for a in (typing.get_args(a) or (a,))]
+        model = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if model is None:
+            return []
+    return [f.alias or name for name, f in model.model_fields.items()]
+
+
+def _did_you_mean(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
+    close = difflib.get_close_matches(str(loc[-1]), _fields_at(model, loc), n=1, cutoff=0.6)
+    if not close:  # often only the case is off: maxmodellen
+        close = [f for f in _fields_at(model, loc) if f.lower() == str(loc[-1]).lower()][:1]
+    return f"did you mean {close[0]}?" if close else "check its spelling and indentation"
+
+
+def explain(err: ValidationError, root: str = "", model: type[BaseModel] | None = None) -> str:
+    """One line per offending field, named as a Kubernetes user writes it; an unknown field gets
+    the nearest field `model` has there ("did you mean maxModelLen?")."""
     lines: dict[str, str] = {}
     for error in err.errors():
         path = _field_path(error["loc"], root)
@@ -394,7 +423,8 @@ def explain(err: ValidationError, root: str = "") -> str:
         if any(isinstance(p, str) and p == "literal['auto']" for p in error["loc"]):
             lines[path] = f"{path}: must be a positive integer or \"auto\" (got {given!r})"
         elif error["type"] == "extra_forbidden":
-            lines[path] = f"{path}: unknown field (check its spelling and indentation)"
+            hint = _did_you_mean(model, error["loc"]) if model else "check its spelling and indentation"
+            lines[path] = f"{path}: unknown field ({hint})"
         elif error["type"] == "missing":
             lines[path] = f"{path}: required"
         elif error["type"] == "value_error":
@@ -413,7 +443,7 @@ def parse_sharded_model(obj: dict[str, Any]) -> ShardedModel:
         return ShardedModel.model_validate(obj)
     except ValidationError as err:
         name = (obj.get("metadata") or {}).get("name", "?") if isinstance(obj.get("metadata"), dict) else "?"
-        raise SpecError(f"ShardedModel {name} is invalid:\n{explain(err)}") from None
+        raise SpecError(f"ShardedModel {name} is invalid:\n{explain(err, model=ShardedModel)}") from None
 
 
 def parse_spec(spec: dict[str, Any]) -> ShardedModelSpec:
@@ -421,12 +451,17 @@ def parse_spec(spec: dict[str, Any]) -> ShardedModelSpec:
     try:
         return ShardedModelSpec.model_validate(spec or {})
     except ValidationError as err:
-        raise SpecError(explain(err, root="spec")) from None
+        raise SpecError(explain(err, root="spec", model=ShardedModelSpec)) from None
 
 
 def load_sharded_models(path: str | os.PathLike[str]) -> list[ShardedModel]:
     """Every ShardedModel in a YAML file (other kinds in a multi-document file are skipped)."""
-    text = Path(path).read_text()
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such file") from None
+    except OSError as err:
+        raise SpecError(f"{path}: cannot read it ({err.strerror})") from None
     try:
         docs = [d for d in yaml.safe_load_all(text) if d]
     except yaml.YAMLError as err:
@@ -456,10 +491,21 @@ def inside(root: Path, path: str, field: str = "spec.model.path", within: str = 
 
 
 def resolve_model_dir(model: ModelSpec, base: str | os.PathLike[str] | None = None) -> Path:
-    """The local directory of the model, when it can be known without a cluster."""
+    """The local directory of the model, when it can be known without a cluster.
+
+    A PVC or an image is out of reach, so the directory of the YAML file (`base`) stands for its
+    root: a spec that names a volume is planned from a local copy kept at the same path beside it.
+    """
     if model.volume is not None and model.volume.host_path is not None:
         return inside(Path(model.volume.host_path.path), model.path)
     if model.volume is not None:
-        raise SpecError("spec.model.volume is a PVC or image volume: pass --model-dir to use it locally")
+        local = Path(base) / model.path if base is not None else None
+        if local is None or not local.is_dir():
+            kind = "a PVC" if model.volume.pvc is not None else "an image"
+            where = f" (no {local})" if local is not None else ""
+            raise SpecError(f"spec.model.volume is {kind}: pass --model-dir with a local copy of the model "
+                            f"(its config.json is enough to plan), or keep one at spec.model.path beside the "
+                            f"YAML file{where}")
+        return local
     path = Path(model.path)
     return path if path.is_absolute() or base is None else Path(base) / path

@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shard_contract.units import human
+from shard_contract.plan import describe_layers
+from shard_contract.units import table_unit
 from shard_contract.wire import GenerateResult
 
 
@@ -53,14 +54,17 @@ def render_result(result: GenerateResult) -> str:
         lines.append(f"text: {done.text!r}")
     if done.error is not None:
         lines.append(f"error: {done.error}")
-    header = ("rank", "stage", "tp", "layers", "predicted", "resident", "load s", "comm s", "compute s", "idle s")
+    unit, size = table_unit(max((r.predicted_bytes.weights + r.predicted_bytes.kv_cache for r in result.ranks),
+                                default=0))
+    header = ("rank", "stage", "tp", "layers", f"predicted {unit}", f"resident {unit}", "load s", "comm s",
+              "compute s", "idle s")
     rows = [header]
     for r in result.ranks:
         resident = r.resident_bytes.weights + r.resident_bytes.kv_cache
         predicted = r.predicted_bytes.weights + r.predicted_bytes.kv_cache
-        rows.append((str(r.rank), str(r.stage), str(r.tp_rank), f"{r.layers[0]}-{r.layers[1] - 1}",
-                     human(predicted), human(resident), f"{r.load_seconds:.2f}", f"{r.comm_seconds:.3f}",
-                     f"{r.compute_seconds:.3f}", f"{r.idle_seconds:.3f}"))
+        rows.append((str(r.rank), str(r.stage), str(r.tp_rank), describe_layers(r.layers),
+                     f"{predicted / size:.2f}", f"{resident / size:.2f}", f"{r.load_seconds:.2f}",
+                     f"{r.comm_seconds:.3f}", f"{r.compute_seconds:.3f}", f"{r.idle_seconds:.3f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines.append("")
     lines.append("weights + KV cache per rank, predicted by the plan and measured resident:")

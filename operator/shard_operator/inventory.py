@@ -13,6 +13,7 @@ labels `sharding.dev/host-bandwidth` and `sharding.dev/file-bandwidth` on a node
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -23,7 +24,7 @@ from typing import Any, Iterable, Literal
 import yaml
 from pydantic import BaseModel, Field
 
-from shard_contract.units import MiB, parse_bytes
+from shard_contract.units import MiB, human, parse_bytes
 
 from .api import Placement, Toleration
 
@@ -98,16 +99,16 @@ class Inventory(BaseModel):
         return sorted({d.node for d in self.devices})
 
     def describe(self) -> str:
-        """One line per kind of device, e.g. '4 x 80.0 GiB (H100) on node-a'."""
+        """One part per kind of device, e.g. '4 x 80.0 GiB (H100) on node-a; 2 x 256.0 MiB (cpu) on
+        localhost': the product, or whether they are GPUs or CPU rank budgets."""
         groups: dict[tuple, list[Device]] = {}
         for d in self.devices:
-            groups.setdefault((d.memory_bytes, d.product, d.speed), []).append(d)
+            groups.setdefault((d.memory_bytes, d.product or d.kind, d.speed), []).append(d)
         parts = []
-        for (memory, product, _), devs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1], -kv[0][2])):
+        for (memory, label, _), devs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1], -kv[0][2])):
             nodes = sorted({d.node for d in devs})
             where = nodes[0] if len(nodes) == 1 else f"{len(nodes)} nodes"
-            label = f" ({product})" if product else ""
-            parts.append(f"{len(devs)} x {memory / 2**30:.1f} GiB{label} on {where}")
+            parts.append(f"{len(devs)} x {human(memory)} ({label}) on {where}")
         return "; ".join(parts) or "no devices"
 
 
@@ -214,33 +215,48 @@ def load_nodes(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------- compact string
+LOCAL_NODE = "localhost"  # this machine, in a device list and in `shardctl run`'s plans
+DEVICES_FORMAT = ("NODE:MEMORY[*COUNT][@SPEED][:PRODUCT][+host=GBPS][+files=GBPS], e.g. node-a:80GiB*4 or "
+                  "localhost:256MiB*2")
 _DEVICE_SPEC = re.compile(r"^(?P<node>[A-Za-z0-9._-]+):(?P<mem>[0-9.]+[A-Za-z]*)"
                           r"(?:\*(?P<count>\d+))?(?:@(?P<speed>[0-9.]+))?(?::(?P<product>[A-Za-z0-9._-]+))?"
                           r"(?P<rates>(?:\+(?:host|files)=[0-9.]+)*)$")
 _RATE_FIELDS = {"host": "host_gbps", "files": "file_gbps"}
+DeviceKind = Literal["gpu", "cpu", "auto"]
 
 
-def parse_devices(text: str, kind: Literal["gpu", "cpu"] = "gpu") -> Inventory:
+def parse_devices(text: str, kind: DeviceKind = "gpu") -> Inventory:
     """Devices from "node-a:80GiB*4,node-b:24GiB*2@0.5":
     NODE:MEMORY[*COUNT][@SPEED][:PRODUCT][+host=GBPS][+files=GBPS].
 
-    SPEED is relative memory bandwidth (TB/s for GPUs); PRODUCT sets it from the known table.
-    host and files are the GB/s of streamed layers (offload) from host memory and from the files.
+    MEMORY needs its unit; SPEED is relative memory bandwidth (TB/s for GPUs); PRODUCT sets it
+    from the known table. host and files are the GB/s of streamed layers (offload) from host
+    memory and from the files. kind "auto": devices on `localhost` are what this machine runs
+    ranks on (`local_kind`), devices on any other node GPUs.
     """
+    if not text.strip():
+        raise ValueError(f"the device list is empty; write {DEVICES_FORMAT}")
     devices: list[Device] = []
     next_index: dict[str, int] = {}
     for item in (part.strip() for part in text.split(",")):
         if not item:
-            continue
+            raise ValueError(f"device list {text!r} has an empty entry; write {DEVICES_FORMAT}, comma-separated")
         match = _DEVICE_SPEC.match(item)
         if not match:
-            raise ValueError(f"device spec {item!r}: write NODE:MEMORY[*COUNT][@SPEED][:PRODUCT]"
-                             "[+host=GBPS][+files=GBPS], e.g. node-a:80GiB*4 or node-b:24GiB*2@0.3+host=50")
-        memory = parse_bytes(match["mem"])
+            raise ValueError(f"device spec {item!r}: write {DEVICES_FORMAT}")
+        try:
+            memory = parse_bytes(match["mem"])
+        except ValueError as err:
+            raise ValueError(f"device spec {item!r}: memory {err}") from None
         if memory <= 0:
             raise ValueError(f"device spec {item!r}: memory must be positive")
+        count = int(match["count"] or 1)
+        if count < 1:
+            raise ValueError(f"device spec {item!r}: the count after * must be at least 1")
+        node = match["node"]
+        device_kind = (local_kind() if node == LOCAL_NODE else "gpu") if kind == "auto" else kind
         product = match["product"] or ""
-        default_speed = CPU_SPEED if kind == "cpu" else (bandwidth_of(product) if product else 1.0)
+        default_speed = CPU_SPEED if device_kind == "cpu" else (bandwidth_of(product) if product else 1.0)
         speed = float(match["speed"]) if match["speed"] else default_speed
         if speed <= 0:
             raise ValueError(f"device spec {item!r}: speed must be positive")
@@ -250,14 +266,11 @@ def parse_devices(text: str, kind: Literal["gpu", "cpu"] = "gpu") -> Inventory:
             rates[_RATE_FIELDS[name]] = float(value)
             if rates[_RATE_FIELDS[name]] <= 0:
                 raise ValueError(f"device spec {item!r}: {name} must be positive GB/s")
-        node = match["node"]
-        for _ in range(int(match["count"] or 1)):
+        for _ in range(count):
             index = next_index.get(node, 0)
             next_index[node] = index + 1
-            devices.append(Device(node=node, index=index, kind=kind, product=product,
+            devices.append(Device(node=node, index=index, kind=device_kind, product=product,
                                   memory_bytes=memory, speed=speed, **rates))
-    if not devices:
-        raise ValueError("no devices given")
     return Inventory(devices=devices)
 
 
@@ -290,8 +303,14 @@ def _cuda_devices(node: str) -> list[Device]:
     return devices
 
 
+@functools.cache
+def local_kind() -> Literal["gpu", "cpu"]:
+    """What `shardctl run` runs ranks on here: the CUDA devices nvidia-smi lists, else the CPU."""
+    return "gpu" if _cuda_devices(LOCAL_NODE) else "cpu"
+
+
 def local_inventory(ranks: int | None = None, budget_bytes: int | None = None,
-                    node: str = "localhost") -> Inventory:
+                    node: str = LOCAL_NODE) -> Inventory:
     """This machine: its CUDA devices when present, else `ranks` CPU devices sharing its memory.
 
     A CPU device is a rank's memory budget; by default the available memory split over one rank

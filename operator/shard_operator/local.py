@@ -55,7 +55,7 @@ def plan_local(model_dir: str | os.PathLike[str], tp: int, pp: int, *, dtype: st
         model=ModelSpec(path=str(model_dir), dtype=dtype, quantization=quantization, max_model_len=max_model_len,
                         max_batch_size=max_batch_size),
         parallelism=Parallelism(tensor=tp, pipeline=pp, layer_partition=layer_partition))
-    inventory = parse_devices(devices, kind=device_kind) if devices else local_inventory(ranks=tp * pp)
+    inventory = parse_devices(devices, kind=device_kind) if devices is not None else local_inventory(ranks=tp * pp)
     return make_plan(profile, spec, inventory)
 
 

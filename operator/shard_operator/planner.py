@@ -19,28 +19,32 @@ more layers than its memory by streaming some in at every step (`offload.py`): t
 with each stage's time max(compute, streaming) and its layers resident as far as they fit.
 Parallelism no pool could ever run (a tensor degree that does not divide the heads, more stages
 than layers) is an `InvalidParallelism` PlanError before any device is looked at. When not even
-one replica fits, `PlanError` says how much is needed, what the pool has, and what would fit;
-when some but not all do, the Plan has fewer groups than `replicas` and `shortfall` says what the
-others lack.
+one replica fits, `PlanError` says what stands in the way first (a given layout's device count or
+rank size), how much is needed, what the pool has, and what would fit; when some but not all do,
+the Plan has fewer groups than `replicas` and `shortfall` says what the others lack. What would
+fit is `advice.py`'s: every suggestion was checked by planning again with it applied.
+`consider` lists every layout tried (`shardctl plan --explain`).
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
 import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from pydantic import TypeAdapter, ValidationError
 
 from shard_contract.plan import DEFAULT_PREFETCH, GroupPlan, OffloadSettings, Plan, PredictedBytes, RankPlan, StagePlan
 from shard_contract.sharding import tp_problem, valid_tensor_degrees
-from shard_contract.units import gib, human
+from shard_contract.units import count, gib, human
 
 from . import offload
+from .advice import Asked, Fits, Suggestion, offer, suggestions
 from .api import OFFLOAD_INT8, ShardedModelSpec
 from .inventory import Device, Inventory, SkippedNode
 from .offload import OffloadStage
@@ -79,13 +83,16 @@ class Shortfall:
 
 class PlanError(ValueError):
     """No layout fits. `reason` is a condition reason; the message says what would help; a
-    `shortfall` says it in numbers when the pool is too small."""
+    `shortfall` says it in numbers when the pool is too small, and `suggestions` are the changes
+    the message offers, each checked by planning again."""
 
-    def __init__(self, reason: str, message: str, shortfall: Shortfall | None = None):
+    def __init__(self, reason: str, message: str, shortfall: Shortfall | None = None,
+                 suggestions: list[Suggestion] | None = None):
         super().__init__(message)
         self.reason = reason
         self.message = message
         self.shortfall = shortfall
+        self.suggestions = suggestions or []
 
 
 @dataclass(frozen=True)
@@ -182,89 +189,166 @@ class Candidate:
         return max(g.critical_path for g in self.groups)
 
 
+@dataclass(frozen=True)
+class Considered:
+    """One layout the planner tried: the groups it placed, or why none fit. `onwards`: this and
+    every larger pipeline degree at this tensor degree (tried no further, for `why`)."""
+
+    tp: int
+    pp: int
+    candidate: Candidate | None
+    why: str = ""
+    onwards: bool = False
+
+
 # ---------------------------------------------------------------- entry point
 def plan(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
          options: PlannerOptions | None = None) -> Plan:
-    """The Plan of as many of `spec.replicas` groups as fit (at least one; zero when 0 are asked)."""
+    """The Plan of as many of `spec.replicas` groups as fit (at least one; zero when 0 are asked).
+
+    When not one fits, the PlanError says why, and what would fit: every suggestion it makes was
+    checked by planning again with it applied (`PlanError.suggestions`)."""
     options = options or PlannerOptions()
+    try:
+        return _plan(profile, spec, inventory, options)
+    except NothingFits as nothing:
+        note = _offload_note(profile, spec, nothing.request, nothing.inventory, nothing.tps, options)
+        message, found = explain_infeasible(profile, spec, nothing.request, nothing.inventory, nothing.tps, options,
+                                            nothing.shortfall, note)
+        raise PlanError("InsufficientCapacity", message, nothing.shortfall, found) from None
+
+
+class NothingFits(Exception):
+    """No layout places even one group: what `plan` explains."""
+
+    def __init__(self, request: Request, inventory: Inventory, tps: list[int], shortfall: Shortfall):
+        self.request, self.inventory, self.tps, self.shortfall = request, inventory, tps, shortfall
+
+
+def _plan(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory, options: PlannerOptions) -> Plan:
+    request, inventory, tps = _prepare(profile, spec, inventory)
+    policy = request.offload.policy
+    streaming = policy == "always"
+    found = _fitting(profile, spec, inventory, request, tps, options, streaming)
+    placed = max((len(c.groups) for c in found), default=0)
+    if policy == "auto" and placed < max(request.replicas, 1) and request.quantization == "none":
+        more = _fitting(profile, spec, inventory, request, tps, options, streaming=True)
+        # auto: only when streaming places more replicas than holding every layer does
+        if max((len(c.groups) for c in more), default=0) > placed:
+            found, streaming = more, True
+    if not found:
+        raise NothingFits(request, inventory, tps, _capacity_needed(profile, request, inventory, tps, options))
+    most = max(len(c.groups) for c in found)
+    found = [c for c in found if len(c.groups) == most]
+    best = _choose(found, options.tolerance)
+    request, why = _fallback_dtype(request, spec, best)
+    result = _to_plan(profile, spec, request, Costs(profile, request, options, streaming), best, found)
+    return result.model_copy(update={"reason": result.reason + why}) if why else result
+
+
+def _fitting(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory, request: Request,
+             tps: list[int], options: PlannerOptions, streaming: bool = False) -> list[Candidate]:
+    """The layouts that place at least one group."""
+    return [c.candidate for c in _tries(profile, spec, inventory, request, tps, options, streaming=streaming)
+            if c.candidate is not None]
+
+
+STREAMING_FITS = "Streaming layers would fit it (planned): "
+
+
+def _offload_note(profile: ModelProfile, spec: ShardedModelSpec, request: Request, inventory: Inventory,
+                  tps: list[int], options: PlannerOptions) -> str:
+    """What offload would do for a model that does not fit: fit it (at what speed), or why not."""
+    if request.quantization != "none":
+        return "" if request.offload.policy == "never" else OFFLOAD_INT8.replace("always", request.offload.policy) + "."
+    if request.offload.policy != "never":
+        return ("Offload streams the decoder layers' projections only: each rank keeps its KV cache, "
+                "activations, runtime, embeddings or LM head and its staging slots resident.")
+    auto = replace(request, offload=request.offload.model_copy(update={"policy": "auto"}))
+    found = _fitting(profile, spec, inventory, auto, tps, options, streaming=True)
+    if not found:
+        return ""
+    most = max(len(c.groups) for c in found)
+    best = _choose([c for c in found if len(c.groups) == most], options.tolerance)
+    fitted = _to_plan(profile, spec, auto, Costs(profile, auto, options, streaming=True), best, found)
+    per_step = sum(r.offload.streamed_bytes for r in fitted.group(0) if r.offload)
+    step = fitted.groups[0].critical_path_seconds
+    return (f"{STREAMING_FITS}set spec.placement.offload.policy auto: streaming {offload.layer_count(fitted)} "
+            f"({human(per_step)} per decode step over the group) fits it at tensor={best.tp} x pipeline={best.pp}, "
+            f"est. {step * 1e3:.2f} ms per decode step ({1 / step:.1f} tokens/s per sequence).")
+
+
+def consider(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
+             options: PlannerOptions) -> tuple[Request, list[int], list[Considered]]:
+    """Every layout the planner tries, in order (`plan` chooses among those that fit)."""
+    request, inventory, tps = _prepare(profile, spec, inventory)
+    streaming = request.offload.policy == "always"
+    return request, tps, list(_tries(profile, spec, inventory, request, tps, options, streaming=streaming))
+
+
+def _prepare(profile: ModelProfile, spec: ShardedModelSpec,
+             inventory: Inventory) -> tuple[Request, Inventory, list[int]]:
+    """The request, the devices that can run it and the tensor degrees to try; a PlanError for a
+    spec no pool could run."""
     request = _resolve_request(profile, spec)
     check_parallelism(profile, spec)
     inventory = _running(inventory, spec.model.dtype)
     if not inventory.devices:
         skipped = "; ".join(f"{s.node}: {s.reason}" for s in inventory.skipped) or "no nodes"
         raise PlanError("NoDevices", f"no usable devices in the node pool ({skipped})")
-    tps = _tensor_candidates(profile, spec, inventory)
+    return request, inventory, _tensor_candidates(profile, spec, inventory)
+
+
+def _tries(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory, request: Request,
+           tps: list[int], options: PlannerOptions, groups: int = 0,
+           streaming: bool = False) -> Iterator[Considered]:
+    """`consider`'s layouts one at a time, so a question that any one answers can stop early.
+    With `groups`, only the layouts that could place that many groups are tried (`places`);
+    `streaming`: a stage may stream the layers it cannot hold (offload)."""
     pps = _pipeline_candidates(profile, spec)
-    policy = request.offload.policy
-    costs = Costs(profile, request, options)
-    found = [] if policy == "always" else _search(costs, inventory, tps, pps, spec)
-    placed = max((len(c.groups) for c in found), default=0)
-    if policy == "always" or (policy == "auto" and placed < max(request.replicas, 1)
-                              and request.quantization == "none"):
-        streaming = Costs(profile, request, options, streaming=True)
-        more = _search(streaming, inventory, tps, pps, spec)
-        # auto: only when streaming places more replicas than holding every layer does
-        if max((len(c.groups) for c in more), default=0) > placed:
-            found, costs = more, streaming
-    if not found:
-        missing = _capacity_needed(profile, request, inventory, tps, options)
-        note = _offload_note(profile, spec, request, inventory, tps, pps, options)
-        raise PlanError("InsufficientCapacity",
-                        explain_infeasible(profile, spec, request, inventory, tps, options, missing, note), missing)
-    most = max(len(c.groups) for c in found)
-    found = [c for c in found if len(c.groups) == most]
-    best = _choose(found, options.tolerance)
-    request, why = _fallback_dtype(request, spec, best)
-    result = _to_plan(profile, spec, request, costs, best, found)
-    return result.model_copy(update={"reason": result.reason + why}) if why else result
-
-
-def _offload_note(profile: ModelProfile, spec: ShardedModelSpec, request: Request, inventory: Inventory,
-                  tps: list[int], pps: list[int], options: PlannerOptions) -> str:
-    """What offload would do for a model that does not fit: fit it (at what speed), or why not."""
-    if request.quantization != "none":
-        return "" if request.offload.policy == "never" else OFFLOAD_INT8.replace("always", request.offload.policy)
-    if request.offload.policy != "never":
-        return ("offload streams the decoder layers' projections only: each rank keeps its KV cache, "
-                "activations, runtime, embeddings or LM head and its staging slots resident")
-    auto = replace(request, offload=request.offload.model_copy(update={"policy": "auto"}))
-    costs = Costs(profile, auto, options, streaming=True)
-    found = _search(costs, inventory, tps, pps, spec)
-    if not found:
-        return ""
-    most = max(len(c.groups) for c in found)
-    best = _choose([c for c in found if len(c.groups) == most], options.tolerance)
-    fitted = _to_plan(profile, spec, auto, costs, best, found)
-    per_step = sum(r.offload.streamed_bytes for r in fitted.group(0) if r.offload)
-    step = fitted.groups[0].critical_path_seconds
-    return (f"set spec.placement.offload.policy auto: streaming {offload.layer_count(fitted)} "
-            f"({human(per_step)} per decode step over the group) fits it at tensor={best.tp} x pipeline={best.pp}, "
-            f"est. {step * 1e3:.2f} ms per decode step ({1 / step:.1f} tokens/s per sequence)")
-
-
-def _search(costs: "Costs", inventory: Inventory, tps: list[int], pps: list[int],
-            spec: ShardedModelSpec) -> list[Candidate]:
-    """Every (TP, PP) layout worth comparing, each with as many replicas as fit."""
     partition = spec.parallelism.layer_partition
-    wanted = max(costs.request.replicas, 1)
-    found: list[Candidate] = []
+    wanted = max(request.replicas, 1)
+    costs = Costs(profile, request, options, streaming)
     for tp in tps:
         blocks = make_blocks(inventory.devices, tp)
+        room = _layer_room(costs, blocks, tp) if groups and not streaming else []  # streamed layers need no room
         previous: float | None = None
         for pp in pps:
             if len(blocks) < pp:
+                have = "has" if tp == 1 else "makes"
+                yield Considered(tp, pp, None, f"needs {_sets(pp, tp)}; the pool {have} {len(blocks)}",
+                                 onwards=pp < pps[-1])
                 break
+            if groups and len(blocks) < groups * pp:
+                break
+            if room and sum(room[:groups * pp]) < groups * profile.num_layers:
+                continue  # the roomiest blocks cannot hold the layers: more stages might
             candidate = _place_replicas(costs, blocks, tp, pp, wanted, partition)
-            if candidate is None:
-                continue
-            found.append(candidate)
-            if len(candidate.groups) < wanted:
+            yield Considered(tp, pp, candidate, "" if candidate else "no split of the layers fits the devices' memory")
+            if candidate is None or len(candidate.groups) < wanted:
                 continue  # more stages may fit more replicas (smaller devices take part)
             # More stages only add hops and slower devices once every replica fits: stop when worse.
             if previous is not None and candidate.critical_path >= previous:
+                if pp < pps[-1]:
+                    yield Considered(tp, pp + 1, None, "not tried: once every replica fits, more stages only "
+                                                       "add hops", onwards=True)
                 break
             previous = candidate.critical_path
-    return found
+
+
+def _layer_room(costs: Costs, blocks: list[Block], tp: int) -> list[int]:
+    """The most layers each block could hold, roomiest first: as a middle stage (a stage with the
+    embeddings or the LM head has more fixed bytes, so it holds no more), and no more than the
+    model has (a block is one stage of one group). `groups` groups of `pp` stages need the first
+    `groups * pp` to hold `groups` times the layers."""
+    layers = costs.profile.num_layers
+    return sorted((min(max(costs._stage_of(b.shape, tp, False, False).capacity(), 0), layers) for b in blocks),
+                  reverse=True)
+
+
+def _sets(pp: int, tp: int) -> str:
+    """What `pp` stages of `tp` ranks take: 'pipeline=3 devices', '2 sets of 4 devices on one node'."""
+    return count(pp, "device") if tp == 1 else f"{pp} set{'s' if pp > 1 else ''} of {tp} devices on one node"
 
 
 def _running(inventory: Inventory, dtype: str) -> Inventory:
@@ -327,12 +411,7 @@ def _tensor_candidates(profile: ModelProfile, spec: ShardedModelSpec, inventory:
         per_node[d.node] = per_node.get(d.node, 0) + 1
     widest = max(per_node.values())
     tensor = spec.parallelism.tensor
-    if tensor == "auto":
-        return valid_tensor_degrees(profile, widest)
-    if tensor > widest:
-        raise PlanError("InsufficientCapacity", f"spec.parallelism.tensor={tensor} needs {tensor} devices "
-                        f"on one node; the largest node in the pool has {widest}")
-    return [tensor]
+    return valid_tensor_degrees(profile, widest) if tensor == "auto" else [tensor]
 
 
 def _pipeline_candidates(profile: ModelProfile, spec: ShardedModelSpec) -> list[int]:
@@ -635,10 +714,10 @@ def _reason(spec: ShardedModelSpec, best: Candidate, found: list[Candidate]) -> 
     if given_tp and given_pp:
         return f"tensor={best.tp} x pipeline={best.pp} as given; it fits (est. {ms:.2f} ms per decode step)"
     fastest = min(found, key=lambda c: c.critical_path)
-    text = (f"tensor={best.tp} x pipeline={best.pp} on {best.tp * best.pp} devices per replica: "
-            f"est. {ms:.2f} ms per decode step, the fastest of {len(found)} layouts that fit")
+    text = (f"tensor={best.tp} x pipeline={best.pp} on {count(best.tp * best.pp, 'device')} per replica: "
+            f"est. {ms:.2f} ms per decode step, the fastest of {count(len(found), 'layout')} that fit")
     if fastest is not best:
-        text = (f"tensor={best.tp} x pipeline={best.pp} on {best.tp * best.pp} devices per replica: "
+        text = (f"tensor={best.tp} x pipeline={best.pp} on {count(best.tp * best.pp, 'device')} per replica: "
                 f"est. {ms:.2f} ms per decode step, within {round((best.critical_path / fastest.critical_path - 1) * 100)}% "
                 f"of the fastest ({fastest.tp}x{fastest.pp}, {fastest.critical_path * 1e3:.2f} ms) with fewer devices")
     if best.pp > 1:
@@ -649,19 +728,103 @@ def _reason(spec: ShardedModelSpec, best: Candidate, found: list[Candidate]) -> 
 
 
 # ---------------------------------------------------------------- when not everything fits
-def shortfall(plan: Plan, inventory: Inventory) -> str:
-    """What the replicas that do not fit lack ("" when every replica has its group)."""
+def places(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory, groups: int,
+           options: PlannerOptions | None = None) -> bool:
+    """Whether `plan` places at least `groups` groups (how the suggestions are checked): the same
+    answer as planning and counting, sooner. Only the layouts that could place them are tried
+    (enough blocks, and the roomiest of them hold the layers by the planner's own stage sizes),
+    and the first that does answers yes. Each tensor degree's layouts are tried apart from the
+    others', so their order does not change the answer: the widest first, which usually answers
+    yes soonest (fewer stages to arrange)."""
+    try:
+        request, inventory, tps = _prepare(profile, spec, inventory)
+    except PlanError:
+        return False
+    policy = request.offload.policy  # as `_plan` decides whether to stream
+    streaming = [policy == "always"] + ([True] if policy == "auto" and request.quantization == "none" else [])
+    return any(c.candidate is not None and len(c.candidate.groups) >= groups
+               for mode in streaming
+               for c in _tries(profile, spec, inventory, request, tps[::-1], options or PlannerOptions(), groups,
+                               streaming=mode))
+
+
+def _memoised(fits: Fits) -> Fits:
+    """`fits` answering each question once: the searches ask some twice (a count of devices, or
+    one replica and all of them on the same pool)."""
+    answers: dict[tuple[str, str, int], bool] = {}
+
+    def memo(spec: ShardedModelSpec, inventory: Inventory, groups: int) -> bool:
+        key = (spec.model_dump_json(), inventory.model_dump_json(), groups)
+        if key not in answers:
+            answers[key] = fits(spec, inventory, groups)
+        return answers[key]
+    return memo
+
+
+@dataclass(frozen=True)
+class _Question:
+    """What a search for suggestions depends on, compared by its JSON: the operator asks the same
+    question at every reconcile while nothing changes, and an answer costs several plans."""
+
+    key: str
+    profile: ModelProfile = field(compare=False)
+    spec: ShardedModelSpec = field(compare=False)
+    inventory: Inventory = field(compare=False)
+    options: PlannerOptions = field(compare=False)
+
+    @classmethod
+    def of(cls, profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
+           options: PlannerOptions) -> "_Question":
+        key = "\n".join((profile.name, profile.digest, spec.model_dump_json(), inventory.model_dump_json(),
+                         repr(options)))
+        return cls(key, profile, spec, inventory, options)
+
+
+@functools.lru_cache(maxsize=64)
+def _suggest(q: _Question, at_least: int, fitting: int = 0) -> tuple[Suggestion, ...]:
+    request = _resolve_request(q.profile, q.spec)
+    whole = Shard(tp=1, layers=(0, q.profile.num_layers), embeds=True, has_lm_head=True)
+    asked = Asked(dtype=request.dtype, quantization=request.quantization, max_len=request.max_len,
+                  batch=request.batch, weights={(d, k): weight_bytes(q.profile, whole, d, k)
+                                                for d in ("bfloat16", request.dtype) for k in ("int8", request.quantization)})
+    fits = _memoised(lambda spec, inventory, groups: places(q.profile, spec, inventory, groups, q.options))
+    return tuple(suggestions(q.spec, q.inventory, asked, fits, at_least, fitting))
+
+
+def _layout_words(tp: int, pp: int, replicas: int) -> str:
+    return f"tensor={tp} x pipeline={pp}" + (f" x {replicas} replicas" if replicas > 1 else "")
+
+
+@dataclass(frozen=True)
+class Shortage:
+    """Some replicas fit and some do not: what the others lack, and what would place them all."""
+
+    message: str
+    suggestions: list[Suggestion]
+
+
+def shortfall(plan: Plan, profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
+              options: PlannerOptions | None = None) -> Shortage | None:
+    """What the replicas that do not fit lack (None when every replica has its group): the count
+    of devices the layout needs against the pool's first, then the checked suggestions."""
     placed, missing = len(plan.groups), plan.replicas - len(plan.groups)
     if missing <= 0:
-        return ""
+        return None
+    options = options or PlannerOptions()
     used = {(r.node, r.device_index) for r in plan.ranks}
     left = Inventory(devices=[d for d in inventory.devices if (d.node, d.index) not in used])
     like = Counter((r.capacity_bytes, r.product or r.kind) for r in plan.group(plan.groups[0].replica))
-    kinds = ", ".join(f"{n} x {gib(memory)} GiB ({product})" for (memory, product), n in sorted(like.items(), reverse=True))
-    return (f"{plan.replicas} replicas wanted, {placed} fit{'s' if placed == 1 else ''}: {missing} more "
-            f"need{'s' if missing == 1 else ''} about {missing * plan.world_size} more devices (a group takes {kinds}; "
-            f"tensor={plan.tensor_parallel} x pipeline={plan.pipeline_parallel}, tensor-parallel ranks on one node); "
-            f"unused now: {left.describe()}")
+    kinds = ", ".join(f"{n} x {human(memory)} ({product})"
+                      for (memory, product), n in sorted(like.items(), reverse=True))
+    tp, pp, world = plan.tensor_parallel, plan.pipeline_parallel, plan.world_size
+    needs = (f"{_layout_words(tp, pp, plan.replicas)} needs {count(plan.replicas * world, 'device')}"
+             f"{', tensor-parallel ranks on one node' if tp > 1 else ''}; the pool has {len(inventory.devices)} "
+             f"({inventory.describe()})")
+    found = list(_suggest(_Question.of(profile, spec, inventory, options),
+                          at_least=missing * world - len(left.devices), fitting=placed))
+    message = (f"{plan.replicas} replicas wanted, {placed} fit{'s' if placed == 1 else ''}: {needs}. A group takes "
+               f"{kinds}; unused now: {left.describe()}. {offer(found, 'run them all')}")
+    return Shortage(message, found)
 
 
 def _weights_phrase(request: Request) -> str:
@@ -680,61 +843,58 @@ def _capacity_needed(profile: ModelProfile, request: Request, inventory: Invento
                      usable=tuple(int(d.memory_bytes * (1 - request.headroom)) for d in inventory.devices))
 
 
+def _rank_minimum(profile: ModelProfile, request: Request, options: PlannerOptions, inventory: Inventory,
+                  tp: int, pp: int, partition: list[int] | None) -> int:
+    """The most loaded rank's bytes at tensor=tp x pipeline=pp with the layers split as evenly as
+    they go (or as `partition` says), on devices of unbounded memory like the pool's largest."""
+    costs = Costs(profile, request, options)
+    largest = max(inventory.devices, key=lambda d: (d.memory_bytes, d.speed))
+    shape = (2**62, largest.speed, largest.kind)
+    stages = [costs._stage_of(shape, tp, i == 0, i == pp - 1) for i in range(pp)]
+    counts = partition or partition_layers(stages, profile.num_layers) or [profile.num_layers]
+    return max(s.fixed_bytes + n * s.layer_bytes for s, n in zip(stages, counts))
+
+
 def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: Request, inventory: Inventory,
-                       tps: list[int], options: PlannerOptions, short: Shortfall, offload_note: str = "") -> str:
+                       tps: list[int], options: PlannerOptions, short: Shortfall,
+                       offload_note: str = "") -> tuple[str, list[Suggestion]]:
+    """Why not one replica fits, the binding constraint first, and what would (checked; what
+    streaming layers would do, planned, in `offload_note`)."""
     weights, kv, per_device, need = short.weights, short.kv_cache, short.per_device, short.need
     usable = list(short.usable)
-    whole = Shard(tp=1, layers=(0, profile.num_layers), embeds=True, has_lm_head=True)
-    lines = [
-        f"{profile.name} does not fit: one replica needs at least {gib(need)} GiB across "
-        f"{len(usable)} devices ({gib(weights)} GiB of {_weights_phrase(request)} weights and {gib(kv)} GiB of KV cache "
-        f"for {request.max_len} tokens x {request.batch} sequences per replica, plus ~{gib(per_device)} GiB "
-        f"per device for runtime and activations); the pool has {gib(sum(usable))} GiB usable "
-        f"({inventory.describe()}, {request.headroom:.0%} headroom).",
-    ]
-    partition = spec.parallelism.layer_partition
-    if partition is not None:
-        tp = tps[0]
-        starts = list(itertools.accumulate([0, *partition]))
-        needs = [sum((weight_bytes(profile, shard, request.dtype, request.quantization),
-                      kv_cache_bytes(profile, shard, request.max_len, request.batch, request.dtype),
-                      activation_bytes(profile, shard, request.max_len, request.batch, request.dtype),
-                      options.runtime_overhead[inventory.devices[0].kind]))
-                 for shard in (Shard(tp=tp, layers=(starts[i], starts[i + 1]), embeds=i == 0,
-                                     has_lm_head=i == len(partition) - 1) for i in range(len(partition)))]
-        worst = max(range(len(needs)), key=lambda i: needs[i])
-        lines.append(f"layerPartition {partition} at tensor={tp}: stage {worst} needs {gib(needs[worst])} GiB "
-                     f"per rank; the largest device offers {gib(max(usable))} GiB usable.")
+    par = spec.parallelism
+    facts = []  # the binding constraint first: a layout given in the spec, then memory in all
+    widest = max(Counter(d.node for d in inventory.devices).values())
+    if par.tensor != "auto" and par.tensor > widest:
+        facts.append(f"spec.parallelism.tensor={par.tensor} needs {par.tensor} devices on one node; the largest "
+                     f"node in the pool has {widest}.")
+    if par.tensor != "auto" and (par.pipeline != "auto" or par.layer_partition is not None):
+        tp, pp = par.tensor, len(par.layer_partition) if par.layer_partition else par.pipeline
+        replicas = max(request.replicas, 1)
+        if tp * pp * replicas > len(usable):
+            facts.append(f"{_layout_words(tp, pp, replicas)} needs {count(tp * pp * replicas, 'device')}"
+                         f"{', tensor-parallel ranks on one node' if tp > 1 else ''}; the pool has {len(usable)}.")
+        rank = _rank_minimum(profile, request, options, inventory, tp, pp, par.layer_partition)
+        if rank > max(usable):
+            split = (f"layerPartition {par.layer_partition}" if par.layer_partition
+                     else f"the layers split as evenly as they go over {count(pp, 'stage')}")
+            facts.append(f"at tensor={tp} x pipeline={pp} ({split}) the most loaded rank needs {gib(rank)} GiB; "
+                         f"the largest device offers {gib(max(usable))} GiB usable.")
+    facts.append(
+        f"one replica needs at least {gib(need)} GiB across {count(len(usable), 'device')} ({gib(weights)} GiB "
+        f"of {_weights_phrase(request)} weights and {gib(kv)} GiB of KV cache for {request.max_len} tokens x "
+        f"{count(request.batch, 'sequence')} per replica, plus ~{gib(per_device)} GiB per device for runtime "
+        f"and activations); the pool has {gib(sum(usable))} GiB usable ({inventory.describe()}, "
+        f"{request.headroom:.0%} headroom)"
+        + ("." if need > sum(usable) else ": enough in all, but no split of the layers fits these devices."))
+    lines = [f"{profile.name} does not fit: {facts[0]}", *(f[0].upper() + f[1:] for f in facts[1:])]
     if inventory.skipped:
         lines.append("Skipped nodes: " + "; ".join(f"{s.node} ({s.reason})" for s in inventory.skipped) + ".")
-    per_node: dict[str, int] = {}
-    for d in inventory.devices:
-        per_node[d.node] = per_node.get(d.node, 0) + 1
-    tps_possible = valid_tensor_degrees(profile, max(per_node.values()))
-    options_: list[str] = [offload_note] if offload_note else []
     largest = max(usable) - per_device
-    deficit = need - sum(usable)
-    if deficit > 0 and largest > 0:
-        more = math.ceil(deficit / largest)
-        options_.append(f"add about {more} more device{'s' if more > 1 else ''} like the largest "
-                        f"({gib(max(d.memory_bytes for d in inventory.devices))} GiB)")
-    else:
-        options_.append("add a device, or bigger ones: the total would do, but no split of the layers fits the devices")
-    if spec.parallelism.tensor != "auto":
-        larger = [t for t in tps_possible if t > spec.parallelism.tensor]
-        if larger:
-            options_.append(f"allow a larger tensor degree (tensor={larger[0]} or auto)")
-    if spec.parallelism.layer_partition is not None:
-        options_.append("drop layerPartition so the planner splits the layers by memory and speed")
-    elif spec.parallelism.pipeline != "auto":
-        options_.append("allow pipeline=auto (more stages)")
-    if kv > 0.1 * (weights + kv):
-        options_.append(f"lower maxModelLen or maxBatchSize (the KV cache is {gib(kv)} GiB at "
-                        f"{request.max_len} tokens x {request.batch}; {request.max_len // 2} tokens halves it)")
-    if request.dtype == "float32":
-        options_.append(f"use dtype bfloat16 (weights "
-                        f"{gib(weight_bytes(profile, whole, 'bfloat16', request.quantization))} GiB)")
-    if request.quantization == "none":
-        options_.append(f"use quantization int8 (weights {gib(weight_bytes(profile, whole, request.dtype, 'int8'))} GiB)")
-    lines.append("To make it fit: " + "; ".join(options_) + ".")
-    return "\n".join(lines)
+    at_least = math.ceil((need - sum(usable)) / largest) if need > sum(usable) and largest > 0 else 1
+    found = list(_suggest(_Question.of(profile, spec, inventory, options), at_least=at_least))
+    if found or not offload_note.startswith(STREAMING_FITS):
+        lines.append(offer(found))
+    if offload_note:
+        lines.append(offload_note)
+    return "\n".join(lines), found

@@ -128,7 +128,8 @@ def choose_plan(current: Plan | None, profile: ModelProfile, spec: ShardedModelS
     on the current pool (the caller asks once per settled inventory).
     """
     choice = _choose(current, profile, spec, inventory, settled, reconsider, improvement, options)
-    return replace(choice, shortfall=shortfall(choice.plan, inventory))
+    shortage = shortfall(choice.plan, profile, spec, inventory, options)
+    return replace(choice, shortfall=shortage.message if shortage else "")
 
 
 def _choose(current: Plan | None, profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,

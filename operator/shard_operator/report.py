@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from shard_contract.plan import Plan
-from shard_contract.units import gib, human
+from shard_contract.plan import Plan, describe_layers
+from shard_contract.units import count, human, table_unit
 
 from .inventory import Inventory
+from .planner import Considered, PlannerOptions
 from .profile import ModelProfile
 
 BAR_WIDTH = 20
+BAR_LEGEND = "bar: █ predicted, ░ free below the headroom, · the headroom (kept free)"
 
 
 def usage_bar(used: int, usable: int, capacity: int) -> str:
@@ -20,27 +22,29 @@ def usage_bar(used: int, usable: int, capacity: int) -> str:
 
 def _replicas(plan: Plan) -> str:
     if len(plan.groups) < plan.replicas:
-        return f"{len(plan.groups)} of {plan.replicas} replicas (the others do not fit)"
-    return f"{plan.replicas} replica(s)"
+        return f"{len(plan.groups)} of {count(plan.replicas, 'replica')} (the others do not fit)"
+    return count(plan.replicas, "replica")
 
 
 def render_plan(plan: Plan, profile: ModelProfile | None = None, inventory: Inventory | None = None) -> str:
     lines = []
     if profile is not None:
         lines.append(f"model    {profile.name}: {profile.architecture}, {profile.total_numel / 1e9:.2f}B parameters, "
-                     f"{profile.num_layers} layers, {profile.num_heads} heads / {profile.num_kv_heads} KV heads "
-                     f"(profiled from {profile.source})")
+                     f"{count(profile.num_layers, 'layer')}, {profile.num_heads} heads / {profile.num_kv_heads} "
+                     f"KV heads (profiled from {profile.source})")
     lines.append(f"decision {plan.reason}")
     weights = plan.dtype if plan.quantization == "none" else f"{plan.dtype} with {plan.quantization} weights"
-    lines.append(f"serving  {plan.max_model_len} tokens x {plan.max_batch_size} sequences in {weights}, "
+    lines.append(f"serving  {plan.max_model_len} tokens x {count(plan.max_batch_size, 'sequence')} in {weights}, "
                  f"{plan.memory_headroom:.0%} headroom per device, {_replicas(plan)}, plan {plan.hash}")
     if inventory is not None:
         lines.append(f"pool     {inventory.describe()}")
         for skipped in inventory.skipped:
             lines.append(f"         skipped {skipped.node}: {skipped.reason}")
+    unit, size = table_unit(max((r.capacity_bytes for r in plan.ranks), default=0))
+    width = max((len(describe_layers(r.layers)) for r in plan.ranks), default=6)
     staging = f" {'stg':>6}" if plan.streams else ""  # offload's staging slots
-    header = (f"{'rank':>4}  {'node':<14} {'device':<7} {'stage':>5} {'tp':>3} {'layers':<10} "
-              f"{'weights':>8} {'kv':>7} {'act':>7} {'ovh':>6}{staging} {'total':>8} {'capacity':>8} {'use':>5}  GiB")
+    header = (f"{'rank':>4}  {'node':<14} {'device':<7} {'stage':>5} {'tp':>3} {'layers':<{width}} "
+              f"{'weights':>8} {'kv':>7} {'act':>7} {'ovh':>6}{staging} {'total':>8} {'capacity':>8} {'use':>5}  {unit}")
     for group in plan.groups:
         lines.append("")
         lines.append(f"group {group.replica}: critical path est. {group.critical_path_seconds * 1e3:.2f} ms per "
@@ -48,15 +52,17 @@ def render_plan(plan: Plan, profile: ModelProfile | None = None, inventory: Inve
         lines.append(header)
         for r in plan.group(group.replica):
             p = r.predicted_bytes
-            layers = f"[{r.layers[0]}, {r.layers[1]})"
-            stg = f" {gib(p.staging):>6}" if plan.streams else ""
+            stg = f" {p.staging / size:>6.2f}" if plan.streams else ""
             lines.append(
-                f"{r.rank:>4}  {r.node[:14]:<14} {r.device:<7} {r.stage:>5} {r.tp_rank:>3} {layers:<10} "
-                f"{gib(p.weights):>8} {gib(p.kv_cache):>7} {gib(p.activations):>7} {gib(p.overhead):>6}{stg} "
-                f"{gib(p.total):>8} {gib(r.capacity_bytes):>8} {p.total / r.capacity_bytes:>5.0%}  "
+                f"{r.rank:>4}  {r.node[:14]:<14} {r.device:<7} {r.stage:>5} {r.tp_rank:>3} "
+                f"{describe_layers(r.layers):<{width}} {p.weights / size:>8.2f} {p.kv_cache / size:>7.2f} "
+                f"{p.activations / size:>7.2f} {p.overhead / size:>6.2f}{stg} {p.total / size:>8.2f} "
+                f"{r.capacity_bytes / size:>8.2f} {p.total / r.capacity_bytes:>5.0%}  "
                 f"{usage_bar(p.total, r.usable_bytes, r.capacity_bytes)}")
         lines += _offload_lines(plan, group.replica)
-    if not plan.groups:
+    if plan.groups:
+        lines.append(BAR_LEGEND)
+    else:
         lines.append("")
         lines.append("no groups: spec.replicas is 0")
     return "\n".join(lines)
@@ -84,3 +90,36 @@ def _offload_lines(plan: Plan, replica: int) -> list[str]:
 def _layer_list(layers: list[int]) -> str:
     text = ",".join(map(str, layers))
     return text if len(text) <= 24 else f"{len(layers)} of them"
+
+
+def render_considered(considered: list[Considered], chosen: Plan | None,
+                      tolerance: float = PlannerOptions().tolerance) -> str:
+    """`shardctl plan --explain`: every layout the planner tried, and why each lost (or won)."""
+    fitting = [c for c in considered if c.candidate is not None]
+    most = max((len(c.candidate.groups) for c in fitting), default=0)
+    best = [c for c in fitting if len(c.candidate.groups) == most]
+    fastest = min((c.candidate.critical_path for c in best), default=0.0)
+    winner = next((c for c in considered if chosen is not None and c.candidate is not None
+                   and (c.tp, c.pp) == (chosen.tensor_parallel, chosen.pipeline_parallel)), None)
+    lines = [f"{count(len(considered), 'layout')} compared (the most replicas first, then the shortest decode "
+             f"step; within {tolerance:.0%} of the fastest, fewer devices win):"]
+    for c in considered:
+        name = f"tensor={c.tp} x pipeline={c.pp}{' and more' if c.onwards else ''}"
+        if c.candidate is None:
+            lines.append(f"  {name}: {c.why}")
+            continue
+        cand = c.candidate
+        ms, groups = cand.critical_path * 1e3, len(cand.groups)
+        what = f"{groups} group{'s' if groups != 1 else ''} on {count(cand.devices, 'device')}, est. {ms:.2f} ms"
+        if c is winner:
+            verdict = "chosen"
+        elif groups < most:
+            verdict = f"fits fewer replicas ({groups} of {most})"
+        elif cand.critical_path > fastest * (1 + tolerance):
+            verdict = f"slower than {fastest * 1e3:.2f} ms by more than {tolerance:.0%}"
+        elif winner is not None and cand.devices > winner.candidate.devices:
+            verdict = f"as fast within {tolerance:.0%}, on more devices than the chosen"
+        else:
+            verdict = "as fast within the tolerance and as few devices, but the chosen is faster"
+        lines.append(f"  {name}: {what}: {verdict}")
+    return "\n".join(lines)

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shard_contract.env import ENV_NAMES, read_api_key
-from shard_contract.plan import OffloadPlan, Plan
-from shard_contract.units import human
+from shard_contract.plan import Plan, describe_layers
+from shard_contract.units import count, human, table_unit
+from shard_contract.wire import ShardEntry
 
 from .local import LaunchError, LocalGroup, RankProcess, sigterm_unwinds
 
@@ -52,8 +53,51 @@ def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 5.0
             return err.code, {}
 
 
-def wait_ready(group: LocalGroup, base_url: str, timeout: float) -> dict[str, Any]:
-    """Until `/ready` answers 200; returns `/v1/shards`. A rank that exits raises `GroupLost`."""
+class LoadProgress:
+    """Each rank's load (bytes of its tensors read so far, of all), from `/v1/shards` as it loads:
+    on a terminal a bar per rank redrawn in place, otherwise a plain line per rank at each quarter."""
+
+    BAR = 24
+
+    def __init__(self, out: Callable[[str], None], tty: bool):
+        self.out, self.tty = out, tty
+        self.drawn = 0  # lines drawn last time (terminal)
+        self.said: dict[int, int] = {}  # rank -> quarters reported (plain lines)
+
+    @staticmethod
+    def _of(rank: dict[str, Any]) -> tuple[int, int] | None:
+        progress = rank.get("load_progress")
+        return (progress["loaded"], progress["total"]) if progress else None
+
+    def update(self, shards: dict[str, Any]) -> None:
+        ranks = shards.get("ranks", [])
+        if self.tty:
+            lines = []
+            for r in ranks:
+                loaded, total = self._of(r) or (0, 0)
+                filled = round(self.BAR * loaded / total) if total else 0
+                lines.append(f"  rank {r['rank']}  {'█' * filled}{'░' * (self.BAR - filled)}  "
+                             + (f"{loaded / total:>4.0%}  {human(loaded)} of {human(total)}" if total else r["state"])
+                             + "\x1b[K")
+            up = f"\x1b[{self.drawn}F" if self.drawn else ""
+            self.out(up + "\n".join(lines))
+            self.drawn = len(lines)
+            return
+        for r in ranks:
+            if (progress := self._of(r)) is None:
+                continue
+            loaded, total = progress
+            quarter = 4 * loaded // total if total else 4
+            if quarter > self.said.get(r["rank"], 0):
+                self.said[r["rank"]] = quarter
+                self.out(f"  rank {r['rank']}: loaded {loaded / total if total else 1:.0%} "
+                         f"({human(loaded)} of {human(total)})")
+
+
+def wait_ready(group: LocalGroup, base_url: str, timeout: float,
+               progress: LoadProgress | None = None) -> dict[str, Any]:
+    """Until `/ready` answers 200; returns `/v1/shards`. A rank that exits raises `GroupLost`.
+    Meanwhile each rank's load progress goes to `progress`."""
     deadline = time.monotonic() + timeout
     reason = "rank 0 is not answering yet"
     while True:
@@ -64,8 +108,11 @@ def wait_ready(group: LocalGroup, base_url: str, timeout: float) -> dict[str, An
             raise GroupLost(str(failure))
         try:
             status, body = http_json(base_url + "/ready", timeout=2.0)
+            shards = http_json(base_url + "/v1/shards")[1] if status == 200 or progress else {}
+            if progress is not None:
+                progress.update(shards)
             if status == 200:
-                return http_json(base_url + "/v1/shards")[1]
+                return shards
             reason = body.get("reason") or reason
         except OSError:
             pass
@@ -99,17 +146,21 @@ def watch(group: LocalGroup, base_url: str, should_stop: Callable[[], bool] = la
 
 
 def render_shards(shards: dict[str, Any]) -> str:
-    """Per rank: what the plan predicted and what the rank measured after load."""
-    header = ("rank", "stage", "tp", "layers", "predicted", "measured", "total held", "load s", "streams")
+    """Per rank: what the plan predicted and what the rank measured after load, in the plan
+    table's unit, and the layers it streams."""
+    ranks = [ShardEntry.model_validate(r) for r in shards.get("ranks", [])]
+    unit, size = table_unit(max((r.capacity_bytes for r in ranks), default=0))
+    header = ("rank", "stage", "tp", "layers", f"predicted {unit}", f"measured {unit}", f"total held {unit}",
+              "load s", "streams")
     rows = [header]
-    for r in shards.get("ranks", []):
-        predicted, resident = r["predicted_bytes"], r.get("resident_bytes") or {}
-        kinds = ("weights", "kv_cache", "staging")
-        offload = r.get("offload")
-        rows.append((str(r["rank"]), str(r["stage"]), str(r["tp_rank"]), f"{r['layers'][0]}-{r['layers'][1] - 1}",
-                     human(sum(predicted.get(k, 0) for k in kinds)), human(sum(resident.get(k, 0) for k in kinds)),
-                     human(resident.get("total", 0)), f"{r.get('load_seconds', 0):.2f}",
-                     f"{len(offload['layers'])} layers from {OffloadPlan.model_validate(offload).tier}" if offload else "-"))
+    for r in ranks:
+        predicted, resident = r.predicted_bytes, r.resident_bytes
+        measured = resident.weights + resident.kv_cache + resident.staging if resident else 0
+        rows.append((str(r.rank), str(r.stage), str(r.tp_rank), describe_layers(r.layers),
+                     f"{(predicted.weights + predicted.kv_cache + predicted.staging) / size:.2f}",
+                     f"{measured / size:.2f}", f"{(resident.total if resident else 0) / size:.2f}",
+                     f"{(r.model_extra or {}).get('load_seconds', 0):.2f}",
+                     f"{count(len(r.offload.layers), 'layer')} from {r.offload.tier}" if r.offload else "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["weights + KV cache per rank (with offload's staging slots), predicted by the plan and measured resident "
              "after load (total held: everything the rank holds above a bare `import torch`):"]
@@ -137,13 +188,14 @@ def run_local(plan: Plan, model_dir: str | os.PathLike[str], *, port: int, host:
               model_name: str | None = None, prompt: str | None = None, max_tokens: int = 24, restarts: int = 2,
               threads_per_rank: int | None = None, ready_timeout: float = 600, rendezvous_port: int | None = None,
               log_dir: str | os.PathLike[str] | None = None, api_key_file: str | None = None,
-              out: Callable[[str], None] = print, err: Callable[[str], None] = print) -> int:
+              out: Callable[[str], None] = print, err: Callable[[str], None] = print, tty: bool = False) -> int:
     """Serve `plan` (its group 0) until Ctrl-C / SIGTERM; with `prompt`, answer it once and stop.
 
     `model_name` is the name the API serves (the ShardedModel's; default: the plan's). The ranks'
     logs go to `log_dir` (default: a temporary directory, removed when the run ends cleanly and
     kept, with a line saying where, when a group failed). With `api_key_file`, the OpenAI routes
-    require its key (`Authorization: Bearer`).
+    require its key (`Authorization: Bearer`). Each rank's load progress goes to `out` as it
+    loads: bars redrawn in place when `tty`.
     Returns the exit status: 0, or 3 when the group failed more often than `restarts` allows.
     SIGTERM raises SystemExit(143) and Ctrl-C KeyboardInterrupt, after every rank is stopped.
     """
@@ -156,7 +208,7 @@ def run_local(plan: Plan, model_dir: str | os.PathLike[str], *, port: int, host:
             code = _serve(plan, model_dir, logs, failures, port=port, host=host, model_name=model_name or plan.model,
                           prompt=prompt, max_tokens=max_tokens, restarts=restarts, threads_per_rank=threads_per_rank,
                           ready_timeout=ready_timeout, rendezvous_port=rendezvous_port,
-                          api_key=(api_key_file, api_key), out=out, err=err)
+                          api_key=(api_key_file, api_key), out=out, err=err, tty=tty)
         clean = not failures
         return code
     except (KeyboardInterrupt, SystemExit):  # stopped by its user
@@ -172,7 +224,7 @@ def run_local(plan: Plan, model_dir: str | os.PathLike[str], *, port: int, host:
 def _serve(plan: Plan, model_dir: str | os.PathLike[str], logs: Path, failures: list[str], *, port: int, host: str,
            model_name: str, prompt: str | None, max_tokens: int, restarts: int, threads_per_rank: int | None,
            ready_timeout: float, rendezvous_port: int | None, api_key: tuple[str | None, str | None],
-           out: Callable[[str], None], err: Callable[[str], None]) -> int:
+           out: Callable[[str], None], err: Callable[[str], None], tty: bool) -> int:
     """`run_local`'s groups, one after another; each failure's reason is added to `failures`.
     `api_key` is the key's file and the key, or (None, None)."""
     base_url = f"http://{host}:{port}"
@@ -183,12 +235,11 @@ def _serve(plan: Plan, model_dir: str | os.PathLike[str], logs: Path, failures: 
     while True:
         workdir = logs / f"attempt-{len(failures)}"
         started = time.monotonic()
-        out(f"\nstarting {plan.world_size} rank{'s' if plan.world_size > 1 else ''} "
-            f"(python -m shard_worker; logs in {workdir})")
+        out(f"\nstarting {count(plan.world_size, 'rank')} (python -m shard_worker; logs in {workdir})")
         with LocalGroup(plan, model_dir, workdir, leader_port=port, threads_per_rank=threads_per_rank,
                         extra_env=env, rendezvous_port=rendezvous_port) as group:
             try:
-                shards = wait_ready(group, base_url, ready_timeout)
+                shards = wait_ready(group, base_url, ready_timeout, LoadProgress(out, tty))
                 out(f"ready in {time.monotonic() - started:.1f} s: serving {base_url}/v1 "
                     f"(model {model_name!r}; OpenAI-compatible: /v1/completions, /v1/chat/completions"
                     f"{'; API key required' if key else ''})")
@@ -208,7 +259,6 @@ def _serve(plan: Plan, model_dir: str | os.PathLike[str], logs: Path, failures: 
         failures.append(reason)
         err(f"shardctl: {reason}")
         if len(failures) > restarts:
-            err(f"shardctl: the group failed {len(failures)} time{'s' if len(failures) > 1 else ''}; "
-                "no restarts left")
+            err(f"shardctl: the group failed {count(len(failures), 'time')}; no restarts left")
             return EXIT_RANKS_FAILED
         err(f"shardctl: every rank stopped; restarting the group ({len(failures)} of {restarts})")

@@ -19,8 +19,9 @@ PREFIX = "SHARD_OPERATOR_"
 class Settings:
     # Namespaces to watch; empty: the whole cluster.
     namespaces: tuple[str, ...] = ()
-    # Worker image when spec.worker.image is unset.
-    worker_image: str = "ghcr.io/shard-operator/worker:0.1.0"
+    # Worker image when spec.worker.image is unset: the name `make images` builds and the chart's
+    # default (worker.image), at the chart's appVersion.
+    worker_image: str = "shard-operator-worker:0.1.0"
     # Seconds between two reconciles of a model when nothing happens (a safety net: events wake
     # the reconcile sooner).
     resync_seconds: float = 30.0

@@ -57,7 +57,8 @@ def plan_summary(plan: Plan) -> PlanSummary:
         tensor_parallel=plan.tensor_parallel, pipeline_parallel=plan.pipeline_parallel,
         quantization=plan.quantization, stages=[StageStatus(stage=s.stage, layers=list(s.layers)) for s in plan.stages],
         imbalance=round(plan.imbalance, 4), hash=plan.hash, reason=plan.reason,
-        max_predicted_bytes=max((r.predicted_bytes.total for r in plan.ranks), default=0))
+        max_predicted_bytes=max((r.predicted_bytes.total for r in plan.ranks), default=0),
+        predicted_step_seconds=round(max((g.critical_path_seconds for g in plan.groups), default=0.0), 6))
 
 
 def _stable(previous: int | None, measured: int | None) -> int | None:

@@ -138,8 +138,9 @@ def test_1_kubectl_apply_the_example_serves_the_tokens_of_shardctl_generate(h, d
     served = complete(h.service_url("demo"), completion_body(PROMPT, max_tokens=8))
     assert served.status_code == 200, served.text
     generated = subprocess.run(
-        [sys.executable, "-m", "shard_operator.cli", "generate", "--model", str(model_dir), "--tp", "2", "--pp", "2",
-         "--prompt", PROMPT, "--max-new-tokens", "8", "--threads", "1", "--json"],
+        [sys.executable, "-m", "shard_operator.cli", "generate", "--model-dir", str(model_dir), "--tensor", "2",
+         "--pipeline", "2",
+         "--prompt", PROMPT, "--max-tokens", "8", "--threads", "1", "--json"],
         capture_output=True, text=True, timeout=300)
     assert generated.returncode == 0, generated.stderr
     result = json.loads(generated.stdout)

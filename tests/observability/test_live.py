@@ -15,6 +15,7 @@ import httpx
 import pytest
 import yaml
 
+from shard_contract.plan import describe_layers
 from shard_contract.units import human
 from shard_operator import metrics
 from shard_operator.local import free_port
@@ -100,7 +101,7 @@ def test_the_dashboard_shows_every_rank_as_v1_shards_does(group, browser, tmp_pa
         # bytes/s of the operations that ran in the page's window (which ones depends on the moment)
         assert re.fullmatch(r"(\w+ [\d.]+ (B|KiB|MiB|GiB)/s(, )?)+", page["row"][9]), page["row"][9]
     stages = browser.evaluate("[...document.querySelectorAll('#stages tbody tr')].map(tr => tr.cells[1].textContent)")
-    assert stages == [f"{s['layers'][0]}–{s['layers'][1] - 1}" for s in shards["ranks"] if s["tp_rank"] == 0]
+    assert stages == [describe_layers(s["layers"]) for s in shards["ranks"] if s["tp_rank"] == 0]
     keep_screenshot(browser, tmp_path, "dashboard.png")
 
 

@@ -133,6 +133,7 @@ def test_notes_warn_when_monitors_cannot_be_created(custom_values_file):
     # (`helm install` cannot announce extra APIs; with monitors off there is nothing to warn about.)
     quiet = helm("install", "so", str(CHART), "--dry-run=client", "--namespace", NAMESPACE).stdout
     assert "WARNING" not in quiet and "every namespace" in quiet
+    assert "grafana.sidecar.dashboards.searchNamespace=ALL" in quiet  # how Grafana finds the dashboard
 
 
 @pytest.mark.parametrize("bad, complaint", [

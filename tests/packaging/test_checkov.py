@@ -1,5 +1,6 @@
-"""The rendered chart (default and custom values) and both Dockerfiles pass checkov's Kubernetes
-and Dockerfile policies, but for the checks skipped in checkov.yaml, each with its reason.
+"""The rendered chart (default and custom values), the example manifests users apply as they are
+(the model store's PVC and download Job) and both Dockerfiles pass checkov's Kubernetes and
+Dockerfile policies, but for the checks skipped in checkov.yaml, each with its reason.
 
 checkov runs with every check on, and the test applies the skips itself: that way it also sees
 when a skip has become unnecessary. `checkov --config-file tests/packaging/checkov.yaml` by hand
@@ -18,6 +19,7 @@ from .chart import CUSTOM_VALUES, MONITORING_API, REPO, helm, template_args, wri
 from .scanner import scan
 
 CONFIG = REPO / "tests" / "packaging" / "checkov.yaml"
+EXAMPLE_MANIFESTS = REPO / "examples" / "model-store"
 
 
 def skipped_in_config() -> list[str]:
@@ -37,6 +39,7 @@ def reports(tmp_path_factory):
     custom = write_values(tmp_path_factory.mktemp("values") / "custom.yaml", CUSTOM_VALUES)
     for name, args in (("default", template_args()), ("custom", template_args(custom, MONITORING_API))):
         helm(*args, "--output-dir", str(root / name))
+    shutil.copytree(EXAMPLE_MANIFESTS, root / "examples")
     for dockerfile in ("Dockerfile.operator", "Dockerfile.worker"):
         image = root / "images" / dockerfile.split(".")[1]
         image.mkdir(parents=True)
@@ -64,7 +67,7 @@ def test_both_frameworks_ran_over_every_object(reports):
     assert by_type["kubernetes"]["parsing_errors"] == 0 and by_type["dockerfile"]["parsing_errors"] == 0
     scanned = {c["resource"].split(".")[0] for r in reports if r["check_type"] == "kubernetes"
                for c in r["results"]["passed_checks"]}
-    assert {"Deployment", "ClusterRole", "Role", "ServiceAccount"} <= scanned
+    assert {"Deployment", "ClusterRole", "Role", "ServiceAccount", "Job"} <= scanned  # (no check reads a PVC)
 
 
 @pytest.mark.slow

@@ -62,3 +62,51 @@ def test_strict_validation_catches_a_misspelt_field():
     broken = {**node, "status": {**node["status"], "capacityy": {"cpu": "1"}}}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, VERSION, strict=True)
+
+
+def test_the_70b_example_serves_from_the_model_store(capsys):
+    """`shardctl manifests` on the 70B example (its config beside it stands for the PVC's copy):
+    every object validates, and each rank reads the claim and path the download Job writes."""
+    from shard_operator.cli import main
+
+    store = {doc["kind"]: doc for path in (EXAMPLES / "model-store").glob("*.yaml")
+             for doc in yaml.safe_load_all(path.read_text()) if doc}
+    claim, job = store["PersistentVolumeClaim"], store["Job"]["spec"]["template"]["spec"]
+    assert main(["manifests", "-f", str(EXAMPLES / "llama-70b.yaml"),
+                 "--devices", "gpu-a:80GiB*8:H100,gpu-b:80GiB*8:H100"]) == 0
+    objects = list(yaml.safe_load_all(capsys.readouterr().out))
+    pods = [o for o in objects if o["kind"] == "Pod"]
+    assert len(pods) == 16  # 2 replicas of tensor=8
+    for obj in objects:
+        kubernetes_validate.validate(obj, VERSION, strict=True)
+        assert obj["metadata"]["namespace"] == claim["metadata"]["namespace"] == "inference"
+
+    (job_container,) = job["containers"]
+    job_env = {e["name"]: e["value"] for e in job_container["env"]}
+    job_mount = next(m["mountPath"] for m in job_container["volumeMounts"] if m["name"] == "store")
+    job_claim = next(v["persistentVolumeClaim"]["claimName"] for v in job["volumes"] if v["name"] == "store")
+    assert job_claim == claim["metadata"]["name"] and "ReadWriteMany" in claim["spec"]["accessModes"]
+    for pod in pods:
+        spec = pod["spec"]
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "model"]
+        assert volume["persistentVolumeClaim"] == {"claimName": job_claim, "readOnly": True}
+        (container,) = spec["containers"]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "model"]
+        model_dir = next(e["value"] for e in container["env"] if e["name"] == "SHARD_MODEL_DIR")
+        assert mount["readOnly"] and model_dir.removeprefix(mount["mountPath"]) == \
+            job_env["DEST"].removeprefix(job_mount)  # the same directory of the claim
+    # The Job runs as the worker image's user (Dockerfile.worker), so every rank can read what it wrote.
+    assert job["securityContext"]["runAsUser"] == 65532 and "useradd --no-log-init --uid 65532" in \
+        (REPO / "Dockerfile.worker").read_text()
+
+
+def test_the_download_job_keeps_the_token_out_of_the_environment():
+    (job,) = [doc for doc in yaml.safe_load_all((EXAMPLES / "model-store" / "download-llama-70b.yaml").read_text())]
+    spec = job["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    assert not [e for e in container["env"] if "valueFrom" in e]
+    token_path = next(e["value"] for e in container["env"] if e["name"] == "HF_TOKEN_PATH")
+    (secret,) = [v for v in spec["volumes"] if "secret" in v]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == secret["name"])
+    assert mount["readOnly"] and token_path == f"{mount['mountPath']}/{secret['secret']['items'][0]['path']}"
+    assert container["securityContext"]["readOnlyRootFilesystem"] and spec["securityContext"]["runAsNonRoot"]

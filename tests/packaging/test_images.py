@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -11,8 +12,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import yaml
 
-from .chart import REPO
+from shard_operator.settings import Settings
+
+from .chart import CHART, REPO
 from .dockerctx import context_files, excluded, rules
 
 DOCKERFILES = ["Dockerfile.operator", "Dockerfile.worker"]
@@ -177,3 +181,38 @@ def test_the_context_builds_a_wheel_with_both_packages(tmp_path):
     # The images' entry points (`python -m shard_operator`, `python -m shard_worker`).
     for package in ("shard_operator", "shard_worker"):
         assert f"{package}/__main__.py" in names
+
+
+def make_dry_run(*args: str) -> list[str]:
+    """The commands a Makefile target would run (`make -n`), one per line; as a make of its own
+    when the suite runs under `make test` (whose flags a sub-make would inherit)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    out = subprocess.run(["make", "-n", "--no-print-directory", *args], cwd=REPO, env=env, capture_output=True,
+                         text=True, check=True).stdout
+    return out.strip().splitlines()
+
+
+def test_one_image_name_everywhere():
+    """The names `make images` builds are the chart's defaults, the operator's default worker
+    image, and what the operations guide and the Dockerfiles say."""
+    version = pyproject()["project"]["version"]
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    operator, worker = values["image"]["repository"], values["worker"]["image"]["repository"]
+    assert chart["appVersion"] == version
+    assert Settings().worker_image == f"{worker}:{version}"
+
+    pushed = make_dry_run("push-images", "REGISTRY=$$REGISTRY")  # make reads $$ as a literal $
+    assert [c.split(" -t ")[1].split()[0] for c in pushed if c.startswith("docker build")] == [
+        f"$REGISTRY/{operator}:{version}", f"$REGISTRY/{worker}:{version}"]
+    assert "--build-arg TORCH_VARIANT=cu128" in pushed[1]
+    guide = (REPO / "docs" / "operations.md").read_text()
+    assert "\n".join(f"    {c}" for c in pushed) in guide  # the guide prints what `make` runs
+    for value in (f"image.repository=$REGISTRY/{operator}", f"worker.image.repository=$REGISTRY/{worker}"):
+        assert f"--set {value}" in guide, value  # and installs the chart with those names
+    (cpu,) = [c for c in make_dry_run("images", "TORCH_VARIANT=cpu") if "Dockerfile.worker" in c]
+    assert cpu.endswith(f"-t {worker}:{version}-cpu .") and "--build-arg TORCH_VARIANT=cpu" in cpu
+    assert f"worker.image.tag={version}-cpu" in guide
+    for dockerfile in DOCKERFILES:  # the build commands in their comments
+        tags = re.findall(r"-t (\S+):", (REPO / dockerfile).read_text())
+        assert tags and set(tags) <= {operator, worker}, (dockerfile, tags)

@@ -36,8 +36,8 @@ def server(tiny_model, tmp_path_factory):
 
 
 def generate_json(tiny_model, *args: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "shard_operator.cli", "generate", "--model", str(tiny_model),
-                          "--tp", "2", "--json", *args], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "shard_operator.cli", "generate", "--model-dir", str(tiny_model),
+                          "--tensor", "2", "--json", *args], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -46,7 +46,7 @@ def test_completions_equal_shardctl_generate(server, tiny_model):
     """Text prompt with seeded sampling, and token ids greedily: the tokens `shardctl generate`
     (a one-shot group of the same TP) gives for the same seed."""
     sampled = server.complete(prompt=PROMPT, max_tokens=12, temperature=0.9, seed=11, ignore_eos=True)
-    expected = generate_json(tiny_model, "--prompt", PROMPT, "--max-new-tokens", "12", "--temperature", "0.9",
+    expected = generate_json(tiny_model, "--prompt", PROMPT, "--max-tokens", "12", "--temperature", "0.9",
                              "--seed", "11", "--ignore-eos")
     choice = sampled["choices"][0]
     assert choice["token_ids"] == expected["token_ids"] and len(expected["token_ids"]) == 12
@@ -54,7 +54,7 @@ def test_completions_equal_shardctl_generate(server, tiny_model):
     assert sampled["usage"]["completion_tokens"] == 12
 
     greedy = server.complete(prompt=[1, 40, 41, 42, 43], max_tokens=10, temperature=0, ignore_eos=True)
-    expected = generate_json(tiny_model, "--prompt-ids", "1,40,41,42,43", "--max-new-tokens", "10", "--ignore-eos")
+    expected = generate_json(tiny_model, "--prompt-ids", "1,40,41,42,43", "--max-tokens", "10", "--ignore-eos")
     assert greedy["choices"][0]["token_ids"] == expected["token_ids"]
     assert greedy["usage"] == {"prompt_tokens": 5, "completion_tokens": 10, "total_tokens": 15}
     assert server.complete(prompt=[[1, 40, 41, 42, 43]], max_tokens=10, temperature=0,

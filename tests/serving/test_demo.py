@@ -89,9 +89,11 @@ def test_make_demo_serves_a_model_sharded_over_two_ranks_and_answers(demo):
     assert (model_dir / "config.json").is_file()
     assert "ShardedModel demo" in out and "decision tensor=2 x pipeline=1" in out  # the plan
     assert re.search(r"ready in [\d.]+ s: serving http://127\.0\.0\.1:\d+/v1", out)
-    table = out[out.index("weights + KV cache per rank"):]  # what each rank measured
-    assert re.search(r"^0 +0 +0 +0-7 +[\d.]+ MiB +[\d.]+ MiB", table, re.M)
-    assert re.search(r"^1 +0 +1 +0-7 +[\d.]+ MiB +[\d.]+ MiB", table, re.M)
+    table = out[out.index("weights + KV cache per rank"):]  # what each rank measured, in the plan's unit
+    assert re.search(r"^rank +stage +tp +layers +predicted MiB +measured MiB", table, re.M)
+    assert re.search(r"^0 +0 +0 +0-7 \(8 layers\) +[\d.]+ +[\d.]+", table, re.M)
+    assert re.search(r"^1 +0 +1 +0-7 \(8 layers\) +[\d.]+ +[\d.]+", table, re.M)
+    assert re.search(r"^  rank 1: loaded 100% \(", out[:out.index("ready in")], re.M)  # progress, before ready
     answer = re.search(r"^answer: '(.*)'$", out, re.M)
     assert answer and "(24 tokens, finish_reason length)" in out
 

@@ -28,8 +28,8 @@ pytestmark = pytest.mark.slow
 
 def test_shardctl_generate_json(checkpoint, hf_model):
     model_dir = checkpoint("llama-4layers")
-    proc = shardctl("generate", "--model", str(model_dir), "--tp", "2", "--pp", "1", "--prompt", "w5 w17 w33 w90",
-                    "--max-new-tokens", "5", "--ignore-eos", "--json")
+    proc = shardctl("generate", "--model-dir", str(model_dir), "--tensor", "2", "--pipeline", "1",
+                    "--prompt", "w5 w17 w33 w90", "--max-tokens", "5", "--ignore-eos", "--json")
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     result = json.loads(out)
@@ -75,8 +75,8 @@ def test_every_rank_is_stopped_when_the_launcher_gives_up(checkpoint, tmp_path):
 
 def test_sigterm_to_shardctl_stops_its_ranks(checkpoint):
     model_dir = checkpoint("llama")
-    proc = shardctl("generate", "--model", str(model_dir), "--tp", "2", "--prompt-ids", "1,2,3",
-                    "--max-new-tokens", "4")
+    proc = shardctl("generate", "--model-dir", str(model_dir), "--tensor", "2", "--prompt-ids", "1,2,3",
+                    "--max-tokens", "4")
     deadline = time.monotonic() + 60
     while len(ranks := [p for p in children(proc.pid) if is_worker(p)]) < 2:
         assert time.monotonic() < deadline and proc.poll() is None, "the ranks never started"

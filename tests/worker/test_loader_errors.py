@@ -119,3 +119,14 @@ def test_every_malicious_checkpoint_is_refused_by_the_loader(attack, tmp_path):
     model_dir = write_attack(attack, tmp_path)
     with pytest.raises(CheckpointError, match=attack.error):
         load_stage(stage_for(model_dir), model_dir)
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_load_progress_counts_every_byte_of_the_ranks_tensors_once(good, tp_rank):
+    stage = stage_for(good, tp=2, tp_rank=tp_rank)
+    calls: list[tuple[int, int]] = []
+    load_stage(stage, good, progress=lambda loaded, total: calls.append((loaded, total)))
+    total = sum(t.numel() * t.element_size() for t in stage.tensors().values())
+    assert len(calls) == len(stage.tensors()) and {t for _, t in calls} == {total}
+    loaded = [n for n, _ in calls]
+    assert loaded == sorted(loaded) and loaded[0] > 0 and loaded[-1] == total

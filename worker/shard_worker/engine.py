@@ -196,6 +196,8 @@ class Engine:
             decode = after.minus(mark).summary()
             self.last_generate.update({"decode_seconds": end - mark_time,
                                        **{f"decode_{k}": v for k, v in decode.items()}})
+        if out is not None:  # the first stage counts the steps: with them, the time of one step
+            self.last_generate["decode_steps"] = out.decode_steps
         self.last_output = out
         return out
 

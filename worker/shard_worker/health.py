@@ -76,6 +76,7 @@ class Record:
     problems: list[str] = field(default_factory=list)
     error: str = ""
     report: dict[str, Any] | None = None
+    progress: tuple[int, int] | None = None  # bytes of its tensors loaded, and in all
 
     def seal(self, key: bytes) -> bytes:
         """The record as stored: the hex HMAC-SHA256 of its JSON under `key`, a space, the JSON."""

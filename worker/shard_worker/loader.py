@@ -93,9 +93,11 @@ class Checkpoint:
         return Entry(name, path, info.dtype, tuple(info.shape), info.offset)
 
 
-def load_stage(stage: Stage, model_dir: str | Path) -> LoadStats:
+def load_stage(stage: Stage, model_dir: str | Path,
+               progress: Callable[[int, int], None] | None = None) -> LoadStats:
     """Fill every tensor of `stage` from the checkpoint in `model_dir`; int8 projections are
-    quantized as they are read, with the scales of whole checkpoint rows."""
+    quantized as they are read, with the scales of whole checkpoint rows. `progress(loaded,
+    total)` after each tensor (bytes of this rank's tensors filled so far, and in all)."""
     start = time.perf_counter()
     checkpoint = Checkpoint(model_dir, stage.config)
     table, tensors = stage.pieces(), stage.tensors()
@@ -106,6 +108,7 @@ def load_stage(stage: Stage, model_dir: str | Path) -> LoadStats:
     entries = {p.tensor: checkpoint.entry(p.tensor) for pieces in table.values() for p in pieces}
     stats = LoadStats()
     pinned = PinnedStaging(STAGING_BYTES) if stage.device.type == "cuda" else None
+    total, loaded = sum(t.numel() * t.element_size() for t in tensors.values()), 0
     with SliceReader(stats, pinned) as reader:
         for name, pieces in table.items():
             dst = tensors[name]
@@ -114,6 +117,9 @@ def load_stage(stage: Stage, model_dir: str | Path) -> LoadStats:
                 covered = max(covered, reader.read(entries[piece.tensor], piece, dst, scales.get(name)))
             if covered < dst.shape[0]:
                 dst[covered:].zero_()  # vocabulary padding of the last rank
+            loaded += sum(t.numel() * t.element_size() for t in (dst, scales.get(name)) if t is not None)  # its scales too
+            if progress is not None:
+                progress(loaded, total)
     stats.seconds = time.perf_counter() - start
     return stats
 

@@ -53,6 +53,7 @@ class Rank:
                                    max_batch=plan.max_batch_size, max_len=plan.max_model_len)
         self.worker: Worker | None = None
         self.state, self.error, self.problems = "loading", "", []
+        self.progress: tuple[int, int] | None = None  # set by the engine thread as it loads
         self.loop: EngineLoop | None = None
         self.heartbeat = Heartbeat(env.master_addr, env.master_port, env.rank, env.world_size, self._record,
                                    read_group_key(env.group_secret_file), on_lost=self._lost,
@@ -65,7 +66,7 @@ class Rank:
     def _record(self, seq: int) -> Record:
         report = self.worker.report() if self.worker is not None else None
         return Record(rank=self.env.rank, seq=seq, state=self.state, problems=self.problems, error=self.error,
-                      report=report)
+                      report=report, progress=self.progress)
 
     def _lost(self, reason: str) -> None:
         log(self.env.rank, f"the group is lost: {reason}")
@@ -104,9 +105,12 @@ class Rank:
             measured["alive"] = verdict.ranks_alive.get(rp.rank, verdict.alive)
             measured["state"] = record.state if record is not None else "starting"
             measured["problems"] = record.problems if record is not None else []
+            if record is not None and record.progress:
+                measured["load_progress"] = {"loaded": record.progress[0], "total": record.progress[1]}
             ranks.append(ShardEntry.planned(rp, **measured))
+        group = next(g for g in self.plan.groups if g.replica == self.env.replica)
         return ShardsResponse(model=self.env.model_name, replica=self.env.replica, ready=verdict.ready,
-                              reason=verdict.reason, ranks=ranks)
+                              reason=verdict.reason, predicted_step_seconds=group.critical_path_seconds, ranks=ranks)
 
     def _stop_serving(self, code: int) -> None:
         self.exit_code = code
@@ -118,7 +122,8 @@ class Rank:
         rank = self.env.rank
         start = time.perf_counter()
         try:
-            worker = Worker.start(self.env, self.plan, self.baseline)
+            worker = Worker.start(self.env, self.plan, self.baseline,
+                                  progress=lambda loaded, total: setattr(self, "progress", (loaded, total)))
         except BaseException as err:  # noqa: BLE001 -- reported, and the process exits non-zero
             self.state, self.error = "failed", first_line(err)
             known = isinstance(err, self.known_errors)

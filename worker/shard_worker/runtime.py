@@ -124,9 +124,10 @@ class Worker:
     @classmethod
     def start(cls, env: WorkerEnv, plan: Plan, baseline: MemorySample | None = None,
               connect: Callable[[WorkerEnv, Topology, torch.device, Accounting], Comm] = dist_mod.init_comm,
-              ) -> "Worker":
+              progress: Callable[[int, int], None] | None = None) -> "Worker":
         """Join the group and load this rank's slices. `baseline`: memory of the bare process;
-        `connect`: how the rank joins its group (tests pass communicators of their own)."""
+        `connect`: how the rank joins its group (tests pass communicators of their own);
+        `progress(loaded, total)`: bytes of its tensors filled, as the load goes."""
         rank_plan = check_env(env, plan)
         # Before joining the group: a plan that overfills the device fails fast, with no load.
         check_budget("the plan's predicted bytes of this rank", rank_plan.predicted_bytes.total,
@@ -153,7 +154,7 @@ class Worker:
             before = MemorySample.take(device)
             offload = rank_plan.offload
             stage = Stage(layout, comm, dtype, device, plan.quantization, streamed=offload.layers if offload else ())
-            stats = load_stage(stage, env.model_dir)
+            stats = load_stage(stage, env.model_dir, progress)
             loaded = MemorySample.take(device)
             cache = KVCache(layout.layers[1] - layout.layers[0], plan.max_batch_size, layout.kv_heads,
                             plan.max_model_len, config.head_dim, dtype, device)

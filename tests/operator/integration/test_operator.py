@@ -142,7 +142,9 @@ async def test_replicas_that_do_not_all_fit_run_as_many_as_fit_whatever_the_hist
         status = await eventually(lambda: _degraded_serving(world, "m1", wanted=2, ready=1))
         assert status["replicas"] == 1 and groups_of(await world.pods("m1")) == {0: {"a"}}
     conditions = {c["type"]: c for c in status["conditions"]}
-    assert conditions["Degraded"]["message"].startswith("2 replicas wanted, 1 fits: 1 more needs about 2 more devices")
+    assert conditions["Degraded"]["message"].startswith("2 replicas wanted, 1 fits: tensor=2 x pipeline=1 x 2 replicas "
+                                                        "needs 4 devices, tensor-parallel ranks on one node; the pool has 2")
+    assert "add 2 more devices of 24.0 GiB (NVIDIA-L4) to node a" in conditions["Degraded"]["message"]
     assert conditions["Available"]["message"] == "1 of 2 groups ready, 2 needed; only 1 fits the pool"
     warnings = [e[2] for e in await world.events("m1") if e[0] == "Warning"]
     assert any(m.startswith("3 replicas wanted, 1 fits") for m in warnings)

@@ -108,7 +108,13 @@ def test_crd_carries_defaults_bounds_and_enums():
      'spec.parallelism.tensor: must be a positive integer or "auto" (got 0)'),
     ({"model": {"path": "m"}, "parallelism": {"pipeline": "many"}},
      'spec.parallelism.pipeline: must be a positive integer or "auto" (got \'many\')'),
-    ({"model": {"pth": "m"}}, "spec.model.pth: unknown field"),
+    ({"model": {"path": "m", "maxModeLen": 8}}, "spec.model.maxModeLen: unknown field (did you mean maxModelLen?)"),
+    ({"model": {"path": "m", "maxbatchsize": 8}}, "spec.model.maxbatchsize: unknown field (did you mean maxBatchSize?)"),
+    ({"model": {"path": "m"}, "replica": 2}, "spec.replica: unknown field (did you mean replicas?)"),
+    ({"model": {"path": "m"}, "placement": {"tolerations": [{"kee": "a"}]}},
+     "spec.placement.tolerations.0.kee: unknown field (did you mean key?)"),
+    ({"model": {"path": "m", "volume": {"hostPath": {"path": "/m"}, "readOnly": True}}},
+     "spec.model.volume.readOnly: unknown field (check its spelling and indentation)"),
     ({"model": {}}, "spec.model.path: required"),
     ({}, "spec.model: required"),
     ({"model": {"path": "m", "volume": {}}}, "spec.model.volume: give exactly one of pvc, hostPath or image"),
@@ -149,6 +155,18 @@ def test_whole_object_error_names_the_object():
     with pytest.raises(api.SpecError, match=r"ShardedModel broken is invalid:\nspec.replicas"):
         api.parse_sharded_model({"apiVersion": api.API_VERSION, "kind": api.KIND,
                                  "metadata": {"name": "broken"}, "spec": {"model": {"path": "m"}, "replicas": "x"}})
+
+
+def test_a_misspelt_field_of_a_whole_object_gets_the_nearest_name():
+    with pytest.raises(api.SpecError, match=r"spec.parallelism.pipelin: unknown field \(did you mean pipeline\?\)"):
+        api.parse_sharded_model({"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": "m"},
+                                 "spec": {"model": {"path": "m"}, "parallelism": {"pipelin": 2}}})
+
+
+def test_a_missing_file_is_one_line(tmp_path):
+    with pytest.raises(api.SpecError) as err:
+        api.load_sharded_models(tmp_path / "nope.yaml")
+    assert str(err.value) == f"{tmp_path / 'nope.yaml'}: no such file"
 
 
 def test_load_sharded_models_rejects_files_without_one(tmp_path):
@@ -193,3 +211,16 @@ def test_shardctl_follows_a_hostpath_model_only_inside_its_volume(tmp_path):
     assert api.resolve_model_dir(spec("inside").model) == (volume / "real").resolve()
     with pytest.raises(api.SpecError, match=r"^spec\.model\.path must stay inside the volume$"):
         api.resolve_model_dir(spec("out/llama").model)
+
+
+def test_shardctl_reads_a_pvc_or_image_model_from_a_copy_beside_the_yaml(tmp_path):
+    (tmp_path / "models" / "llama").mkdir(parents=True)
+    for volume in ({"pvc": {"claimName": "store"}}, {"image": {"reference": "registry.example/llama:1"}}):
+        model = api.parse_spec({"model": {"path": "models/llama", "volume": volume}}).model
+        assert api.resolve_model_dir(model, base=tmp_path) == tmp_path / "models" / "llama"
+        missing = api.parse_spec({"model": {"path": "other", "volume": volume}}).model
+        where = re.escape(str(tmp_path / "other"))
+        with pytest.raises(api.SpecError, match=rf"pass --model-dir .* beside the YAML file \(no {where}\)"):
+            api.resolve_model_dir(missing, base=tmp_path)
+        with pytest.raises(api.SpecError, match=r"pass --model-dir"):
+            api.resolve_model_dir(model)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from shard_operator.api import load_sharded_models, resolve_model_dir
-from shard_operator.cli import main
-from shard_operator.inventory import inventory_from_nodes, load_nodes
+from shard_operator.cli import build_parser, inventory_for, main
+from shard_operator.inventory import inventory_from_nodes, load_nodes, local_kind
 from shard_operator.profile import profile_model
 from shard_operator.replan import choose_plan
 from shard_operator.settings import Settings
@@ -68,7 +68,7 @@ def test_infeasible_exits_2_with_the_reason_on_stderr(capsys):
     code, out, err = run(capsys, "plan", "-f", str(EXAMPLES / "llama-70b.yaml"), "--devices", "a:24GiB*2")
     assert code == 2 and out == ""
     assert err.startswith("shardctl: InsufficientCapacity: llama-3-70b does not fit")
-    assert "To make it fit:" in err
+    assert "To make it fit (each checked by planning again): add 18 more devices of 24.0 GiB (gpu) to node a" in err
 
 
 # The operator's planner_options: more runtime memory per GPU rank, a slow collective inside a pod.
@@ -96,11 +96,12 @@ def test_plan_takes_the_operators_planner_options(capsys, monkeypatch, given):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["plan", "-f", "/nonexistent.yaml", "--devices", "a:1GiB"], "No such file"),
+    (["plan", "-f", "/nonexistent.yaml", "--devices", "a:1GiB"], "shardctl: /nonexistent.yaml: no such file\n"),
     (["plan", "-f", str(EXAMPLES / "nodes.yaml"), "--devices", "a:1GiB"], "no object of kind ShardedModel"),
     (["plan", "-f", str(EXAMPLES / "llama-70b.yaml"), "--devices", "a:lots"], "write NODE:MEMORY"),
     (["plan", "-f", str(EXAMPLES / "llama-70b.yaml"), "--devices", "a:80XB"], "is not a memory size"),
-    (["plan", "-f", str(EXAMPLES / "shardedmodel.yaml"), "--devices", "a:1GiB"], "config.json: missing"),
+    (["plan", "-f", str(EXAMPLES / "shardedmodel.yaml"), "--devices", "a:1GiB"],
+     "no such directory (spec.model.path 'tiny-llama'"),
     (["plan", "-f", str(EXAMPLES / "llama-70b.yaml"), "--devices", "a:80GiB", "--planner-options", '{"tolerance": 1'],
      "--planner-options: planner options"),
 ])
@@ -137,7 +138,8 @@ def test_replicas_that_do_not_all_fit_print_the_plan_of_those_that_do_and_exit_2
     assert code == 2
     assert "1 of 2 replicas (the others do not fit)" in out and "group 0: critical path" in out
     assert "group 1" not in out
-    assert err.startswith("shardctl: InsufficientCapacity: 2 replicas wanted, 1 fits: 1 more needs about")
+    assert err.startswith("shardctl: InsufficientCapacity: 2 replicas wanted, 1 fits: tensor=4 x pipeline=1 x 2 "
+                          "replicas needs 8 devices, tensor-parallel ranks on one node; the pool has 4")
 
 
 def test_impossible_parallelism_is_named_before_the_devices_are_looked_at(capsys, tmp_path):
@@ -189,3 +191,59 @@ def test_run_refuses_a_malicious_checkpoint_before_any_rank_starts(capsys, tmp_p
     code, out, err = run(capsys, "run", "-f", str(write_sm(tmp_path, "model", tmp_path)), "--devices", "a:1GiB")
     assert (code, out) == (1, "")
     assert err.count("\n") == 1 and re.search(ATTACKS[name].error, err), err
+
+
+# ---------------------------------------------------------------- one device kind, and tables
+@pytest.fixture
+def demo_config(tmp_path) -> Path:
+    """The config.json of `make demo`'s model (the planner profiles it from the config alone)."""
+    from shard_operator.demo_model import DemoShape, hf_config
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(DemoShape(), 1024, 1, [2])))
+    return tmp_path
+
+
+def test_plan_and_run_read_the_readme_demo_devices_alike(capsys, demo_config):
+    """`--devices localhost:...` is what `shardctl run` runs on: this machine's kind, in both."""
+    argv = ["-f", str(EXAMPLES / "local-demo.yaml"), "--model-dir", str(demo_config), "--devices", "localhost:256MiB*2"]
+    code, out, err = run(capsys, "plan", *argv, "--json")
+    assert code == 0, err
+    assert {r["kind"] for r in json.loads(out)["ranks"]} == {local_kind()}
+    model = load_sharded_models(EXAMPLES / "local-demo.yaml")[0]
+    as_plan = inventory_for(build_parser().parse_args(["plan", *argv]), model)
+    as_run = inventory_for(build_parser().parse_args(["run", *argv]), model, here=True)
+    assert as_plan == as_run
+
+
+def test_small_gpu_budgets_that_fit_as_cpu_ranks_get_a_hint(capsys, demo_config):
+    code, _, err = run(capsys, "plan", "-f", str(EXAMPLES / "local-demo.yaml"), "--model-dir", str(demo_config),
+                       "--devices", "a:256MiB*2")
+    assert code == 2 and err.startswith("shardctl: InsufficientCapacity: ") and " does not fit: " in err
+    assert err.endswith("These devices were planned as GPUs (1 GiB of runtime each): if they are CPU rank budgets, "
+                        "--device-kind cpu plans them so, and then it fits.\n")
+    code, _, err = run(capsys, "plan", "-f", str(EXAMPLES / "local-demo.yaml"), "--model-dir", str(demo_config),
+                       "--devices", "a:256MiB*2", "--device-kind", "cpu")
+    assert code == 0, err
+
+
+def test_plan_table_writes_layer_ranges_one_way_in_one_unit_with_a_legend(capsys, demo_config):
+    code, out, _ = run(capsys, "plan", "-f", str(EXAMPLES / "local-demo.yaml"), "--model-dir", str(demo_config),
+                       "--devices", "localhost:300MiB*2", "--device-kind", "cpu", "--pipeline", "2", "--tensor", "1")
+    assert code == 0
+    assert "decision tensor=1 x pipeline=2 as given" in out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))]
+    assert [" ".join(row[5:8]) for row in rows] == ["0-3 (4 layers)", "4-7 (4 layers)"]
+    assert out.splitlines()[7].endswith("use  MiB") and "bar: █ predicted, ░ free below the headroom" in out
+    assert "1 replica," in out and "replica(s)" not in out
+
+
+def test_explain_lists_the_layouts_compared_and_why_each_lost(capsys):
+    code, out, _ = run(capsys, "plan", "-f", str(EXAMPLES / "llama-70b.yaml"), "--nodes", str(EXAMPLES / "nodes.yaml"),
+                       "--explain")
+    assert code == 0
+    explained = out.split("\n\n")[-1].splitlines()
+    assert re.fullmatch(r"\d+ layouts compared \(the most replicas first.*", explained[0])
+    verdicts = dict(line.strip().split(": ", 1) for line in explained[1:])
+    assert verdicts["tensor=8 x pipeline=1"].endswith(": chosen")
+    assert "no split of the layers fits" in verdicts["tensor=1 x pipeline=1"]
+    assert any("slower than" in v for v in verdicts.values())
+    assert len(explained) - 1 == int(explained[0].split()[0])

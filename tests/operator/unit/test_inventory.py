@@ -14,6 +14,7 @@ from shard_operator.inventory import (
     inventory_from_nodes,
     load_nodes,
     local_inventory,
+    local_kind,
     parse_devices,
 )
 
@@ -105,10 +106,31 @@ def test_parse_devices(text, expected):
     assert [(d.node, d.index, d.memory_bytes, d.speed) for d in devices] == expected
 
 
-@pytest.mark.parametrize("text", ["", "a", "a:lots", "a:80GiB*x", ":80GiB", "a:0GiB", "a:1GiB@0"])
-def test_parse_devices_rejects_nonsense(text):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("text, message", [
+    ("", "the device list is empty; write NODE:MEMORY[*COUNT][@SPEED][:PRODUCT]"),
+    ("  ", "the device list is empty"),
+    ("a", "device spec 'a': write NODE:MEMORY"),
+    ("a:lots", "device spec 'a:lots': write NODE:MEMORY"),
+    ("a:80GiB*x", "device spec 'a:80GiB*x': write NODE:MEMORY"),
+    (":80GiB", "device spec ':80GiB': write NODE:MEMORY"),
+    ("a:80*4", "device spec 'a:80*4': memory '80' has no unit; write it like 80GiB, 80GB or 80MiB"),
+    ("a:80XB", "device spec 'a:80XB': memory '80XB' is not a memory size"),
+    ("b:1GiB,a:0GiB", "device spec 'a:0GiB': memory must be positive"),
+    ("b:1GiB,a:80GiB*0", "device spec 'a:80GiB*0': the count after * must be at least 1"),
+    ("a:1GiB@0", "device spec 'a:1GiB@0': speed must be positive"),
+    ("a:1GiB,,b:1GiB", "device list 'a:1GiB,,b:1GiB' has an empty entry"),
+])
+def test_parse_devices_rejects_nonsense_naming_the_entry(text, message):
+    with pytest.raises(ValueError) as err:
         parse_devices(text)
+    assert str(err.value).startswith(message)
+
+
+def test_auto_kind_is_what_this_machine_runs_on_localhost_and_gpus_elsewhere():
+    devices = parse_devices("localhost:256MiB*2,a:24GiB", kind="auto").devices
+    assert [d.kind for d in devices] == [local_kind(), local_kind(), "gpu"]
+    assert local_kind() == ("gpu" if any(d.kind == "gpu" for d in local_inventory().devices) else "cpu")
+    assert parse_devices("localhost:1GiB").devices[0].kind == "gpu"  # asked for: as given
 
 
 def test_cpu_devices_get_cpu_speed():
@@ -132,9 +154,15 @@ def test_known_bandwidths(product, tbps):
 
 
 @pytest.mark.parametrize("text, value", [("80GiB", 80 * GiB), ("24G", 24 * 10**9), ("512Mi", 512 * MiB),
-                                         ("1.5TiB", int(1.5 * 2**40)), ("1000", 1000)])
+                                         ("1.5TiB", int(1.5 * 2**40)), ("4096B", 4096), (1000, 1000)])
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["80", "0", " 1.5 "])
+def test_parse_bytes_needs_a_unit(text):
+    with pytest.raises(ValueError, match="has no unit; write it like"):
+        parse_bytes(text)
 
 
 def test_device_kind_label_makes_cpu_backed_devices():

@@ -101,14 +101,14 @@ def test_rates_come_from_the_devices():
 def test_a_host_budget_sends_the_rest_to_the_files_or_fails_without_them():
     whole = plan(EIGHT_B, spec(), parse_devices("a:8GiB:L4")).ranks[0].offload
     layer = layer_streamed_bytes(EIGHT_B, 0, 1, "bfloat16")
-    off = plan(EIGHT_B, spec(hostMemory=f"{10 * layer}"), parse_devices("a:8GiB:L4")).ranks[0].offload
+    off = plan(EIGHT_B, spec(hostMemory=f"{10 * layer}B"), parse_devices("a:8GiB:L4")).ranks[0].offload
     assert off.layers == whole.layers and len(off.file_layers) == len(off.layers) - 10
     assert off.tier == "host+files" and off.read_bytes == len(off.file_layers) * layer_read_bytes(EIGHT_B, 0, 1)
     # a file layer is read while the copy of the one before runs: host 10 layers, files the rest
     assert off.stream_seconds == pytest.approx(10 * layer / (HOST_GBPS * 1e9) + len(off.file_layers) * max(
         layer_read_bytes(EIGHT_B, 0, 1) / (FILE_GBPS * 1e9), layer / (HOST_GBPS * 1e9)))
-    with pytest.raises(PlanError, match="offload streams the decoder layers' projections only"):
-        plan(EIGHT_B, spec(hostMemory=f"{10 * layer}", fromFiles=False), parse_devices("a:8GiB:L4"))
+    with pytest.raises(PlanError, match="Offload streams the decoder layers' projections only"):
+        plan(EIGHT_B, spec(hostMemory=f"{10 * layer}B", fromFiles=False), parse_devices("a:8GiB:L4"))
 
 
 def test_cpu_ranks_read_from_the_files_with_the_row_parallel_rows_whole():
@@ -176,7 +176,7 @@ def test_a_changed_offload_spec_is_planned_again_and_a_bigger_pool_ends_the_stre
 
 # ---------------------------------------------------------------- properties (hypothesis)
 def _spec(policy: str, parallelism: dict, prefetch="auto", host=None):
-    offload = {"policy": policy, "prefetch": prefetch, **({"hostMemory": str(host)} if host is not None else {})}
+    offload = {"policy": policy, "prefetch": prefetch, **({"hostMemory": f"{host}B"} if host is not None else {})}
     return parse_spec({"model": {"path": "m", "maxModelLen": 16}, "parallelism": parallelism,
                        "placement": {"memoryHeadroom": 0.0, "offload": offload}})
 
@@ -287,7 +287,7 @@ def test_the_picture_shows_what_a_rank_streams_and_its_staging():
     streams = plan(EIGHT_B, spec(), parse_devices("a:8GiB:L4"))
     streaming = plan_svg(streams)
     streamed = len(streams.ranks[0].offload.layers)
-    assert 0 < streamed < 32 and f"layers 0–31 ({streamed} streamed)" in streaming
+    assert 0 < streamed < 32 and f"layers 0-31 (32 layers, {streamed} streamed)" in streaming
     assert "staging (streamed layers)" in streaming
     assert "predicted staging" in streaming
     resident = plan_svg(plan(EIGHT_B, spec("never"), parse_devices("a:24GiB:L4")))

@@ -14,7 +14,7 @@ from shard_contract.sharding import valid_tensor_degrees
 from shard_contract.units import GiB
 from shard_operator.api import parse_spec
 from shard_operator.inventory import Device, Inventory, parse_devices
-from shard_operator.planner import PlanError, PlannerOptions, plan, shortfall
+from shard_operator.planner import PlanError, PlannerOptions, places, plan, shortfall
 from shard_operator.profile import ModelProfile, profile_from_config
 from shard_operator.replan import choose_plan
 from shard_operator.sizing import Shard, activation_bytes, kv_cache_bytes, weight_bytes
@@ -110,8 +110,9 @@ def test_explicit_partition_is_checked_not_trusted():
         plan(profile, spec(parallelism={"tensor": 4, "pipeline": 2, "layerPartition": [70, 10]}),
              parse_devices("a:32GiB*4,b:32GiB*4"))
     assert err.value.reason == "InsufficientCapacity"
-    assert "layerPartition [70, 10] at tensor=4: stage 0 needs 31.24 GiB per rank; the largest device " \
-           "offers 28.80 GiB usable" in str(err.value)
+    assert str(err.value).startswith("model does not fit: at tensor=4 x pipeline=2 (layerPartition [70, 10]) the "
+                                     "most loaded rank needs 31.24 GiB; the largest device offers 28.80 GiB usable.")
+    assert "drop layerPartition" in str(err.value)
 
 
 @pytest.mark.parametrize("parallelism, match", [
@@ -180,14 +181,14 @@ def test_infeasible_says_what_is_needed_and_what_would_help():
     assert err.value.reason == "InsufficientCapacity"
     assert "does not fit: one replica needs at least" in message
     assert "262.83 GiB of float32 weights" in message
-    assert "the pool has 129.60 GiB usable (6 x 24.0 GiB on 2 nodes, 10% headroom)" in message
-    assert "add about 9 more devices like the largest (24.00 GiB)" in message
-    assert "allow a larger tensor degree (tensor=4 or auto)" in message
-    assert "use dtype bfloat16 (weights 131.42 GiB)" in message
+    assert "the pool has 129.60 GiB usable (6 x 24.0 GiB (gpu) on 2 nodes, 10% headroom)" in message
+    # bfloat16 alone would not fit (131.42 GiB of weights), int8 would:
     # per layer 855,638,016 projection weights at 1 byte + 83,968 rows x 4-byte scales + 2 float32
     # norms of 8192; x 80 layers, + float32 embeddings, LM head (2 x 128256 x 8192) and final norm
-    assert "use quantization int8 (weights 71.61 GiB)" in message
-    assert "not supported" not in message
+    assert "To make it fit (each checked by planning again): add 3 more nodes like a (4 x 24.0 GiB (gpu) each); " \
+        "or set quantization: int8 (weights 71.61 GiB)." in message
+    assert [s.text for s in err.value.suggestions] == message.split("planning again): ")[1].split("\n")[0] \
+        .removesuffix(".").split("; or ")
 
 
 def test_no_devices_reports_the_skipped_nodes():
@@ -367,11 +368,12 @@ def test_as_many_groups_as_fit_are_planned(data):
     used = {(r.node, r.device_index) for r in result.ranks}
     left = Inventory(devices=[d for d in inventory.devices if (d.node, d.index) not in used])
     # ... and no further group of the same degrees fits on the devices left (any split, any order).
+    missing = shortfall(result, profile, small_spec(replicas=wanted), inventory, OPTIONS)
     if fit < wanted:
         assert not exhaustive_fits(profile, left, result.tensor_parallel, result.pipeline_parallel)
-        assert shortfall(result, inventory).startswith(f"{wanted} replicas wanted, {fit} fit")
+        assert missing.message.startswith(f"{wanted} replicas wanted, {fit} fit")
     else:
-        assert shortfall(result, inventory) == ""
+        assert missing is None
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -390,3 +392,93 @@ def test_scaling_history_does_not_change_how_many_groups_run(data):
         return len(current.groups)
     fresh = scaled(2)
     assert scaled(3, 0, 2) == scaled(1, 2) == scaled(2, 1, 2) == fresh == _planned_groups(profile, inventory, 2)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_suggestion_it_prints_makes_every_replica_fit(data):
+    """Whatever does not fit (nothing, or not every replica), each suggestion the message makes,
+    applied to the spec and the pool, gives a plan of every replica."""
+    profile = data.draw(small_profiles())
+    inventory = data.draw(pools(profile, largest=1.0))
+    the_spec = small_spec(tensor=data.draw(st.sampled_from(["auto", 1, 2, 4])),
+                          pipeline=data.draw(st.sampled_from(["auto", 1, 2, 3])), replicas=data.draw(st.integers(1, 3)))
+    try:
+        result = plan(profile, the_spec, inventory, OPTIONS)
+    except PlanError as err:
+        if err.reason == "InvalidParallelism":
+            return
+        message, found = err.message, err.suggestions
+    else:
+        missing = shortfall(result, profile, the_spec, inventory, OPTIONS)
+        if missing is None:
+            return
+        message, found = missing.message, missing.suggestions
+    offered = message.split("(each checked by planning again): ")[-1].split("\n")[0].removesuffix(".")
+    assert ("Nothing tried" in message) if not found else offered.split("; or ") == [s.text for s in found]
+    for suggestion in found:
+        new_spec, new_inventory = suggestion.apply(the_spec, inventory)
+        assert len(plan(profile, new_spec, new_inventory, OPTIONS).groups) == new_spec.replicas, suggestion.text
+        if suggestion.patch and (suggestion.add or suggestion.memory_factor != 1):  # not more than it takes
+            assert _planned(profile, new_spec, inventory) < new_spec.replicas, suggestion.text
+
+
+def _planned(profile: ModelProfile, the_spec, inventory: Inventory) -> int:
+    try:
+        return len(plan(profile, the_spec, inventory, OPTIONS).groups)
+    except PlanError:
+        return 0
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_places_answers_as_planning_and_counting_does(data):
+    """How the suggestions are checked (sooner, skipping layouts that cannot answer yes) agrees
+    with the plan itself, for every number of groups."""
+    profile = data.draw(small_profiles())
+    inventory = Inventory(devices=[*data.draw(pools(profile, largest=1.0)).devices,
+                                   *(d.model_copy(update={"node": f"m{d.node}"})
+                                     for d in data.draw(pools(profile, largest=1.0)).devices)])
+    the_spec = small_spec(tensor=data.draw(st.sampled_from(["auto", 1, 2])),
+                          pipeline=data.draw(st.sampled_from(["auto", 1, 2, 3])), replicas=data.draw(st.integers(1, 4)))
+    planned = _planned(profile, the_spec, inventory)
+    for groups in range(1, the_spec.replicas + 1):
+        assert places(profile, the_spec, inventory, groups, OPTIONS) == (planned >= groups), groups
+
+
+@pytest.mark.parametrize("devices, spec_fields, first, offered", [
+    # The issue's cases: a layout given in full is the constraint, said first; then what was checked.
+    ("a:24GiB*4", {"parallelism": {"tensor": 2, "pipeline": 2}, "replicas": 2},
+     "tensor=2 x pipeline=2 x 2 replicas needs 8 devices, tensor-parallel ranks on one node; the pool has 4.",
+     "set tensor: auto and pipeline: auto, and add 16 more devices of 24.0 GiB (gpu) to node a (6 more devices "
+     "would run 1 of the 2 replicas)"),
+    ("a:24GiB*5", {"parallelism": {"tensor": 2, "pipeline": 2}, "replicas": 2},
+     "tensor=2 x pipeline=2 x 2 replicas needs 8 devices, tensor-parallel ranks on one node; the pool has 5.",
+     "set tensor: auto and pipeline: auto, and add 15 more devices of 24.0 GiB (gpu) to node a (5 more devices "
+     "would run 1 of the 2 replicas)"),
+    # Auto tensor alone fits: no devices added to it as well.
+    ("a:80GiB*2,b:80GiB*2", {"parallelism": {"tensor": 8}},
+     "spec.parallelism.tensor=8 needs 8 devices on one node; the largest node in the pool has 2.",
+     "set tensor: auto"),
+    # 70B on two 24 GiB devices: 14 more run both replicas (not "about 17").
+    ("a:24GiB*2", {"replicas": 2}, "one replica needs at least 159.78 GiB across 2 devices",
+     "add 18 more devices of 24.0 GiB (gpu) to node a (8 more devices would run 1 of the 2 replicas)"),
+])
+def test_the_binding_constraint_comes_first_and_the_suggestions_are_checked(devices, spec_fields, first, offered):
+    fields = {"model": {"maxModelLen": 8192, "maxBatchSize": 8}, **spec_fields}
+    with pytest.raises(PlanError) as err:
+        plan(profile_from_config(LLAMA_70B), spec(**fields), parse_devices(devices))
+    assert str(err.value).startswith(f"model does not fit: {first}")
+    assert f"To make it fit (each checked by planning again): {offered}." in str(err.value)
+
+
+def test_a_partial_fit_says_the_layout_needs_more_devices_than_the_pool_has():
+    the_spec = spec(model={"maxModelLen": 8192, "maxBatchSize": 8}, replicas=2,
+                    parallelism={"tensor": 2, "pipeline": 2})
+    result = plan(profile_from_config(LLAMA_70B), the_spec, parse_devices("a:80GiB*4"))
+    missing = shortfall(result, profile_from_config(LLAMA_70B), the_spec, parse_devices("a:80GiB*4"))
+    assert len(result.groups) == 1 and missing.message.startswith(
+        "2 replicas wanted, 1 fits: tensor=2 x pipeline=2 x 2 replicas needs 8 devices, tensor-parallel ranks on "
+        "one node; the pool has 4 (4 x 80.0 GiB (gpu) on a).")
+    assert [s.text for s in missing.suggestions] == ["add 4 more devices of 80.0 GiB (gpu) to node a",
+                                                     "lower spec.replicas to 1"]

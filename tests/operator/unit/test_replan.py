@@ -63,7 +63,9 @@ def test_no_room_for_a_lost_group_runs_what_fits_and_says_what_is_missing(profil
     choice = choose_plan(two_groups, profile, make_spec(replicas=2), parse_devices("c:24GiB*2"), settled=True)
     assert choice.kind == "repaired" and [g.replica for g in choice.plan.groups] == [0]
     assert nodes_of(choice.plan, 0) == {"c"} and choice.plan.replicas == 2
-    assert choice.shortfall.startswith("2 replicas wanted, 1 fits: 1 more needs about 2 more devices")
+    assert choice.shortfall.startswith("2 replicas wanted, 1 fits: tensor=2 x pipeline=1 x 2 replicas needs 4 "
+                                       "devices, tensor-parallel ranks on one node; the pool has 2")
+    assert "add 2 more devices of 24.0 GiB (gpu) to node c" in choice.shortfall
     with pytest.raises(PlanError) as err:  # not even one
         choose_plan(two_groups, profile, make_spec(replicas=2), parse_devices("c:24GiB*1"), settled=True)
     assert err.value.reason == "InsufficientCapacity"
@@ -77,9 +79,11 @@ def test_replicas_that_do_not_all_fit_run_as_many_as_fit_whatever_the_history(pr
         choice = choose_plan(current, profile, make_spec(replicas=replicas), pool)
         current = choice.plan
     assert [g.replica for g in current.groups] == [0] and nodes_of(current, 0) == {"a"}
-    assert choice.shortfall == ("2 replicas wanted, 1 fits: 1 more needs about 2 more devices (a group takes "
-                                "2 x 24.00 GiB (gpu); tensor=2 x pipeline=1, tensor-parallel ranks on one node); "
-                                "unused now: 1 x 24.0 GiB on b")
+    assert choice.shortfall == ("2 replicas wanted, 1 fits: tensor=2 x pipeline=1 x 2 replicas needs 4 devices, "
+                                "tensor-parallel ranks on one node; the pool has 3 (3 x 24.0 GiB (gpu) on 2 nodes). "
+                                "A group takes 2 x 24.0 GiB (gpu); unused now: 1 x 24.0 GiB (gpu) on b. To run them "
+                                "all (each checked by planning again): add 1 more node like a (2 x 24.0 GiB (gpu) "
+                                "each); or set tensor: auto; or lower spec.replicas to 1.")
 
 
 def test_a_grown_pool_adds_the_groups_that_did_not_fit_beside_the_running_one(profile):

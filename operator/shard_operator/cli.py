@@ -21,6 +21,7 @@ import yaml
 from shard_contract.checkpoint import CheckpointError
 from shard_contract.env import ENV_NAMES
 from shard_contract.wire import GenerateRequest, GenerateTask
+from shard_contract.units import human
 
 from . import picture
 from .advice import patched
@@ -139,7 +140,8 @@ def _cpu_hint(err: PlanError, args: argparse.Namespace, profile: ModelProfile, s
         plan(profile, spec, as_cpu, options)
     except PlanError:
         return err
-    return PlanError(err.reason, f"{err.message}\nThese devices were planned as GPUs (1 GiB of runtime each): "
+    runtime = human(options.runtime_overhead["gpu"])
+    return PlanError(err.reason, f"{err.message}\nThese devices were planned as GPUs ({runtime} of runtime each): "
                                  "if they are CPU rank budgets, --device-kind cpu plans them so, and then it fits.",
                      err.shortfall, err.suggestions)
 

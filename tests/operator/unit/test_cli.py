@@ -218,7 +218,7 @@ def test_small_gpu_budgets_that_fit_as_cpu_ranks_get_a_hint(capsys, demo_config)
     code, _, err = run(capsys, "plan", "-f", str(EXAMPLES / "local-demo.yaml"), "--model-dir", str(demo_config),
                        "--devices", "a:256MiB*2")
     assert code == 2 and err.startswith("shardctl: InsufficientCapacity: ") and " does not fit: " in err
-    assert err.endswith("These devices were planned as GPUs (1 GiB of runtime each): if they are CPU rank budgets, "
+    assert err.endswith("These devices were planned as GPUs (2.5 GiB of runtime each): if they are CPU rank budgets, "
                         "--device-kind cpu plans them so, and then it fits.\n")
     code, _, err = run(capsys, "plan", "-f", str(EXAMPLES / "local-demo.yaml"), "--model-dir", str(demo_config),
                        "--devices", "a:256MiB*2", "--device-kind", "cpu")

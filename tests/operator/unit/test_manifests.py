@@ -196,7 +196,7 @@ def test_pod_resources_probes_security_and_volumes():
 
 
 @pytest.mark.parametrize("resources", [{}, {"requests": {"cpu": "4", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}])
-@pytest.mark.parametrize("host_memory", [None, "1"])  # host copies; the files (through a bounce buffer)
+@pytest.mark.parametrize("host_memory", [None, "1B"])  # host copies; the files (through a bounce buffer)
 def test_a_streaming_rank_asks_for_the_host_memory_of_what_it_streams_on_top(resources, host_memory):
     """On top of the default request, or of the spec's request and limit (which cannot know it)."""
     offload = {"policy": "always", **({"hostMemory": host_memory} if host_memory else {})}

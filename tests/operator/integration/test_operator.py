@@ -656,6 +656,10 @@ async def test_the_operator_converges_while_the_api_server_fails_requests(world)
         status = await eventually(lambda: _as_planned(world, "m1", op.settings, replicas=3), timeout=60)
         injected = dict(world.emu.faults.injected)
         world.emu.faults = None
+        # A reconcile still in flight when the faults stopped may yet post what it had to say (an
+        # Event whose first post timed out); count from when three have run since.
+        seen = op.reconciles
+        await eventually(lambda: op.reconciles >= seen + 3)
         before, calls = await _uids(world, "m1"), (op.kube.calls["create"], op.kube.calls["delete"])
         seen = op.reconciles
         await eventually(lambda: op.reconciles >= seen + 3)

@@ -76,7 +76,8 @@ def test_the_70b_example_serves_from_the_model_store(capsys):
                  "--devices", "gpu-a:80GiB*8:H100,gpu-b:80GiB*8:H100"]) == 0
     objects = list(yaml.safe_load_all(capsys.readouterr().out))
     pods = [o for o in objects if o["kind"] == "Pod"]
-    assert len(pods) == 16  # 2 replicas of tensor=8
+    # 2 replicas of tensor=8: a pod per tensor-parallel group, holding its node's 8 GPUs
+    assert [p["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] for p in pods] == ["8", "8"]
     for obj in objects:
         kubernetes_validate.validate(obj, VERSION, strict=True)
         assert obj["metadata"]["namespace"] == claim["metadata"]["namespace"] == "inference"

@@ -140,7 +140,8 @@ class DevCluster:
                 from .apiserver import serve, write_kubeconfig
                 from .controlplane import ControlPlane
 
-                self.emu, self.url = await self._stack.enter_async_context(serve(control_plane=False, faults=self.faults))
+                self.emu, self.url = await self._stack.enter_async_context(serve(control_plane=False, faults=self.faults,
+                                                                               pod_address=self.network.local))
                 self.control_plane = await self._stack.enter_async_context(ControlPlane(
                     self.emu, node_monitor_grace=self.node_monitor_grace, pod_gc_quarantine=self.pod_gc_quarantine))
                 write_kubeconfig(self.kubeconfig, self.url)

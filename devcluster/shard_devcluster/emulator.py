@@ -34,6 +34,7 @@ says which real behaviour each mimics.
 * for kubectl: server-side tables for every kind, in watches too (tables.py), OpenAPI v3 with the
   CRD's schema (`kubectl explain`), /version of the kubectl release the tests use;
 * pods/log from the kubelet of the pod's node, at the endpoint its Node status names;
+* pods/proxy (GET): forwarded to the pod's IP and port, its answer returned as it is;
 * every request is kept for assertions (`api_requests()`), e.g. that the operator uses only the
   permissions it declares;
 * fault injection (`faults=Faults(...)`): on a seeded fraction of requests, the 500s, 409s, 504s,
@@ -56,7 +57,7 @@ import random
 import re
 import string
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp.web
@@ -408,6 +409,9 @@ class FidelityEmulator(kmock.KubernetesEmulator):
     faults: Faults | None = None
     # What /version says: the release whose kubectl the tests use (no version-skew warning).
     version: str = KUBERNETES_VERSION
+    # Where this process reaches a pod IP (pods/proxy): a real API server dials it as it is; the
+    # dev cluster's pod IPs are mapped onto loopback (network.ClusterNetwork.local).
+    pod_address: Callable[[str], str] = lambda ip: ip
 
     _rv: int = attrs.field(default=0, init=False)
     _history: dict = attrs.field(factory=dict, init=False)
@@ -1079,6 +1083,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         if not self._known(res):
             return self._unknown_response(res)
         try:
+            if res == PODS and (sub or '').split('/')[0] == 'proxy':
+                return await self._pod_proxy(request, ns, name, sub.partition('/')[2])
             async with self._lock:
                 obj = self._get_or_404(res, ns, name)
             if sub == 'scale':
@@ -1136,6 +1142,36 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                 upstream.release()
                 await session.close()
         return rendering.Response(status=upstream.status, headers={'Content-Type': 'text/plain'}, payload=body())
+
+    async def _pod_proxy(self, request, ns: str, target: str, path: str) -> rendering.Response:
+        """GET pods/[scheme:]NAME[:PORT]/proxy/PATH, as kube-apiserver serves it (the pod registry's
+        ResourceLocation, then apimachinery's proxy transport): to the pod's IP at PORT (none: its
+        first declared container port), the query passed on, the pod's answer returned with its
+        status code and body; 404 for an unknown pod, 400 "address not allowed" while the pod has no
+        IP, 503 "error trying to reach service: ..." when nothing answers there."""
+        parts = target.split(':')
+        if len(parts) > 3:
+            raise ApiError(400, 'BadRequest', f'invalid pod request "{target}"')
+        scheme, name, port = {1: ['http', *parts, ''], 2: ['http', *parts], 3: parts}[len(parts)]
+        async with self._lock:
+            pod = self._get_or_404(PODS, ns, name)
+        if not port:
+            port = next((str(p['containerPort']) for c in (pod.get('spec') or {}).get('containers') or []
+                         for p in c.get('ports') or []), '')
+        ip = (pod.get('status') or {}).get('podIP')
+        if not ip:
+            raise ApiError(400, 'BadRequest', 'address not allowed')
+        host = f'{ip}:{port}' if port else ip
+        url = f'{scheme}://{self.pod_address(ip)}{":" + port if port else ""}/{path}'
+        try:
+            async with aiohttp.ClientSession() as session, session.get(
+                    url, params=request.params, ssl=False, allow_redirects=False,
+                    timeout=aiohttp.ClientTimeout(total=30)) as upstream:
+                body = await upstream.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
+            raise ApiError(503, 'ServiceUnavailable', f'error trying to reach service: dial tcp {host}: {err}')
+        return rendering.Response(status=upstream.status, payload=body,
+                                  headers={'Content-Type': upstream.headers.get('Content-Type', 'text/plain')})
 
     async def _serve_list(self, request):
         res = request.resource

@@ -423,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "Show a running group, per rank: its layers, predicted and measured memory, and where its "
                 "time goes\n(compute, communication, idle), with the plan's predicted decode step beside the "
                 "measured one.\nA local run by its port (`shardctl run`), or a ShardedModel on the cluster of "
-                "your kubeconfig\n(KUBECONFIG, or ~/.kube/config, as kubectl) by its name.",
+                "your kubeconfig\n(KUBECONFIG, or ~/.kube/config, as kubectl) by its name: its status, and each group "
+                "leader's\n/v1/shards through the API server's pod proxy (which needs `get` on pods/proxy).",
                 ["shardctl status --port 8000 --watch", "shardctl status llama-70b -n inference"])
     p.add_argument("name", nargs="?", metavar="NAME", help="a ShardedModel on the cluster (default: none; "
                                                            "give --port for a local run)")

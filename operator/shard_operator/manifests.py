@@ -85,6 +85,11 @@ def pod_name(model: str, replica: int, revision: str, rank: int) -> str:
     return f"{group_name(model, replica, revision)}-{rank}"
 
 
+def group_of_pod(pod: str) -> str:
+    """The group_name a pod_name was made of (a pod of several ranks is named by its first)."""
+    return pod.rsplit("-", 1)[0]
+
+
 def endpoint_name(model: str) -> str:
     return base_name(model)
 

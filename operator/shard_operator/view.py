@@ -3,7 +3,9 @@
 Two sources, one table: a local run's leader answers `GET /v1/shards` (`ShardsResponse`: every
 rank's place in the plan, what it measured, where its time went), and a ShardedModel on a cluster
 has its status (`status.plan`, `status.shards[]`, read through the Kubernetes client with the
-kubeconfig kubectl uses). The reading is a thin edge; `RankRow`, `GroupView` and `render` are pure.
+kubeconfig kubectl uses) plus each group leader's `/v1/shards` through the API server's pod proxy
+(the operator keeps fast-changing time shares out of the status). The reading is a thin edge;
+`RankRow`, `GroupView`, `with_leaders` and `render` are pure.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Callable
 
@@ -22,7 +24,8 @@ from shard_contract.plan import describe_layers
 from shard_contract.units import table_unit
 from shard_contract.wire import ShardEntry, ShardsResponse
 
-from .api import GROUP, PLURAL, VERSION
+from .api import GROUP, PLURAL, VERSION, WorkerSpec
+from .manifests import group_of_pod
 
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen: a --watch refresh on a terminal
 
@@ -115,12 +118,69 @@ def view_of_model(obj: dict[str, Any]) -> GroupView:
     conditions = {c.get("type"): c for c in status.get("conditions") or []}
     notes = [f"{c['type']}: {c.get('reason', '')}: {c['message']}" for c in conditions.values()
              if c.get("message") and (c["type"] == "Degraded") == (c.get("status") == "True")]
-    notes.append("compute/communication shares and the measured step are each leader's: "
-                 "`kubectl port-forward pod/POD 8000` then `shardctl status --port 8000`")
     return GroupView(title=f"ShardedModel {meta.get('namespace', '')}/{meta.get('name', '')}: "
                            f"{status.get('phase', 'Pending')}, {ready}, plan {plan.get('hash', '-')}",
                      rows=rows, predicted_step=plan.get("predictedStepSeconds"), measured_step=None, notes=notes,
                      raw=obj)
+
+
+def leader_pods(obj: dict[str, Any]) -> list[tuple[int, str]]:
+    """(group, pod) of each group's leader (rank 0) that has a pod, from status.shards[]."""
+    return [(s.get("group", 0), s["pod"]) for s in (obj.get("status") or {}).get("shards") or []
+            if s.get("rank") == 0 and s.get("pod")]
+
+
+def with_leaders(view: GroupView, reports: dict[str, ShardsResponse], unread: list[str]) -> GroupView:
+    """A ShardedModel's table with what its leaders report (`reports`, by the leader's pod): every
+    rank of a leader's group (its pods share the group's name) gets its time shares, its device's
+    capacity and the bytes measured now; the step line gets the slowest group's latest batch (the
+    plan's predicted step is the slowest group's too). `unread`: why leaders were not read, one note."""
+    by_group = {group_of_pod(pod): report for pod, report in reports.items()}
+    rows = []
+    for row in view.rows:
+        report = by_group.get(group_of_pod(row.where))
+        entry = next((r for r in report.ranks if r.rank == row.rank), None) if report else None
+        rows.append(row if entry is None else replace(
+            row, shares=shares(entry), capacity=entry.capacity_bytes,
+            measured=entry.resident_bytes.total if entry.resident_bytes is not None else row.measured))
+    steps = [step for step in map(measured_step, reports.values()) if step is not None]
+    notes = [f"no time shares or measured step from {'; '.join(unread)}"] if unread else []
+    return replace(view, rows=rows, measured_step=max(steps, default=None), notes=view.notes + notes)
+
+
+def _message(err: Any) -> str:
+    """An ApiException's Status message (the API server's words), else its HTTP reason."""
+    try:
+        return json.loads(err.body)["message"]
+    except (TypeError, ValueError, KeyError):
+        return str(err.reason)
+
+
+def read_leaders(core: Any, namespace: str, obj: dict[str, Any]) -> tuple[dict[str, ShardsResponse], list[str]]:
+    """Each group leader's `/v1/shards` through the API server's pod proxy, as `kubectl get --raw
+    /api/v1/namespaces/NS/pods/POD:PORT/proxy/v1/shards` reads it (the leader serves it on
+    spec.worker.port, where the operator polls it), and why any could not be read."""
+    import kubernetes
+    import urllib3
+
+    port = ((obj.get("spec") or {}).get("worker") or {}).get("port") or WorkerSpec().port
+    reports: dict[str, ShardsResponse] = {}
+    unread: list[str] = []
+    for group, pod in leader_pods(obj):
+        try:
+            answer = core.connect_get_namespaced_pod_proxy_with_path(
+                f"{pod}:{port}", namespace, "v1/shards", _preload_content=False, _request_timeout=5)
+            reports[pod] = ShardsResponse.model_validate_json(answer.data)
+        except kubernetes.client.ApiException as err:
+            if err.status in (401, 403):  # RBAC: the same answer for every pod
+                return reports, [f"the leaders: the cluster refuses the pod proxy (it needs get on pods/proxy "
+                                 f"in {namespace}): {_message(err)}"]
+            unread.append(f"group {group} ({pod}): HTTP {err.status}: {_message(err)}")
+        except (OSError, urllib3.exceptions.HTTPError) as err:
+            unread.append(f"group {group} ({pod}): {err}")
+        except (ValueError, ValidationError):
+            unread.append(f"group {group} ({pod}): not a shard_worker's answer")
+    return reports, unread
 
 
 def cluster_status(name: str, namespace: str | None) -> GroupView:
@@ -137,6 +197,7 @@ def cluster_status(name: str, namespace: str | None) -> GroupView:
         with kubernetes.client.ApiClient(config) as client:
             obj = kubernetes.client.CustomObjectsApi(client).get_namespaced_custom_object(
                 GROUP, VERSION, namespace, PLURAL, name, _request_timeout=10)
+            reports, unread = read_leaders(kubernetes.client.CoreV1Api(client), namespace, obj)
     except kubernetes.config.ConfigException as err:
         raise StatusError(f"no cluster to read: {err}") from None
     except kubernetes.client.ApiException as err:
@@ -145,7 +206,7 @@ def cluster_status(name: str, namespace: str | None) -> GroupView:
         raise StatusError(f"reading ShardedModel {namespace}/{name}: HTTP {err.status} {err.reason}") from None
     except OSError as err:
         raise StatusError(f"the cluster does not answer: {err}") from None
-    return view_of_model(obj)
+    return with_leaders(view_of_model(obj), reports, unread)
 
 
 # ---------------------------------------------------------------- the table

@@ -17,6 +17,8 @@ Timings go to the report (SHARD_E2E_REPORT=FILE writes them; docs/benchmarks.md 
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -151,6 +153,21 @@ def test_1_kubectl_apply_the_example_serves_the_tokens_of_shardctl_generate(h, d
     proxied = httpx.post(columns["URL"] + "/v1/completions", json=completion_body(PROMPT, max_tokens=8),
                          proxy=h.cluster.gateway.url, timeout=120)
     assert proxied.status_code == 200 and tokens_of(proxied) == tokens_of(served)
+
+    # `shardctl status demo`: the status table, with the leader's time shares and measured decode
+    # step read through the API server's pod proxy (the emulator's, to the leader pod's IP).
+    shown = subprocess.run([sys.executable, "-m", "shard_operator.cli", "status", "demo"], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "KUBECONFIG": str(h.cluster.kubeconfig)})
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    header = re.split(r"\s{2,}", lines[1].strip())
+    ranks = [dict(zip(header, re.split(r"\s{2,}", line.strip()))) for line in lines[2:6]]
+    assert [r["rank"] for r in ranks] == ["0", "1", "2", "3"]
+    for r in ranks:
+        assert all(r[k].endswith("%") for k in ("compute", "comm", "idle")) and r["capacity MiB"] == "200.00", r
+        assert 99 <= sum(int(r[k][:-1]) for k in ("compute", "comm", "idle")) <= 101, r
+    assert re.search(r"measured \d+\.\d\d ms \(the latest batch\)", shown.stdout), shown.stdout
+    assert "time shares" not in shown.stdout, shown.stdout
 
 
 # ---------------------------------------------------------------- 1b

@@ -20,13 +20,16 @@ from tests.support.operator import ManualClock, eventually, fast_settings, runni
 
 @contextlib.asynccontextmanager
 async def fake_leaders():
-    """A real HTTP server playing every group leader's GET /v1/shards; yields its base URL."""
+    """A real HTTP server playing every group leader's GET /v1/shards; yields its base URL. The
+    operator asks for URL/NAMESPACE/POD/v1/shards (`leader_url`); through the pod proxy, with the
+    pods' IPs mapped to it, it is every pod's own /v1/shards at the URL's port."""
     report = leader_report()
 
     async def shards(request: web.Request) -> web.Response:
         return web.Response(text=report.model_dump_json(), content_type="application/json")
     app = web.Application()
     app.router.add_get("/{namespace}/{pod}/v1/shards", shards)
+    app.router.add_get("/v1/shards", shards)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -1,5 +1,6 @@
 """`shardctl status NAME`: a ShardedModel on a cluster, read through the Kubernetes client with a
-kubeconfig, as kubectl reads it, while the real operator runs against the emulated API server."""
+kubeconfig, as kubectl reads it, while the real operator runs against the emulated API server; each
+group leader's time shares and decode step through the API server's pod proxy."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import re
 import sys
 
 import pytest
+from aiohttp import web
 
 from shard_devcluster.apiserver import SM, serve, write_kubeconfig
 from tests.operator.conftest import RESIDENT
@@ -30,13 +32,16 @@ async def shardctl_status(kubeconfig, *args: str) -> tuple[int, str, str]:
 @pytest.mark.slow
 async def test_status_of_a_model_on_the_cluster_shows_every_group_rank_by_rank(tmp_path):
     model_dir = write_model(tmp_path / "models" / "tiny")
-    async with serve() as (emu, url), fake_leaders() as leaders, FakeKubelet(emu):
+    # The pods' IPs lead to the fake leaders' server, as the dev cluster maps them onto loopback.
+    async with serve(pod_address=lambda ip: "127.0.0.1") as (emu, url), fake_leaders() as leaders, FakeKubelet(emu):
         for name in ("gpu-a", "gpu-b"):
             await emu.k8s_create("v1/nodes", None, gpu_node(name))
         kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", url)
         settings = fast_settings(leader_url=leaders + "/{namespace}/{pod}")
         async with running_operator(url, settings):
-            await emu.k8s_create(SM, "default", sharded_model("m1", model_dir, replicas=2, tensor=2))
+            port = int(leaders.rsplit(":", 1)[1])  # the leaders serve /v1/shards on spec.worker.port
+            await emu.k8s_create(SM, "default", sharded_model("m1", model_dir, replicas=2, tensor=2,
+                                                              worker={"port": port}))
 
             async def measured():
                 status = ((await emu.k8s_get(SM, "default", "m1")) or {}).get("status") or {}
@@ -60,8 +65,57 @@ async def test_status_of_a_model_on_the_cluster_shows_every_group_rank_by_rank(t
         shard = by_pod[row["where"]]
         assert float(row["predicted GiB"]) == round(shard["predictedBytes"] / 2**30, 2)
         assert float(row["measured GiB"]) == round((RESIDENT + int(row["rank"]) * 2**20) / 2**30, 2)
-        assert (row["capacity GiB"], row["compute"]) == ("-", "-")  # not in a ShardedModel's status
+        # from the leader's /v1/shards (leader_report): a 1 GiB device, 3 s computing and 1 s communicating
+        assert (row["capacity GiB"], row["compute"], row["comm"], row["idle"]) == ("1.00", "75%", "25%", "0%")
     step = status["plan"]["predictedStepSeconds"]
-    assert step > 0 and f"decode step: predicted {step * 1e3:.2f} ms (the plan's critical path)" in out
-    assert "`shardctl status --port 8000`" in out  # where the time shares are
+    assert step > 0 and f"decode step: predicted {step * 1e3:.2f} ms (the plan's critical path), measured " \
+        "20.00 ms (the latest batch)" in out  # the leader's last batch: 0.5 s over 25 steps
+    assert "time shares" not in out
     assert missing[0] == 3 and missing[2] == "shardctl: ShardedModel default/nope not found\n"
+
+
+async def test_status_refused_the_pod_proxy_shows_the_status_table_and_says_why(tmp_path):
+    """A user whom RBAC grants the ShardedModel but not `get pods/proxy`: kube-apiserver's
+    authorizer answers 403 Forbidden with this Status (a server that plays exactly that: the
+    emulator has no RBAC). The table from the status stays, with one line saying why."""
+    pod = "m1-0-abc-0"
+    model = {"apiVersion": "sharding.dev/v1alpha1", "kind": "ShardedModel",
+             "metadata": {"name": "m1", "namespace": "default"}, "spec": {"replicas": 1},
+             "status": {"phase": "Ready", "readyReplicas": 1, "plan": {"hash": "h", "predictedStepSeconds": 0.01},
+                        "shards": [{"group": 0, "rank": 0, "pod": pod, "layers": [0, 4], "predictedBytes": 2**30,
+                                    "residentBytes": 2**29, "state": "Ready"}]}}
+    forbidden = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "reason": "Forbidden",
+                 "message": f'pods "{pod}" is forbidden: User "alice" cannot get resource "pods/proxy" in API '
+                            'group "" in the namespace "default"', "details": {"name": pod, "kind": "pods"},
+                 "code": 403}
+    proxied = []
+
+    async def get_model(request: web.Request) -> web.Response:
+        return web.json_response(model)
+
+    async def refuse(request: web.Request) -> web.Response:
+        proxied.append(request.path)
+        return web.json_response(forbidden, status=403)
+    app = web.Application()
+    app.router.add_get("/apis/sharding.dev/v1alpha1/namespaces/default/shardedmodels/m1",
+                       get_model)
+    app.router.add_get("/api/v1/namespaces/default/pods/{pod}/proxy/{path:.*}", refuse)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        code, out, err = await shardctl_status(kubeconfig, "m1")
+    finally:
+        await runner.cleanup()
+    assert code == 0, err
+    assert proxied == [f"/api/v1/namespaces/default/pods/{pod}:8000/proxy/v1/shards"]  # spec.worker.port's default
+    lines = out.splitlines()
+    assert lines[0] == "ShardedModel default/m1: Ready, 1/1 groups ready, plan h"
+    assert re.split(r"\s{2,}", lines[2].strip()) == ["0", "0", "0", "0", pod, "0-3 (4 layers)", "Ready", "1.00", "0.50",
+                                                     "-", "-", "-", "-"]
+    assert lines[3:] == ["decode step: predicted 10.00 ms (the plan's critical path), measured - (no batch yet) "
+                         "(the latest batch)",
+                         "no time shares or measured step from the leaders: the cluster refuses the pod proxy (it "
+                         f"needs get on pods/proxy in default): {forbidden['message']}"]

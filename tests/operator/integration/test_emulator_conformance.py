@@ -10,6 +10,7 @@ import json
 import time
 
 import aiohttp
+import aiohttp.web
 import pytest
 
 from shard_devcluster.apiserver import serve
@@ -438,6 +439,45 @@ async def test_pod_logs_come_from_the_kubelet_of_the_pods_node(api, tmp_path):
         assert st == 400 and "does not have a host assigned" in b["message"]
     finally:
         await kubelet.stop()
+
+
+async def test_pod_proxy_forwards_a_get_to_the_pods_ip_and_port_and_returns_its_answer():
+    """pods/proxy as kube-apiserver serves it (`kubectl get --raw .../pods/NAME:PORT/proxy/PATH`):
+    the GET goes to the pod's IP at PORT (none named: its first container port) with the query,
+    and the pod's status code and body come back as they are; an unknown pod is 404, a pod without
+    an IP 400 "address not allowed", a port nothing listens on 503 "error trying to reach service"."""
+    async def answer(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.json_response({"path": request.path, "query": dict(request.query)},
+                                         status=int(request.query.get("status", 200)))
+    app = aiohttp.web.Application()
+    app.router.add_get("/{tail:.*}", answer)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    # The pod's IP is a pod network's; this machine reaches it on loopback (as the dev cluster maps it).
+    async with serve(control_plane=False, pod_address=lambda ip: "127.0.0.1") as (emu, url), \
+            aiohttp.ClientSession(base_url=url) as session:
+        api = Api(session)
+        try:
+            await api("POST", PODS, json={**pod("p1"), "spec": {"containers": [
+                {"name": "c", "image": "x", "ports": [{"containerPort": port}]}]}})
+            assert (await api("GET", f"{PODS}/p1:{port}/proxy/v1/shards"))[0] == 400  # no IP yet
+            assert (await api("GET", f"{PODS}/p1:{port}/proxy/v1/shards"))[1]["message"] == "address not allowed"
+            await api("PATCH", f"{PODS}/p1/status", json={"status": {"podIP": "10.9.0.5"}}, headers=MERGE)
+            assert await api("GET", f"{PODS}/p1:{port}/proxy/v1/shards?x=1") == \
+                (200, {"path": "/v1/shards", "query": {"x": "1"}})
+            assert await api("GET", f"{PODS}/p1/proxy/a/b") == (200, {"path": "/a/b", "query": {}})
+            assert await api("GET", f"{PODS}/p1:{port}/proxy/v1/x?status=418") == \
+                (418, {"path": "/v1/x", "query": {"status": "418"}})  # the pod's own status code
+            st, body = await api("GET", f"{PODS}/nope:{port}/proxy/v1/shards")
+            assert (st, body["reason"]) == (404, "NotFound")
+        finally:
+            await runner.cleanup()
+        st, body = await api("GET", f"{PODS}/p1:{port}/proxy/v1/shards")
+        assert (st, body["reason"]) == (503, "ServiceUnavailable")
+        assert body["message"].startswith(f"error trying to reach service: dial tcp 10.9.0.5:{port}: ")
 
 
 # ---------------------------------------------------------------- injected faults

@@ -1,0 +1,68 @@
+"""`shardctl status NAME`: a ShardedModel's status merged with what its group leaders report."""
+
+from __future__ import annotations
+
+import pytest
+
+from shard_contract.wire import PredictedBytes, ResidentBytes, ShardEntry, ShardsResponse
+from shard_operator.manifests import pod_name
+from shard_operator.view import leader_pods, render, view_of_model, with_leaders
+
+PREDICTED = PredictedBytes(weights=1, kv_cache=1, activations=1, overhead=1)
+
+
+def shard(group: int, revision: str, rank: int, resident: int | None = 5 * 2**20) -> dict:
+    return {"group": group, "rank": rank, "pod": pod_name("m", group, revision, rank), "node": "n", "device": "gpu0",
+            "layers": [0, 3], "predictedBytes": 2**30, "residentBytes": resident, "state": "Ready"}
+
+
+def report(replica: int, seconds: list[tuple[float, float, float]], step: tuple[float, int] | None) -> ShardsResponse:
+    """A leader's /v1/shards: each rank's compute, communication and idle seconds; rank 0's last batch."""
+    return ShardsResponse(model="m", replica=replica, ready=True, ranks=[
+        ShardEntry.model_validate({
+            "rank": r, "stage": 0, "tp_rank": r, "layers": (0, 3), "predicted_bytes": PREDICTED,
+            "capacity_bytes": 4 * 2**30, "usable_bytes": 3 * 2**30, "state": "ready",
+            "resident_bytes": ResidentBytes(weights=1, kv_cache=1, rss_anon=1, total=(7 + r) * 2**20),
+            "compute_seconds": c, "comm_seconds": m, "idle_seconds": i,
+            **({"last_generate": {"decode_seconds": step[0], "decode_steps": step[1]}} if step and r == 0 else {})})
+        for r, (c, m, i) in enumerate(seconds)])
+
+
+MODEL = {"metadata": {"name": "m", "namespace": "ns"}, "spec": {"replicas": 2}, "status": {
+    "phase": "Ready", "plan": {"hash": "h", "predictedStepSeconds": 0.01},
+    # group 0 is being replaced: its old revision still has both pods, the new one a pod without a
+    # leader yet; group 1's rank 1 is missing (no pod)
+    "shards": [shard(0, "old", 0), shard(0, "old", 1), shard(0, "new", 1), shard(1, "a", 0),
+               {**shard(1, "a", 1, resident=None), "pod": ""}]}}
+
+
+def test_leaders_are_the_rank_0_pods_of_the_status():
+    assert leader_pods(MODEL) == [(0, "m-0-old-0"), (1, "m-1-a-0")]
+
+
+def test_every_rank_of_a_leaders_group_gets_its_shares_capacity_and_bytes_and_the_slowest_step():
+    reports = {"m-0-old-0": report(0, [(3.0, 1.0, 0.0), (1.0, 1.0, 2.0)], (0.5, 25)),
+               "m-1-a-0": report(1, [(1.0, 0.0, 0.0), (2.0, 2.0, 0.0)], (0.9, 30))}
+    view = with_leaders(view_of_model(MODEL), reports, [])
+    got = [(r.group, r.where, r.shares, r.capacity, r.measured) for r in view.rows]
+    assert got == [
+        (0, "m-0-old-0", (0.75, 0.25, 0.0), 4 * 2**30, 7 * 2**20),
+        (0, "m-0-old-1", (0.25, 0.25, 0.5), 4 * 2**30, 8 * 2**20),
+        (0, "m-0-new-1", None, None, 5 * 2**20),  # the new revision's pod: not that leader's group
+        (1, "m-1-a-0", (1.0, 0.0, 0.0), 4 * 2**30, 7 * 2**20),
+        (1, "n/gpu0", None, None, None)]  # no pod, no report of it
+    assert view.measured_step == pytest.approx(0.03)  # group 1's 0.9 s over 30 steps: slower than group 0's 20 ms
+    text = render(view)
+    assert "measured 30.00 ms (the latest batch)" in text and "75%" in text
+    assert not [line for line in text.splitlines() if "time shares" in line]
+
+
+def test_leaders_not_read_leave_the_status_table_and_say_why_in_one_line():
+    plain = view_of_model(MODEL)
+    view = with_leaders(plain, {}, ["group 0 (m-0-old-0): HTTP 503: error trying to reach service",
+                                    "group 1 (m-1-a-0): HTTP 400: address not allowed"])
+    assert view.rows == plain.rows and view.measured_step is None
+    assert view.notes == plain.notes + [
+        "no time shares or measured step from group 0 (m-0-old-0): HTTP 503: error trying to reach service; "
+        "group 1 (m-1-a-0): HTTP 400: address not allowed"]
+    assert "- (no batch yet)" in render(view)

@@ -156,7 +156,7 @@ spec:
   placement: {{offload: {{policy: auto}}}}
 """)
     answers = {}
-    for devices in (f"localhost:{budget}", "localhost:1GiB"):
+    for devices in (f"localhost:{budget}B", "localhost:1GiB"):
         proc = shardctl("run", "-f", str(yaml_file), "--port", "0", "--devices", devices, "--prompt", "the model",
                         "--max-tokens", "8")
         out, err = proc.communicate(timeout=180)
@@ -165,4 +165,4 @@ spec:
         if devices != "localhost:1GiB":
             assert "offload auto: the devices cannot hold every layer: rank 0 streams 4 of its 8 layers" in out
             assert re.search(r"^\s+0\s+1,3,5,7\s+2\s", out, re.M), out  # the table: layers 1, 3, 5, 7 in 2 slots
-    assert answers[f"localhost:{budget}"] == answers["localhost:1GiB"]
+    assert answers[f"localhost:{budget}B"] == answers["localhost:1GiB"]

@@ -29,7 +29,7 @@ def streaming_plan(model_dir: Path, tp: int, pp: int, fraction: float, *, max_le
             model=ModelSpec(path=str(model_dir), dtype=dtype, max_model_len=max_len, max_batch_size=batch),
             parallelism=Parallelism(tensor=tp, pipeline=pp),
             placement=Placement(offload=Offload(policy=policy, prefetch=prefetch)))
-        return plan(profile, spec, parse_devices(f"local:{budget}*{tp * pp}", kind="cpu"))
+        return plan(profile, spec, parse_devices(f"local:{budget}B*{tp * pp}", kind="cpu"))
 
     if fraction in (0, 1):
         return plan_at(4 * GiB, "always" if fraction else "never")

@@ -71,12 +71,21 @@ async def client(http: httpx.AsyncClient, rng: random.Random, deadline: float, m
 DASHBOARD_DATA = ("/v1/shards", "/metrics", "/health", "/dashboard/layout.svg")  # what /dashboard polls
 
 
+async def fetch(http: httpx.AsyncClient, path: str) -> httpx.Response:
+    """GET `path`, again once when the server closed an idle keep-alive connection just as it was
+    reused (uvicorn closes them after 5 s; a browser retries such a GET the same way)."""
+    try:
+        return await http.get(path)
+    except (httpx.ReadError, httpx.RemoteProtocolError):
+        return await http.get(path)
+
+
 async def poller(http: httpx.AsyncClient, deadline: float, period: float) -> int:
     """A browser with /dashboard open, polling its data every `period` s; returns the polls made."""
     polls = 0
     while time.monotonic() < deadline:
         started = time.monotonic()
-        for response in await asyncio.gather(*(http.get(path) for path in DASHBOARD_DATA)):
+        for response in await asyncio.gather(*(fetch(http, path) for path in DASHBOARD_DATA)):
             response.raise_for_status()
         polls += 1
         await asyncio.sleep(max(0.0, period - (time.monotonic() - started)))

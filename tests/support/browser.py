@@ -11,7 +11,9 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -36,10 +38,12 @@ class Browser:
     def __enter__(self) -> "Browser":
         binary = shutil.which(CHROMIUM)
         assert binary, "chromium is not installed: `make system-tools` installs it (apt-get install chromium)"
-        self.profile = tempfile.TemporaryDirectory(prefix="chromium-")
+        # Chromium's helper processes may still write into the profile as they die: never fail on it.
+        self.profile = tempfile.TemporaryDirectory(prefix="chromium-", ignore_cleanup_errors=True)
+        # A session of its own, so that stopping it stops its helper processes too.
         self.process = subprocess.Popen([binary, *FLAGS, f"--user-data-dir={self.profile.name}",
                                          f"--window-size={self.size[0]},{self.size[1]}", "about:blank"],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             port = self._devtools_port()
             targets = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10))
@@ -58,7 +62,10 @@ class Browser:
     def __exit__(self, *_: object) -> None:
         if getattr(self, "ws", None) is not None:
             self.ws.close()
-        self.process.kill()
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.process.wait(10)
         self.profile.cleanup()
 

@@ -227,23 +227,34 @@ class NothingFits(Exception):
 
 def _plan(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory, options: PlannerOptions) -> Plan:
     request, inventory, tps = _prepare(profile, spec, inventory)
-    policy = request.offload.policy
-    streaming = policy == "always"
+    streaming, *then = _streaming_modes(request)
     found = _fitting(profile, spec, inventory, request, tps, options, streaming)
     placed = max((len(c.groups) for c in found), default=0)
-    if policy == "auto" and placed < max(request.replicas, 1) and request.quantization == "none":
+    if then and placed < max(request.replicas, 1):
         more = _fitting(profile, spec, inventory, request, tps, options, streaming=True)
         # auto: only when streaming places more replicas than holding every layer does
         if max((len(c.groups) for c in more), default=0) > placed:
             found, streaming = more, True
     if not found:
         raise NothingFits(request, inventory, tps, _capacity_needed(profile, request, inventory, tps, options))
-    most = max(len(c.groups) for c in found)
-    found = [c for c in found if len(c.groups) == most]
-    best = _choose(found, options.tolerance)
+    found, best = _pick(found, options.tolerance)
     request, why = _fallback_dtype(request, spec, best)
     result = _to_plan(profile, spec, request, Costs(profile, request, options, streaming), best, found)
     return result.model_copy(update={"reason": result.reason + why}) if why else result
+
+
+def _streaming_modes(request: Request) -> list[bool]:
+    """Whether layers may stream, in the order `_plan` tries: `always` streams, `never` does not,
+    `auto` holds every layer first and streams only when that places too few (never int8)."""
+    policy = request.offload.policy
+    return [policy == "always"] + ([True] if policy == "auto" and request.quantization == "none" else [])
+
+
+def _pick(found: list[Candidate], tolerance: float) -> tuple[list[Candidate], Candidate]:
+    """The layouts that place the most groups, and the one chosen among them."""
+    most = max(len(c.groups) for c in found)
+    found = [c for c in found if len(c.groups) == most]
+    return found, _choose(found, tolerance)
 
 
 def _fitting(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory, request: Request,
@@ -268,8 +279,7 @@ def _offload_note(profile: ModelProfile, spec: ShardedModelSpec, request: Reques
     found = _fitting(profile, spec, inventory, auto, tps, options, streaming=True)
     if not found:
         return ""
-    most = max(len(c.groups) for c in found)
-    best = _choose([c for c in found if len(c.groups) == most], options.tolerance)
+    found, best = _pick(found, options.tolerance)
     fitted = _to_plan(profile, spec, auto, Costs(profile, auto, options, streaming=True), best, found)
     per_step = sum(r.offload.streamed_bytes for r in fitted.group(0) if r.offload)
     step = fitted.groups[0].critical_path_seconds
@@ -282,7 +292,7 @@ def consider(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory
              options: PlannerOptions) -> tuple[Request, list[int], list[Considered]]:
     """Every layout the planner tries, in order (`plan` chooses among those that fit)."""
     request, inventory, tps = _prepare(profile, spec, inventory)
-    streaming = request.offload.policy == "always"
+    streaming = _streaming_modes(request)[0]
     return request, tps, list(_tries(profile, spec, inventory, request, tps, options, streaming=streaming))
 
 
@@ -740,10 +750,8 @@ def places(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory, 
         request, inventory, tps = _prepare(profile, spec, inventory)
     except PlanError:
         return False
-    policy = request.offload.policy  # as `_plan` decides whether to stream
-    streaming = [policy == "always"] + ([True] if policy == "auto" and request.quantization == "none" else [])
     return any(c.candidate is not None and len(c.candidate.groups) >= groups
-               for mode in streaming
+               for mode in _streaming_modes(request)
                for c in _tries(profile, spec, inventory, request, tps[::-1], options or PlannerOptions(), groups,
                                streaming=mode))
 

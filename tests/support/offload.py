@@ -18,18 +18,21 @@ def streamed_layers(p: Plan) -> int:
 
 
 def streaming_plan(model_dir: Path, tp: int, pp: int, fraction: float, *, max_len: int = 64, batch: int = 1,
-                   dtype: str = "auto", prefetch: int | str = "auto") -> Plan:
-    """A plan of TP x PP CPU ranks that streams `fraction` of the layers: none (policy never),
-    all (policy always), or else policy auto on the largest uniform device budget at which the
-    planner streams exactly that many (bisection: the less memory, the more layers stream)."""
+                   dtype: str = "auto", prefetch: int | str = "auto", kind: str = "cpu",
+                   host_memory: str | None = None) -> Plan:
+    """A plan of TP x PP ranks (`kind` cpu or gpu) that streams `fraction` of the layers: none
+    (policy never), all (policy always), or else policy auto on the largest uniform device budget
+    at which the planner streams exactly that many (bisection: the less memory, the more layers
+    stream). `host_memory`: the offload's hostMemory (GPU ranks: what does not fit it is read from
+    the files)."""
     profile = profile_model(model_dir)
 
     def plan_at(budget: int, policy: str) -> Plan:
         spec = ShardedModelSpec(
             model=ModelSpec(path=str(model_dir), dtype=dtype, max_model_len=max_len, max_batch_size=batch),
             parallelism=Parallelism(tensor=tp, pipeline=pp),
-            placement=Placement(offload=Offload(policy=policy, prefetch=prefetch)))
-        return plan(profile, spec, parse_devices(f"local:{budget}B*{tp * pp}", kind="cpu"))
+            placement=Placement(offload=Offload(policy=policy, prefetch=prefetch, host_memory=host_memory)))
+        return plan(profile, spec, parse_devices(f"local:{budget}B*{tp * pp}", kind=kind))
 
     if fraction in (0, 1):
         return plan_at(4 * GiB, "always" if fraction else "never")

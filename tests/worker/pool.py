@@ -78,7 +78,12 @@ def _run(env_json: str, plan_json: str, job: Any) -> dict:
         os.environ.clear()
         os.environ.update(saved)
     try:
-        result: dict[str, Any] = {"layout": worker.stage.layout, "shared_memory": worker.comm.shm is not None}
+        import torch
+
+        # float32 matmul precision as the rank runs it: "highest" (no TF32 on a GPU), or float32
+        # results are not comparable with HF's
+        result: dict[str, Any] = {"layout": worker.stage.layout, "shared_memory": worker.comm.shm is not None,
+                                  "float32_matmul": torch.get_float32_matmul_precision()}
         if isinstance(job, TensorsJob):
             result["tensors"] = {k: v.clone() for k, v in worker.stage.tensors().items()}
         if worker.topo.is_leader:

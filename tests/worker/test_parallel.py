@@ -17,16 +17,17 @@ pytestmark = pytest.mark.slow
 
 def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+        out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=new_tokens, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
 def hf_logits(model, prompt: list[int], generated: list[int]) -> torch.Tensor:
-    """HF's logits at the positions that chose each generated token: [len(generated), vocab]."""
-    ids = torch.tensor([prompt + generated[:-1]])
+    """HF's logits at the positions that chose each generated token: [len(generated), vocab] (on
+    the CPU, wherever the model runs)."""
+    ids = torch.tensor([prompt + generated[:-1]], device=model.device)
     with torch.no_grad():
-        logits = model(input_ids=ids).logits[0].float()
+        logits = model(input_ids=ids).logits[0].float().cpu()
     return logits[len(prompt) - 1:]
 
 

@@ -1,0 +1,278 @@
+"""The worker on every device this process has: the CPU always, and CUDA where torch sees a GPU.
+
+Every test takes `device` ("cpu" or "cuda") and runs one rank whose plan puts it there (the
+planner's device kind cpu or gpu: with `RankPlan.kind == "gpu"` the rank takes `cuda:LOCAL_RANK`
+itself). So the logic is proven on the CPU of every machine, and the very same code runs on a GPU
+where there is one (bench/gpu_check.sh). SHARD_TEST_DEVICES=cuda (or cpu) keeps one of them.
+
+One rank only: NCCL refuses two ranks on one GPU, and these tests must run on a machine with one,
+so tensor and pipeline parallelism on CUDA (NCCL collectives and send/recv) are out of their
+reach; the CPU tests cover those layouts over gloo.
+
+On the device: greedy tokens and float32 logits equal to HF transformers' on the same device (no
+TF32 on either side); bfloat16 groups that generate; resident bytes after load against the plan
+for every checkpoint dtype x runtime dtype pair; int8 weights (on CUDA, torch's
+`_weight_int8pack_mm` for decode rows); offload (on CUDA: pinned host copies, a side stream,
+double-buffered slots) computing the resident run's logits bit for bit; and `shardctl run`
+serving a completion through its HTTP API.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from shard_operator.demo_model import DemoShape, write_demo_model
+from shard_operator.local import plan_local
+from tests.support.checkpoints import write_checkpoint
+from tests.support.offload import streaming_plan
+from tests.support.processes import shardctl
+
+from .pool import GenerateJob
+from .test_int8 import int8_reference
+from .test_parallel import PROMPT, assert_matches_hf, hf_logits
+
+WANTED = os.environ.get("SHARD_TEST_DEVICES", "cpu,cuda").split(",")
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device in this process")
+DEVICES = [pytest.param(d, marks=[NO_CUDA] if d == "cuda" else []) for d in ("cpu", "cuda") if d in WANTED]
+pytestmark = [pytest.mark.slow, pytest.mark.parametrize("device", DEVICES)]
+
+# A rank's device: one of its own (on a GPU the planner adds 2.5 GiB of CUDA context, cuBLAS and
+# NCCL overhead to what the model needs).
+MEMORY = "16GiB"
+# As `shardctl run` starts its ranks: gloo (the control group) and NCCL over loopback.
+LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+JOB_TIMEOUT = 120.0  # a small job: a hung CUDA call fails its test, not the whole run
+# Expandable segments (the worker's allocator setting) map the caching allocator's large pool in
+# 20 MiB pieces and its small pool in 2 MiB ones: what CUDA reserves for the weights exceeds their
+# bytes by up to that, whatever their size.
+CUDA_SEGMENTS = 22 * 2**20
+
+
+def kind_of(device: str) -> str:
+    return "gpu" if device == "cuda" else "cpu"
+
+
+def device_plan(model_dir, device: str, *, batch: int = 1, dtype: str = "float32", quantization: str = "none"):
+    """A plan of one rank on `device`."""
+    plan = plan_local(model_dir, 1, 1, dtype=dtype, quantization=quantization, max_model_len=64,
+                      max_batch_size=batch, devices=f"localhost:{MEMORY}", device_kind=kind_of(device))
+    assert plan.ranks[0].kind == kind_of(device)
+    return plan
+
+
+def generate(pool, plan, model_dir, prompts: list[list[int]], new_tokens: int = 5) -> list[dict]:
+    job = GenerateJob([{"prompt_ids": p, "max_new_tokens": new_tokens, "ignore_eos": True} for p in prompts],
+                      env=LOOPBACK)
+    results = pool.run(plan, model_dir, job, timeout=JOB_TIMEOUT)
+    # IEEE float32 matmuls in the rank (TF32 would be ~1e-3 off HF's)
+    assert results[0]["float32_matmul"] == "highest"
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model):
+    """reference(directory, device, int8=False) -> the HF model (float32) on `device`; with int8,
+    its projections quantized and dequantized as an int8 rank computes them."""
+    made = {}
+
+    def get(directory, device: str, int8: bool = False):
+        if (directory, device, int8) not in made:
+            model = int8_reference(hf_model(directory)) if int8 else copy.deepcopy(hf_model(directory))
+            made[directory, device, int8] = model.to(device)
+        return made[directory, device, int8]
+    # and IEEE float32 in this process, for HF's reference
+    assert torch.get_float32_matmul_precision() == "highest"
+    return get
+
+
+def logits_of(result: dict, row: int = 0) -> torch.Tensor:
+    return torch.stack([step[row] for step in result["output"].logits])
+
+
+# ---------------------------------------------------------------- the model, as HF computes it
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_float32_matches_hf_on_the_same_device(pool, checkpoint, reference, device, family):
+    """Greedy tokens and float32 logits at every generated position equal HF's on the device
+    (rtol = atol = 1e-4, as in every CPU test), for a left-padded batch of two prompts."""
+    model_dir = checkpoint(family)
+    prompts = [PROMPT, PROMPT[:3]]
+    results = generate(pool, device_plan(model_dir, device, batch=2), model_dir, prompts)
+    assert_matches_hf(results, reference(model_dir, device), prompts)
+    report = results[0]["reports"][0]
+    assert (report["device"], report["dtype"]) == (f"{device}:0", "float32")
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_bfloat16_generates(pool, checkpoint, reference, device, quantization):
+    """A bfloat16 rank (native from compute capability 8.0; an H100/H200 runs it as planned), with
+    and without int8 weights, generates finite logits close to the float32 model's along its own
+    tokens: within 0.15 of their spread (bfloat16 keeps 8 bits of mantissa; a CPU measures 0.04)."""
+    model_dir = checkpoint("llama")
+    plan = device_plan(model_dir, device, dtype="bfloat16", quantization=quantization)
+    results = generate(pool, plan, model_dir, [PROMPT], new_tokens=8)
+    assert results[0]["reports"][0]["dtype"] == "bfloat16"
+    tokens = results[0]["output"].completions[0].token_ids
+    assert len(tokens) == 8
+    ours = logits_of(results[0])
+    assert bool(torch.isfinite(ours).all())
+    theirs = hf_logits(reference(model_dir, device, int8=quantization == "int8"), PROMPT, tokens)
+    error = (ours - theirs).abs().max().item() / theirs.std().item()
+    print(f"{device} bfloat16 ({quantization}) vs float32: largest logit error {error:.4f} of their spread")
+    assert error < 0.15
+
+
+# ---------------------------------------------------------------- int8
+def test_int8_is_the_quantized_model(pool, checkpoint, reference, device):
+    """int8 weights with float32 activations compute the unsharded int8 reference (HF with the
+    same quantization, dequantized): same greedy tokens and logits. A 12-token prompt beside an
+    8-token one: the prefill's 24 rows take the dequantizing path, the decode's 2 rows the int8
+    kernel (on CUDA torch's `_weight_int8pack_mm`, on a CPU ours)."""
+    model_dir = checkpoint("llama")
+    prompts = [PROMPT, PROMPT[::-1] + [1, 2, 3, 4]]
+    plan = device_plan(model_dir, device, batch=2, quantization="int8")
+    results = generate(pool, plan, model_dir, prompts, new_tokens=6)
+    assert_matches_hf(results, reference(model_dir, device, int8=True), prompts)
+
+
+# ---------------------------------------------------------------- memory
+MEASURE = """
+import ctypes, json, sys, torch
+from shard_contract.env import WorkerEnv
+from shard_contract.plan import Plan
+from shard_operator.local import free_port
+from shard_worker.runtime import Worker
+plan, model_dir = Plan.from_json(open(sys.argv[1]).read()), sys.argv[2]
+ctypes.CDLL("libc.so.6").malloc_trim(0)  # free heap of the bare process is not counted
+env = WorkerEnv(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), tp_size=1, pp_size=1,
+                plan_file=sys.argv[1], model_dir=model_dir, rendezvous_timeout=60)
+worker = Worker.start(env, plan)
+out = {"resident": worker.resident.model_dump(), "allocated": worker.allocated}
+if worker.stage.device.type == "cuda":  # what torch's allocator held at most, and holds now
+    out["cuda_peak"], out["cuda_now"] = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+worker.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def by_dtype(tmp_path_factory):
+    """One random model (40M parameters) stored as float32, bfloat16 and float16."""
+    shape = dict(hidden_size=512, intermediate_size=2048, num_layers=8, num_heads=8, num_kv_heads=4,
+                 vocab_size=8000, max_position_embeddings=512)
+    return {dtype: write_checkpoint(tmp_path_factory.mktemp(dtype), "llama", dtype=dtype, **shape)
+            for dtype in ("float32", "bfloat16", "float16")}
+
+
+@pytest.mark.parametrize("stored", ["float32", "bfloat16", "float16"])
+def test_resident_bytes_after_load_are_the_plan(by_dtype, tmp_path, device, stored):
+    """A fresh rank (`Worker.start`, one process per runtime dtype: float32, bfloat16, and int8
+    with bfloat16 activations) holds its planned weights after load, within 2%: anonymous memory
+    on a CPU, what CUDA's caching allocator reserved on a GPU (plus the allocator's segment
+    rounding there, up to 22 MiB). On a GPU no conversion temporary ever lived on the device
+    (torch's peak allocation is what it holds after load); on a CPU the peak above the bare
+    process stays within 1.15x the plan."""
+    procs = {}
+    for target in ("float32", "bfloat16", "int8"):
+        dtype, quantization = ("bfloat16", "int8") if target == "int8" else (target, "none")
+        plan = device_plan(by_dtype[stored], device, dtype=dtype, quantization=quantization)
+        plan_file = tmp_path / f"{target}.json"
+        plan_file.write_text(plan.to_json())
+        # one at a time on a small machine; side by side where cores allow (each measures itself)
+        procs[target] = (plan, subprocess.Popen(
+            [sys.executable, "-c", MEASURE, str(plan_file), str(by_dtype[stored])], stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, env={**os.environ, **LOOPBACK, "OMP_NUM_THREADS": "1"}))
+        if (os.cpu_count() or 1) < 8:
+            procs[target][1].wait()
+    for target, (plan, proc) in procs.items():
+        out, err = proc.communicate(timeout=JOB_TIMEOUT)
+        assert proc.returncode == 0, err
+        measured = json.loads(out.strip().splitlines()[-1])
+        predicted = plan.ranks[0].predicted_bytes
+        weights = measured["resident"]["weights"]
+        print(f"{device} {stored} -> {target}: weights {weights} resident, {predicted.weights} planned "
+              f"({weights / predicted.weights - 1:+.2%})")
+        assert measured["allocated"]["weights"] == predicted.weights
+        slack = CUDA_SEGMENTS if device == "cuda" else 0
+        assert abs(weights - predicted.weights) <= 0.02 * predicted.weights + slack, (target, measured, predicted)
+        if device == "cuda":
+            assert measured["cuda_peak"] - measured["cuda_now"] <= 0.01 * predicted.weights, (target, measured)
+        else:
+            assert 0 < measured["resident"]["peak"] <= 1.15 * predicted.total, (target, measured, predicted)
+
+
+# ---------------------------------------------------------------- offload
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """24 layers: 25% streamed is 6 of them, more than the 2 staging slots."""
+    return write_checkpoint(tmp_path_factory.mktemp("deep"), "llama", seed=7, hidden_size=64, intermediate_size=128,
+                            num_layers=24, num_heads=4, num_kv_heads=2, vocab_size=250, max_position_embeddings=256)
+
+
+@pytest.mark.parametrize("fraction, host_memory", [(0.25, None), (1.0, None), (1.0, "1MiB")])
+def test_streamed_layers_compute_what_resident_ones_do(pool, deep, reference, device, fraction, host_memory):
+    """25% and 100% of the layers streamed give the resident run's float32 logits bit for bit and
+    HF's tokens. On a GPU the layers come from pinned host copies, or, past 1 MiB of host memory,
+    from the files through each slot's pinned buffer; on a CPU from the files. The rank counts
+    whole layers streamed, time spent streaming, and stalls no longer than the generate."""
+    kind = kind_of(device)
+    resident = generate(pool, streaming_plan(deep, 1, 1, 0.0, kind=kind), deep, [PROMPT])
+    plan = streaming_plan(deep, 1, 1, fraction, kind=kind, host_memory=host_memory)
+    off = plan.ranks[0].offload
+    assert len(off.layers) == fraction * 24
+    if device == "cuda":
+        assert off.tier == ("host+files" if host_memory else "host"), off
+    results = generate(pool, plan, deep, [PROMPT])
+    assert_matches_hf(results, reference(deep, device), [PROMPT])
+    assert torch.equal(logits_of(results[0]), logits_of(resident[0])), "logits differ from the resident run"
+    report = results[0]["reports"][0]
+    per_layer = off.streamed_bytes // len(off.layers)
+    assert report["streamed_bytes"] % per_layer == 0
+    assert report["streamed_bytes"] >= 5 * off.streamed_bytes  # a forward pass per token at least
+    assert report["allocated_bytes"]["staging"] == report["predicted_bytes"]["staging"] == off.prefetch * per_layer
+    figures = report["last_generate"]
+    print(f"{device} {fraction:.0%} streamed from {off.tier}: {figures['streamed_bytes']} bytes, "
+          f"{figures['stream_seconds']:.4f} s streaming, {figures['stall_seconds']:.4f} s stalled "
+          f"in {figures['seconds']:.4f} s")
+    assert figures["streamed_bytes"] > 0 and figures["stream_seconds"] > 0
+    assert 0 <= figures["stall_seconds"] <= figures["seconds"]
+
+
+# ---------------------------------------------------------------- shardctl run
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory):
+    """`shardctl demo-model`'s own checkpoint: several files and a real tokenizer."""
+    return write_demo_model(tmp_path_factory.mktemp("demo") / "tiny",
+                            DemoShape(layers=4, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=600,
+                                      max_positions=512, files=3))
+
+
+def test_shardctl_run_serves_a_completion(demo_model, tmp_path, device):
+    """`shardctl run --devices localhost:16GiB --device-kind gpu` (or cpu): the plan puts the rank
+    on the device, the rank loads there (a rank planned on cuda:0 in a process without CUDA
+    refuses to start) and answers a prompt through /v1/completions."""
+    yaml_file = tmp_path / "m.yaml"
+    yaml_file.write_text(f"""apiVersion: sharding.dev/v1alpha1
+kind: ShardedModel
+metadata:
+  name: tiny
+spec:
+  model: {{path: {demo_model}, dtype: bfloat16, maxModelLen: 64, maxBatchSize: 2}}
+  parallelism: {{tensor: 1, pipeline: 1}}
+""")
+    proc = shardctl("run", "-f", str(yaml_file), "--port", "0", "--devices", f"localhost:{MEMORY}",
+                    "--device-kind", kind_of(device), "--prompt", "the lighthouse keeper", "--max-tokens", "8",
+                    "--restarts", "0", "--log-dir", str(tmp_path / "logs"), env={**os.environ, **LOOPBACK})
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, f"{out}\n{err}"
+    assert re.search(rf"^\s+0\s+localhost\s+{device}:0\s", out, re.M), out  # the plan's table
+    assert re.search(r"^answer: '.+'$", out, re.M), out
+    assert re.search(r"^\(\d+ tokens?, finish_reason (length|stop)\)$", out, re.M), out
+    assert "loaded in" in (tmp_path / "logs" / "attempt-0" / "rank-0.log").read_text()

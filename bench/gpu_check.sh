@@ -5,10 +5,12 @@
 #     OUT=/a/folder/that/comes/back bash bench/gpu_check.sh
 #
 # It needs torch with CUDA, transformers, safetensors, numpy, tokenizers, pyyaml, jinja2, pytest,
-# hypothesis and httpx, plus pydantic, fastapi and uvicorn (with their dependencies) importable,
-# e.g. on PYTHONPATH. No network and no install: the repository's packages go on PYTHONPATH, and
-# the C decode kernel (CPU only) is not built. Steps, each timed and bounded; a failed one is
-# reported and the next still runs:
+# hypothesis and httpx, plus pydantic, fastapi and uvicorn with their dependencies: importable
+# already, or as wheels in the folder $WHEELS (bench/gpu_wheels.sh fetches them), which are
+# unpacked for this Python and put on PYTHONPATH. No network and no pip: the repository's packages
+# go on PYTHONPATH, and the C decode kernel (CPU only) is not built. Steps, each timed and bounded;
+# a failed one is reported and the next still runs:
+#   0. with $WHEELS: unpack the wheels that fit this Python;
 #   1. environment: nvidia-smi, torch and CUDA, every import the other steps need;
 #   2. tests/worker/test_on_device.py on CUDA (float32 = HF, bfloat16, memory vs plan, int8,
 #      offload, `shardctl run`) and tests/worker/test_gpu_runtime.py; meanwhile the bench's 853M
@@ -39,14 +41,17 @@ if ! "$PY" -c "import importlib.metadata as m; m.version('shard-operator')" 2>/d
         > "$WORK/site/shard_operator-0.1.0.dist-info/METADATA"
     META=":$WORK/site"
 fi
-export PYTHONPATH="$ROOT/contract:$ROOT/operator:$ROOT/worker:$ROOT$META${PYTHONPATH:+:$PYTHONPATH}"
+SITE=""
+[ -n "${WHEELS:-}" ] && SITE=":$WORK/wheels"
+export PYTHONPATH="$ROOT/contract:$ROOT/operator:$ROOT/worker:$ROOT$META${PYTHONPATH:+:$PYTHONPATH}$SITE"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then
     DEVICE=cpu BENCH=(--quick --tokens 16) MODEL="$WORK/model-quick"
 else
     DEVICE=cuda BENCH=(--tokens 128) MODEL="$WORK/model"
 fi
-SETSID=$(command -v setsid || true)
+LAUNCH=()  # each bounded command in a session of its own, so that all it started can be stopped
+if command -v setsid > /dev/null; then LAUNCH=(setsid --wait); fi
 
 STATUS=()
 FAILED=0
@@ -66,9 +71,10 @@ bounded() {  # bounded SECONDS LOG COMMAND...: in a session of its own, output t
     # past SECONDS the whole session is killed, and whatever it left running (rank processes) too
     local limit=$1 log=$2 rc=0 waited=0
     shift 2
-    $SETSID "$@" > "$log" 2>&1 < /dev/null &
+    ${LAUNCH[@]+"${LAUNCH[@]}"} "$@" > "$log" 2>&1 < /dev/null &
     local pid=$!
-    local group=${SETSID:+-}$pid  # its session's process group, where setsid made one
+    local group=$pid
+    [ ${#LAUNCH[@]} -gt 0 ] && group=-$pid  # its session's process group
     while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "$limit" ]; do sleep 1; waited=$((waited + 1)); done
     if kill -0 "$pid" 2>/dev/null; then
         echo "(killed after ${limit} s)" >> "$log"
@@ -79,6 +85,30 @@ bounded() {  # bounded SECONDS LOG COMMAND...: in a session of its own, output t
     kill -KILL -- "$group" 2>/dev/null || true
     cat "$log"
     return "$rc"
+}
+
+wheels() {  # the wheels of $WHEELS that fit this Python, unpacked into $WORK/wheels (what pip --target does)
+    rm -rf "$WORK/wheels"
+    "$PY" - "$WHEELS" "$WORK/wheels" <<'EOF'
+import sys, zipfile
+from pathlib import Path
+from packaging.tags import sys_tags
+from packaging.utils import parse_wheel_filename
+source, target = Path(sys.argv[1]), Path(sys.argv[2])
+ours = {tag: rank for rank, tag in enumerate(sys_tags())}  # the most specific first
+best = {}
+for wheel in sorted(source.glob("*.whl")):
+    name, _, _, tags = parse_wheel_filename(wheel.name)
+    fit = min((ours[t] for t in tags if t in ours), default=None)
+    if fit is not None and (name not in best or fit < best[name][0]):
+        best[name] = (fit, wheel)
+for name, (_, wheel) in sorted(best.items()):
+    zipfile.ZipFile(wheel).extractall(target)
+    print("unpacked", wheel.name)
+skipped = sorted({parse_wheel_filename(w.name)[0] for w in source.glob("*.whl")} - best.keys())
+if skipped:
+    sys.exit(f"no wheel of {', '.join(skipped)} fits this Python")
+EOF
 }
 
 environment() {
@@ -140,6 +170,7 @@ bench() {
         --out "$OUT/gpu_bench.json"
 }
 
+[ -n "${WHEELS:-}" ] && step "wheels from $WHEELS" wheels
 step environment environment
 echo "=== $(now) writing the bench's checkpoint in the background (bench-prepare.log)"
 "$PY" bench/gpu_decode.py --prepare "${BENCH[@]}" --model-dir "$MODEL" > "$OUT/bench-prepare.log" 2>&1 &

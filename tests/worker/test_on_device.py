@@ -31,12 +31,13 @@ import torch
 
 from shard_operator.demo_model import DemoShape, write_demo_model
 from shard_operator.local import plan_local
-from tests.support.checkpoints import write_checkpoint
 from tests.support.offload import streaming_plan
 from tests.support.processes import shardctl
 
 from .pool import GenerateJob
 from .test_int8 import int8_reference
+from .test_memory import by_dtype  # noqa: F401 -- a fixture: one 40M model stored in each dtype
+from .test_offload import SHAPE, deep  # noqa: F401 -- a fixture: 24 layers
 from .test_parallel import PROMPT, assert_matches_hf, hf_logits
 
 WANTED = os.environ.get("SHARD_TEST_DEVICES", "cpu,cuda").split(",")
@@ -162,15 +163,6 @@ print(json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def by_dtype(tmp_path_factory):
-    """One random model (40M parameters) stored as float32, bfloat16 and float16."""
-    shape = dict(hidden_size=512, intermediate_size=2048, num_layers=8, num_heads=8, num_kv_heads=4,
-                 vocab_size=8000, max_position_embeddings=512)
-    return {dtype: write_checkpoint(tmp_path_factory.mktemp(dtype), "llama", dtype=dtype, **shape)
-            for dtype in ("float32", "bfloat16", "float16")}
-
-
 @pytest.mark.parametrize("stored", ["float32", "bfloat16", "float16"])
 def test_resident_bytes_after_load_are_the_plan(by_dtype, tmp_path, device, stored):
     """A fresh rank (`Worker.start`, one process per runtime dtype: float32, bfloat16, and int8
@@ -209,13 +201,6 @@ def test_resident_bytes_after_load_are_the_plan(by_dtype, tmp_path, device, stor
 
 
 # ---------------------------------------------------------------- offload
-@pytest.fixture(scope="module")
-def deep(tmp_path_factory):
-    """24 layers: 25% streamed is 6 of them, more than the 2 staging slots."""
-    return write_checkpoint(tmp_path_factory.mktemp("deep"), "llama", seed=7, hidden_size=64, intermediate_size=128,
-                            num_layers=24, num_heads=4, num_kv_heads=2, vocab_size=250, max_position_embeddings=256)
-
-
 @pytest.mark.parametrize("fraction, host_memory", [(0.25, None), (1.0, None), (1.0, "1MiB")])
 def test_streamed_layers_compute_what_resident_ones_do(pool, deep, reference, device, fraction, host_memory):
     """25% and 100% of the layers streamed give the resident run's float32 logits bit for bit and
@@ -226,7 +211,7 @@ def test_streamed_layers_compute_what_resident_ones_do(pool, deep, reference, de
     resident = generate(pool, streaming_plan(deep, 1, 1, 0.0, kind=kind), deep, [PROMPT])
     plan = streaming_plan(deep, 1, 1, fraction, kind=kind, host_memory=host_memory)
     off = plan.ranks[0].offload
-    assert len(off.layers) == fraction * 24
+    assert len(off.layers) == fraction * SHAPE["num_layers"]
     if device == "cuda":
         assert off.tier == ("host+files" if host_memory else "host"), off
     results = generate(pool, plan, deep, [PROMPT])

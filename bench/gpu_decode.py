@@ -146,7 +146,8 @@ def child_hf(device: str, model_dir: str, dtype: str, tokens: int, prompt: list[
         prefill, _ = timed(1)
         total, out = timed(tokens)
     return {"seconds_per_token": (total - prefill) / (tokens - 1), "prefill_seconds": prefill,
-            "attention": getattr(model.config, "_attn_implementation", None), "tokens": out[0, len(prompt):len(prompt) + 16].tolist()}
+            "attention": getattr(model.config, "_attn_implementation", None),
+            "tokens": out[0, len(prompt):len(prompt) + 16].tolist()}
 
 
 # ---------------------------------------------------------------- the parent

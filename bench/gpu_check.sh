@@ -147,7 +147,7 @@ if sys.argv[1] == "cuda" and not torch.cuda.is_available():
     sys.exit("CUDA is not available to torch here: every CUDA test would be skipped")
 EOF
     local rc=0
-    bounded 60 "$OUT/env-python.log" "$PY" "$WORK/environment.py" "$DEVICE" || rc=$?
+    bounded 45 "$OUT/env-python.log" "$PY" "$WORK/environment.py" "$DEVICE" || rc=$?
     cat "$OUT/env-python.log" >> "$OUT/env.log"
     return "$rc"
 }
@@ -155,7 +155,7 @@ EOF
 device_tests() {
     # The cuda parameters only (SHARD_TEST_DEVICES): the cpu ones run on every machine without a GPU.
     local rc=0
-    SHARD_TEST_DEVICES=$DEVICE bounded 180 "$OUT/tests.log" "$PY" -m pytest -q -p no:cacheprovider -rfEsP \
+    SHARD_TEST_DEVICES=$DEVICE bounded 150 "$OUT/tests.log" "$PY" -m pytest -q -p no:cacheprovider -rfEsP \
         --junitxml="$OUT/tests.xml" tests/worker/test_on_device.py tests/worker/test_gpu_runtime.py || rc=$?
     if grep -q "torch sees no CUDA device" "$OUT/tests.log"; then
         echo "device tests: skipped, torch sees no CUDA device"
@@ -165,8 +165,12 @@ device_tests() {
 }
 
 bench() {
-    wait "$PREPARE" || echo "writing the checkpoint in the background failed (bench-prepare.log); the bench tries again"
-    bounded 140 "$OUT/bench.log" "$PY" bench/gpu_decode.py --device "$DEVICE" "${BENCH[@]}" --model-dir "$MODEL" \
+    local waited=0 rc=0
+    while kill -0 "$PREPARE" 2>/dev/null && [ "$waited" -lt 30 ]; do sleep 1; waited=$((waited + 1)); done
+    kill "$PREPARE" 2>/dev/null && echo "the checkpoint was not written within 30 s of the tests' end: stopped"
+    wait "$PREPARE" || rc=$?
+    [ "$rc" -eq 0 ] || echo "writing the checkpoint in the background failed (bench-prepare.log); the bench tries again"
+    bounded 130 "$OUT/bench.log" "$PY" bench/gpu_decode.py --device "$DEVICE" "${BENCH[@]}" --model-dir "$MODEL" \
         --out "$OUT/gpu_bench.json"
 }
 

@@ -41,7 +41,7 @@ import decode  # noqa: E402  (bench/decode.py: the model's shape, its writer, th
 PROMPT_TOKENS = decode.PROMPT_TOKENS
 BANDWIDTH_BYTES = {"cuda": 4 * 2**30, "cpu": 256 * 2**20}
 DEVICE_MEMORY = {"cuda": "80GiB", "cpu": "16GiB"}  # the rank's device in the plan (one rank, alone)
-CHILD_TIMEOUT = 100.0  # one measurement; bench/gpu_check.sh gives the whole bench 140 s
+CHILD_TIMEOUT = 100.0  # one measurement; bench/gpu_check.sh gives the whole bench 130 s
 # As `shardctl run` starts its ranks: gloo (the control group) and NCCL over loopback.
 LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 

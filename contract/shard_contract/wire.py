@@ -97,11 +97,16 @@ class RankReport(BaseModel):
     comm_bytes: dict[str, int] = Field(default_factory=dict, description="By operation.")
     streamed_bytes: int = Field(0, description="Offload: bytes of streamed layers copied into staging slots.")
     stream_seconds: float = Field(0.0, description="Offload: seconds spent streaming them.")
-    stall_seconds: float = Field(0.0, description="Offload: seconds a forward pass waited for a streamed layer.")
+    stall_seconds: float = Field(0.0, description=(
+        "Offload: seconds the forward pass's thread waited for the prefetch thread to deliver a streamed layer "
+        "(a CPU rank's whole stall; on a GPU the host's wait, the device's being device_stall_seconds)."))
+    device_stall_seconds: float = Field(0.0, description=(
+        "Offload, GPU: seconds the compute stream waited for a streamed layer's copy (CUDA events)."))
     last_generate: dict[str, float] = Field(default_factory=dict,
                                             description="seconds, comm_seconds, compute_seconds, idle_seconds "
                                                         "(and offload's streamed_bytes, stream_seconds, "
-                                                        "stall_seconds) of the latest generate call")
+                                                        "stall_seconds, device_stall_seconds) of the latest "
+                                                        "generate call, complete at its end")
     alive: bool = True
 
 
@@ -142,6 +147,7 @@ class ShardEntry(BaseModel):
     streamed_bytes: int = 0
     stream_seconds: float = 0.0
     stall_seconds: float = 0.0
+    device_stall_seconds: float = 0.0
     alive: bool = True
     state: str = Field("starting", description="starting, loading, ready, failed or broken")
     problems: list[str] = Field(default_factory=list, description="A failed memory check.")
@@ -170,7 +176,8 @@ class ShardsResponse(BaseModel):
     def measured_by_rank(self) -> dict[int, "Measured"]:
         """rank -> what it measured, for every rank that has measured."""
         return {r.rank: Measured(resident=r.resident_bytes.total, streamed_bytes=r.streamed_bytes,
-                                 stream_seconds=r.stream_seconds, stall_seconds=r.stall_seconds)
+                                 stream_seconds=r.stream_seconds, stall_seconds=r.stall_seconds,
+                                 device_stall_seconds=r.device_stall_seconds)
                 for r in self.ranks if r.resident_bytes is not None}
 
 
@@ -182,3 +189,4 @@ class Measured(BaseModel):
     streamed_bytes: int = 0
     stream_seconds: float = 0.0
     stall_seconds: float = 0.0
+    device_stall_seconds: float = 0.0

@@ -133,9 +133,9 @@ def test_on_a_cpu_every_span_is_host_time():
 
 
 def test_a_stall_for_a_streamed_layer_is_not_compute_and_streaming_counts_beside_it():
-    """Offload: the forward pass waits for a layer's slot inside its compute span (the host's wait
-    on a CPU; the stream's wait, timed by events, on a GPU): that wait is a stall, not compute. The
-    prefetch thread's copies count on their own."""
+    """Offload: the forward pass's thread waits for the prefetch thread to deliver a layer's slot
+    inside its compute span: that wait is a stall, not compute. The prefetch thread's copies count
+    on their own."""
     host = FakeHost()
     acct = Accounting(host_clock=host)
     with acct.computing():
@@ -144,7 +144,49 @@ def test_a_stall_for_a_streamed_layer_is_not_compute_and_streaming_counts_beside
         acct.stalled(0.75)  # what Streamer measured it waited
         host.now += 1.0
     acct.streamed(4096, 0.5)
-    acct.stalled(0.1)  # a GPU's stall settled outside a span: counted, nothing to take it from
+    acct.stalled(0.1)  # a stall outside any compute span: counted, nothing to take it from
     c = acct.counters
     assert (c.compute_seconds, c.stall_seconds) == (pytest.approx(3.0), pytest.approx(0.85))
     assert (c.streamed_bytes, c.stream_seconds) == (4096, 0.5)
+
+
+def test_a_gpus_device_stall_is_timed_on_the_compute_stream_apart_from_the_hosts():
+    """Offload on a GPU: the compute stream's wait for a layer's copy is a span of the device clock
+    (events around the wait), counted in stream order as `device_stall_seconds` and not as
+    compute; the host's wait for the prefetch thread counts apart, in `stall_seconds`."""
+    device, host = FakeDevice(), FakeHost()
+    acct = Accounting(device, host)
+    with acct.computing():
+        acct.stalled(0.25)  # the host waited for the prefetch thread to deliver the slot
+        with acct.device_stall():
+            pass
+    assert (acct.counters.stall_seconds, acct.counters.device_stall_seconds) == (0.25, 0)
+    device.run(0.0, 1.0, 2.0, 0.5)  # compute starts; 1 s in, the stream waits 2 s for the copy; 0.5 s more
+    acct.resolve()
+    c = acct.counters
+    assert c.device_stall_seconds == pytest.approx(2.0)
+    assert c.compute_seconds == pytest.approx(3.5 - 2.0 - 0.25)
+    assert c.stall_seconds == 0.25
+    assert c.summary()["device_stall_seconds"] == pytest.approx(2.0)
+
+
+def test_a_gpus_copies_count_once_they_have_run_in_their_streams_order():
+    """Offload on a GPU: a copy on the side stream counts its bytes and its seconds together, once
+    its end mark has run, in the side stream's order; whatever ran before a snapshot is in it."""
+    device, side = FakeDevice(), FakeDevice()
+    acct = Accounting(device, FakeHost())
+    before = acct.snapshot()
+    for nbytes in (100, 200, 300):
+        acct.copied(nbytes, side.mark(), side.mark())
+    acct.resolve()
+    assert (acct.counters.streamed_bytes, acct.counters.stream_seconds) == (0, 0)
+    side.run(0.0, 1.0, 0.5, 2.0)  # the first two copies: 1 s and 2 s
+    with acct.computing():  # any span the engine closes counts what has run
+        pass
+    assert (acct.counters.streamed_bytes, acct.counters.stream_seconds) == (300, pytest.approx(3.0))
+    snapshot = acct.snapshot()  # waits for the compute stream, not for a copy still running (a prefetch)
+    assert snapshot.minus(before).streamed_bytes == 300
+    side.run(1.0, 4.0)
+    after = acct.snapshot()
+    assert after.minus(snapshot).streamed_bytes == 300
+    assert after.minus(before).stream_seconds == pytest.approx(3.0 + 4.0)

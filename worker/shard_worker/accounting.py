@@ -34,6 +34,7 @@ class Counters:
     streamed_bytes: int = 0
     stream_seconds: float = 0.0
     stall_seconds: float = 0.0
+    device_stall_seconds: float = 0.0  # GPU: the compute stream waited for a slot's copy (stall_seconds: the host)
 
     @property
     def comm_total(self) -> float:
@@ -41,7 +42,7 @@ class Counters:
 
     def copy(self) -> "Counters":
         return Counters(dict(self.comm_bytes), dict(self.comm_seconds), self.compute_seconds, self.idle_seconds,
-                        self.streamed_bytes, self.stream_seconds, self.stall_seconds)
+                        self.streamed_bytes, self.stream_seconds, self.stall_seconds, self.device_stall_seconds)
 
     def minus(self, earlier: "Counters") -> "Counters":
         return Counters({k: v - earlier.comm_bytes[k] for k, v in self.comm_bytes.items()},
@@ -50,13 +51,14 @@ class Counters:
                         self.idle_seconds - earlier.idle_seconds,
                         self.streamed_bytes - earlier.streamed_bytes,
                         self.stream_seconds - earlier.stream_seconds,
-                        self.stall_seconds - earlier.stall_seconds)
+                        self.stall_seconds - earlier.stall_seconds,
+                        self.device_stall_seconds - earlier.device_stall_seconds)
 
     def summary(self) -> dict[str, float]:
         return {"comm_seconds": self.comm_total, "compute_seconds": self.compute_seconds,
                 "idle_seconds": self.idle_seconds, "comm_bytes": sum(self.comm_bytes.values()),
                 "streamed_bytes": self.streamed_bytes, "stream_seconds": self.stream_seconds,
-                "stall_seconds": self.stall_seconds}
+                "stall_seconds": self.stall_seconds, "device_stall_seconds": self.device_stall_seconds}
 
 
 class Clock(Protocol):
@@ -116,7 +118,7 @@ class CudaClock:
 
 @dataclass(eq=False)
 class _Span:
-    kind: str  # compute | comm | idle
+    kind: str  # compute | comm | idle | stall
     clock: Clock
     start: Any
     op: str = ""
@@ -131,6 +133,7 @@ class Accounting:
         self.device: Clock = device_clock or self.host  # CPU tensors: the host's clock
         self._counters = Counters()
         self._pending: deque[_Span] = deque()  # closed device spans, in stream order
+        self._copies: deque[tuple[int, Any, Any]] = deque()  # offload's copies on a side stream, in its order
         self._open: _Span | None = None  # the innermost open compute span
         self._lock = threading.Lock()  # the heartbeat thread reads while the engine thread times
 
@@ -144,6 +147,10 @@ class Accounting:
         with self._lock:
             while self._pending and self._pending[0].clock.done(self._pending[0].end):  # one stream: in order
                 self._count(self._pending.popleft())
+            while self._copies and self.device.done(self._copies[0][2]):  # the side stream: in its order
+                nbytes, start, end = self._copies.popleft()
+                self._counters.streamed_bytes += nbytes
+                self._counters.stream_seconds += self.device.seconds(start, end)
 
     def snapshot(self) -> Counters:
         """A copy of the counters once the device has run everything timed so far (the recording thread)."""
@@ -158,13 +165,27 @@ class Accounting:
             self._counters.streamed_bytes += nbytes
             self._counters.stream_seconds += seconds
 
+    def copied(self, nbytes: int, start: Any, end: Any) -> None:
+        """Offload (GPU): a copy of `nbytes` into a slot between two marks of the device clock on a
+        side stream (the prefetch thread); its bytes and seconds count together once it has run."""
+        with self._lock:
+            self._copies.append((nbytes, start, end))
+
     def stalled(self, seconds: float) -> None:
-        """Offload: the forward pass waited `seconds` for a streamed layer (the recording thread): not
-        compute, so it leaves the compute span it fell in, as communication does."""
+        """Offload: the forward pass's thread waited `seconds` for the prefetch thread to deliver a
+        streamed layer (the recording thread): not compute, so it leaves the compute span it fell
+        in, as communication does."""
         with self._lock:
             self._counters.stall_seconds += seconds
             if self._open is not None:
                 self._open.inner += seconds
+
+    @contextmanager
+    def device_stall(self) -> Iterator[None]:
+        """Offload (GPU): time the compute stream's wait for a streamed layer's copy, queued inside:
+        a span of the device clock, not compute (`device_stall_seconds`)."""
+        with self._span("stall", "", False):
+            yield
 
     def comm(self, op: str, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -218,6 +239,8 @@ class Accounting:
             c.compute_seconds += seconds - span.inner
         elif span.kind == "comm":
             c.comm_seconds[span.op] += seconds
+        elif span.kind == "stall":
+            c.device_stall_seconds += seconds
         else:
             c.idle_seconds += seconds
         if span.parent is not None and span.kind != "compute":

@@ -40,6 +40,7 @@ from shard_contract.checkpoint import DTYPE_BYTES, CheckpointError, read_weights
 
 from .config import ModelConfig
 from .model import Piece, Stage
+from .pinned import PinnedArena, aligned
 from .quant import quantize_rows_
 
 TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
@@ -169,7 +170,9 @@ class PinnedStaging:
 
     def __init__(self, nbytes: int, pinned: bool = True, event: Callable[[], Any] | None = None):
         self.nbytes = nbytes
-        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
+        # Not pin_memory: torch would keep the pinned blocks in its cache after the load.
+        self.arena = PinnedArena(2 * aligned(nbytes), pin=pinned)
+        self.buffers = [self.arena.take((nbytes,), torch.uint8) for _ in range(2)]
         self.copies: list[Any] = [None, None]  # the event after each buffer's latest copy
         self.turn = 0
         self.event = event or torch.cuda.Event
@@ -196,10 +199,17 @@ class PinnedStaging:
                 copy.synchronize()
                 self.copies[i] = None
 
+    def close(self) -> None:
+        """Every copy done, the buffers unpinned and given back."""
+        self.finish()
+        self.buffers = []
+        self.arena.close()
+
 
 class SliceReader:
     def __init__(self, stats: LoadStats, pinned: PinnedStaging | None = None):
-        """`pinned`: the destinations are on a GPU, and every delivery goes through these buffers."""
+        """`pinned`: the destinations are on a GPU, and every delivery goes through these buffers
+        (the reader closes them at its end)."""
         self.stats, self.pinned = stats, pinned
         self._fds: dict[Path, int] = {}
         self._scratch: bytearray = bytearray()
@@ -212,7 +222,7 @@ class SliceReader:
 
     def __exit__(self, *_: object) -> None:
         if self.pinned is not None:
-            self.pinned.finish()  # every copy has landed before the weights are used
+            self.pinned.close()  # every copy has landed before the weights are used; unpinned
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

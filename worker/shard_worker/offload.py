@@ -15,12 +15,18 @@ Where the weights come from:
   file-tier layers into a pinned buffer per slot; the thread then enqueues the copy into the slot
   on a side CUDA stream, which first waits for the compute stream to be done with the slot, and
   records an event the compute stream waits on before the layer runs. The host never waits for a
-  copy, and the copies overlap the kernels of the layers before. (Written for CUDA, not yet run on
-  a GPU: the machines this was built on have none.)
+  copy, and the copies overlap the kernels of the layers before. Every pinned buffer of the rank
+  is a view of one `PinnedArena` (pinned.py): exactly the bytes the plan counts, where torch's
+  `pin_memory` would round each up to a power of two. `close` waits for the device before it
+  frees them.
 
-Counted per rank (`Accounting`): bytes streamed into slots, seconds spent streaming (CPU: the
-thread's reads; GPU: host reads plus the side stream's copies, timed by CUDA events), and seconds
-a forward pass stalled waiting for a slot (GPU: what the compute stream waited, by events).
+Counted per rank (`Accounting`): bytes streamed into slots and seconds spent streaming (CPU: the
+thread's reads; GPU: host reads, plus each copy's bytes and duration on the side stream, timed by
+CUDA events and counted once it has run); seconds the forward pass's thread waited for the
+prefetch thread to deliver a slot (`stall_seconds`: a CPU rank's whole stall); and on a GPU the
+seconds the compute stream waited for a slot's copy (`device_stall_seconds`, events on the compute
+stream around its wait). Every event is counted by `Accounting.resolve`, so a generate's figures
+are complete once its closing `snapshot` has waited for the device.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -39,6 +45,7 @@ from shard_contract.plan import OffloadPlan
 from .accounting import Accounting
 from .loader import Checkpoint, Entry, LoadStats, SliceReader
 from .model import PROJECTIONS, DecoderLayer, Stage
+from .pinned import PinnedArena, arena_bytes
 
 FREE, LOADING, READY, LENT = "free", "loading", "ready", "lent"
 
@@ -55,18 +62,12 @@ class Slot:
     free: Any = None  # CUDA: the compute stream is done with `weights`
 
 
-@dataclass
-class _Pending:
-    """CUDA events timed once they have run (never waited on)."""
-
-    spans: list[tuple[Any, Any, str]] = field(default_factory=list)  # (start, end, counter)
-
-
 class Streamer:
     def __init__(self, stage: Stage, plan: OffloadPlan, model_dir: str | Path, acct: Accounting):
         self.stage, self.plan, self.acct = stage, plan, acct
         self.device = stage.device
         self.cuda = self.device.type == "cuda"
+        self.arena: PinnedArena | None = None  # GPU: every pinned buffer of the rank (`_pinned`)
         self.order = list(plan.layers)
         self.layers = {layer.index: layer for layer in stage.layers if layer.streamed}
         if sorted(self.layers) != sorted(self.order):
@@ -83,10 +84,9 @@ class Streamer:
         self.host: dict[int, dict[str, torch.Tensor]] = {}  # GPU: host-tier layers, pinned
         if self.cuda:
             self.side = torch.cuda.Stream(self.device)
-            self.pending = _Pending()
             for j in self.order:
                 if j not in plan.file_layers:
-                    self.host[j] = {n: torch.empty(s, dtype=stage.dtype, pin_memory=True) for n, s in shapes.items()}
+                    self.host[j] = self._pinned(shapes)
                     self.read(j, self.host[j])
         self.nbytes = sum(t.numel() * t.element_size() for t in self.slots[0].weights.values()) * len(self.slots)
         self._cond = threading.Condition()
@@ -100,12 +100,18 @@ class Streamer:
         weights = {n: torch.zeros(s, dtype=self.stage.dtype, device=self.device) for n, s in shapes.items()}
         if not self.cuda:
             return Slot(weights)
-        pinned = {n: torch.empty(s, dtype=self.stage.dtype, pin_memory=True) for n, s in shapes.items()} \
-            if self.plan.file_layers else None
+        pinned = self._pinned(shapes) if self.plan.file_layers else None
         slot = Slot(weights, pinned, ready=torch.cuda.Event(enable_timing=True), free=torch.cuda.Event())
         slot.ready.record(torch.cuda.current_stream(self.device))  # nothing to wait for yet
         slot.free.record(torch.cuda.current_stream(self.device))
         return slot
+
+    def _pinned(self, shapes: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
+        """A layer's projections in pinned host memory (GPU): views of the rank's one arena, made
+        on first use for all of them (`pinned_layers`)."""
+        if self.arena is None:
+            self.arena = PinnedArena(pinned_layers(self.plan) * arena_bytes(shapes.values(), self.stage.dtype))
+        return {n: self.arena.take(s, self.stage.dtype) for n, s in shapes.items()}
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> "Streamer":
@@ -118,6 +124,7 @@ class Streamer:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+        self._drain()
         self.reader.__exit__()
 
     # ------------------------------------------------------------ the forward pass's side
@@ -127,18 +134,14 @@ class Streamer:
         slot = self._acquire(layer.index)
         layer.borrow(slot.weights)
         if self.cuda:
-            stream = torch.cuda.current_stream(self.device)
-            waiting = torch.cuda.Event(enable_timing=True)
-            waiting.record(stream)
-            stream.wait_event(slot.ready)
-            self.pending.spans.append((waiting, slot.ready, "stall"))
+            with self.acct.device_stall():  # events on the compute stream, around its wait for the copy
+                torch.cuda.current_stream(self.device).wait_event(slot.ready)
         try:
             yield
         finally:
             layer.borrow(None)
             if self.cuda:
                 slot.free.record(torch.cuda.current_stream(self.device))
-                self._settle()
             with self._cond:
                 slot.state = FREE
                 self._cond.notify_all()
@@ -214,8 +217,7 @@ class Streamer:
                 dst.copy_(source[name], non_blocking=True)
             ready.record(self.side)
         slot.ready = ready  # read by the forward pass once the slot is READY (under the lock)
-        self.acct.streamed(self._bytes(slot.weights), 0.0)
-        self.pending.spans.append((started, ready, "stream"))
+        self.acct.copied(self._bytes(slot.weights), started, ready)
 
     def read(self, j: int, into: dict[str, torch.Tensor]) -> None:
         """Layer `j`'s projections from the checkpoint into `into` (host tensors): what the prefetch
@@ -224,18 +226,27 @@ class Streamer:
             for piece in self.pieces[j][name]:
                 self.reader.read(self.entries[piece.tensor], piece, into[name])
 
-    def _settle(self) -> None:
-        """Count the CUDA spans whose events have run (in order: the oldest first)."""
-        spans = self.pending.spans
-        while spans and spans[0][1].query() and spans[0][0].query():
-            start, end, what = spans.pop(0)
-            seconds = max(0.0, start.elapsed_time(end) / 1e3)
-            if what == "stall":
-                self.acct.stalled(seconds)
-            else:
-                self.acct.streamed(0, seconds)
+    def _drain(self) -> None:
+        """GPU, on close: wait for every copy still in flight on the side stream (into the slots, out
+        of the pinned buffers) and every kernel that reads a slot, then unpin and free the pinned
+        buffers. A prefetch thread still running (stuck reading a file) could yet write into them:
+        they are left to the process's exit then."""
+        if not self.cuda:
+            return
+        torch.cuda.synchronize(self.device)
+        if self.arena is not None and not self._thread.is_alive():
+            self.host.clear()
+            for slot in self.slots:
+                slot.pinned = None
+            self.arena.close()
 
     @staticmethod
     def _bytes(tensors: dict[str, torch.Tensor]) -> int:
         return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def pinned_layers(plan: OffloadPlan) -> int:
+    """How many layers' projections a GPU rank pins in host memory: each host-tier layer, and when
+    it reads files, a buffer per slot (the planner's `host_bytes` less the page cache it counts)."""
+    return len(plan.layers) - len(plan.file_layers) + (plan.prefetch if plan.file_layers else 0)
 

@@ -197,6 +197,7 @@ class Worker:
             load_seconds=self.load_seconds, comm_seconds=c.comm_total, compute_seconds=c.compute_seconds,
             idle_seconds=c.idle_seconds, comm_bytes=dict(c.comm_bytes), last_generate=self.engine.last_generate,
             streamed_bytes=c.streamed_bytes, stream_seconds=c.stream_seconds, stall_seconds=c.stall_seconds,
+            device_stall_seconds=c.device_stall_seconds,
         ).model_dump(mode="json")
 
     def close(self) -> None:

@@ -303,7 +303,10 @@ class ShardOffload(ApiModel):
     step_seconds: float = Field(description="The plan's decode step of this rank: max(compute, streaming).")
     streamed_bytes: int | None = Field(None, description="Bytes streamed so far (measured).")
     stream_seconds: float | None = Field(None, description="Seconds spent streaming so far (measured).")
-    stall_seconds: float | None = Field(None, description="Seconds a forward pass waited for a layer (measured).")
+    stall_seconds: float | None = Field(None, description="Seconds a forward pass waited for a layer (measured; "
+                                                          "on a GPU the host's wait for the prefetch thread).")
+    device_stall_seconds: float | None = Field(None, description="GPU: seconds the compute stream waited for a "
+                                                                 "layer's copy (measured).")
 
 
 class ShardStatus(ApiModel):

@@ -82,11 +82,12 @@ def _offload(rp: RankPlan | None, measured: Measured | None, before: dict[str, A
     o = rp.offload
     counters = {key: _grown(before.get(key), getattr(measured, field, None) if measured else None)
                 for key, field in (("streamedBytes", "streamed_bytes"), ("streamSeconds", "stream_seconds"),
-                                   ("stallSeconds", "stall_seconds"))}
+                                   ("stallSeconds", "stall_seconds"),
+                                   ("deviceStallSeconds", "device_stall_seconds"))}
     return ShardOffload(layers=o.layers, tier=o.tier, bytes_per_step=o.streamed_bytes,
                         step_seconds=round(max(o.compute_seconds, o.stream_seconds), 6),
                         streamed_bytes=counters["streamedBytes"], stream_seconds=counters["streamSeconds"],
-                        stall_seconds=counters["stallSeconds"])
+                        stall_seconds=counters["stallSeconds"], device_stall_seconds=counters["deviceStallSeconds"])
 
 
 def _shards(obs: Observation, previous: dict[str, Any]) -> list[ShardStatus]:

@@ -103,4 +103,5 @@ class RankMetrics:
                 self._advance("shard_streamed_bytes", c.streamed_bytes)
                 self._advance("shard_stream_seconds", c.stream_seconds)
                 self._advance("shard_prefetch_stall_seconds", c.stall_seconds)
+                self._advance("shard_prefetch_device_stall_seconds", c.device_stall_seconds)
             return generate_latest(self.m.registry)

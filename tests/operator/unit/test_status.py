@@ -149,13 +149,14 @@ def test_streaming_shards_say_what_they_stream_and_their_counters_as_they_grow()
     obs = Observation(name="m", generation=3, spec=make_spec(replicas=1), plan=plan, wants=[Want(0, "new")],
                       groups=[group(0, "new", ["Ready"] * 2)], group_plans={(0, "new"): plan},
                       measured={("m-0-new-0", 0): Measured(resident=10, streamed_bytes=1000, stream_seconds=2.0,
-                                                      stall_seconds=0.1)})
+                                                      stall_seconds=0.1, device_stall_seconds=0.5)})
     first = build_status(obs, None, NOW)
     rank0, rank1 = first["shards"]
     planned = plan.rank_plan(0, 0).offload
     assert rank0["offload"] == {"layers": planned.layers, "tier": "host", "bytesPerStep": planned.streamed_bytes,
                                 "stepSeconds": round(max(planned.compute_seconds, planned.stream_seconds), 6),
-                                "streamedBytes": 1000, "streamSeconds": 2.0, "stallSeconds": 0.1}
+                                "streamedBytes": 1000, "streamSeconds": 2.0, "stallSeconds": 0.1,
+                                "deviceStallSeconds": 0.5}
     assert "streamedBytes" not in rank1["offload"] and rank1["offload"]["layers"] == planned.layers
     # counters that grew by 10% or less are not written again; more, they are
     grown = replace(obs, measured={("m-0-new-0", 0): Measured(resident=10, streamed_bytes=1100, stream_seconds=2.2,

@@ -42,6 +42,13 @@ SECRET_MOUNT = "/var/run/secrets/sharding.dev"  # where pods find their group's 
 SECRET_KEY = "group-key"  # the Secret's key, a file in SECRET_MOUNT
 GROUP_KEY_BYTES = 32  # the secret key of one group, which authenticates its ranks' heartbeat records
 
+# How a rank's process ends when it fails: EXIT_FAILED when a restart may succeed (a peer that never
+# joined, a lost collective, a crash), EXIT_CONFIG (sysexits.h's EX_CONFIG) when its plan, its
+# checkpoint or its environment is wrong and a restart would fail the same way: `shardctl run`
+# gives up at once on it instead of restarting the group.
+EXIT_FAILED = 1
+EXIT_CONFIG = 78
+
 
 def new_group_key() -> bytes:
     """A fresh group key: `shardctl run` and the operator make one for every group they start."""

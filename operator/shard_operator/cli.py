@@ -410,7 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", help="once ready, send this prompt to /v1/completions, print the answer and stop "
                                     "(default: none; serve until Ctrl-C)")
     p.add_argument("--max-tokens", type=int, default=24, metavar="N", help="new tokens for --prompt")
-    p.add_argument("--restarts", type=int, default=2, metavar="N", help="times a failed group is restarted")
+    p.add_argument("--restarts", type=int, default=2, metavar="N",
+                   help="times a failed group is restarted (never for a plan or checkpoint a rank refuses)")
     p.add_argument("--threads", type=int, metavar="N", help="threads per rank (default: cores / ranks)")
     p.add_argument("--ready-timeout", type=float, default=600, metavar="SECONDS",
                    help="seconds to wait for every rank to load")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from shard_contract.env import RESULT_ENV, TASK_ENV, WorkerEnv, new_group_key
+from shard_contract.env import EXIT_CONFIG, RESULT_ENV, TASK_ENV, WorkerEnv, new_group_key
 from shard_contract.plan import Plan
 from shard_contract.wire import GenerateResult, GenerateTask
 
@@ -43,7 +43,12 @@ STOP_GRACE_SECONDS = 5.0
 
 
 class LaunchError(RuntimeError):
-    """A rank failed or the group did not finish in time; the message carries the rank's log tail."""
+    """A rank failed or the group did not finish in time; the message carries the rank's log tail.
+    `permanent`: the rank said a restart would fail the same way (it exited EXIT_CONFIG)."""
+
+    def __init__(self, message: str, permanent: bool = False):
+        super().__init__(message)
+        self.permanent = permanent
 
 
 def plan_local(model_dir: str | os.PathLike[str], tp: int, pp: int, *, dtype: str = "auto",
@@ -101,6 +106,11 @@ class RankProcess:
     log: Path
     port: int = 0  # its HTTP port (SHARD_PORT)
 
+    @property
+    def permanent(self) -> bool:
+        """It failed in a way a restart would repeat (a bad checkpoint, a plan it cannot run)."""
+        return self.process.returncode == EXIT_CONFIG
+
     def exit_reason(self) -> str:
         """How it ended, as a person says it: a status, or the signal that killed it."""
         code = self.process.returncode
@@ -109,6 +119,8 @@ class RankProcess:
                 return f"was killed by {signal.Signals(-code).name}"
             except ValueError:
                 return f"was killed by signal {-code}"
+        if self.permanent:
+            return f"exited with status {code} (a restart would fail the same way)"
         return f"exited with status {code}"
 
     def tail(self, lines: int = 25) -> str:
@@ -191,14 +203,16 @@ class LocalGroup:
         return [r.process.pid for r in self.ranks]
 
     def failure(self) -> LaunchError | None:
-        """The first rank that ended with an error, as an error naming it and quoting its log."""
-        failed = [r for r in self.ranks if r.process.poll() not in (None, 0)]
+        """The first rank that ended with an error (one that failed for good before the others, whose
+        errors may only be the group breaking), as an error naming it and quoting its log."""
+        failed = sorted((r for r in self.ranks if r.process.poll() not in (None, 0)), key=lambda r: not r.permanent)
         if not failed:
             return None
         first = failed[0]
         others = ", ".join(f"rank {r.rank}" for r in failed[1:])
         also = f" (also failed: {others})" if others else ""
-        return LaunchError(f"rank {first.rank} {first.exit_reason()}{also}; its log ends:\n{first.tail()}")
+        return LaunchError(f"rank {first.rank} {first.exit_reason()}{also}; its log ends:\n{first.tail()}",
+                           permanent=first.permanent)
 
     def wait(self, timeout: float) -> None:
         """Until every rank exits 0. A failing rank or the deadline raises `LaunchError`."""

@@ -4,7 +4,9 @@ The ranks are `python -m shard_worker` started by `LocalGroup`, configured exact
 This module waits until rank 0's `/ready` says every rank has loaded and passed its memory
 check, prints where it serves and what each rank measured, and then watches: a rank that exits,
 or a group whose `/health` fails (a hung rank), is reported by rank and cause, and the group is
-restarted a bounded number of times. Ctrl-C or SIGTERM stops every process it started.
+restarted a bounded number of times, unless the rank said a restart would fail the same way (its
+exit status EXIT_CONFIG: a bad checkpoint, a plan this machine cannot run, a memory budget it
+exceeds). Ctrl-C or SIGTERM stops every process it started.
 
 Torch-free: it speaks to the ranks over HTTP with urllib, as the operator does.
 """
@@ -35,7 +37,12 @@ EXIT_RANKS_FAILED = 3
 
 
 class GroupLost(RuntimeError):
-    """A rank died or the group's health failed; the message says which rank and why."""
+    """A rank died or the group's health failed; the message says which rank and why. `permanent`:
+    a restart would fail the same way."""
+
+    def __init__(self, message: str, permanent: bool = False):
+        super().__init__(message)
+        self.permanent = permanent
 
 
 def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 5.0,
@@ -105,7 +112,7 @@ def wait_ready(group: LocalGroup, base_url: str, timeout: float,
                                                        "was ready") for r in group.ranks
                                            if r.process.poll() == 0), None)
         if failure is not None:
-            raise GroupLost(str(failure))
+            raise GroupLost(str(failure), permanent=failure.permanent)
         try:
             status, body = http_json(base_url + "/ready", timeout=2.0)
             shards = http_json(base_url + "/v1/shards")[1] if status == 200 or progress else {}
@@ -253,11 +260,14 @@ def _serve(plan: Plan, model_dir: str | os.PathLike[str], logs: Path, failures: 
                     out(f"({answer['usage']['completion_tokens']} tokens, finish_reason {choice['finish_reason']})")
                     return 0
                 out("Ctrl-C stops every rank.")
-                reason = watch(group, base_url)
+                reason, permanent = watch(group, base_url), False
             except GroupLost as lost:
-                reason = str(lost)
+                reason, permanent = str(lost), lost.permanent
         failures.append(reason)
         err(f"shardctl: {reason}")
+        if permanent:
+            err("shardctl: not restarting the group: a restart would fail the same way")
+            return EXIT_RANKS_FAILED
         if len(failures) > restarts:
             err(f"shardctl: the group failed {count(len(failures), 'time')}; no restarts left")
             return EXIT_RANKS_FAILED

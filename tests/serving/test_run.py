@@ -12,6 +12,7 @@ import socket
 from pathlib import Path
 
 import httpx
+import torch
 import pytest
 
 from shard_operator.cli import main
@@ -101,18 +102,40 @@ def test_ctrl_c_stops_every_rank(tiny_model, tmp_path):
 
 
 def test_a_rank_refuses_a_malicious_checkpoint_and_the_run_exits_with_its_message(tmp_path):
-    """The checkpoint was good when it was planned and is malicious when the rank loads it."""
+    """The checkpoint was good when it was planned and is malicious when the rank loads it: a
+    restart would read the same bytes, so the run gives up at once, restarts left or not."""
     attack = ATTACKS["negative-offsets"]  # before: header bytes loaded silently as model.norm.weight
     plan = plan_local(write_good(tmp_path / "planned"), 1, 1, max_model_len=64, devices="localhost:1GiB",
                       device_kind="cpu")
     lines: list[str] = []
-    code = run_local(plan, write_attack(attack, tmp_path / "loaded"), port=free_port(), restarts=0,
-                     ready_timeout=120, out=lines.append, err=lines.append)
+    code = run_local(plan, write_attack(attack, tmp_path / "loaded"), port=free_port(), restarts=2,
+                     ready_timeout=120, out=lines.append, err=lines.append, log_dir=tmp_path / "logs")
     text = "\n".join(lines)
     assert code == 3
-    assert re.search(r"shardctl: rank 0 exited with status 1; its log ends:\n(?s:.*)CheckpointError: \S+" + attack.error,
-                     text), text
-    assert "the group failed 1 time; no restarts left" in text
+    assert re.search(r"shardctl: rank 0 exited with status 78 \(a restart would fail the same way\); its log ends:\n"
+                     r"(?s:.*)CheckpointError: \S+" + attack.error, text), text
+    assert "not restarting the group: a restart would fail the same way" in text and "restarting the group (" not in text
+    assert logs_named("\n".join(lines)) == [tmp_path / "logs" / "attempt-0"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a rank planned on a GPU starts where there is CUDA")
+def test_a_rank_planned_on_a_gpu_without_cuda_fails_at_once(tiny_model, tmp_path):
+    """`--device-kind gpu` on a machine without CUDA: the rank refuses its plan (PlanMismatch), which
+    no restart can change, so `shardctl run` fails at once with the rank's message instead of
+    starting the group twice more (its default --restarts 2)."""
+    yaml_file = sharded_model_yaml(tmp_path / "m.yaml", tiny_model, name="nogpu", tensor=1, pipeline=1)
+    proc = shardctl("run", "-f", str(yaml_file), "--port", "0", "--devices", "localhost:16GiB",
+                    "--device-kind", "gpu", "--log-dir", str(tmp_path / "logs"))
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        stop(proc)
+    assert proc.returncode == 3, err
+    assert re.search(r"shardctl: rank 0 exited with status 78 \(a restart would fail the same way\); its log ends:\n"
+                     r"(?s:.*)PlanMismatch: the plan puts rank 0 on cuda:0, but CUDA is not available in this process",
+                     err), err
+    assert "not restarting the group" in err and "restarting the group (" not in err
+    assert logs_named(out) == [tmp_path / "logs" / "attempt-0"]
 
 
 def test_logs_go_to_the_log_dir_and_stay(tiny_model, tmp_path):

@@ -57,9 +57,11 @@ def test_rank_failure_reports_the_ranks_own_error(checkpoint, tmp_path):
     with open(path, "r+b") as fh:
         fh.truncate(path.stat().st_size - 100)
     task = GenerateTask(requests=[GenerateRequest(prompt_ids=[1, 2], max_new_tokens=2)])
-    with pytest.raises(LaunchError, match=r"(?s)rank 0 exited with status 1.*CheckpointError: \S+model.safetensors: "
-                                          r"tensor model.norm.weight: truncated file"):
+    with pytest.raises(LaunchError, match=r"(?s)rank 0 exited with status 78 \(a restart would fail the same way\)"
+                                          r".*CheckpointError: \S+model.safetensors: "
+                                          r"tensor model.norm.weight: truncated file") as failed:
         run_generate(plan, model_dir, task, timeout=120)
+    assert failed.value.permanent
 
 
 def test_every_rank_is_stopped_when_the_launcher_gives_up(checkpoint, tmp_path):

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from shard_contract.checkpoint import CheckpointError
-from shard_contract.env import RESULT_ENV, TASK_ENV, WorkerEnv, WorkerEnvError
+from shard_contract.env import EXIT_CONFIG, EXIT_FAILED, RESULT_ENV, TASK_ENV, WorkerEnv, WorkerEnvError
 from shard_contract.plan import Plan
 from shard_contract.wire import GenerateResult, GenerateTask
 
@@ -29,6 +29,14 @@ from .runtime import PlanMismatch, Worker
 
 # Errors whose message says it all: printed as one line, no traceback.
 KNOWN_ERRORS = (CheckpointError, ConfigError, RendezvousError, RequestError, PlanMismatch)
+# Of those, the ones a restart cannot fix (the process exits EXIT_CONFIG): the plan, the checkpoint
+# or this process's environment is wrong (a PlanMismatch: no CUDA for a GPU rank, a memory budget
+# the plan or the load exceeds). A rendezvous that timed out may succeed on a retry.
+PERMANENT_ERRORS = (CheckpointError, ConfigError, PlanMismatch)
+
+
+def exit_status(err: BaseException) -> int:
+    return EXIT_CONFIG if isinstance(err, PERMANENT_ERRORS) else EXIT_FAILED
 
 
 def process_title(env: WorkerEnv, serving: bool) -> str:
@@ -71,16 +79,16 @@ def main() -> int:
         plan = Plan.from_json(Path(env.plan_file).read_text())
     except (WorkerEnvError, OSError, ValueError) as err:
         print(f"shard_worker: {err}", file=sys.stderr)
-        return 1
+        return EXIT_CONFIG
     name_process(process_title(env, serving))
     if serving:  # every rank serves HTTP (the API on rank 0) until it is stopped
-        return rank.serve(env, plan, baseline, KNOWN_ERRORS)
+        return rank.serve(env, plan, baseline, KNOWN_ERRORS, exit_status)
     start = time.perf_counter()
     try:
         worker = Worker.start(env, plan, baseline)
     except KNOWN_ERRORS as err:
         log(env.rank, f"{type(err).__name__}: {err}")
-        return 1
+        return exit_status(err)
     log(env.rank, worker.loaded(time.perf_counter() - start))
     try:
         if not worker.topo.is_leader:

@@ -7,8 +7,9 @@ SIGINT); the engine thread, which joins the group, loads, and then runs batches 
 (`health.py`). Only the engine thread touches torch.distributed.
 
 A rank stops on SIGTERM / SIGINT (the leader first finishes its batch and tells the followers),
-when the leader says shutdown (a follower), or when it fails to load; it exits 0, or 1 when it
-failed. SHARD_HOST (default 0.0.0.0) is the address to listen on; `shardctl run` binds 127.0.0.1.
+when the leader says shutdown (a follower), or when it fails to load; it exits 0, or when it
+failed 1, or 78 (EXIT_CONFIG) when a restart would fail the same way (a bad checkpoint, a plan this
+process cannot run). SHARD_HOST (default 0.0.0.0) is the address to listen on; `shardctl run` binds 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import uvicorn
 from fastapi import FastAPI
 
-from shard_contract.env import WorkerEnv
+from shard_contract.env import EXIT_CONFIG, EXIT_FAILED, WorkerEnv
 from shard_contract.plan import Plan
 from shard_contract.wire import ShardEntry, ShardsResponse
 
@@ -45,8 +46,11 @@ JOIN_SECONDS = 15.0
 class Rank:
     """One rank: its state and its group's verdict, its engine thread and heartbeat."""
 
-    def __init__(self, env: WorkerEnv, plan: Plan, baseline: MemorySample, known_errors: tuple[type, ...] = ()):
+    def __init__(self, env: WorkerEnv, plan: Plan, baseline: MemorySample, known_errors: tuple[type, ...] = (),
+                 exit_status: Callable[[BaseException], int] = lambda err: EXIT_FAILED):
+        """`known_errors`: logged as one line; `exit_status(err)`: the status a failed load exits with."""
         self.env, self.plan, self.baseline, self.known_errors = env, plan, baseline, known_errors
+        self.exit_status = exit_status
         self.rank_plan = plan.rank_plan(env.replica, env.rank)
         self.leader = env.rank == 0
         self.metrics = RankMetrics(env.model_name, env.replica, self.rank_plan, self.leader,
@@ -128,7 +132,7 @@ class Rank:
             self.state, self.error = "failed", first_line(err)
             known = isinstance(err, self.known_errors)
             log(rank, f"{type(err).__name__}: {err}" if known else traceback.format_exc())
-            self._stop_serving(1)
+            self._stop_serving(self.exit_status(err))
             return
         log(rank, worker.loaded(time.perf_counter() - start))
         self.problems = memory_problems(self.rank_plan, worker.resident, self.env.memory_budget_bytes)
@@ -182,16 +186,17 @@ class Rank:
         os._exit(self.exit_code)
 
 
-def serve(env: WorkerEnv, plan: Plan, baseline: MemorySample, known_errors: tuple[type, ...] = ()) -> int:
+def serve(env: WorkerEnv, plan: Plan, baseline: MemorySample, known_errors: tuple[type, ...] = (),
+          exit_status: Callable[[BaseException], int] = lambda err: EXIT_FAILED) -> int:
     """Run this rank until it is told to stop (SIGTERM, SIGINT, or the leader's shutdown); the
-    process then exits with the status (0, or 1 when it failed)."""
+    process then exits with the status (0, or `exit_status(err)` when its load failed)."""
     if not Path(env.model_dir).is_dir():
         log(env.rank, f"SHARD_MODEL_DIR {env.model_dir} is not a directory")
-        return 1
+        return EXIT_CONFIG
     try:
-        rank = Rank(env, plan, baseline, known_errors)
+        rank = Rank(env, plan, baseline, known_errors, exit_status)
         app = build_app(rank)
     except Exception as err:  # noqa: BLE001 -- no such rank in the plan; an unreadable tokenizer or API key
         log(env.rank, f"cannot serve: {first_line(err)}")
-        return 1
+        return EXIT_CONFIG
     return rank.serve(app)

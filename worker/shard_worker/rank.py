@@ -9,7 +9,8 @@ SIGINT); the engine thread, which joins the group, loads, and then runs batches 
 A rank stops on SIGTERM / SIGINT (the leader first finishes its batch and tells the followers),
 when the leader says shutdown (a follower), or when it fails to load; it exits 0, or when it
 failed 1, or 78 (EXIT_CONFIG) when a restart would fail the same way (a bad checkpoint, a plan this
-process cannot run). SHARD_HOST (default 0.0.0.0) is the address to listen on; `shardctl run` binds 127.0.0.1.
+process cannot run). SHARD_HOST (default 0.0.0.0) is the address to listen on; `shardctl run`
+binds 127.0.0.1.
 """
 
 from __future__ import annotations

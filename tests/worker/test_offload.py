@@ -175,7 +175,8 @@ def test_another_dtype_is_copied_into_staging(tmp_path):
     try:
         assert all(p.view is None for j in off.layers for ps in streamer.parts[j].values() for p in ps)
         assert off.copied_bytes == off.streamed_bytes
-        assert streamer.nbytes == rank.predicted_bytes.staging == off.prefetch * off.streamed_bytes // len(off.layers)
+        layer = off.streamed_bytes // len(off.layers)
+        assert streamer.nbytes == rank.predicted_bytes.staging == off.prefetch * layer
         _borrow_and_compare(streamer, stage, whole, off.layers * 2)
     finally:
         streamer.close()
@@ -233,3 +234,32 @@ def test_a_cpu_rank_maps_a_few_layers_at_a_time(big):
         assert acct.counters.streamed_bytes >= 16 * layer
     finally:
         streamer.close()
+
+
+@pytest.mark.parametrize("populate_read", [True, False])
+def test_a_layer_is_mapped_in_and_out_with_or_without_populate_read(big, populate_read):
+    """`FileMaps` maps a span's pages into the process and out again; a kernel before Linux 5.14
+    has no MADV_POPULATE_READ, so the pages are read ahead and touched instead."""
+    from shard_worker.accounting import proc_status
+    from shard_worker.config import ModelConfig
+    from shard_worker.loader import Checkpoint
+    from shard_worker.offload import FileMaps
+
+    entry = Checkpoint(big, ModelConfig.from_dir(big)).entry("model.layers.3.mlp.down_proj.weight")
+    maps = FileMaps()
+    maps._populate = populate_read
+    try:
+        view = maps.tensor(entry)
+        nbytes = view.numel() * view.element_size()
+        span = [(entry.path, entry.offset, entry.offset + nbytes)]
+        before = proc_status()["RssFile"]
+        maps.populate(span)
+        mapped = proc_status()["RssFile"] - before
+        maps.drop(span)
+        left = proc_status()["RssFile"] - before
+        folio = 2 * 2**20  # a page cache of 2 MiB folios maps whole ones at the span's two ends
+        assert nbytes <= mapped <= nbytes + 2 * folio and left <= 2 * folio, (nbytes, mapped, left)
+        assert view.dtype == torch.float32 and view.shape == (768, 2048)
+        del view
+    finally:
+        maps.close()

@@ -90,8 +90,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, ...], sca
         # alignment (float32: 16 bytes), so a weight read in place (strided, or at any 8-byte
         # offset of a file) gets the layout of a resident one. Its GEMMs pack their operands and
         # sum alike whatever the layout (tests/worker/test_kernels.py checks both).
-        blocks = tuple(w if w.is_contiguous() and w.data_ptr() % 64 == 0 else w.clone(memory_format=torch.contiguous_format)
-                       for w in blocks)
+        blocks = tuple(w if w.is_contiguous() and w.data_ptr() % 64 == 0
+                       else w.clone(memory_format=torch.contiguous_format) for w in blocks)
     if len(blocks) == 1:
         return F.linear(x, blocks[0], bias)
     # One GEMM per block, as the resident and the streamed layers both do: a GEMM's sums for a

@@ -33,6 +33,7 @@ side stream's copies, timed by CUDA events), and seconds a forward pass stalled 
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import threading
@@ -56,6 +57,20 @@ PAGE = mmap.PAGESIZE
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; Python names it from 3.13 on
 
 
+def _libc_madvise() -> Any:
+    """madvise(2) through ctypes, which lets go of the GIL while it runs (the mmap module's method
+    holds it: populating a cold layer would stall the forward pass); None where there is none."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        return libc.madvise if hasattr(mmap, "MADV_DONTNEED") else None
+    except (OSError, AttributeError):
+        return None
+
+
+_MADVISE = _libc_madvise()
+
+
 class FileMaps:
     """The checkpoint files a CPU rank streams from, each mapped read-only once (a write through a
     view would fault): views of their tensors, and their pages mapped into the process or out."""
@@ -63,7 +78,7 @@ class FileMaps:
     def __init__(self) -> None:
         self._maps: dict[Path, mmap.mmap] = {}
         self._bytes: dict[Path, torch.Tensor] = {}
-        self._populate = hasattr(mmap, "MADV_DONTNEED")  # until the kernel says it has no POPULATE_READ
+        self._populate = _MADVISE is not None  # until the kernel says it has no POPULATE_READ
 
     def tensor(self, entry: Entry) -> torch.Tensor:
         """The whole tensor `entry`, a view of its file (its data aligned to its element size)."""
@@ -79,27 +94,33 @@ class FileMaps:
 
     def populate(self, spans: list["Span"]) -> None:
         """Map the spans' pages into the process, reading what the page cache lacks."""
-        for path, a, b in spans:
-            a, b = a // PAGE * PAGE, -(-b // PAGE) * PAGE
-            mm = self._maps[path]
-            if self._populate:
-                try:
-                    mm.madvise(MADV_POPULATE_READ, a, min(b, len(mm)) - a)
-                    continue
-                except OSError:  # an older kernel: read ahead, then touch a byte of every page
-                    self._populate = False
-            if hasattr(mm, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
-                mm.madvise(mmap.MADV_WILLNEED, a, min(b, len(mm)) - a)
+        for path, a, b in self._pages(spans):
+            if self._populate and self._advise(path, a, b, MADV_POPULATE_READ):
+                continue
+            self._populate = False  # an older kernel: read ahead, then touch a byte of every page
+            if _MADVISE is not None:
+                self._advise(path, a, b, mmap.MADV_WILLNEED)
             int(self._bytes[path][a:b:PAGE].sum())
 
     def drop(self, spans: list["Span"]) -> None:
         """Unmap the spans' pages from the process (the page cache keeps them)."""
-        if not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        for path, a, b in spans:
-            a, b = a // PAGE * PAGE, -(-b // PAGE) * PAGE
-            mm = self._maps[path]
-            mm.madvise(mmap.MADV_DONTNEED, a, min(b, len(mm)) - a)
+        if _MADVISE is not None:
+            for path, a, b in self._pages(spans):
+                self._advise(path, a, b, mmap.MADV_DONTNEED)
+
+    def _pages(self, spans: list["Span"]) -> list["Span"]:
+        """The spans widened to whole pages (within the file), those that touch merged."""
+        merged: list[Span] = []
+        for path, a, b in sorted(spans):
+            a, b = a // PAGE * PAGE, min(-(-b // PAGE) * PAGE, len(self._maps[path]))
+            if merged and merged[-1][0] == path and a <= merged[-1][2]:
+                merged[-1] = (path, merged[-1][1], max(b, merged[-1][2]))
+            else:
+                merged.append((path, a, b))
+        return merged
+
+    def _advise(self, path: Path, a: int, b: int, advice: int) -> bool:
+        return _MADVISE(self._bytes[path].data_ptr() + a, b - a, advice) == 0
 
     def close(self) -> None:
         self._bytes.clear()
@@ -181,7 +202,8 @@ class Streamer:
                 self.pending = _Pending()
                 for j in self.order:
                     if j not in plan.file_layers:
-                        self.host[j] = {n: torch.empty(s, dtype=stage.dtype, pin_memory=True) for n, s in shapes.items()}
+                        self.host[j] = {n: torch.empty(s, dtype=stage.dtype, pin_memory=True)
+                                        for n, s in shapes.items()}
                         self.read(j, self.host[j])
                 self.nbytes = self._bytes(self.slots[0].weights) * len(self.slots)
             else:
@@ -217,7 +239,8 @@ class Streamer:
             span = (entry.path, entry.offset + piece.start * cols * item, entry.offset + piece.stop * cols * item)
         else:  # a column slice: every row's part of the span is this rank's
             view = whole[:, piece.start:piece.stop]
-            span = (entry.path, entry.offset + piece.start * item, entry.offset + ((rows - 1) * cols + piece.stop) * item)
+            span = (entry.path, entry.offset + piece.start * item,
+                    entry.offset + ((rows - 1) * cols + piece.stop) * item)
         return Part(entry, piece, shape, nbytes, view, span)
 
     def _cuda_slot(self, shapes: dict[str, tuple[int, int]]) -> Slot:

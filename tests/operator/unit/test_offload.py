@@ -130,8 +130,8 @@ def test_cpu_ranks_map_the_files_in_place_with_the_row_parallel_rows_whole():
     assert off.stream_seconds == pytest.approx(off.read_bytes / (MAPPED_FILE_GBPS * 1e9))
     # computed on in place: no staging slots, so every byte that streams is a byte saved
     assert off.copied_bytes == 0 and rank.predicted_bytes.staging == 0
-    assert rank.predicted_bytes.total <= rank.usable_bytes < rank.predicted_bytes.total + off.streamed_bytes // len(
-        off.layers)
+    layer = off.streamed_bytes // len(off.layers)
+    assert rank.predicted_bytes.total <= rank.usable_bytes < rank.predicted_bytes.total + layer
     with pytest.raises(PlanError):
         plan(EIGHT_B, spec(fromFiles=False, parallelism={"tensor": 2}), parse_devices("a:6GiB*2", kind="cpu"))
 

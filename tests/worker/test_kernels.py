@@ -109,17 +109,15 @@ def test_weights_read_in_place_give_the_same_bits(level, dtype):
         assert column_slice.data_ptr() % 64 != 0 and column_slice.stride(0) != k
         whole = column_slice.contiguous()
         sizes = [n // 3, n // 2 - n // 3, n - n // 2]
-        resident = tuple(whole.split(sizes))  # one matrix: our kernel takes it in one call
-        apart = tuple(torch.cat([b, torch.zeros(1, k, dtype=dtype)])[:-1] for b in resident)
+        apart = tuple(torch.cat([b, torch.zeros(1, k, dtype=dtype)])[:-1] for b in whole.split(sizes))
         bias = torch.randn(n).to(dtype)
         for rows in (1, 3, 8, 9, 40):
             x = torch.randn(rows, k).to(dtype)
             assert torch.equal(kernels.linear(x, column_slice, level=level),
                                kernels.linear(x, whole, level=level)), (n, k, rows)
-            expected = kernels.linear(x, resident, bias=bias, level=level)
-            assert torch.equal(kernels.linear(x, apart, bias=bias, level=level), expected), (n, k, rows)
-            if rows <= kernels.MAX_ROWS and level is not None:  # our kernel: each row's sum alone
-                assert torch.equal(kernels.linear(x, whole, bias=bias, level=level), expected), (n, k, rows)
+            resident = kernels.linear(x, whole, bias=bias, level=level, blocks=tuple(sizes))
+            assert torch.equal(kernels.linear(x, apart, bias=bias, level=level), resident), (n, k, rows)
+            assert torch.equal(kernels.linear(x, tuple(whole.split(sizes)), bias=bias, level=level), resident)
 
 
 def test_quantization_round_trip_error_is_half_a_step():

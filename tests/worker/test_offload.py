@@ -184,8 +184,7 @@ def test_another_dtype_is_copied_into_staging(tmp_path):
 
 def _matrix(projection) -> torch.Tensor:
     """A projection's weight as one matrix (a streamed one may be row blocks of the mapped file)."""
-    weights = projection.weights()
-    return torch.cat(weights) if isinstance(weights, tuple) else weights
+    return torch.cat(projection.weight) if isinstance(projection.weight, tuple) else projection.weight
 
 
 @pytest.fixture(scope="module")

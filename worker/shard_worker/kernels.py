@@ -58,23 +58,24 @@ def describe() -> str:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, ...], scale: torch.Tensor | None = None,
-           bias: torch.Tensor | None = None, level: str | None = "default") -> torch.Tensor:
+           bias: torch.Tensor | None = None, level: str | None = "default", blocks: tuple[int, ...] = ()) -> torch.Tensor:
     """x W^T (times `scale` per output row for int8 W) + bias, in x's dtype. `weight`: a matrix
-    whose rows are contiguous, or a tuple of such row blocks (float only). `level`: one of
-    LEVELS, None for torch only, or the process's choice (`SHARD_KERNEL`)."""
-    blocks = weight if isinstance(weight, tuple) else (weight,)
-    assert len(blocks) == 1 or scale is None, "row blocks are float weights"
+    whose rows are contiguous, or a tuple of such row blocks (float only); `blocks`: the rows of
+    the blocks a matrix is made of (q, k and v), which torch multiplies one by one, as it does a
+    tuple's. `level`: one of LEVELS, None for torch only, or the process's choice (`SHARD_KERNEL`)."""
     level = LEVEL if level == "default" else level
-    k = blocks[0].shape[1]
+    parts = weight if isinstance(weight, tuple) else (weight,)
+    assert len(parts) == 1 or scale is None, "row blocks are float weights"
+    k = parts[0].shape[1]
     rows = x.numel() // k
-    if level is not None and all(_ours(x, w, scale, rows) for w in blocks):
+    if level is not None and all(_ours(x, w, scale, rows) for w in parts):
         x2 = x.reshape(rows, k)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        n = sum(w.shape[0] for w in blocks)
+        n = sum(w.shape[0] for w in parts)
         y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
-        column = 0
-        for w in _adjacent_merged(blocks):  # each block into its columns of y (rows n apart)
+        column = 0  # each block into its columns of y (rows n apart): every row's sum on its own
+        for w in parts if len(parts) == 1 else _adjacent_merged(parts):
             _gemv.linear(_WTYPES[w.dtype], _XTYPES[x.dtype], w.data_ptr(), 0 if scale is None else scale.data_ptr(),
                          x2.data_ptr(), y.data_ptr() + column * y.element_size(), w.shape[0], k,
                          w.stride(0) if w.shape[0] > 1 else k, rows, x2.stride(0), n, torch.get_num_threads(),
@@ -83,22 +84,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, ...], sca
         if bias is not None:
             y += bias
         return y
-    if len(blocks) == 1 and weight.dtype == torch.int8:
-        return _int8_torch(x, weight, scale, bias)
+    if isinstance(weight, torch.Tensor):
+        if weight.dtype == torch.int8:
+            return _int8_torch(x, weight, scale, bias)
+        parts = tuple(weight.split(blocks)) if len(blocks) > 1 else parts
     if rows <= MAX_ROWS:
         # torch's matrix-vector products sum in an order that depends on the weight's layout and
         # alignment (float32: 16 bytes), so a weight read in place (strided, or at any 8-byte
         # offset of a file) gets the layout of a resident one. Its GEMMs pack their operands and
         # sum alike whatever the layout (tests/worker/test_kernels.py checks both).
-        blocks = tuple(w if w.is_contiguous() and w.data_ptr() % 64 == 0
-                       else w.clone(memory_format=torch.contiguous_format) for w in blocks)
-    if len(blocks) == 1:
-        return F.linear(x, blocks[0], bias)
+        parts = tuple(w if w.is_contiguous() and w.data_ptr() % 64 == 0
+                      else w.clone(memory_format=torch.contiguous_format) for w in parts)
+    if len(parts) == 1:
+        return F.linear(x, parts[0], bias)
     # One GEMM per block, as the resident and the streamed layers both do: a GEMM's sums for a
     # row of W can depend on how many rows it is given, so this keeps them equal bit for bit.
-    ends = list(itertools.accumulate(w.shape[0] for w in blocks))
+    ends = list(itertools.accumulate(w.shape[0] for w in parts))
     return torch.cat([F.linear(x, w, None if bias is None else bias[b - w.shape[0]:b])
-                      for w, b in zip(blocks, ends)], dim=-1)
+                      for w, b in zip(parts, ends)], dim=-1)
 
 
 def _adjacent_merged(blocks: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:

@@ -8,8 +8,9 @@ With `quantized`, a projection holds int8 weights and one float32 scale per outp
 weights for the one forward pass that needs it (a staging slot, or views of the checkpoint file
 mapped in place: then a tuple of row blocks, one per checkpoint tensor, e.g. q, k and v).
 
-A float projection made of several checkpoint tensors (`blocks`: q, k, v; gate, up) multiplies
-each block on its own, resident or streamed, so both give the same bits (`kernels.linear`).
+A float projection made of several checkpoint tensors (`blocks`: q, k, v; gate, up) has torch
+multiply each block on its own, resident or streamed, so both give the same bits (our decode
+kernel sums every output on its own anyway: `kernels.linear`).
 
 Plain classes rather than `nn.Module`: no hooks, no per-call dispatch, and the collective each
 layer needs is the one line you see in its `__call__`.
@@ -45,12 +46,6 @@ class Projection:
         self.scale = _empty(out_features, dtype=torch.float32, device=device) if quantized else None
         self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
 
-    def weights(self) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """What `kernels.linear` multiplies by: the weight, as its row blocks when it has several."""
-        if self.blocks and isinstance(self.weight, torch.Tensor):
-            return tuple(self.weight.split(self.blocks))
-        return self.weight
-
 
 class ColumnParallelLinear(Projection):
     """y_r = x W_r^T + b_r with W_r this rank's rows (output features). No communication: the
@@ -61,7 +56,7 @@ class ColumnParallelLinear(Projection):
         super().__init__(out_local, in_features, bias, quantized, dtype, device, streamed, blocks)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weights(), self.scale, self.bias)
+        return linear(x, self.weight, self.scale, self.bias, blocks=self.blocks)
 
 
 class RowParallelLinear(Projection):
@@ -75,7 +70,7 @@ class RowParallelLinear(Projection):
         self.comm = comm
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weights(), self.scale)
+        y = linear(x, self.weight, self.scale, blocks=self.blocks)
         self.comm.all_reduce(y)
         if self.bias is not None:
             y += self.bias

@@ -34,8 +34,10 @@ side stream's copies, timed by CUDA events), and seconds a forward pass stalled 
 from __future__ import annotations
 
 import ctypes
+import errno
 import math
 import mmap
+import os
 import threading
 import time
 import warnings
@@ -69,6 +71,7 @@ def _libc_madvise() -> Any:
 
 
 _MADVISE = _libc_madvise()
+Span = tuple[Path, int, int]  # a file's bytes [start, stop)
 
 
 class FileMaps:
@@ -92,23 +95,27 @@ class FileMaps:
         return self._bytes[entry.path][entry.offset:entry.offset + nbytes].view(TORCH_DTYPES[entry.dtype]) \
             .view(entry.shape)
 
-    def populate(self, spans: list["Span"]) -> None:
+    def populate(self, spans: list[Span]) -> None:
         """Map the spans' pages into the process, reading what the page cache lacks."""
         for path, a, b in self._pages(spans):
-            if self._populate and self._advise(path, a, b, MADV_POPULATE_READ):
-                continue
-            self._populate = False  # an older kernel: read ahead, then touch a byte of every page
+            if self._populate:
+                error = self._advise(path, a, b, MADV_POPULATE_READ)
+                if error == 0:
+                    continue
+                if error != errno.EINVAL:  # the file could not be read (EFAULT, EIO)
+                    raise OSError(error, f"{path}: reading bytes [{a}, {b}) into memory: {os.strerror(error)}")
+                self._populate = False  # a kernel before 5.14: read ahead, then touch a byte of every page
             if _MADVISE is not None:
                 self._advise(path, a, b, mmap.MADV_WILLNEED)
             int(self._bytes[path][a:b:PAGE].sum())
 
-    def drop(self, spans: list["Span"]) -> None:
+    def drop(self, spans: list[Span]) -> None:
         """Unmap the spans' pages from the process (the page cache keeps them)."""
         if _MADVISE is not None:
             for path, a, b in self._pages(spans):
                 self._advise(path, a, b, mmap.MADV_DONTNEED)
 
-    def _pages(self, spans: list["Span"]) -> list["Span"]:
+    def _pages(self, spans: list[Span]) -> list[Span]:
         """The spans widened to whole pages (within the file), those that touch merged."""
         merged: list[Span] = []
         for path, a, b in sorted(spans):
@@ -119,8 +126,9 @@ class FileMaps:
                 merged.append((path, a, b))
         return merged
 
-    def _advise(self, path: Path, a: int, b: int, advice: int) -> bool:
-        return _MADVISE(self._bytes[path].data_ptr() + a, b - a, advice) == 0
+    def _advise(self, path: Path, a: int, b: int, advice: int) -> int:
+        """madvise of the file's bytes [a, b) (whole pages): 0, or the error number."""
+        return 0 if _MADVISE(self._bytes[path].data_ptr() + a, b - a, advice) == 0 else ctypes.get_errno()
 
     def close(self) -> None:
         self._bytes.clear()
@@ -131,8 +139,6 @@ class FileMaps:
                 pass
         self._maps.clear()
 
-
-Span = tuple[Path, int, int]  # a file's bytes [start, stop)
 
 
 @dataclass(frozen=True)
@@ -150,7 +156,7 @@ class Part:
 
 def in_place(entry: Entry, dtype: torch.dtype) -> bool:
     """Whether a CPU rank computes on `entry` where the file holds it: stored in the runtime dtype,
-    its data aligned to its element size (what the planner assumes too: sizing.in_place_tensor)."""
+    its data aligned to its element size (the planner's rule too: sizing.layer_copied_bytes)."""
     return TORCH_DTYPES[entry.dtype] == dtype and entry.aligned
 
 

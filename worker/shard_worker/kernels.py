@@ -58,11 +58,13 @@ def describe() -> str:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, ...], scale: torch.Tensor | None = None,
-           bias: torch.Tensor | None = None, level: str | None = "default", blocks: tuple[int, ...] = ()) -> torch.Tensor:
+           bias: torch.Tensor | None = None, level: str | None = "default",
+           blocks: tuple[int, ...] = ()) -> torch.Tensor:
     """x W^T (times `scale` per output row for int8 W) + bias, in x's dtype. `weight`: a matrix
     whose rows are contiguous, or a tuple of such row blocks (float only); `blocks`: the rows of
-    the blocks a matrix is made of (q, k and v), which torch multiplies one by one, as it does a
-    tuple's. `level`: one of LEVELS, None for torch only, or the process's choice (`SHARD_KERNEL`)."""
+    the blocks a matrix is made of (q, k and v), which torch multiplies one by one on a CPU, as it
+    does a tuple's. `level`: one of LEVELS, None for torch only, or the process's choice
+    (`SHARD_KERNEL`)."""
     level = LEVEL if level == "default" else level
     parts = weight if isinstance(weight, tuple) else (weight,)
     assert len(parts) == 1 or scale is None, "row blocks are float weights"
@@ -84,11 +86,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, ...], sca
         if bias is not None:
             y += bias
         return y
+    on_cpu = parts[0].device.type == "cpu"  # where weights are read in place (a GPU's are copied whole)
     if isinstance(weight, torch.Tensor):
         if weight.dtype == torch.int8:
             return _int8_torch(x, weight, scale, bias)
-        parts = tuple(weight.split(blocks)) if len(blocks) > 1 else parts
-    if rows <= MAX_ROWS:
+        parts = tuple(weight.split(blocks)) if len(blocks) > 1 and on_cpu else parts
+    if rows <= MAX_ROWS and on_cpu:
         # torch's matrix-vector products sum in an order that depends on the weight's layout and
         # alignment (float32: 16 bytes), so a weight read in place (strided, or at any 8-byte
         # offset of a file) gets the layout of a resident one. Its GEMMs pack their operands and

@@ -9,8 +9,8 @@ weights for the one forward pass that needs it (a staging slot, or views of the 
 mapped in place: then a tuple of row blocks, one per checkpoint tensor, e.g. q, k and v).
 
 A float projection made of several checkpoint tensors (`blocks`: q, k, v; gate, up) has torch
-multiply each block on its own, resident or streamed, so both give the same bits (our decode
-kernel sums every output on its own anyway: `kernels.linear`).
+multiply each block on its own on a CPU, resident or streamed in place, so both give the same bits
+(our decode kernel sums every output on its own anyway: `kernels.linear`).
 
 Plain classes rather than `nn.Module`: no hooks, no per-call dispatch, and the collective each
 layer needs is the one line you see in its `__call__`.

@@ -6,12 +6,14 @@ float32 and as a bfloat16 checkpoint (so streamed layers are read as the rank st
 1, a 32-token prompt and 64 new tokens, one rank (TP=1, one compute thread; its prefetch thread
 reads beside it), for 0%, 25%, 50% and 100% of the layers streamed, it measures:
 
-* the limit: max(compute, streamed bytes / read bandwidth), where compute is the decode step of
-  the fully resident rank (the 0% run) and the read bandwidth is the rank's own reads of every
-  layer's projections from the page-cached checkpoint (`Streamer.read`, best of 3 passes, alone);
+* the limit: max(compute, streamed bytes / fetch bandwidth), where compute is the decode step of
+  the fully resident rank (the 0% run) and the fetch bandwidth is the rate at which the rank's
+  prefetch thread brings every layer's projections in from the page-cached checkpoint
+  (`Streamer.fetch`, best of 3 passes, alone: mapping them in place, or copying what it must);
 * a bound that limit leaves out on a CPU: compute and copies share the memory bus, and a copy
   reads and writes its bytes, which the compute then reads again, so a step moves at least
-  (decode bytes + 2 x streamed bytes) at the 2-core streaming read bandwidth (bench/decode.py's);
+  (decode bytes + 2 x copied bytes) at the 2-core streaming read bandwidth (bench/decode.py's);
+  a layer computed on in place is read once, as a resident one is;
 * our rank: tokens/s, and the shares of a decode step spent streaming (on the prefetch thread) and
   stalled (the forward pass waiting for a layer); the plan's predicted step beside it;
 * HF accelerate's offload of the same checkpoint at the same budget: `from_pretrained(device_map=
@@ -50,7 +52,8 @@ FRACTIONS = (0.0, 0.25, 0.5, 1.0)
 
 # ---------------------------------------------------------------- children (one measurement each)
 def child_read(model_dir: str, dtype: str, repeats: int) -> dict:
-    """GB/s of the rank's own reads of every layer's projections (page-cached), one thread."""
+    """GB/s at which the rank's prefetch thread brings every layer's projections in from the
+    page-cached checkpoint (each fetch also sends the layer before out, as a slot does), alone."""
     import torch
 
     from shard_contract.plan import OffloadPlan
@@ -69,17 +72,19 @@ def child_read(model_dir: str, dtype: str, repeats: int) -> dict:
                   streamed=layers)
     plan = OffloadPlan(layers=layers, prefetch=1, streamed_bytes=0, compute_seconds=0, stream_seconds=0)
     streamer = Streamer(stage, plan, model_dir, acct)
-    slot = streamer.slots[0].weights
+    slot = streamer.slots[0]
     best = float("inf")
     try:
+        nbytes = sum(p.nbytes for j in layers for parts in streamer.parts[j].values() for p in parts)
         for _ in range(repeats + 1):  # the first pass brings the files into the page cache
             start = time.perf_counter()
             for j in layers:
-                streamer.read(j, slot)
+                streamer.fetch(j, slot, stale=slot.layer)
+                slot.layer = j
             best = min(best, time.perf_counter() - start)
     finally:
         streamer.close()
-    return {"gbps": streamer.nbytes * len(layers) / best / 1e9}
+    return {"gbps": nbytes / best / 1e9}
 
 
 def child_accelerate(model_dir: str, dtype: str, budget: int, tokens: int, prompt: list[int], folder: str) -> dict:
@@ -134,13 +139,14 @@ def measure(model_dir: str, dtype: str, tokens: int, prompt: list[int], skip: se
         print(f"  {dtype} {name}: {value}", file=sys.stderr, flush=True)
         return value
 
-    out: dict = {"read": step("reads of every layer", run_child, "read", model_dir, dtype, "3", threads=1),
+    out: dict = {"read": step("fetches of every layer", run_child, "read", model_dir, dtype, "3", threads=1),
                  "bytes": decode_bytes(model_dir, dtype, "none")}
     for fraction in FRACTIONS:
         plan = streaming_plan(model_dir, dtype, fraction, len(prompt) + tokens)
         rank = plan.ranks[0]
         off = rank.offload
-        row = {"streamed_bytes": off.streamed_bytes if off else 0, "layers": len(off.layers) if off else 0,
+        row = {"streamed_bytes": off.streamed_bytes if off else 0, "copied_bytes": off.copied_bytes if off else 0,
+               "layers": len(off.layers) if off else 0,
                "predicted": plan.groups[0].critical_path_seconds,
                "budget": rank.predicted_bytes.weights + rank.predicted_bytes.staging}
         row["ours"] = step(f"ours, {fraction:.0%} streamed", run_ours, plan, model_dir, tokens, prompt)
@@ -157,7 +163,7 @@ def report(results: dict, bus: dict, shape: dict, tokens: int) -> str:
     lines = [f"Model: random Llama {shape}; batch 1, {PROMPT_TOKENS}-token prompt, {tokens} new tokens; one rank "
              "(one compute thread, its prefetch thread beside it); accelerate with one thread.",
              f"Streaming read on 2 cores (the shared bus): {bus.get('2', 0):.1f} GB/s (load {bus.get('load', 0):.1f}).",
-             "", "| dtype | streamed | MiB/step | read GB/s | limit ms | bus bound ms | ours ms/token | tokens/s "
+             "", "| dtype | streamed | MiB/step (copied) | fetch GB/s | limit ms | bus bound ms | ours ms/token | tokens/s "
              "| limit / ours | streaming share | stall share | plan's ms | accelerate ms/token (MiB off) "
              "| accelerate / ours | load |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -173,11 +179,12 @@ def report(results: dict, bus: dict, shape: dict, tokens: int) -> str:
                 lines.append(f"| {dtype} | {fraction:.0%} | | | | | {ours.get('error', '')} | | | | | | | | |")
                 continue
             limit = max(compute, row["streamed_bytes"] / (read * 1e9))
-            bound = (r["bytes"] + 2 * row["streamed_bytes"]) / (bus["2"] * 1e9) if bus.get("2") else 0.0
+            bound = (r["bytes"] + 2 * row.get("copied_bytes", 0)) / (bus["2"] * 1e9) if bus.get("2") else 0.0
             a = acc.get("seconds_per_token")
             off = f" ({acc['disk_bytes'] / 2**20:.0f})" if a else ""
             lines.append(
-                f"| {dtype} | {fraction:.0%} ({row['layers']} layers) | {row['streamed_bytes'] / 2**20:.0f} | {read:.1f} "
+                f"| {dtype} | {fraction:.0%} ({row['layers']} layers) | {row['streamed_bytes'] / 2**20:.0f} "
+                f"({row.get('copied_bytes', 0) / 2**20:.0f}) | {read:.1f} "
                 f"| {limit * 1e3:.1f} | {bound * 1e3:.1f} | {t * 1e3:.1f} | {1 / t:.2f} | {limit / t:.2f} "
                 f"| {ours['stream_share']:.1%} | {ours['stall_share']:.1%} | {row['predicted'] * 1e3:.1f} "
                 f"| {f'{a * 1e3:.1f}{off}' if a else acc.get('error', '')} | {f'{a / t:.2f}' if a else ''} "

@@ -54,6 +54,13 @@ class TensorInfo(BaseModel):
     nbytes: int
     offset: int = Field(description="Byte offset of the tensor's data in its file (past the header).")
 
+    @property
+    def aligned(self) -> bool:
+        """Its data start at a multiple of its element size, as every standard writer puts them
+        (safetensors pads its header to 8 bytes and orders tensors by alignment): a CPU rank can
+        compute on it where the file holds it (offload)."""
+        return self.offset % DTYPE_BYTES[self.dtype] == 0
+
 
 # ---------------------------------------------------------------- files and JSON
 def model_file(model_dir: str | os.PathLike[str], name: str, where: str = "") -> Path:

@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-DEFAULT_PREFETCH = 2  # staging slots: one computes while the next loads (double buffering)
+DEFAULT_PREFETCH = 2  # slots: one layer computes while the next loads (double buffering)
 
 from .units import count
 
@@ -35,7 +35,9 @@ class PredictedBytes(BaseModel):
     kv_cache: int
     activations: int
     overhead: int
-    staging: int = Field(0, description="An offloading rank's staging slots for streamed layers.")
+    staging: int = Field(0, description=(
+        "An offloading rank's staging slots for streamed layers: what it copies of them (a CPU rank "
+        "computes on the mapped checkpoint in place: 0, unless dtypes differ)."))
     total: int = 0
 
     def model_post_init(self, _context: object) -> None:
@@ -51,21 +53,25 @@ class OffloadSettings(BaseModel):
     policy: Literal["never", "auto", "always"] = "never"
     host_memory: int | None = Field(None, description="Bytes per rank for host-tier layers; None: no limit.")
     from_files: bool = True
-    prefetch: int = Field(DEFAULT_PREFETCH, ge=1, description="Staging slots per streaming rank.")
+    prefetch: int = Field(DEFAULT_PREFETCH, ge=1, description="Slots (layers in flight) per streaming rank.")
 
 
 class OffloadPlan(BaseModel):
     """How a rank streams the decoder layers it does not hold: before each step needs one, the
-    projection matrices of its slices are copied into one of `prefetch` staging slots (one
-    layer each), from host memory (GPU ranks: pinned) or read from the checkpoint files (through
-    the page cache), the next ones while the current one computes. Norms, biases, embeddings, the
-    LM head, the KV cache and activations stay resident."""
+    projection matrices of its slices come into one of `prefetch` slots (one layer each), the
+    next ones while the current one computes: copied into staging on the device from host memory
+    (GPU ranks: pinned) or from the checkpoint files, or (CPU ranks) mapped from the files, through
+    the page cache, and computed on in place. Norms, biases, embeddings, the LM head, the KV cache
+    and activations stay resident."""
 
     layers: list[int] = Field(description="Decoder layers whose projections stream (absolute indices).")
     file_layers: list[int] = Field(default_factory=list, description=(
         "Of those, the ones read from the checkpoint files; the others come from host memory."))
-    prefetch: int = Field(ge=1, description="Staging slots: the layer computing and those loading ahead.")
-    streamed_bytes: int = Field(description="Bytes copied into the rank per decode step (its slices).")
+    prefetch: int = Field(ge=1, description="Slots: the layer computing and those loading ahead.")
+    streamed_bytes: int = Field(description="Bytes of its slices streamed in per decode step.")
+    copied_bytes: int = Field(0, description=(
+        "Of those, the bytes copied into staging slots (a GPU rank's: all; a CPU rank computes on "
+        "the mapped files in place and copies only tensors of another dtype or misaligned)."))
     read_bytes: int = Field(0, description=(
         "Bytes read from the files per decode step: a column slice is read with the rest of its rows."))
     host_bytes: int = Field(0, description=(

@@ -66,7 +66,8 @@ class ResidentBytes(BaseModel):
 
     weights: int
     kv_cache: int
-    staging: int = Field(0, description="An offloading rank's staging slots (and a GPU's pinned host copies: 0).")
+    staging: int = Field(0, description=(
+        "An offloading rank's staging slots (a CPU rank computing in place: 0; a GPU's pinned host copies: 0)."))
     rss_anon: int
     cuda_allocated: int = 0
     total: int = Field(description="What this rank holds: on a CPU, anonymous memory above a bare `import torch`; "
@@ -95,7 +96,8 @@ class RankReport(BaseModel):
     compute_seconds: float
     idle_seconds: float
     comm_bytes: dict[str, int] = Field(default_factory=dict, description="By operation.")
-    streamed_bytes: int = Field(0, description="Offload: bytes of streamed layers copied into staging slots.")
+    streamed_bytes: int = Field(0, description=(
+        "Offload: bytes of streamed layers brought in (copied into staging slots, or mapped in place on a CPU)."))
     stream_seconds: float = Field(0.0, description="Offload: seconds spent streaming them.")
     stall_seconds: float = Field(0.0, description=(
         "Offload: seconds the forward pass's thread waited for the prefetch thread to deliver a streamed layer "

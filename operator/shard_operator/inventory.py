@@ -6,8 +6,9 @@ in half the time. Known GPU products get their datasheet bandwidth; anything els
 the node says otherwise (label `sharding.dev/gpu-speed`).
 
 Two more rates matter when layers are streamed (offload): copies from host memory into a GPU
-(`host_gbps`: PCIe) and reads of the checkpoint files (`file_gbps`), in GB/s. Defaults below;
-labels `sharding.dev/host-bandwidth` and `sharding.dev/file-bandwidth` on a node, or
+(`host_gbps`: PCIe) and reads of the checkpoint files (`file_gbps`), in GB/s: a GPU rank copies
+what it reads, a CPU rank maps the files and computes on them in place, so their defaults differ
+(below); labels `sharding.dev/host-bandwidth` and `sharding.dev/file-bandwidth` on a node, or
 `+host=GBPS` and `+files=GBPS` in `--devices`, set them.
 """
 
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable, Literal
 
 import yaml
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from shard_contract.units import MiB, human, parse_bytes
 
@@ -45,8 +46,14 @@ FILE_BANDWIDTH_LABEL = "sharding.dev/file-bandwidth"
 # GPUs (H100, H200, B200) copy about twice as fast: label their nodes.
 HOST_GBPS = 25.0
 # GB/s of `preadv` from page-cached checkpoint files into a rank's buffer, one thread (measured on
-# our 2-core build machines, under load: 2.5-3.2). A cold file reads at its disk's rate instead.
+# our 2-core build machines, under load: 2.5-3.2; quiet: 6-7): a GPU rank's file tier, and any copy.
+# A cold file reads at its disk's rate instead.
 FILE_GBPS = 3.0
+# GB/s at which a CPU rank's prefetch thread maps a layer of page-cached checkpoint files into the
+# process in place and the layer before out (bench/offload.py's fetch on our build machines: 16-33
+# with the page cache as reads fill it, 4 KiB mapped at a time; 140-155 for freshly written files,
+# whose 2 MiB folios map whole; docs/planner.md, "Offload"). The common case's low end.
+MAPPED_FILE_GBPS = 15.0
 
 # HBM bandwidth in TB/s from the vendors' datasheets (NVIDIA), matched as substrings of the GFD
 # product label, most specific first.
@@ -67,9 +74,17 @@ class Device(BaseModel):
     memory_bytes: int = Field(gt=0)
     speed: float = Field(1.0, gt=0, description="Memory bandwidth in TB/s (relative speed).")
     host_gbps: float = Field(HOST_GBPS, gt=0, description="GB/s of copies from host memory into the device.")
-    file_gbps: float = Field(FILE_GBPS, gt=0, description="GB/s of reads from the checkpoint files.")
+    file_gbps: float = Field(FILE_GBPS, gt=0, description=(
+        "GB/s of reads from the checkpoint files (default: FILE_GBPS on a GPU, MAPPED_FILE_GBPS on a CPU)."))
     zone: str = ""
     compute_capability: str = Field("", description="A GPU's, e.g. 8.0; empty when unknown.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _file_rate_of_its_kind(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("file_gbps") is None and data.get("kind") == "cpu":
+            return {**data, "file_gbps": MAPPED_FILE_GBPS}  # a CPU rank maps the files in place
+        return data
 
     @property
     def native_bf16(self) -> bool:

@@ -2,18 +2,21 @@
 them. Pure arithmetic for the planner.
 
 A streamed layer keeps its norms and biases resident (and its KV cache: every layer's stays);
-its projection matrices are copied, before each step needs them, into one of `prefetch` staging
-slots of one layer each, from host memory (GPU ranks: pinned copies, at `host_gbps`) or read
-from the checkpoint files (at `file_gbps`; the only tier of a CPU rank, whose device memory is
-host memory). With two or more slots the next layers load while the current one computes, so a
-stage of n layers, r of them resident, takes
+its projection matrices come in, before each step needs them, one layer per slot of `prefetch`:
+on a GPU rank copied into staging slots on the device, from host memory (pinned copies, at
+`host_gbps`) or read from the checkpoint files (at `file_gbps`); on a CPU rank, whose device
+memory is host memory, mapped from the checkpoint files and computed on in place (at `file_gbps`:
+mapping page-cached pages), so its slots take no memory (but for the tensors it must copy:
+another dtype than the runtime's, or misaligned data, at most the copy rate FILE_GBPS). With two
+or more slots the next layers load while the current one computes, so a stage of n layers, r of
+them resident, takes
 
     max(compute of all n layers, streaming the n - r others)          (prefetch >= 2)
     max(compute, streaming + computing the streamed layers)           (prefetch 1: a layer's load
                                                                        cannot overlap its own compute)
 
-Streaming s layers needs s >= prefetch to save memory at all (the slots take `prefetch` layers),
-so a stage either holds every layer or streams more than `prefetch` of them.
+Where the slots take memory (`copied` bytes a layer), streaming s layers needs s >= prefetch to
+save memory at all, so such a stage either holds every layer or streams more than `prefetch`.
 
 Choosing layers per stage (`partition`): the fewest streamed bytes per step (every stage's
 streamed layers are alike), then the shortest decode step, the sum of the stages' times (a decode
@@ -28,6 +31,8 @@ from dataclasses import dataclass
 
 from shard_contract.plan import OffloadPlan, OffloadSettings, Plan, RankPlan
 from shard_contract.units import human
+
+from .inventory import FILE_GBPS
 
 
 @dataclass(frozen=True)
@@ -50,8 +55,9 @@ class Streaming:
 @dataclass(frozen=True)
 class OffloadStage:
     """A stage's memory and time as functions of its layers, with streaming allowed. Bytes per
-    rank; `layer` is a whole resident layer, `streamed` its part that streams, `read` what the
-    files give for that part."""
+    rank; `layer` is a whole resident layer, `streamed` its part that streams, `copied` the part
+    of that copied into a staging slot (a GPU's all; a CPU's what it cannot map in place), `read`
+    what the files give for the streamed part."""
 
     kind: str
     usable: int
@@ -59,6 +65,7 @@ class OffloadStage:
     kv: int  # KV cache per layer
     layer: int
     streamed: int
+    copied: int
     read: int
     fixed_seconds: float
     layer_seconds: float
@@ -70,9 +77,12 @@ class OffloadStage:
         return min(self.request.prefetch, streamed_layers)
 
     def file_seconds(self) -> float:
-        """One layer from the files: read; a GPU copies it on while the next is read."""
-        read = self.read / self.file_rate
-        return max(read, self.streamed / self.host_rate) if self.kind == "gpu" else read
+        """One layer from the files: read; a GPU copies it on while the next is read. A CPU maps
+        it in place, and copies (no faster than FILE_GBPS) only its `copied` share."""
+        if self.kind == "gpu":
+            return max(self.read / self.file_rate, self.streamed / self.host_rate)
+        share = self.copied / self.streamed if self.streamed else 0.0
+        return self.read * ((1 - share) / self.file_rate + share / min(self.file_rate, FILE_GBPS * 1e9))
 
     def at(self, n: int) -> Streaming | None:
         """The stage holding `n` layers: as many resident as fit (every one when all fit, none
@@ -84,9 +94,9 @@ class OffloadStage:
         rest = self.layer - self.streamed  # what a streamed layer keeps resident
         free = self.usable - self.fixed - n * (self.kv + rest)
         if always:
-            resident = 0 if free >= self.slots(n) * self.streamed else -1
+            resident = 0 if free >= self.slots(n) * self.copied else -1
         else:
-            resident = math.floor((free - self.request.prefetch * self.streamed) / self.streamed) \
+            resident = math.floor((free - self.request.prefetch * self.copied) / self.streamed) \
                 if self.streamed else -1
         if resident < 0:
             return None
@@ -145,10 +155,10 @@ def spread(layers: tuple[int, int], count: int) -> list[int]:
     return [start + (2 * i + 1) * n // (2 * count) for i in range(count)] if count else []
 
 
-def rank_offload(stage: OffloadStage, layers: tuple[int, int], streamed_bytes: list[int],
+def rank_offload(stage: OffloadStage, layers: tuple[int, int], streamed_bytes: list[int], copied_bytes: list[int],
                  read_bytes: list[int]) -> OffloadPlan | None:
-    """The OffloadPlan of a rank of `stage` holding `layers`; `streamed_bytes`/`read_bytes` per
-    layer of the model. None when it holds every layer."""
+    """The OffloadPlan of a rank of `stage` holding `layers`; `streamed_bytes`/`copied_bytes`/
+    `read_bytes` per layer of the model. None when it holds every layer."""
     at = stage.at(layers[1] - layers[0])
     assert at is not None, "the partition placed a stage that does not fit"
     if at.streamed == 0:
@@ -159,7 +169,8 @@ def rank_offload(stage: OffloadStage, layers: tuple[int, int], streamed_bytes: l
     read = sum(read_bytes[j] for j in files)
     bounce = stage.slots(at.streamed) * stage.streamed if stage.kind == "gpu" and files else 0
     return OffloadPlan(layers=streamed, file_layers=files, prefetch=stage.slots(at.streamed),
-                       streamed_bytes=sum(streamed_bytes[j] for j in streamed), read_bytes=read,
+                       streamed_bytes=sum(streamed_bytes[j] for j in streamed),
+                       copied_bytes=sum(copied_bytes[j] for j in streamed), read_bytes=read,
                        host_bytes=host_bytes + read + bounce, host_bandwidth=stage.host_rate if stage.kind == "gpu" else 0.0,
                        file_bandwidth=stage.file_rate if files else 0.0,
                        compute_seconds=at.compute, stream_seconds=at.stream)

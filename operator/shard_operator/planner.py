@@ -54,6 +54,7 @@ from .sizing import (
     Shard,
     activation_bytes,
     kv_cache_bytes,
+    layer_copied_bytes,
     layer_read_bytes,
     layer_streamed_bytes,
     layer_weight_bytes,
@@ -526,6 +527,7 @@ class Costs:
                 kv=kv_cache_bytes(profile, one, request.max_len, request.batch, request.dtype),
                 layer=self.layer_bytes(tp),
                 streamed=max(layer_streamed_bytes(profile, i, tp, request.dtype) for i in layers),
+                copied=max(layer_copied_bytes(profile, i, tp, request.dtype, shape[2]) for i in layers),
                 read=max(layer_read_bytes(profile, i, tp) for i in layers),
                 fixed_seconds=model.fixed_seconds, layer_seconds=model.layer_seconds,
                 host_rate=shape[3] * 1e9, file_rate=shape[4] * 1e9, request=request.offload)
@@ -679,6 +681,8 @@ def _to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, co
     tp, pp, options = best.tp, best.pp, costs.options
     streamed = [layer_streamed_bytes(profile, i, tp, request.dtype) for i in range(profile.num_layers)]
     read = [layer_read_bytes(profile, i, tp) for i in range(profile.num_layers)]
+    copied = {kind: [layer_copied_bytes(profile, i, tp, request.dtype, kind) for i in range(profile.num_layers)]
+              for kind in ("gpu", "cpu")}
     groups, ranks = [], []
     for replica, layout in enumerate(best.groups if request.replicas else []):
         starts = list(itertools.accumulate([0, *layout.counts]))
@@ -688,14 +692,14 @@ def _to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, co
             stages.append(StagePlan(stage=stage, layers=layers, seconds_per_token=layout.stage_seconds[stage]))
             shard = Shard(tp=tp, layers=layers, embeds=stage == 0, has_lm_head=stage == pp - 1)
             off = offload.rank_offload(costs.offload_stage(block.shape, tp, shard.embeds, shard.has_lm_head),
-                                       layers, streamed, read) if costs.streaming else None
+                                       layers, streamed, copied[block.kind], read) if costs.streaming else None
             predicted = PredictedBytes(
                 weights=weight_bytes(profile, shard, request.dtype, request.quantization)
                 - (sum(streamed[i] for i in off.layers) if off else 0),
                 kv_cache=kv_cache_bytes(profile, shard, request.max_len, request.batch, request.dtype),
                 activations=activation_bytes(profile, shard, request.max_len, request.batch, request.dtype),
                 overhead=options.runtime_overhead[block.kind],
-                staging=off.prefetch * max(streamed[i] for i in off.layers) if off else 0)
+                staging=off.prefetch * max(copied[block.kind][i] for i in off.layers) if off else 0)
             for tp_rank, device in enumerate(block.devices):
                 ranks.append(RankPlan(
                     replica=replica, rank=stage * tp + tp_rank, stage=stage, tp_rank=tp_rank,

@@ -59,6 +59,12 @@ class LayerProfile(BaseModel):
     column_rows: int
     kv_rows: int
     row_rows: int
+    # Of the projection matrices' elements, those whose data do not start at a multiple of their
+    # element size (only a non-standard writer puts them so): a CPU rank that streams them copies
+    # them instead of computing on the file in place (offload).
+    unaligned_column: int = 0
+    unaligned_kv: int = 0
+    unaligned_row: int = 0
 
     @property
     def numel(self) -> int:
@@ -146,6 +152,8 @@ def _build(config: dict[str, Any], infos: dict[str, TensorInfo], source: str, na
                 if part != "row":
                     setattr(lp, f"{part}_matrix", getattr(lp, f"{part}_matrix") + info.numel)
                 setattr(lp, f"{part}_rows", getattr(lp, f"{part}_rows") + info.shape[0])
+                if not info.aligned:
+                    setattr(lp, f"unaligned_{part}", getattr(lp, f"unaligned_{part}") + info.numel)
         else:
             parts[part] += info.numel
     dtypes = {info.dtype for info in infos.values()}

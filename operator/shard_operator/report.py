@@ -74,16 +74,17 @@ def _offload_lines(plan: Plan, replica: int) -> list[str]:
     ranks = [r for r in plan.group(replica) if r.offload is not None]
     if not ranks:
         return []
-    lines = ["offload: the layers each rank streams per decode step (their projections), from where, at what "
-             "rate (GB/s), and the predicted step: max(compute, stream) in ms",
-             f"{'rank':>4}  {'streamed layers':<24} {'slots':>5} {'per step':>10} {'from':<10} {'GB/s':>9} "
-             f"{'compute':>8} {'stream':>8} {'step':>8}"]
+    lines = ["offload: the layers each rank streams per decode step (their projections), of which the bytes it "
+             "copies (a CPU rank computes on the mapped files in place), from where, at what rate (GB/s), and the "
+             "predicted step: max(compute, stream) in ms",
+             f"{'rank':>4}  {'streamed layers':<24} {'slots':>5} {'per step':>10} {'copied':>10} {'from':<10} "
+             f"{'GB/s':>9} {'compute':>8} {'stream':>8} {'step':>8}"]
     for r in ranks:
         o = r.offload
         rate = "+".join(f"{x / 1e9:.1f}" for x in (o.host_bandwidth, o.file_bandwidth) if x)
         lines.append(f"{r.rank:>4}  {_layer_list(o.layers):<24} {o.prefetch:>5} {human(o.streamed_bytes):>10} "
-                     f"{o.tier:<10} {rate:>9} {o.compute_seconds * 1e3:>8.2f} {o.stream_seconds * 1e3:>8.2f} "
-                     f"{max(o.compute_seconds, o.stream_seconds) * 1e3:>8.2f}")
+                     f"{human(o.copied_bytes):>10} {o.tier:<10} {rate:>9} {o.compute_seconds * 1e3:>8.2f} "
+                     f"{o.stream_seconds * 1e3:>8.2f} {max(o.compute_seconds, o.stream_seconds) * 1e3:>8.2f}")
     return lines
 
 

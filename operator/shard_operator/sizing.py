@@ -68,6 +68,20 @@ def layer_streamed_bytes(profile: ModelProfile, layer: int, tp: int, dtype: str 
     return (lp.column_matrix // tp + round(lp.kv_matrix * kv_share) + lp.row // tp) * profile.dtype_bytes(dtype)
 
 
+def layer_copied_bytes(profile: ModelProfile, layer: int, tp: int, dtype: str = "auto", kind: str = "gpu") -> int:
+    """Of `layer_streamed_bytes`, what an offloading rank copies into its staging slots each time
+    it streams the layer in: a GPU rank all of it (into device memory); a CPU rank computes on the
+    mapped checkpoint in place and copies only what it cannot: every matrix when the runtime dtype
+    is not the checkpoint's, else those whose data are not aligned to their element size (none,
+    from a standard writer)."""
+    if kind == "gpu" or dtype not in ("auto", profile.dtype):
+        return layer_streamed_bytes(profile, layer, tp, dtype)
+    lp = profile.layers[layer]
+    kv_share = kv_heads_per_rank(profile, tp) / profile.num_kv_heads
+    return (lp.unaligned_column // tp + round(lp.unaligned_kv * kv_share) + lp.unaligned_row // tp) \
+        * profile.dtype_bytes(dtype)
+
+
 def layer_read_bytes(profile: ModelProfile, layer: int, tp: int) -> int:
     """Checkpoint bytes read to stream one layer from the files: the rank's row slices, and the
     row-parallel matrices' whole rows (a column slice is read with its rows' other columns, one

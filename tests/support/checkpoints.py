@@ -144,3 +144,17 @@ def load_hf(directory: str | Path, dtype: str = "float32"):
 
     return transformers.AutoModelForCausalLM.from_pretrained(
         directory, dtype=getattr(torch, dtype)).eval()
+
+
+def misalign(path: str | Path) -> None:
+    """Rewrite one safetensors file with its header padded to an odd length, so that the data of
+    every tensor in it start one byte past an element boundary: what an old or non-standard
+    writer may do (safetensors' own pads the header to 8 bytes), and the format allows."""
+    import struct
+
+    path = Path(path)
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = raw[8:8 + length].rstrip(b" ")
+    header += b" " * ((1 - 8 - len(header)) % 8)  # 8 + header: 1 mod 8
+    path.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + length:])

@@ -95,6 +95,31 @@ def test_activations_of_any_layout():
     torch.testing.assert_close(kernels.linear(strided, w), F.linear(strided, w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("level", LEVELS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_weights_read_in_place_give_the_same_bits(level, dtype):
+    """What a streamed layer computes on in place gives exactly the outputs of a resident layer,
+    decode and prefill: a column slice of a wider matrix (rows further apart than their width,
+    at an address that is not 64-byte aligned) as its contiguous copy, and row blocks that lie
+    apart in memory (q, k and v of three checkpoint tensors) as the same blocks of one matrix."""
+    torch.manual_seed(3)
+    for n, k in [(384, 2048), (33, 100), (7, 13), (64, 5632)]:
+        wide = torch.randn(n, 3 * k + 5).to(dtype)
+        column_slice = wide[:, k + 1:2 * k + 1]  # starts 4 or 2 bytes past a 64-byte line
+        assert column_slice.data_ptr() % 64 != 0 and column_slice.stride(0) != k
+        whole = column_slice.contiguous()
+        sizes = [n // 3, n // 2 - n // 3, n - n // 2]
+        apart = tuple(torch.cat([b, torch.zeros(1, k, dtype=dtype)])[:-1] for b in whole.split(sizes))
+        bias = torch.randn(n).to(dtype)
+        for rows in (1, 3, 8, 9, 40):
+            x = torch.randn(rows, k).to(dtype)
+            assert torch.equal(kernels.linear(x, column_slice, level=level),
+                               kernels.linear(x, whole, level=level)), (n, k, rows)
+            resident = kernels.linear(x, whole, bias=bias, level=level, blocks=tuple(sizes))
+            assert torch.equal(kernels.linear(x, apart, bias=bias, level=level), resident), (n, k, rows)
+            assert torch.equal(kernels.linear(x, tuple(whole.split(sizes)), bias=bias, level=level), resident)
+
+
 def test_quantization_round_trip_error_is_half_a_step():
     """Each weight comes back within half a quantization step (scale / 2) of its value; the
     largest magnitude of a row maps to +-127 exactly; all-zero rows stay zero."""

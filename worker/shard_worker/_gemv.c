@@ -1,5 +1,6 @@
 /* Decode-time matrix products at the memory-bandwidth limit: y[m, n] = x[m, :] . W[n, :] (* s[n])
- * for a few rows of x (m <= 8) and W in nn.Linear's [out, in] layout, float32, bfloat16 or int8
+ * for a few rows of x (m <= 8) and W in nn.Linear's [out, in] layout (rows `ldw` elements apart:
+ * a column slice of a wider matrix is read in place), float32, bfloat16 or int8
  * with one float32 scale per output row; x and y are float32 or bfloat16. A decode step reads
  * every weight once, so the whole job is to stream W at the speed of memory: each pass reads a
  * block of W's rows once and multiplies it with all m vectors, which stay in L1/L2.
@@ -36,6 +37,7 @@ typedef struct {
     void *y;
     const float *xf;   /* x as float32 (every path but the bf16 dot products reads this) */
     int64_t n, k, m, ldx, ldy;
+    int64_t ldw;       /* elements from one weight row to the next (>= k: a column slice of a wider matrix) */
 } Job;
 
 typedef void (*RowsFn)(const Job *, int64_t, int64_t);
@@ -73,7 +75,7 @@ INLINE void store(const Job *j, int64_t b, int64_t row, float acc) {
 
 /* ---------------------------------------------------------------- portable C */
 INLINE float weight_at(const Job *j, int64_t row, int64_t i) {
-    const int64_t at = row * j->k + i;
+    const int64_t at = row * j->ldw + i;
     switch (j->wtype) {
         case W_F32: return ((const float *)j->w)[at];
         case W_BF16: return bf16_to_f32(((const uint16_t *)j->w)[at]);
@@ -128,8 +130,8 @@ static void rows_portable(const Job *j, int64_t r0, int64_t r1) {
  * lie just before the next tile's, so this stays one tile ahead of the loads. */
 #define PREFETCH_NEXT                                                          \
     if (((i * (int64_t)ESIZE) & 63) == 0) {                                    \
-        const char *next = (const char *)j->w + ((row + R) * k + i) * (int64_t)ESIZE; \
-        for (int r = 0; r < R; r++) _mm_prefetch(next + r * k * (int64_t)ESIZE, _MM_HINT_T0); \
+        const char *next = (const char *)j->w + ((row + R) * ldw + i) * (int64_t)ESIZE; \
+        for (int r = 0; r < R; r++) _mm_prefetch(next + r * ldw * (int64_t)ESIZE, _MM_HINT_T0); \
     }
 #define ESIZE (wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1)
 #define OUT(b)                                                                 \
@@ -194,11 +196,11 @@ T512 __m512 load16_512(int wtype, const void *w, int64_t at, const int full, __m
 #define FMA(acc, w, x) _mm512_fmadd_ps(w, x, acc)
 #define SUM(acc) _mm512_reduce_add_ps(acc)
 #define TAIL(r, b) 0.0f
-#define W(r) load16_512(wtype, j->w, (row + r) * k + i, full, mask)
+#define W(r) load16_512(wtype, j->w, (row + r) * ldw + i, full, mask)
 #define X(b) (full ? _mm512_loadu_ps(j->xf + b * k + i) : _mm512_maskz_loadu_ps(mask, j->xf + b * k + i))
 T512 void block_512(const Job *j, int64_t row, const int R, const int M, const int wtype) {
     DECLARE_ACCS
-    const int64_t k = j->k;
+    const int64_t k = j->k, ldw = j->ldw;
     MASKED_LOOP(16, __mmask16, 0xffff, (1u << (k - i)) - 1)
     TILE_STORE
 }
@@ -213,12 +215,12 @@ T512 void block_512(const Job *j, int64_t row, const int R, const int M, const i
 #define WVEC __m512bh
 #define FMA(acc, w, x) _mm512_dpbf16_ps(acc, w, x)
 #define LOAD32(p) (full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(mask, p))
-#define W(r) (__m512bh)LOAD32(wp + (row + r) * k + i)
+#define W(r) (__m512bh)LOAD32(wp + (row + r) * ldw + i)
 #define X(b) (__m512bh)LOAD32(xp + b * ldx + i)
 TBF void block_bf16dp(const Job *j, int64_t row, const int R, const int M, const int wtype) {
     (void)wtype;
     DECLARE_ACCS
-    const int64_t k = j->k, ldx = j->ldx;
+    const int64_t k = j->k, ldx = j->ldx, ldw = j->ldw;
     const uint16_t *wp = (const uint16_t *)j->w, *xp = (const uint16_t *)j->x;
     MASKED_LOOP(32, __mmask32, 0xffffffffu, (1ull << (k - i)) - 1)  /* zeroed tail lanes add nothing */
     TILE_STORE
@@ -293,11 +295,11 @@ T256 float hsum256(__m256 v) {
 #define FMA(acc, w, x) _mm256_fmadd_ps(w, x, acc)
 #define SUM(acc) hsum256(acc)
 #define TAIL(r, b) tail_dot(j, row + r, b, i)
-#define W(r) load8_256(wtype, j->w, (row + r) * k + i)
+#define W(r) load8_256(wtype, j->w, (row + r) * ldw + i)
 #define X(b) _mm256_loadu_ps(j->xf + b * k + i)
 T256 void block_256(const Job *j, int64_t row, const int R, const int M, const int wtype) {
     DECLARE_ACCS
-    const int64_t k = j->k;
+    const int64_t k = j->k, ldw = j->ldw;
     int64_t i = 0;
     for (; i + 8 <= k; i += 8) TILE_STEP
     TILE_STORE
@@ -445,12 +447,12 @@ static PyObject *py_linear(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long w, scale, x, y;
     int wtype, xtype, threads, level;
-    long long n, k, m, ldx, ldy;
-    if (!PyArg_ParseTuple(args, "iiKKKKLLLLLii", &wtype, &xtype, &w, &scale, &x, &y, &n, &k, &m, &ldx, &ldy,
+    long long n, k, ldw, m, ldx, ldy;
+    if (!PyArg_ParseTuple(args, "iiKKKKLLLLLLii", &wtype, &xtype, &w, &scale, &x, &y, &n, &k, &ldw, &m, &ldx, &ldy,
                           &threads, &level))
         return NULL;
     if (wtype < W_F32 || wtype > W_I8 || xtype < X_F32 || xtype > X_BF16 || m < 1 || m > MAX_M || n < 0 || k < 1
-        || ldx < k || ldy < n || (wtype == W_I8 && !scale) || (wtype == W_F32 && xtype != X_F32)
+        || ldw < k || ldx < k || ldy < n || (wtype == W_I8 && !scale) || (wtype == W_F32 && xtype != X_F32)
         || (wtype == W_BF16 && xtype != X_BF16)) {
         PyErr_SetString(PyExc_ValueError, "linear: unsupported dtypes or shape");
         return NULL;
@@ -460,7 +462,7 @@ static PyObject *py_linear(PyObject *self, PyObject *args) {
         return NULL;
     }
     Job job = {wtype, xtype, (const void *)(uintptr_t)w, (const void *)(uintptr_t)scale,
-               (const void *)(uintptr_t)x, (void *)(uintptr_t)y, NULL, n, k, m, ldx, ldy};
+               (const void *)(uintptr_t)x, (void *)(uintptr_t)y, NULL, n, k, m, ldx, ldy, ldw};
     GemvTask task = {&job, pick(level, wtype, xtype)};
     /* Every kernel but the bf16 dot products reads x as float32, [m, k] contiguous. */
     const int dot_bf16 = X86 && level >= AVX512_BF16 && wtype == W_BF16;

@@ -30,7 +30,8 @@ class Counters:
     comm_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COMM_OPS, 0.0))
     compute_seconds: float = 0.0
     idle_seconds: float = 0.0  # blocked in recv: waiting for another pipeline stage
-    # offload: bytes copied into staging slots, seconds spent on it, seconds a forward pass waited
+    # offload: bytes of streamed layers brought in (copied or mapped), seconds spent on it, seconds a
+    # forward pass waited
     streamed_bytes: int = 0
     stream_seconds: float = 0.0
     stall_seconds: float = 0.0
@@ -160,7 +161,8 @@ class Accounting:
             return self._counters.copy()
 
     def streamed(self, nbytes: int, seconds: float) -> None:
-        """Offload: bytes copied into a staging slot and the seconds that took (the prefetch thread)."""
+        """Offload: bytes of a streamed layer brought in (copied or mapped) and the seconds that took
+        (the prefetch thread)."""
         with self._lock:
             self._counters.streamed_bytes += nbytes
             self._counters.stream_seconds += seconds

@@ -8,12 +8,18 @@ bandwidth (bfloat16 and int8 the most). `_gemv` streams float32, bfloat16 and in
 by CPUID. Everything else -- prefill, float16, GPUs, a package built without a compiler -- goes
 through torch.
 
+A weight may be a view with rows further apart than its width (a column slice of a wider matrix:
+a row-parallel slice read in place from the checkpoint), or a tuple of row blocks standing for
+their concatenation (q, k and v read in place from three checkpoint tensors): each block is
+multiplied on its own, which gives every output the very same sums as the concatenated matrix.
+
 `SHARD_KERNEL` picks the path: `auto` (default: the best this CPU runs), `torch` (never ours), or
 one level by name (`portable`, `avx2`, `avx512`, `avx512_bf16`) -- for tests and benchmarks.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -51,33 +57,73 @@ def describe() -> str:
         "SHARD_KERNEL=torch)" if _gemv is not None else "the extension is not built)")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-           bias: torch.Tensor | None = None, level: str | None = "default") -> torch.Tensor:
-    """x W^T (times `scale` per output row for int8 W) + bias, in x's dtype. `level`: one of
-    LEVELS, None for torch only, or the process's choice (`SHARD_KERNEL`)."""
+def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, ...], scale: torch.Tensor | None = None,
+           bias: torch.Tensor | None = None, level: str | None = "default",
+           blocks: tuple[int, ...] = ()) -> torch.Tensor:
+    """x W^T (times `scale` per output row for int8 W) + bias, in x's dtype. `weight`: a matrix
+    whose rows are contiguous, or a tuple of such row blocks (float only); `blocks`: the rows of
+    the blocks a matrix is made of (q, k and v), which torch multiplies one by one on a CPU, as it
+    does a tuple's. `level`: one of LEVELS, None for torch only, or the process's choice
+    (`SHARD_KERNEL`)."""
     level = LEVEL if level == "default" else level
-    k = weight.shape[1]
+    parts = weight if isinstance(weight, tuple) else (weight,)
+    assert len(parts) == 1 or scale is None, "row blocks are float weights"
+    k = parts[0].shape[1]
     rows = x.numel() // k
-    if level is not None and _ours(x, weight, scale, rows):
+    if level is not None and all(_ours(x, w, scale, rows) for w in parts):
         x2 = x.reshape(rows, k)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        n = weight.shape[0]
+        n = sum(w.shape[0] for w in parts)
         y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
-        _gemv.linear(_WTYPES[weight.dtype], _XTYPES[x.dtype], weight.data_ptr(),
-                     0 if scale is None else scale.data_ptr(), x2.data_ptr(), y.data_ptr(), n, k, rows,
-                     x2.stride(0), n, torch.get_num_threads(), LEVELS.index(level))
+        column = 0  # each block into its columns of y (rows n apart): every row's sum on its own
+        for w in parts if len(parts) == 1 else _adjacent_merged(parts):
+            _gemv.linear(_WTYPES[w.dtype], _XTYPES[x.dtype], w.data_ptr(), 0 if scale is None else scale.data_ptr(),
+                         x2.data_ptr(), y.data_ptr() + column * y.element_size(), w.shape[0], k,
+                         w.stride(0) if w.shape[0] > 1 else k, rows, x2.stride(0), n, torch.get_num_threads(),
+                         LEVELS.index(level))
+            column += w.shape[0]
         if bias is not None:
             y += bias
         return y
-    if weight.dtype == torch.int8:
-        return _int8_torch(x, weight, scale, bias)
-    return F.linear(x, weight, bias)
+    on_cpu = parts[0].device.type == "cpu"  # where weights are read in place (a GPU's are copied whole)
+    if isinstance(weight, torch.Tensor):
+        if weight.dtype == torch.int8:
+            return _int8_torch(x, weight, scale, bias)
+        parts = tuple(weight.split(blocks)) if len(blocks) > 1 and on_cpu else parts
+    if rows <= MAX_ROWS and on_cpu:
+        # torch's matrix-vector products sum in an order that depends on the weight's layout and
+        # alignment (float32: 16 bytes), so a weight read in place (strided, or at any 8-byte
+        # offset of a file) gets the layout of a resident one. Its GEMMs pack their operands and
+        # sum alike whatever the layout (tests/worker/test_kernels.py checks both).
+        parts = tuple(w if w.is_contiguous() and w.data_ptr() % 64 == 0
+                      else w.clone(memory_format=torch.contiguous_format) for w in parts)
+    if len(parts) == 1:
+        return F.linear(x, parts[0], bias)
+    # One GEMM per block, as the resident and the streamed layers both do: a GEMM's sums for a
+    # row of W can depend on how many rows it is given, so this keeps them equal bit for bit.
+    ends = list(itertools.accumulate(w.shape[0] for w in parts))
+    return torch.cat([F.linear(x, w, None if bias is None else bias[b - w.shape[0]:b])
+                      for w, b in zip(parts, ends)], dim=-1)
+
+
+def _adjacent_merged(blocks: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """The blocks, with those that follow one another in memory as one matrix (one call)."""
+    merged = [blocks[0]]
+    for w in blocks[1:]:
+        last = merged[-1]
+        if (w.stride() == last.stride() and w.dtype == last.dtype
+                and w.data_ptr() == last.data_ptr() + last.shape[0] * last.stride(0) * last.element_size()):
+            merged[-1] = last.as_strided((last.shape[0] + w.shape[0], last.shape[1]), last.stride())
+        else:
+            merged.append(w)
+    return merged
 
 
 def _ours(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, rows: int) -> bool:
     return (1 <= rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype in _XTYPES
-            and weight.is_contiguous() and weight.device.type == "cpu"
+            and weight.device.type == "cpu" and weight.stride(1) == 1
+            and (weight.shape[0] <= 1 or weight.stride(0) >= weight.shape[1])
             and (weight.dtype == x.dtype or (weight.dtype == torch.int8 and scale is not None
                                               and scale.dtype == torch.float32 and scale.is_contiguous()))
             and x.shape[-1] == weight.shape[1])

@@ -4,8 +4,13 @@ kernels and `F.linear` stream row by row (`kernels.linear` picks one).
 
 With `quantized`, a projection holds int8 weights and one float32 scale per output row
 (weight-only, symmetric: W ~ q * scale); activations stay in the runtime dtype. With `streamed`
-(offload), it holds no weight: `weight` is an empty placeholder until a streamer points it at a
-staging slot for the one forward pass that needs it.
+(offload), it holds no weight: `weight` is an empty placeholder until a streamer points it at its
+weights for the one forward pass that needs it (a staging slot, or views of the checkpoint file
+mapped in place: then a tuple of row blocks, one per checkpoint tensor, e.g. q, k and v).
+
+A float projection made of several checkpoint tensors (`blocks`: q, k, v; gate, up) has torch
+multiply each block on its own on a CPU, resident or streamed in place, so both give the same bits
+(our decode kernel sums every output on its own anyway: `kernels.linear`).
 
 Plain classes rather than `nn.Module`: no hooks, no per-call dispatch, and the collective each
 layer needs is the one line you see in its `__call__`.
@@ -26,14 +31,18 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
 
 class Projection:
     """A weight [out, in] in the runtime dtype, or int8 with a float32 scale per output row; or,
-    `streamed`, none of its own (see the module docstring)."""
+    `streamed`, none of its own (see the module docstring). `blocks`: the rows of each checkpoint
+    tensor it is made of, in order."""
 
     def __init__(self, out_features: int, in_features: int, bias: bool, quantized: bool, dtype: torch.dtype,
-                 device: torch.device, streamed: bool = False):
+                 device: torch.device, streamed: bool = False, blocks: tuple[int, ...] = ()):
         self.shape = (out_features, in_features)
         self.streamed = streamed
+        assert not blocks or sum(blocks) == out_features, (blocks, out_features)
+        self.blocks = blocks if len(blocks) > 1 and not quantized else ()
         rows = 0 if streamed else out_features
-        self.weight = _empty(rows, in_features, dtype=torch.int8 if quantized else dtype, device=device)
+        self.weight: torch.Tensor | tuple[torch.Tensor, ...] = _empty(
+            rows, in_features, dtype=torch.int8 if quantized else dtype, device=device)
         self.scale = _empty(out_features, dtype=torch.float32, device=device) if quantized else None
         self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
 
@@ -43,11 +52,11 @@ class ColumnParallelLinear(Projection):
     output stays split, ready for a row-parallel layer."""
 
     def __init__(self, in_features: int, out_local: int, bias: bool, dtype: torch.dtype, device: torch.device,
-                 quantized: bool = False, streamed: bool = False):
-        super().__init__(out_local, in_features, bias, quantized, dtype, device, streamed)
+                 quantized: bool = False, streamed: bool = False, blocks: tuple[int, ...] = ()):
+        super().__init__(out_local, in_features, bias, quantized, dtype, device, streamed, blocks)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.scale, self.bias)
+        return linear(x, self.weight, self.scale, self.bias, blocks=self.blocks)
 
 
 class RowParallelLinear(Projection):
@@ -61,7 +70,7 @@ class RowParallelLinear(Projection):
         self.comm = comm
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.scale)
+        y = linear(x, self.weight, self.scale, blocks=self.blocks)
         self.comm.all_reduce(y)
         if self.bias is not None:
             y += self.bias

@@ -5,8 +5,9 @@ slices; the file that holds each tensor comes from `model.safetensors.index.json
 `model.safetensors`), so how the checkpoint is split into files does not matter.
 
 Bytes are read with `os.preadv` at exact offsets into the destination tensor's memory, after
-`posix_fadvise(RANDOM)` so the kernel reads no more than asked. No file is memory-mapped: slicing a
-mapped file faults whole readahead windows in and inflates resident memory while loading. Row
+`posix_fadvise(RANDOM)` so the kernel reads no more than asked. The loader maps no file: slicing a
+mapped file faults whole readahead windows in and inflates resident memory while loading. (Offload
+does map the files, for the layers a CPU rank streams, a few layers at a time: `offload.py`.) Row
 slices are one contiguous range. A column slice (row-parallel weights) is one range per row; many
 rows go into one `preadv` (other ranks' columns land in a small scratch buffer), because one
 syscall per row is several times slower.
@@ -56,6 +57,11 @@ class Entry:
     dtype: str
     shape: tuple[int, ...]
     offset: int  # absolute byte offset of the tensor's data in its file
+
+    @property
+    def aligned(self) -> bool:
+        """As `TensorInfo.aligned`: its data start at a multiple of its element size."""
+        return self.offset % DTYPE_BYTES[self.dtype] == 0
 
 
 @dataclass

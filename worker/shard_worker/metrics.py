@@ -32,8 +32,8 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "shard_comm_seconds": ("counter", "Seconds this rank spent in communication, by operation.", ("op",)),
     "shard_compute_seconds": ("counter", "Seconds this rank spent computing its layers.", ()),
     "shard_idle_seconds": ("counter", "Seconds this rank waited for another pipeline stage.", ()),
-    "shard_streamed_bytes": ("counter", "Offload: bytes of streamed layers this rank copied into its staging "
-                                        "slots.", ()),
+    "shard_streamed_bytes": ("counter", "Offload: bytes of streamed layers this rank brought in (copied into "
+                                        "staging slots, or mapped in place from the files).", ()),
     "shard_stream_seconds": ("counter", "Offload: seconds this rank spent streaming layers in.", ()),
     "shard_prefetch_stall_seconds": ("counter", "Offload: seconds a forward pass waited for a streamed layer "
                                                 "to arrive (on a GPU: the host waited for the prefetch "

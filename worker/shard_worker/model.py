@@ -9,7 +9,8 @@ HF does five), o and down are row-parallel: two all-reduces a layer, written whe
 follows: destination tensor -> checkpoint tensors, slice, and destination row.
 
 A streamed layer (offload) holds its norms and biases but not its four projection matrices: a
-streamer (`offload.py`) lends it a staging slot with them for each forward pass.
+streamer (`offload.py`) lends them to it for each forward pass (mapped in place from the
+checkpoint, or copied into a staging slot).
 """
 
 from __future__ import annotations
@@ -223,7 +224,7 @@ class Attention:
         self.heads, self.kv_heads, self.head_dim, self.window = layout.heads, layout.kv_heads, c.head_dim, window
         self.q_size, self.kv_size = self.heads * c.head_dim, self.kv_heads * c.head_dim
         self.qkv = ColumnParallelLinear(c.hidden_size, self.q_size + 2 * self.kv_size, c.qkv_bias, dtype, device,
-                                        quantized, streamed)
+                                        quantized, streamed, blocks=(self.q_size, self.kv_size, self.kv_size))
         self.o = RowParallelLinear(self.q_size, c.hidden_size, c.o_bias, comm, dtype, device, quantized, streamed)
 
     def __call__(self, x: torch.Tensor, step: Step, cache: KVCache, layer: int) -> torch.Tensor:
@@ -250,7 +251,7 @@ class MLP:
                  streamed: bool = False):
         c = layout.config
         self.gate_up = ColumnParallelLinear(c.hidden_size, 2 * layout.intermediate, c.mlp_bias, dtype, device,
-                                            quantized, streamed)
+                                            quantized, streamed, blocks=(layout.intermediate, layout.intermediate))
         self.down = RowParallelLinear(layout.intermediate, c.hidden_size, c.mlp_bias, comm, dtype, device, quantized,
                                       streamed)
 
@@ -276,8 +277,9 @@ class DecoderLayer:
     def projections(self) -> dict[str, "ColumnParallelLinear | RowParallelLinear"]:
         return {"qkv": self.attn.qkv, "o": self.attn.o, "gate_up": self.mlp.gate_up, "down": self.mlp.down}
 
-    def borrow(self, weights: dict[str, torch.Tensor] | None) -> None:
-        """A streamed layer's projections use `weights` (a staging slot), or nothing again (None)."""
+    def borrow(self, weights: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] | None) -> None:
+        """A streamed layer's projections use `weights` (a staging slot's, or the row blocks of each
+        mapped in place), or nothing again (None)."""
         for name, projection in self.projections().items():
             projection.weight = self._placeholders[name] if weights is None else weights[name]
 

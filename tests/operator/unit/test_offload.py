@@ -12,12 +12,20 @@ from hypothesis import strategies as st
 
 from shard_contract.plan import Plan
 from shard_operator.api import SpecError, parse_spec
-from shard_operator.inventory import FILE_GBPS, HOST_GBPS, Device, Inventory, inventory_from_nodes, parse_devices
+from shard_operator.inventory import (
+    FILE_GBPS,
+    HOST_GBPS,
+    MAPPED_FILE_GBPS,
+    Device,
+    Inventory,
+    inventory_from_nodes,
+    parse_devices,
+)
 from shard_operator.offload import spread
 from shard_operator.planner import Costs, PlanError, _resolve_request, plan
 from shard_operator.profile import profile_from_config
 from shard_operator.replan import choose_plan
-from shard_operator.sizing import layer_read_bytes, layer_streamed_bytes, layer_weight_bytes
+from shard_operator.sizing import layer_copied_bytes, layer_read_bytes, layer_streamed_bytes, layer_weight_bytes
 from tests.support.cluster import gpu_node
 from tests.operator.unit.test_planner import LLAMA_8B, OPTIONS, _rank_total
 
@@ -111,15 +119,42 @@ def test_a_host_budget_sends_the_rest_to_the_files_or_fails_without_them():
         plan(EIGHT_B, spec(hostMemory=f"{10 * layer}B", fromFiles=False), parse_devices("a:8GiB:L4"))
 
 
-def test_cpu_ranks_read_from_the_files_with_the_row_parallel_rows_whole():
+def test_cpu_ranks_map_the_files_in_place_with_the_row_parallel_rows_whole():
     result = plan(EIGHT_B, spec(parallelism={"tensor": 2}), parse_devices("a:6GiB*2", kind="cpu"))
-    off = result.ranks[0].offload
-    assert off.tier == "files" and off.host_bandwidth == 0 and off.file_bandwidth == FILE_GBPS * 1e9
+    rank = result.ranks[0]
+    off = rank.offload
+    assert off.tier == "files" and off.host_bandwidth == 0 and off.file_bandwidth == MAPPED_FILE_GBPS * 1e9
     lp = EIGHT_B.layers[0]
     assert layer_read_bytes(EIGHT_B, 0, 2) == (lp.column_matrix // 2 + lp.kv_matrix // 2 + lp.row) * 2
     assert off.read_bytes == len(off.layers) * layer_read_bytes(EIGHT_B, 0, 2)
+    assert off.stream_seconds == pytest.approx(off.read_bytes / (MAPPED_FILE_GBPS * 1e9))
+    # computed on in place: no staging slots, so every byte that streams is a byte saved
+    assert off.copied_bytes == 0 and rank.predicted_bytes.staging == 0
+    layer = off.streamed_bytes // len(off.layers)
+    assert rank.predicted_bytes.total <= rank.usable_bytes < rank.predicted_bytes.total + layer
     with pytest.raises(PlanError):
         plan(EIGHT_B, spec(fromFiles=False, parallelism={"tensor": 2}), parse_devices("a:6GiB*2", kind="cpu"))
+
+
+def test_cpu_ranks_copy_what_they_cannot_compute_on_in_place():
+    """Another runtime dtype than the checkpoint's: every streamed matrix is converted into staging
+    slots, read no faster than a copy. Misaligned matrices (a non-standard writer's): those only."""
+    converted = plan(EIGHT_B, spec(model={"dtype": "float32"}), parse_devices("a:16GiB", kind="cpu")).ranks[0]
+    off, layer = converted.offload, layer_streamed_bytes(EIGHT_B, 0, 1, "float32")
+    assert off.copied_bytes == off.streamed_bytes == len(off.layers) * layer
+    assert converted.predicted_bytes.staging == 2 * layer
+    assert off.stream_seconds == pytest.approx(off.read_bytes / (FILE_GBPS * 1e9))
+
+    misaligned = EIGHT_B.model_copy(deep=True)
+    for lp in misaligned.layers:  # q and down of every layer start 2 bytes past an element
+        lp.unaligned_column = EIGHT_B.hidden_size ** 2
+        lp.unaligned_row = EIGHT_B.hidden_size * EIGHT_B.intermediate_size
+    rank = plan(misaligned, spec(parallelism={"tensor": 2}), parse_devices("a:6GiB*2", kind="cpu")).ranks[0]
+    copied = (EIGHT_B.hidden_size ** 2 + EIGHT_B.hidden_size * EIGHT_B.intermediate_size) // 2 * 2
+    assert layer_copied_bytes(misaligned, 0, 2, "auto", "cpu") == copied
+    assert layer_copied_bytes(misaligned, 0, 2, "auto", "gpu") == layer_streamed_bytes(misaligned, 0, 2)
+    assert rank.offload.copied_bytes == len(rank.offload.layers) * copied
+    assert rank.predicted_bytes.staging == 2 * copied
 
 
 def test_one_slot_cannot_hide_a_load_behind_its_own_layer():
@@ -237,13 +272,15 @@ def test_every_rank_fits_its_device_and_its_host_budget(case, policy):
             continue
         o = r.offload
         layer = o.streamed_bytes // len(o.layers)
+        copied = o.copied_bytes // len(o.layers)  # a GPU copies every layer in; a CPU maps it in place
+        assert copied == (layer if r.kind == "gpu" else 0)
         assert set(o.layers) <= set(range(*r.layers)) and set(o.file_layers) <= set(o.layers)
-        assert r.predicted_bytes.staging == o.prefetch * layer and o.prefetch <= len(o.layers)
+        assert r.predicted_bytes.staging == o.prefetch * copied and o.prefetch <= len(o.layers)
         in_host = (len(o.layers) - len(o.file_layers)) * layer
         assert in_host == 0 if r.kind == "cpu" else (host is None or in_host <= host)
         if policy == "auto":  # it keeps every layer it can: one more resident would not fit its stage
             smallest = min(p.usable_bytes for p in result.group(r.replica) if p.stage == r.stage)
-            assert len(o.layers) > o.prefetch and r.predicted_bytes.total + layer > smallest
+            assert (len(o.layers) > o.prefetch or not copied) and r.predicted_bytes.total + layer > smallest
         else:
             assert o.layers == list(range(*r.layers))
 

@@ -6,10 +6,11 @@ bytes of weights read; torch's CPU matrix-vector products stop well short of the
 bandwidth (bfloat16 and int8 the most). `_gemv` streams float32, bfloat16 and int8 weights
 (one float32 scale per output row) for 1-8 rows of x, with AVX-512, AVX2 or portable C chosen
 by CPUID. Everything else -- prefill, float16, GPUs, a package built without a compiler -- goes
-through torch.
+through torch. With int8 weights every path quantizes x first (`quant.quantize_activations`).
 
 `SHARD_KERNEL` picks the path: `auto` (default: the best this CPU runs), `torch` (never ours), or
-one level by name (`portable`, `avx2`, `avx512`, `avx512_bf16`) -- for tests and benchmarks.
+one level by name (`portable`, `avx2`, `avx512`, `avx512_vnni`, `avx512_bf16`) -- for tests and
+benchmarks; a `level` argument does the same for one call.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ try:
     from . import _gemv
 except ImportError:  # built without a C compiler: torch's kernels only
     _gemv = None
+from .quant import fake_quantize_activations
 
 MAX_ROWS = 8  # rows of x one call of ours takes; more is prefill, where torch's GEMMs win
 LEVELS: list[str] = _gemv.levels() if _gemv is not None else []  # slowest first
@@ -84,14 +86,15 @@ def _ours(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, row
 
 
 def _int8_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """int8 rows through torch. On CUDA, decode uses its int8 matrix-vector product (float32
-    activations only). Elsewhere rows are dequantized a bounded chunk at a time (int8 values are
-    exact in any float dtype) and scaled after the product, in float32: prefill is compute-bound,
-    so the chunk costs little beside the GEMM, and no full-size copy of the weight ever exists.
+    """int8 rows through torch, with x quantized as our kernels quantize it (exact in x's dtype).
+    On CUDA, decode uses its int8 matrix-vector product (float32 activations only). Elsewhere rows
+    are dequantized a bounded chunk at a time (int8 values are exact in any float dtype) and
+    scaled after the product, in float32: prefill is compute-bound, so the chunk costs little
+    beside the GEMM, and no full-size copy of the weight ever exists.
     (torch's CPU `_weight_int8pack_mm` is not used: its float32 path streams at a tenth of the
     memory's speed, and its bfloat16 one is off by more than two roundings.)"""
     k = weight.shape[1]
-    x2 = x.reshape(-1, k)
+    x2 = fake_quantize_activations(x.reshape(-1, k))
     if x2.shape[0] <= MAX_ROWS and x.device.type == "cuda":
         y = torch.ops.aten._weight_int8pack_mm(x2.float().contiguous(), weight, scale).to(x.dtype)
     else:

@@ -246,3 +246,103 @@ print(os.waitpid(pid, 0)[1])
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "0", out.stderr
+
+
+# ---------------------------------------------------------------- the rest of a decode step
+def test_decode_first_columns_are_what_the_attention_mask_allows():
+    """`first_columns` (our decode attention's key ranges) against `attention_mask` (torch's), for
+    padded rows, padding queries, and windows that bite or not."""
+    from shard_worker.model import attention_mask, first_columns
+
+    pads = torch.tensor([0, 3, 7, 12])
+    for col in (0, 2, 5, 9, 12, 20):
+        for window in (None, 1, 4, 30):
+            mask = attention_mask(pads, col, col + 1, window)
+            allowed = torch.ones(4, 1, 1, col + 1, dtype=torch.bool) if mask is None else mask
+            first = first_columns(pads, col, window)
+            expected = torch.arange(col + 1) >= first.unsqueeze(1)
+            assert torch.equal(allowed[:, 0, 0], expected), (col, window)
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+@pytest.mark.parametrize("level", kernels.LEVELS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 4, 128), (4, 1, 16), (6, 6, 20), (8, 2, 64)])
+def test_decode_attention_matches_softmax_attention(level, dtype, heads, kv_heads, head_dim):
+    """`kernels.attend` against float64 attention over the same cache: rope on q and k, k and v
+    written at the step's column (and nothing else touched), GQA, each row's own key range.
+    The reference rounds k to the dtype (the cache holds it so) but not q (ours keeps it in
+    float32 after the rope). Tolerance: float32, 1e-5 (values of magnitude ~1); bfloat16, the
+    output's rounding."""
+    torch.manual_seed(6)
+    rows, max_len, col = 3, 40, 33
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(rows, 1, width).to(dtype)
+    angles = torch.rand(rows, 1, 1, head_dim // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    k_cache = torch.randn(rows + 1, kv_heads, max_len, head_dim).to(dtype)  # one more row: rows start at 1
+    v_cache = torch.randn(rows + 1, kv_heads, max_len, head_dim).to(dtype)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    first = torch.tensor([0, 5, col])  # a whole row, a padded one, a padding query (itself only)
+    out = kernels.attend(qkv, cos, sin, k_cache[1:], v_cache[1:], first, col, heads, kv_heads, level=level)
+    assert out.dtype == dtype and out.shape == (rows, 1, heads * head_dim)
+
+    q, k, v = qkv.double().view(rows, heads + 2 * kv_heads, head_dim).split([heads, kv_heads, kv_heads], dim=1)
+    k_new = rope_reference(k, cos.double()[:, 0], sin.double()[:, 0]).to(dtype)
+    assert torch.allclose(k_cache[1:, :, col].double(), k_new.double(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(v_cache[1:, :, col], v.to(dtype))
+    untouched = torch.ones(max_len, dtype=torch.bool)
+    untouched[col] = False
+    assert torch.equal(k_cache[:, :, untouched], k_before[:, :, untouched])
+    assert torch.equal(v_cache[:, :, untouched], v_before[:, :, untouched]) and torch.equal(k_cache[0], k_before[0])
+
+    q = rope_reference(q, cos.double()[:, 0], sin.double()[:, 0])
+    group = heads // kv_heads
+    for r in range(rows):
+        keys = k_cache[1 + r, :, first[r]:col + 1].double().repeat_interleave(group, dim=0)
+        values = v_cache[1 + r, :, first[r]:col + 1].double().repeat_interleave(group, dim=0)
+        weights = torch.softmax(torch.einsum("hd,hcd->hc", q[r], keys) * head_dim**-0.5, dim=-1)
+        expected = torch.einsum("hc,hcd->hd", weights, values).reshape(-1)
+        err = (out[r, 0].double() - expected).abs()
+        tol = 1e-5 if dtype == torch.float32 else 2.0**-8 * expected.abs() + 1e-5  # bfloat16: the output rounding
+        assert bool((err <= tol).all()), float(err.max())
+
+
+@pytest.mark.parametrize("level", kernels.LEVELS, ids=str)
+def test_decode_attention_of_long_contexts_split_over_threads(level):
+    """4096 cached columns, rows over 2 threads: the same as one thread, bit for bit (each (row,
+    KV head) is one thread's)."""
+    torch.manual_seed(7)
+    heads, kv_heads, hd, col = 8, 2, 64, 4095
+    qkv = torch.randn(2, 1, (heads + 2 * kv_heads) * hd)
+    cos, sin = torch.ones(2, 1, 1, hd), torch.zeros(2, 1, 1, hd)
+    k, v = torch.randn(2, kv_heads, 4096, hd), torch.randn(2, kv_heads, 4096, hd)
+    first = torch.tensor([0, 100])
+    before = torch.get_num_threads()
+    outs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            outs.append(kernels.attend(qkv, cos, sin, k, v, first, col, heads, kv_heads, level=level))
+        finally:
+            torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("level", kernels.LEVELS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rms_norm_is_hfs(level, dtype):
+    """HF's formula in torch: float32 within 1e-6; bfloat16 within one rounding (our 1 / sqrt and
+    torch's rsqrt can differ in the last float32 bit, which a bfloat16 rounding can carry)."""
+    torch.manual_seed(8)
+    for rows, hidden in ((1, 2048), (3, 100), (8, 7)):
+        x = (torch.randn(rows, 1, hidden) * 3).to(dtype)
+        w = torch.randn(hidden).to(dtype)
+        ours = kernels.rms_norm(x, w, 1e-6, level=level)
+        theirs = F.rms_norm(x.float(), (hidden,), None, 1e-6).to(dtype) * w
+        tol = 1e-6 if dtype == torch.float32 else 2.0**-7
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=tol, atol=tol)

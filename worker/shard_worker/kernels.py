@@ -7,6 +7,8 @@ bandwidth (bfloat16 and int8 the most). `_gemv` streams float32, bfloat16 and in
 (one float32 scale per output row) for 1-8 rows of x, with AVX-512, AVX2 or portable C chosen
 by CPUID. Everything else -- prefill, float16, GPUs, a package built without a compiler -- goes
 through torch. With int8 weights every path quantizes x first (`quant.quantize_activations`).
+The rest of a decode step has C versions too where torch's operators cost more than their work:
+RMSNorm and attention (with its rope and KV-cache write).
 
 `SHARD_KERNEL` picks the path: `auto` (default: the best this CPU runs), `torch` (never ours), or
 one level by name (`portable`, `avx2`, `avx512`, `avx512_vnni`, `avx512_bf16`) -- for tests and
@@ -106,6 +108,45 @@ def _int8_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
     if bias is not None:
         y += bias
     return y
+
+
+def _step_ops(x: torch.Tensor, level: str | None) -> bool:
+    """Whether our C versions of a decode step's other operators take `x`'s dtype and device."""
+    return level is not None and x.device.type == "cpu" and x.dtype in _XTYPES
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, level: str | None = "default") -> torch.Tensor | None:
+    """HF's RMSNorm of the rows of x (x / rms(x) in float32, rounded to x's dtype, times the
+    weight), or None where ours does not apply (the caller uses torch). `level` as for `linear`."""
+    level = LEVEL if level == "default" else level
+    if not (_step_ops(x, level) and weight.dtype == x.dtype and x.is_contiguous()):
+        return None
+    y = torch.empty_like(x)
+    h = x.shape[-1]
+    _gemv.rms_norm(_XTYPES[x.dtype], x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // h, h, eps,
+                   LEVELS.index(level))
+    return y
+
+
+def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           first: torch.Tensor, col: int, heads: int, kv_heads: int, level: str | None = "default") -> torch.Tensor | None:
+    """One decode step's attention for rows [n] of one layer: rope (HF's, `cos` / `sin` [n, ...,
+    head_dim] in qkv's dtype) on q and k; k and v written into the caches (this layer's [rows,
+    kv_heads, max_len, head_dim], from the step's first row) at column `col`; then each query
+    head's softmax(q k^T / sqrt(head_dim)) v over the cached columns [first[row], col] of its KV
+    head. `qkv`: [n, 1, (heads + 2 kv_heads) head_dim]. Returns [n, 1, heads * head_dim], or None
+    where ours does not apply (the caller uses torch). `level` as for `linear`."""
+    level = LEVEL if level == "default" else level
+    n, hd = qkv.shape[0], k_cache.shape[-1]
+    if not (_step_ops(qkv, level) and qkv.is_contiguous() and qkv.shape[1] == 1 and k_cache.dtype == qkv.dtype
+            and k_cache.stride()[2:] == (hd, 1) and v_cache.stride() == k_cache.stride()):
+        return None
+    out = torch.empty(n, 1, heads * hd, dtype=qkv.dtype)
+    cos, sin, first = cos.contiguous(), sin.contiguous(), first.to(torch.int64).contiguous()
+    _gemv.attend(_XTYPES[qkv.dtype], qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+                 v_cache.data_ptr(), first.data_ptr(), out.data_ptr(), n, heads, kv_heads, hd, k_cache.stride(0),
+                 k_cache.stride(1), col, hd**-0.5, torch.get_num_threads(), LEVELS.index(level))
+    return out
 
 
 def read_once(buffer: torch.Tensor, threads: int, streams: int = 1) -> int:

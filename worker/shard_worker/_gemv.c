@@ -20,9 +20,11 @@
 #include <Python.h>
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define X86 1
@@ -1115,6 +1117,61 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---------------------------------------------------------------- shared-memory all-reduce
+ * One round of shm.ShmGroup.all_reduce in one call: this rank's part into its slot of the round's
+ * slot set, then the round number published (a release store, after the slot), then every peer's
+ * awaited (acquire loads; the GIL released; a sched_yield now and then for a peer that shares this
+ * core), then the parts added in rank order in float32 into t: the same bits on every rank.
+ * Returns the first peer that missed the timeout, or -1. */
+static double monotonic_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static PyObject *py_shm_all_reduce(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long t, slots, flags;
+    int xtype, size, rank;
+    long long numel, slot_bytes, flag_stride, round;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "iKLKLKLiiLd", &xtype, &t, &numel, &slots, &slot_bytes, &flags, &flag_stride, &size,
+                          &rank, &round, &timeout))
+        return NULL;
+    const int64_t esize = xtype == X_F32 ? 4 : 2;
+    if (xtype < X_F32 || xtype > X_BF16 || numel < 0 || numel * esize > slot_bytes || size < 1 || rank < 0
+        || rank >= size || flag_stride < 1 || round < 1) {
+        PyErr_SetString(PyExc_ValueError, "shm_all_reduce: unsupported dtype, size or rank");
+        return NULL;
+    }
+    int missed = -1;
+    Py_BEGIN_ALLOW_THREADS
+    char *set = (char *)(uintptr_t)slots + (round % 2) * size * slot_bytes;
+    int64_t *flag = (int64_t *)(uintptr_t)flags;
+    memcpy(set + rank * slot_bytes, (const void *)(uintptr_t)t, (size_t)(numel * esize));
+    __atomic_store_n(flag + rank * flag_stride, (int64_t)round, __ATOMIC_RELEASE);
+    for (int p = 0; p < size && missed < 0; p++) {
+        uint64_t spins = 0;
+        double deadline = 0.0;
+        while (__atomic_load_n(flag + p * flag_stride, __ATOMIC_ACQUIRE) < round) {
+            relax();
+            if (++spins % 1024 == 0) {
+                sched_yield();
+                const double now = monotonic_seconds();
+                if (deadline == 0.0) deadline = now + timeout;
+                else if (now > deadline) { missed = p; break; }
+            }
+        }
+    }
+    for (int64_t i = 0; missed < 0 && i < numel; i++) {
+        float sum = load1(xtype, set, i);
+        for (int p = 1; p < size; p++) sum += load1(xtype, set + p * slot_bytes, i);
+        store1(xtype, (void *)(uintptr_t)t, i, sum);
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(missed);
+}
+
 /* ---------------------------------------------------------------- the plain read (the limit)
  * Each thread reads its share once with vector loads, summed so none is skipped, as `streams`
  * sequential streams at once (1: one pass front to back; more: the share cut in that many parts
@@ -1219,6 +1276,9 @@ static PyMethodDef methods[] = {
     {"attend", py_attend, METH_VARARGS,
      "attend(xtype, qkv, cos, sin, k_cache, v_cache, first, out, n, heads, kv_heads, head_dim, cache_row, cache_head, "
      "col, scale, threads, level): one decode step's attention (rope, cache write, softmax(q k / scale) v)"},
+    {"shm_all_reduce", py_shm_all_reduce, METH_VARARGS,
+     "shm_all_reduce(xtype, t, numel, slots, slot_bytes, flags, flag_stride, size, rank, round, timeout) -> peer "
+     "that missed the timeout or -1: one round of shm.ShmGroup.all_reduce"},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(xtype, x, w, y, n, h, eps, level): y = x / rms(x) * w, HF's way"},
     {"quantize", py_quantize, METH_VARARGS,
      "quantize(xtype, x, q, s, k, m, ldx, level): x's rows as int8 weights meet them: int16 q [m, kpad], scales s [m, nblk]"},

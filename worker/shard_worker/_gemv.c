@@ -867,6 +867,29 @@ INLINE f8 load8(int xtype, const void *p, int64_t at) {
     return v;
 }
 
+/* v rounded to bfloat16 (to nearest even, NaN kept NaN, as f32_to_bf16), still as float32 */
+INLINE f8 round_bf16_8(f8 v) {
+    u32x8 u;
+    memcpy(&u, &v, sizeof u);
+    const u32x8 nan = (u & 0x7fffffffu) > 0x7f800000u;  /* all ones where NaN */
+    const u32x8 rounded = ((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u) & ~nan;
+    u = rounded | ((u | 0x400000u) & 0xffff0000u & nan);
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+/* p[at : at + 8] = v in the activation dtype (a float32 v already rounded for bfloat16) */
+INLINE void store8(int xtype, void *p, int64_t at, f8 v) {
+    if (xtype == X_F32) {
+        memcpy((float *)p + at, &v, sizeof v);
+    } else {
+        u32x8 u;
+        memcpy(&u, &v, sizeof u);
+        const u16x8 h = __builtin_convertvector(u >> 16, u16x8);
+        memcpy((uint16_t *)p + at, &h, sizeof h);
+    }
+}
+
 #define HSUM8(v) ((((v)[0] + (v)[4]) + ((v)[1] + (v)[5])) + (((v)[2] + (v)[6]) + ((v)[3] + (v)[7])))
 
 /* dst[0 : len] = src[at : at + len] (the activation dtype) as float32 */
@@ -953,7 +976,15 @@ INLINE void rms_norm_rows(int xtype, const void *x, const void *w, void *y, int6
         float sum = HSUM8(acc);
         for (; i < h; i++) sum += load1(xtype, x, b * h + i) * load1(xtype, x, b * h + i);
         const float inv = 1.0f / __builtin_sqrtf(sum / (float)h + eps);
-        for (i = 0; i < h; i++) {
+        const f8 invv = {inv, inv, inv, inv, inv, inv, inv, inv};
+        for (i = 0; i + 8 <= h; i += 8) {
+            f8 v = load8(xtype, x, b * h + i) * invv;
+            if (xtype != X_F32) v = round_bf16_8(v);
+            v *= load8(xtype, w, i);
+            if (xtype != X_F32) v = round_bf16_8(v);
+            store8(xtype, y, b * h + i, v);
+        }
+        for (; i < h; i++) {
             float v = load1(xtype, x, b * h + i) * inv;
             if (xtype != X_F32) v = bf16_to_f32(f32_to_bf16(v));
             store1(xtype, y, b * h + i, v * load1(xtype, w, i));

@@ -120,27 +120,36 @@ INLINE float block_scale(uint32_t largest, float *inv) {
     return pow2(e - 15);
 }
 
+/* The largest bits of |x| over columns [i, end) of row b, and `largest` */
+INLINE uint32_t largest_bits(const Job *j, int64_t b, int64_t i, int64_t end, uint32_t largest) {
+    for (; i < end; i++) {
+        const float v = x_at(j, b, i);
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        u &= 0x7fffffffu;
+        largest = u > largest ? u : largest;
+    }
+    return largest;
+}
+
+/* q[i : end] = round(x * inv) of row b, clamped (0 where inv is 0: a block with inf or NaN) */
+INLINE void quantize_range(const Job *j, int64_t b, int16_t *q, int64_t i, int64_t end, float inv) {
+    for (; i < end; i++) {
+        float v = inv != 0.0f ? x_at(j, b, i) * inv : 0.0f;  /* as torch's x * (1 / s): |v| < 2^15 */
+        v = (v + 12582912.0f) - 12582912.0f;                     /* round half to even (1.5 * 2^23) */
+        q[i] = (int16_t)(v > QMAX ? QMAX : v < -QMAX ? -QMAX : v);
+    }
+}
+
 /* x's rows as int8 weights meet them: xq [m, kpad] (zero beyond k) and xs [m, nblk] */
 static void quantize_x(const Job *j, int16_t *xq, float *xs) {
     for (int64_t b = 0; b < j->m; b++) {
         int16_t *q = xq + b * j->kpad;
         for (int64_t blk = 0; blk < j->nblk; blk++) {
             const int64_t c0 = blk * QBLOCK, c1 = c0 + QBLOCK < j->k ? c0 + QBLOCK : j->k;
-            uint32_t largest = 0;
-            for (int64_t i = c0; i < c1; i++) {
-                const float v = x_at(j, b, i);
-                uint32_t u;
-                memcpy(&u, &v, 4);
-                u &= 0x7fffffffu;
-                largest = u > largest ? u : largest;
-            }
             float inv;
-            xs[b * j->nblk + blk] = block_scale(largest, &inv);
-            for (int64_t i = c0; i < c1; i++) {
-                float v = inv != 0.0f ? x_at(j, b, i) * inv : 0.0f;  /* as torch's x * (1 / s): |v| < 2^15 */
-                v = (v + 12582912.0f) - 12582912.0f;                     /* round half to even (1.5 * 2^23) */
-                q[i] = (int16_t)(v > QMAX ? QMAX : v < -QMAX ? -QMAX : v);
-            }
+            xs[b * j->nblk + blk] = block_scale(largest_bits(j, b, c0, c1, 0), &inv);
+            quantize_range(j, b, q, c0, c1, inv);
         }
         for (int64_t i = j->k; i < j->kpad; i++) q[i] = 0;
     }
@@ -575,15 +584,8 @@ T256FN static void quantize_x_256(const Job *j, int16_t *xq, float *xs) {
             uint32_t lanes[8], largest = 0;
             _mm256_storeu_si256((__m256i *)lanes, big);
             for (int l = 0; l < 8; l++) largest = lanes[l] > largest ? lanes[l] : largest;
-            for (; i < c1; i++) {
-                const float v = x_at(j, b, i);
-                uint32_t u;
-                memcpy(&u, &v, 4);
-                u &= 0x7fffffffu;
-                largest = u > largest ? u : largest;
-            }
             float inv;
-            xs[b * j->nblk + blk] = block_scale(largest, &inv);
+            xs[b * j->nblk + blk] = block_scale(largest_bits(j, b, i, c1, largest), &inv);
             const __m256 scale = _mm256_set1_ps(inv);
             for (i = c0; i + 8 <= c1; i += 8) {
                 __m256i v = inv != 0.0f ? _mm256_cvtps_epi32(_mm256_mul_ps(LOAD_X(i), scale)) : _mm256_setzero_si256();
@@ -591,11 +593,7 @@ T256FN static void quantize_x_256(const Job *j, int16_t *xq, float *xs) {
                 const __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
                 _mm_storeu_si128((__m128i *)(q + i), packed);
             }
-            for (; i < c1; i++) {
-                float v = inv != 0.0f ? x_at(j, b, i) * inv : 0.0f;
-                v = (v + 12582912.0f) - 12582912.0f;
-                q[i] = (int16_t)(v > QMAX ? QMAX : v < -QMAX ? -QMAX : v);
-            }
+            quantize_range(j, b, q, i, c1, inv);
         }
 #undef LOAD_X
         for (int64_t i = j->k; i < j->kpad; i++) q[i] = 0;

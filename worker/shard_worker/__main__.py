@@ -15,6 +15,13 @@ import sys
 import time
 from pathlib import Path
 
+# Before torch is imported (its OpenMP runtime reads this once): torch's intra-op threads sleep as
+# soon as a parallel region ends instead of spinning on for milliseconds. They share the cores with
+# the decode kernel's own threads (kernels.py), which waited for the spinners' time slices: TP=1
+# with 2 threads decoded slower than with 1 (0.42 of the 2-core limit in bfloat16). Set it to
+# override.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from shard_contract.checkpoint import CheckpointError
 from shard_contract.env import EXIT_CONFIG, EXIT_FAILED, RESULT_ENV, TASK_ENV, WorkerEnv, WorkerEnvError
 from shard_contract.plan import Plan

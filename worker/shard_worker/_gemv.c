@@ -5,18 +5,27 @@
  * every weight once, so the whole job is to stream W at the speed of memory: each pass reads a
  * block of W's rows once and multiplies it with all m vectors, which stay in L1/L2.
  *
+ * int8 weights meet x quantized once per call to int16, one power-of-two scale per block of
+ * QBLOCK columns (see quantize_x): a block's dot product is then an exact integer sum (vpdpwssd,
+ * or vpmaddwd without AVX512_VNNI), two instructions per 32 weights where widening each weight to
+ * float32 took six; the blocks' sums are added in float32 times their scales. Every path,
+ * portable C included, computes the same quantized x, so they agree to float32 rounding.
+ *
  * Plain C with no torch headers: the Python side passes data pointers, so the package builds with
  * any C compiler and no torch. The instruction set is chosen at run time (CPUID): AVX-512 (with
- * AVX512_BF16 dot products for bfloat16 weights when present), AVX2 + FMA, or portable C. Rows
- * are split over a small pool of persistent threads (the caller is thread 0).
+ * AVX512_VNNI for int8 weights and AVX512_BF16 dot products for bfloat16 weights when present),
+ * AVX2 + FMA, or portable C. Rows are split over a small pool of persistent threads (the caller
+ * is thread 0).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define X86 1
@@ -27,17 +36,25 @@
 
 enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };    /* weight dtypes */
 enum { X_F32 = 0, X_BF16 = 1 };              /* activation (and output) dtypes */
-enum { PORTABLE = 0, AVX2 = 1, AVX512 = 2, AVX512_BF16 = 3, LEVELS = 4 };
-static const char *LEVEL_NAMES[LEVELS] = {"portable", "avx2", "avx512", "avx512_bf16"};
+enum { PORTABLE = 0, AVX2 = 1, AVX512 = 2, AVX512_VNNI = 3, AVX512_BF16 = 4, LEVELS = 5 };
+static const char *LEVEL_NAMES[LEVELS] = {"portable", "avx2", "avx512", "avx512_vnni", "avx512_bf16"};
 #define MAX_M 8
+/* int8 weights: x's columns share a scale by blocks of QBLOCK (a multiple of 32: a block is
+ * whole vectors but in its last one); its values are int16 in [-QMAX, QMAX] */
+#define QBLOCK 128  /* STEPS_512 and STEPS_256 unroll a block: 4 x 32 and 8 x 16 columns */
+#define QMAX 32767
+#define QEXP_MIN (-100)  /* blocks whose largest |x| is below 2^-101 are quantized as if it were */
 
 typedef struct {
     int wtype, xtype;
     const void *w, *scale, *x;
     void *y;
-    const float *xf;   /* x as float32 (every path but the bf16 dot products reads this) */
+    const float *xf;   /* x as float32 (the float paths but the bf16 dot products read this) */
     int64_t n, k, m, ldx, ldy;
     int64_t ldw;       /* elements from one weight row to the next (>= k: a column slice of a wider matrix) */
+    const int16_t *xq; /* int8 weights: x quantized, [m, kpad] (zero beyond k) */
+    const float *xs;   /* and its scales, [m, nblk] */
+    int64_t kpad, nblk;
 } Job;
 
 typedef void (*RowsFn)(const Job *, int64_t, int64_t);
@@ -73,14 +90,77 @@ INLINE void store(const Job *j, int64_t b, int64_t row, float acc) {
     else ((uint16_t *)j->y)[b * j->ldy + row] = f32_to_bf16(acc);
 }
 
+/* ---------------------------------------------------------------- x for int8 weights
+ * Each block of QBLOCK columns of each row of x gets the scale s = 2^(e - 15), e the exponent of
+ * its largest magnitude (largest in [2^(e-1), 2^e)), and the values q = round(x / s) clamped to
+ * [-QMAX, QMAX] (round half to even): |x - q s| <= s <= 2^-14 of the block's largest magnitude,
+ * and none at all for a bfloat16 x within 2^7 of it (8 significant bits fit in 15). A block
+ * holding inf or NaN gets q = 0 and s = NaN, so its products come out NaN. The scales and the
+ * division are exact powers of two: quant.quantize_activations computes the same bits in torch. */
+INLINE float pow2(int e) {  /* 2^e for e in [-126, 127] */
+    const uint32_t u = (uint32_t)(e + 127) << 23;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+INLINE float x_at(const Job *j, int64_t b, int64_t i) {
+    return j->xtype == X_F32 ? ((const float *)j->x)[b * j->ldx + i]
+                             : bf16_to_f32(((const uint16_t *)j->x)[b * j->ldx + i]);
+}
+
+/* A block's scale from the largest bits of its |x| (ordered as the magnitudes, NaN above inf);
+ * *inv = 1 / scale, or 0 for a block with inf or NaN (whose values are stored as 0). */
+INLINE float block_scale(uint32_t largest, float *inv) {
+    if (largest >= 0x7f800000u) {
+        *inv = 0.0f;
+        return __builtin_nanf("");
+    }
+    int e = (int)(largest >> 23) - 126;  /* frexp's exponent (subnormals and 0 fall below QEXP_MIN) */
+    e = e < QEXP_MIN ? QEXP_MIN : e;
+    *inv = pow2(15 - e);
+    return pow2(e - 15);
+}
+
+/* The largest bits of |x| over columns [i, end) of row b, and `largest` */
+INLINE uint32_t largest_bits(const Job *j, int64_t b, int64_t i, int64_t end, uint32_t largest) {
+    for (; i < end; i++) {
+        const float v = x_at(j, b, i);
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        u &= 0x7fffffffu;
+        largest = u > largest ? u : largest;
+    }
+    return largest;
+}
+
+/* q[i : end] = round(x * inv) of row b, clamped (0 where inv is 0: a block with inf or NaN) */
+INLINE void quantize_range(const Job *j, int64_t b, int16_t *q, int64_t i, int64_t end, float inv) {
+    for (; i < end; i++) {
+        float v = inv != 0.0f ? x_at(j, b, i) * inv : 0.0f;  /* as torch's x * (1 / s): |v| < 2^15 */
+        v = (v + 12582912.0f) - 12582912.0f;                     /* round half to even (1.5 * 2^23) */
+        q[i] = (int16_t)(v > QMAX ? QMAX : v < -QMAX ? -QMAX : v);
+    }
+}
+
+/* x's rows as int8 weights meet them: xq [m, kpad] (zero beyond k) and xs [m, nblk] */
+static void quantize_x(const Job *j, int16_t *xq, float *xs) {
+    for (int64_t b = 0; b < j->m; b++) {
+        int16_t *q = xq + b * j->kpad;
+        for (int64_t blk = 0; blk < j->nblk; blk++) {
+            const int64_t c0 = blk * QBLOCK, c1 = c0 + QBLOCK < j->k ? c0 + QBLOCK : j->k;
+            float inv;
+            xs[b * j->nblk + blk] = block_scale(largest_bits(j, b, c0, c1, 0), &inv);
+            quantize_range(j, b, q, c0, c1, inv);
+        }
+        for (int64_t i = j->k; i < j->kpad; i++) q[i] = 0;
+    }
+}
+
 /* ---------------------------------------------------------------- portable C */
 INLINE float weight_at(const Job *j, int64_t row, int64_t i) {
     const int64_t at = row * j->ldw + i;
-    switch (j->wtype) {
-        case W_F32: return ((const float *)j->w)[at];
-        case W_BF16: return bf16_to_f32(((const uint16_t *)j->w)[at]);
-        default: return (float)((const int8_t *)j->w)[at];
-    }
+    return j->wtype == W_F32 ? ((const float *)j->w)[at] : bf16_to_f32(((const uint16_t *)j->w)[at]);
 }
 
 static void rows_portable(const Job *j, int64_t r0, int64_t r1) {
@@ -95,13 +175,30 @@ static void rows_portable(const Job *j, int64_t r0, int64_t r1) {
     }
 }
 
+/* int8 weights: one exact integer sum per block of quantized x, added in float32 */
+static void rows_portable_i8(const Job *j, int64_t r0, int64_t r1) {
+    for (int64_t row = r0; row < r1; row++) {
+        const int8_t *w = (const int8_t *)j->w + row * j->ldw;
+        for (int64_t b = 0; b < j->m; b++) {
+            float acc = 0.0f;
+            for (int64_t blk = 0; blk < j->nblk; blk++) {
+                const int64_t c0 = blk * QBLOCK, c1 = c0 + QBLOCK < j->k ? c0 + QBLOCK : j->k;
+                int32_t sum = 0;
+                for (int64_t i = c0; i < c1; i++) sum += w[i] * j->xq[b * j->kpad + i];
+                acc += (float)sum * j->xs[b * j->nblk + blk];
+            }
+            store(j, b, row, acc);
+        }
+    }
+}
+
 #if X86
 /* ---------------------------------------------------------------- one tile: R rows x M vectors
  * The accumulators are named variables, not an array: GCC keeps an array of vectors in memory
  * and stores it back every iteration. R and M are constants after inlining, so the guarded
  * statements of unused rows and vectors vanish. Each ISA defines VEC, ZERO, W(r) (row r's next
  * weights, of type WVEC), X(b) (vector b's matching inputs), FMA, SUM and TAIL, then expands
- * TILE_STEP and TILE_STORE. */
+ * TILE_STEP and TILE_STORE (of the accumulators named p<row><vector>). */
 #define ACC(b) VEC a0##b = ZERO, a1##b = ZERO, a2##b = ZERO, a3##b = ZERO, a4##b = ZERO, a5##b = ZERO, \
                    a6##b = ZERO, a7##b = ZERO;
 #define COL(b)                                                                 \
@@ -116,36 +213,39 @@ static void rows_portable(const Job *j, int64_t r0, int64_t r1) {
         if (R > 6) a6##b = FMA(a6##b, w6, xv);                                 \
         if (R > 7) a7##b = FMA(a7##b, w7, xv);                                 \
     }
-#define TILE_STEP                                                              \
+#define TILE_MUL                                                               \
     {                                                                          \
         const WVEC w0 = W(0);                                                  \
         const WVEC w1 = R > 1 ? W(1) : w0, w2 = R > 2 ? W(2) : w0, w3 = R > 3 ? W(3) : w0; \
         const WVEC w4 = R > 4 ? W(4) : w0, w5 = R > 5 ? W(5) : w0, w6 = R > 6 ? W(6) : w0; \
         const WVEC w7 = R > 7 ? W(7) : w0;                                     \
-        PREFETCH_NEXT                                                          \
         COL(0) COL(1) COL(2) COL(3) COL(4) COL(5) COL(6) COL(7)                \
     }
+#define TILE_STEP { PREFETCH_NEXT TILE_MUL }
 /* The next tile's rows, at the columns this step reads, once a cache line: rows of a few KiB are
  * too short for the hardware prefetchers to ramp up (int8 rows the most), and a tile's R rows
- * lie just before the next tile's, so this stays one tile ahead of the loads. */
-#define PREFETCH_NEXT                                                          \
-    if (((i * (int64_t)ESIZE) & 63) == 0) {                                    \
+  * lie just before the next tile's, so this stays one tile ahead of the loads. Into L2, not L1:
+  * a tile is as large as L1, and lines fetched a tile ahead into L1 were evicted before their
+  * use (bfloat16 weights streamed at 0.64 of the plain read with T0, 0.85 with T1, on Zen 4). */
+#define PREFETCH_ROWS                                                          \
+    {                                                                          \
         const char *next = (const char *)j->w + ((row + R) * ldw + i) * (int64_t)ESIZE; \
-        for (int r = 0; r < R; r++) _mm_prefetch(next + r * ldw * (int64_t)ESIZE, _MM_HINT_T0); \
+        for (int r = 0; r < R; r++) _mm_prefetch(next + r * ldw * (int64_t)ESIZE, _MM_HINT_T1); \
     }
+#define PREFETCH_NEXT if (((i * (int64_t)ESIZE) & 63) == 0) PREFETCH_ROWS
 #define ESIZE (wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1)
-#define OUT(b)                                                                 \
+#define OUT(p, b)                                                              \
     if (M > b) {                                                               \
-        store(j, b, row, SUM(a0##b) + TAIL(0, b));                             \
-        if (R > 1) store(j, b, row + 1, SUM(a1##b) + TAIL(1, b));              \
-        if (R > 2) store(j, b, row + 2, SUM(a2##b) + TAIL(2, b));              \
-        if (R > 3) store(j, b, row + 3, SUM(a3##b) + TAIL(3, b));              \
-        if (R > 4) store(j, b, row + 4, SUM(a4##b) + TAIL(4, b));              \
-        if (R > 5) store(j, b, row + 5, SUM(a5##b) + TAIL(5, b));              \
-        if (R > 6) store(j, b, row + 6, SUM(a6##b) + TAIL(6, b));              \
-        if (R > 7) store(j, b, row + 7, SUM(a7##b) + TAIL(7, b));              \
+        store(j, b, row, SUM(p##0##b) + TAIL(0, b));                           \
+        if (R > 1) store(j, b, row + 1, SUM(p##1##b) + TAIL(1, b));            \
+        if (R > 2) store(j, b, row + 2, SUM(p##2##b) + TAIL(2, b));            \
+        if (R > 3) store(j, b, row + 3, SUM(p##3##b) + TAIL(3, b));            \
+        if (R > 4) store(j, b, row + 4, SUM(p##4##b) + TAIL(4, b));            \
+        if (R > 5) store(j, b, row + 5, SUM(p##5##b) + TAIL(5, b));            \
+        if (R > 6) store(j, b, row + 6, SUM(p##6##b) + TAIL(6, b));            \
+        if (R > 7) store(j, b, row + 7, SUM(p##7##b) + TAIL(7, b));            \
     }
-#define TILE_STORE OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5) OUT(6) OUT(7)
+#define TILE_STORE(p) OUT(p, 0) OUT(p, 1) OUT(p, 2) OUT(p, 3) OUT(p, 4) OUT(p, 5) OUT(p, 6) OUT(p, 7)
 /* AVX-512: WIDTH columns a step with plain loads (`full`), then the row's tail with `mask` lanes */
 #define MASKED_LOOP(WIDTH, MASK_T, ALL, TAIL_MASK)                             \
     int64_t i = 0;                                                             \
@@ -161,6 +261,35 @@ static void rows_portable(const Job *j, int64_t r0, int64_t r1) {
     }
 #define DECLARE_ACCS ACC(0) ACC(1) ACC(2) ACC(3) ACC(4) ACC(5) ACC(6) ACC(7)
 
+/* int8 weights: the `a` accumulators hold the integer sums of one block of QBLOCK columns (FMA is
+ * the ISA's int16 pair dot product), the `f` ones the float32 sums of the blocks so far, each
+ * block's times its scale (FVEC, FZERO, FSET1, FFMA and FCVT: the float vector, its zero, a
+ * broadcast, a fused multiply-add and int32 -> float32 conversion). I8_BLOCKS runs STEPS (the
+ * block's columns from i to `end`) for each block, then folds it into `f`. */
+#define FACC(b) FVEC f0##b = FZERO, f1##b = FZERO, f2##b = FZERO, f3##b = FZERO, f4##b = FZERO, \
+                     f5##b = FZERO, f6##b = FZERO, f7##b = FZERO;
+#define RESET(b) a0##b = a1##b = a2##b = a3##b = a4##b = a5##b = a6##b = a7##b = ZERO;
+#define FOLD_ROW(r, b) if (R > r) f##r##b = FFMA(FCVT(a##r##b), s, f##r##b);
+#define FOLD(b)                                                                \
+    if (M > b) {                                                               \
+        const FVEC s = FSET1(j->xs[b * j->nblk + blk]);                        \
+        FOLD_ROW(0, b) FOLD_ROW(1, b) FOLD_ROW(2, b) FOLD_ROW(3, b)            \
+        FOLD_ROW(4, b) FOLD_ROW(5, b) FOLD_ROW(6, b) FOLD_ROW(7, b)            \
+    }
+#define I8_BLOCKS(STEPS)                                                       \
+    DECLARE_ACCS FACC(0) FACC(1) FACC(2) FACC(3) FACC(4) FACC(5) FACC(6) FACC(7) \
+    const int64_t k = j->k, kpad = j->kpad, ldw = j->ldw;                      \
+    const int8_t *wp = (const int8_t *)j->w;                                   \
+    const int16_t *xq = j->xq;                                                 \
+    for (int64_t blk = 0; blk < j->nblk; blk++) {                              \
+        const int64_t end = (blk + 1) * QBLOCK < k ? (blk + 1) * QBLOCK : k;   \
+        RESET(0) RESET(1) RESET(2) RESET(3) RESET(4) RESET(5) RESET(6) RESET(7) \
+        int64_t i = blk * QBLOCK;                                              \
+        STEPS                                                                  \
+        FOLD(0) FOLD(1) FOLD(2) FOLD(3) FOLD(4) FOLD(5) FOLD(6) FOLD(7)        \
+    }                                                                          \
+    TILE_STORE(f)
+
 /* The dot product of row `row` and vector b over [i, k), in scalar code (AVX2 row tails) */
 INLINE float tail_dot(const Job *j, int64_t row, int64_t b, int64_t i) {
     float acc = 0.0f;
@@ -172,22 +301,14 @@ INLINE float tail_dot(const Job *j, int64_t row, int64_t b, int64_t i) {
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"), always_inline)) static inline
 #define T512FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 
-/* 16 weights of a row as float32; `full` (a constant) or only the `mask` lanes (a row's tail).
+/* 16 float32 or bfloat16 weights of a row as float32; `full` (a constant) or only the `mask`
+ * lanes (a row's tail).
  * Masked loads cost an extra vector uop on Intel cores, so the main loop has none. */
 T512 __m512 load16_512(int wtype, const void *w, int64_t at, const int full, __mmask16 mask) {
-    switch (wtype) {
-        case W_F32: return full ? _mm512_loadu_ps((const float *)w + at) : _mm512_maskz_loadu_ps(mask, (const float *)w + at);
-        case W_BF16: {
-            __m256i h = full ? _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + at))
-                             : _mm256_maskz_loadu_epi16(mask, (const uint16_t *)w + at);
-            return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        }
-        default: {
-            __m128i q = full ? _mm_loadu_si128((const __m128i *)((const int8_t *)w + at))
-                             : _mm_maskz_loadu_epi8(mask, (const int8_t *)w + at);
-            return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
-        }
-    }
+    if (wtype == W_F32) return full ? _mm512_loadu_ps((const float *)w + at) : _mm512_maskz_loadu_ps(mask, (const float *)w + at);
+    __m256i h = full ? _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + at))
+                     : _mm256_maskz_loadu_epi16(mask, (const uint16_t *)w + at);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 #define VEC __m512
@@ -202,7 +323,7 @@ T512 void block_512(const Job *j, int64_t row, const int R, const int M, const i
     DECLARE_ACCS
     const int64_t k = j->k, ldw = j->ldw;
     MASKED_LOOP(16, __mmask16, 0xffff, (1u << (k - i)) - 1)
-    TILE_STORE
+    TILE_STORE(a)
 }
 #undef WVEC
 #undef W
@@ -223,7 +344,7 @@ TBF void block_bf16dp(const Job *j, int64_t row, const int R, const int M, const
     const int64_t k = j->k, ldx = j->ldx, ldw = j->ldw;
     const uint16_t *wp = (const uint16_t *)j->w, *xp = (const uint16_t *)j->x;
     MASKED_LOOP(32, __mmask32, 0xffffffffu, (1ull << (k - i)) - 1)  /* zeroed tail lanes add nothing */
-    TILE_STORE
+    TILE_STORE(a)
 }
 #undef LOAD32
 #undef VEC
@@ -261,8 +382,69 @@ TBF void block_bf16dp(const Job *j, int64_t row, const int R, const int M, const
 
 T512FN static void rows_512_f32(const Job *j, int64_t r0, int64_t r1) { DISPATCH_M(block_512, W_F32); }
 T512FN static void rows_512_bf16(const Job *j, int64_t r0, int64_t r1) { DISPATCH_M(block_512, W_BF16); }
-T512FN static void rows_512_i8(const Job *j, int64_t r0, int64_t r1) { DISPATCH_M(block_512, W_I8); }
 TBFFN static void rows_bf16dp(const Job *j, int64_t r0, int64_t r1) { DISPATCH_M(block_bf16dp, W_BF16); }
+
+/* int8 weights (AVX-512): 32 a step, widened to int16; the block's last step reads `mask` lanes
+ * of weights (x is zero beyond k) */
+#define TVNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma"), always_inline)) static inline
+#define TVNNIFN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
+#define VEC __m512i
+#define WVEC __m512i
+#define ZERO _mm512_setzero_si512()
+#define FVEC __m512
+#define FZERO _mm512_setzero_ps()
+#define FSET1 _mm512_set1_ps
+#define FFMA _mm512_fmadd_ps
+#define FCVT _mm512_cvtepi32_ps
+#define SUM(acc) _mm512_reduce_add_ps(acc)
+#define TAIL(r, b) 0.0f
+#define W(r) _mm512_cvtepi8_epi16(full ? _mm256_loadu_si256((const __m256i *)(wp + (row + r) * ldw + i)) \
+                                       : _mm256_maskz_loadu_epi8(mask, wp + (row + r) * ldw + i))
+#define X(b) _mm512_loadu_si512(xq + b * kpad + i)
+/* A whole block in four steps with a prefetch every other one, no branch: a test in the loop
+ * made GCC copy every accumulator at each step and keep x on the stack. */
+#define STEPS_512                                                              \
+    if (end - i == QBLOCK) {                                                   \
+        const int full = 1;                                                    \
+        const __mmask32 mask = 0xffffffffu;                                    \
+        PREFETCH_ROWS TILE_MUL i += 32;                                        \
+        TILE_MUL i += 32;                                                      \
+        PREFETCH_ROWS TILE_MUL i += 32;                                        \
+        TILE_MUL i += 32;                                                      \
+    } else {                                                                   \
+        const int full = 1;                                                    \
+        const __mmask32 mask = 0xffffffffu;                                    \
+        for (; i + 32 <= end; i += 32) TILE_STEP                               \
+    }                                                                          \
+    if (i < end) {                                                             \
+        const int full = 0;                                                    \
+        const __mmask32 mask = (__mmask32)((1ull << (end - i)) - 1);           \
+        TILE_STEP                                                              \
+    }
+#define FMA(acc, w, x) _mm512_add_epi32(acc, _mm512_madd_epi16(w, x))
+T512 void block_512_i8(const Job *j, int64_t row, const int R, const int M, const int wtype) { I8_BLOCKS(STEPS_512) }
+#undef FMA
+#define FMA(acc, w, x) _mm512_dpwssd_epi32(acc, w, x)
+TVNNI void block_vnni_i8(const Job *j, int64_t row, const int R, const int M, const int wtype) { I8_BLOCKS(STEPS_512) }
+#undef FMA
+
+/* two accumulators per row and vector: fewer rows per tile than the float kernels */
+#undef ROWS_FOR
+#define ROWS_FOR(M) ((M) == 1 ? 8 : (M) <= 2 ? 4 : (M) <= 4 ? 3 : (M) <= 7 ? 2 : 1)
+T512FN static void rows_512_i8(const Job *j, int64_t r0, int64_t r1) { DISPATCH_M(block_512_i8, W_I8); }
+TVNNIFN static void rows_vnni_i8(const Job *j, int64_t r0, int64_t r1) { DISPATCH_M(block_vnni_i8, W_I8); }
+#undef VEC
+#undef WVEC
+#undef ZERO
+#undef FVEC
+#undef FZERO
+#undef FSET1
+#undef FFMA
+#undef FCVT
+#undef SUM
+#undef TAIL
+#undef W
+#undef X
 
 /* ---------------------------------------------------------------- AVX2 + FMA */
 #define T256 __attribute__((target("avx2,fma"), always_inline)) static inline
@@ -271,13 +453,9 @@ TBFFN static void rows_bf16dp(const Job *j, int64_t r0, int64_t r1) { DISPATCH_M
 T256 __m256 load8_256(int wtype, const void *w, int64_t at) {
     switch (wtype) {
         case W_F32: return _mm256_loadu_ps((const float *)w + at);
-        case W_BF16: {
+        default: {  /* bfloat16 */
             __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + at));
             return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-        }
-        default: {
-            __m128i q = _mm_loadl_epi64((const __m128i *)((const int8_t *)w + at));
-            return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
         }
     }
 }
@@ -302,7 +480,7 @@ T256 void block_256(const Job *j, int64_t row, const int R, const int M, const i
     const int64_t k = j->k, ldw = j->ldw;
     int64_t i = 0;
     for (; i + 8 <= k; i += 8) TILE_STEP
-    TILE_STORE
+    TILE_STORE(a)
 }
 
 /* 16 registers: fewer accumulators than AVX-512 */
@@ -310,7 +488,119 @@ T256 void block_256(const Job *j, int64_t row, const int R, const int M, const i
 #define ROWS_FOR(M) ((M) <= 2 ? 4 : (M) <= 4 ? 2 : 1)
 T256FN static void rows_256_f32(const Job *j, int64_t r0, int64_t r1) { DISPATCH_M(block_256, W_F32); }
 T256FN static void rows_256_bf16(const Job *j, int64_t r0, int64_t r1) { DISPATCH_M(block_256, W_BF16); }
-T256FN static void rows_256_i8(const Job *j, int64_t r0, int64_t r1) { DISPATCH_M(block_256, W_I8); }
+#undef VEC
+#undef WVEC
+#undef ZERO
+#undef FMA
+#undef SUM
+#undef TAIL
+#undef W
+#undef X
+
+/* int8 weights (AVX2): 16 a step, widened to int16; a block's last columns in scalar code, added
+ * to lane 0 of its integer sums */
+INLINE int32_t dot_i8(const int8_t *w, const int16_t *x, int64_t i, int64_t end) {
+    int32_t sum = 0;
+    for (; i < end; i++) sum += w[i] * x[i];
+    return sum;
+}
+#define VEC __m256i
+#define WVEC __m256i
+#define ZERO _mm256_setzero_si256()
+#define FVEC __m256
+#define FZERO _mm256_setzero_ps()
+#define FSET1 _mm256_set1_ps
+#define FFMA _mm256_fmadd_ps
+#define FCVT _mm256_cvtepi32_ps
+#define SUM(acc) hsum256(acc)
+#define TAIL(r, b) 0.0f
+#define FMA(acc, w, x) _mm256_add_epi32(acc, _mm256_madd_epi16(w, x))
+#define W(r) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wp + (row + r) * ldw + i)))
+#define X(b) _mm256_loadu_si256((const __m256i *)(xq + b * kpad + i))
+#define TAIL_ROW(r, b) \
+    if (R > r) a##r##b = _mm256_add_epi32(a##r##b, _mm256_zextsi128_si256(_mm_cvtsi32_si128(dot_i8(wp + (row + r) * ldw, xq + b * kpad, i, end))));
+#define TAIL_COL(b)                                                            \
+    if (M > b) {                                                               \
+        TAIL_ROW(0, b) TAIL_ROW(1, b) TAIL_ROW(2, b) TAIL_ROW(3, b)            \
+        TAIL_ROW(4, b) TAIL_ROW(5, b) TAIL_ROW(6, b) TAIL_ROW(7, b)            \
+    }
+#define STEPS_256                                                              \
+    if (end - i == QBLOCK) {                                                   \
+        PREFETCH_ROWS TILE_MUL i += 16; TILE_MUL i += 16; TILE_MUL i += 16; TILE_MUL i += 16; \
+        PREFETCH_ROWS TILE_MUL i += 16; TILE_MUL i += 16; TILE_MUL i += 16; TILE_MUL i += 16; \
+    }                                                                          \
+    for (; i + 16 <= end; i += 16) TILE_STEP                                   \
+    if (i < end) { TAIL_COL(0) TAIL_COL(1) TAIL_COL(2) TAIL_COL(3) TAIL_COL(4) TAIL_COL(5) TAIL_COL(6) TAIL_COL(7) }
+T256 void block_256_i8(const Job *j, int64_t row, const int R, const int M, const int wtype) { I8_BLOCKS(STEPS_256) }
+#undef ROWS_FOR
+#define ROWS_FOR(M) ((M) == 1 ? 4 : (M) <= 2 ? 2 : 1)
+T256FN static void rows_256_i8(const Job *j, int64_t r0, int64_t r1) { DISPATCH_M(block_256_i8, W_I8); }
+
+/* quantize_x with vectors (the same bits): 16 values a step with AVX-512, 8 with AVX2 + FMA,
+ * rounded by cvtps2dq (round half to even, MXCSR's default, as the scalar code rounds) */
+T512FN static void quantize_x_512(const Job *j, int16_t *xq, float *xs) {
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), lo = _mm512_set1_epi32(-QMAX), hi = _mm512_set1_epi32(QMAX);
+    for (int64_t b = 0; b < j->m; b++) {
+        int16_t *q = xq + b * j->kpad;
+        const float *xf32 = (const float *)j->x + b * j->ldx;
+        const uint16_t *xb16 = (const uint16_t *)j->x + b * j->ldx;
+#define LOAD_X(at, mask)                                                        \
+    (j->xtype == X_F32 ? _mm512_maskz_loadu_ps(mask, xf32 + (at))             \
+                       : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, xb16 + (at))), 16)))
+        for (int64_t blk = 0; blk < j->nblk; blk++) {
+            const int64_t c0 = blk * QBLOCK, n = c0 + QBLOCK < j->k ? QBLOCK : j->k - c0;
+            __m512i big = _mm512_setzero_si512();
+            for (int64_t t = 0; t < n; t += 16) {
+                const __mmask16 mask = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+                big = _mm512_max_epu32(big, _mm512_and_si512(_mm512_castps_si512(LOAD_X(c0 + t, mask)), magnitude));
+            }
+            float inv;
+            xs[b * j->nblk + blk] = block_scale((uint32_t)_mm512_reduce_max_epu32(big), &inv);
+            const __m512 scale = _mm512_set1_ps(inv);
+            for (int64_t t = 0; t < n; t += 16) {  /* whole vectors: lanes past k load as 0 */
+                const __mmask16 mask = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+                __m512i v = inv != 0.0f ? _mm512_cvtps_epi32(_mm512_mul_ps(LOAD_X(c0 + t, mask), scale)) : _mm512_setzero_si512();
+                v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
+                _mm256_storeu_si256((__m256i *)(q + c0 + t), _mm512_cvtepi32_epi16(v));
+            }
+        }
+#undef LOAD_X
+        for (int64_t i = (j->k + 15) & ~(int64_t)15; i < j->kpad; i++) q[i] = 0;
+    }
+}
+
+T256FN static void quantize_x_256(const Job *j, int16_t *xq, float *xs) {
+    const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), lo = _mm256_set1_epi32(-QMAX), hi = _mm256_set1_epi32(QMAX);
+    for (int64_t b = 0; b < j->m; b++) {
+        int16_t *q = xq + b * j->kpad;
+        const float *xf32 = (const float *)j->x + b * j->ldx;
+        const uint16_t *xb16 = (const uint16_t *)j->x + b * j->ldx;
+#define LOAD_X(at)                                                              \
+    (j->xtype == X_F32 ? _mm256_loadu_ps(xf32 + (at))                          \
+                       : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xb16 + (at)))), 16)))
+        for (int64_t blk = 0; blk < j->nblk; blk++) {
+            const int64_t c0 = blk * QBLOCK, c1 = c0 + QBLOCK < j->k ? c0 + QBLOCK : j->k;
+            __m256i big = _mm256_setzero_si256();
+            int64_t i = c0;
+            for (; i + 8 <= c1; i += 8) big = _mm256_max_epu32(big, _mm256_and_si256(_mm256_castps_si256(LOAD_X(i)), magnitude));
+            uint32_t lanes[8], largest = 0;
+            _mm256_storeu_si256((__m256i *)lanes, big);
+            for (int l = 0; l < 8; l++) largest = lanes[l] > largest ? lanes[l] : largest;
+            float inv;
+            xs[b * j->nblk + blk] = block_scale(largest_bits(j, b, i, c1, largest), &inv);
+            const __m256 scale = _mm256_set1_ps(inv);
+            for (i = c0; i + 8 <= c1; i += 8) {
+                __m256i v = inv != 0.0f ? _mm256_cvtps_epi32(_mm256_mul_ps(LOAD_X(i), scale)) : _mm256_setzero_si256();
+                v = _mm256_min_epi32(_mm256_max_epi32(v, lo), hi);
+                const __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+                _mm_storeu_si128((__m128i *)(q + i), packed);
+            }
+            quantize_range(j, b, q, i, c1, inv);
+        }
+#undef LOAD_X
+        for (int64_t i = j->k; i < j->kpad; i++) q[i] = 0;
+    }
+}
 #endif /* X86 */
 
 /* ---------------------------------------------------------------- which kernel */
@@ -323,18 +613,23 @@ static void detect(void) {
     supported[AVX2] = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     supported[AVX512] = supported[AVX2] && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
                         && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    supported[AVX512_BF16] = supported[AVX512] && __builtin_cpu_supports("avx512bf16");
+    /* every CPU with AVX512_BF16 has AVX512_VNNI: the levels stay a ladder */
+    supported[AVX512_VNNI] = supported[AVX512] && __builtin_cpu_supports("avx512vnni");
+    supported[AVX512_BF16] = supported[AVX512_VNNI] && __builtin_cpu_supports("avx512bf16");
 #endif
 }
 
 static RowsFn pick(int level, int wtype, int xtype) {
 #if X86
+    if (wtype == W_I8)
+        return level >= AVX512_VNNI ? rows_vnni_i8 : level >= AVX512 ? rows_512_i8
+             : level >= AVX2 ? rows_256_i8 : rows_portable_i8;
     if (level >= AVX512_BF16 && wtype == W_BF16 && xtype == X_BF16) return rows_bf16dp;
-    if (level >= AVX512) return wtype == W_F32 ? rows_512_f32 : wtype == W_BF16 ? rows_512_bf16 : rows_512_i8;
-    if (level >= AVX2) return wtype == W_F32 ? rows_256_f32 : wtype == W_BF16 ? rows_256_bf16 : rows_256_i8;
+    if (level >= AVX512) return wtype == W_F32 ? rows_512_f32 : rows_512_bf16;
+    if (level >= AVX2) return wtype == W_F32 ? rows_256_f32 : rows_256_bf16;
 #endif
-    (void)level; (void)wtype; (void)xtype;
-    return rows_portable;
+    (void)level; (void)xtype;
+    return wtype == W_I8 ? rows_portable_i8 : rows_portable;
 }
 
 /* ---------------------------------------------------------------- the thread pool */
@@ -443,6 +738,45 @@ static void gemv_part(void *p, int i, int n) {
     if (r0 < r1) t->fn(t->job, r0, r1);
 }
 
+static void quantize_with(int level, const Job *j, int16_t *xq, float *xs) {
+#if X86
+    if (level >= AVX512) { quantize_x_512(j, xq, xs); return; }
+    if (level >= AVX2) { quantize_x_256(j, xq, xs); return; }
+#endif
+    (void)level;
+    quantize_x(j, xq, xs);
+}
+
+/* x as the chosen kernel reads it: quantized for int8 weights (quantize_x), as it is for the
+ * bfloat16 dot products, float32 [m, k] contiguous for the other float paths. Returns the buffer
+ * to free (or NULL); sets *failed when memory runs out. */
+static void *prepare_x(Job *j, int level, int *failed) {
+    const int64_t m = j->m, k = j->k;
+    if (j->wtype == W_I8) {
+        j->nblk = (k + QBLOCK - 1) / QBLOCK;
+        j->kpad = j->nblk * QBLOCK;
+        const size_t qbytes = (size_t)(m * j->kpad) * sizeof(int16_t);  /* a multiple of 64 */
+        const size_t sbytes = ((size_t)(m * j->nblk) * sizeof(float) + 63) & ~(size_t)63;
+        char *buf = (char *)aligned_alloc(64, qbytes + sbytes);
+        if (!buf) { *failed = 1; return NULL; }
+        j->xq = (const int16_t *)buf;
+        j->xs = (const float *)(buf + qbytes);
+        quantize_with(level, j, (int16_t *)buf, (float *)(buf + qbytes));
+        return buf;
+    }
+    if (X86 && level >= AVX512_BF16 && j->wtype == W_BF16) return NULL;
+    if (j->xtype == X_F32 && j->ldx == k) {
+        j->xf = (const float *)j->x;
+        return NULL;
+    }
+    float *xf = (float *)malloc((size_t)(m * k) * sizeof(float));
+    if (!xf) { *failed = 1; return NULL; }
+    for (int64_t b = 0; b < m; b++)
+        for (int64_t i = 0; i < k; i++) xf[b * k + i] = x_at(j, b, i);
+    j->xf = xf;
+    return xf;
+}
+
 static PyObject *py_linear(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long w, scale, x, y;
@@ -462,24 +796,12 @@ static PyObject *py_linear(PyObject *self, PyObject *args) {
         return NULL;
     }
     Job job = {wtype, xtype, (const void *)(uintptr_t)w, (const void *)(uintptr_t)scale,
-               (const void *)(uintptr_t)x, (void *)(uintptr_t)y, NULL, n, k, m, ldx, ldy, ldw};
+               (const void *)(uintptr_t)x, (void *)(uintptr_t)y, NULL, n, k, m, ldx, ldy, ldw, NULL, NULL, 0, 0};
     GemvTask task = {&job, pick(level, wtype, xtype)};
-    /* Every kernel but the bf16 dot products reads x as float32, [m, k] contiguous. */
-    const int dot_bf16 = X86 && level >= AVX512_BF16 && wtype == W_BF16;
-    float *xf = NULL;
     int failed = 0;
+    void *buffer;
     Py_BEGIN_ALLOW_THREADS
-    if (!dot_bf16 && xtype == X_F32 && ldx == k) {
-        job.xf = (const float *)job.x;
-    } else if (!dot_bf16) {
-        xf = (float *)malloc((size_t)(m * k) * sizeof(float));
-        failed = xf == NULL;
-        for (int64_t b = 0; xf && b < m; b++)
-            for (int64_t i = 0; i < k; i++)
-                xf[b * k + i] = xtype == X_F32 ? ((const float *)job.x)[b * ldx + i]
-                                               : bf16_to_f32(((const uint16_t *)job.x)[b * ldx + i]);
-        job.xf = xf;
-    }
+    buffer = prepare_x(&job, level, &failed);
     if (!failed) {
         /* a thread per ~64K weights at least: below that, waking one costs more than it saves */
         const int64_t useful = (n * k) / 65536 + 1;
@@ -488,9 +810,397 @@ static PyObject *py_linear(PyObject *self, PyObject *args) {
         parallel(gemv_part, &task, nt);
     }
     Py_END_ALLOW_THREADS
-    free(xf);
+    free(buffer);
     if (failed) return PyErr_NoMemory();
     Py_RETURN_NONE;
+}
+
+static PyObject *py_quantize(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x, q, s;
+    int xtype, level;
+    long long k, m, ldx;
+    if (!PyArg_ParseTuple(args, "iKKKLLLi", &xtype, &x, &q, &s, &k, &m, &ldx, &level)) return NULL;
+    if (xtype < X_F32 || xtype > X_BF16 || m < 1 || k < 1 || ldx < k || level < 0 || level >= LEVELS
+        || !supported[level]) {
+        PyErr_SetString(PyExc_ValueError, "quantize: unsupported dtype, shape or level");
+        return NULL;
+    }
+    Job job = {W_I8, xtype, NULL, NULL, (const void *)(uintptr_t)x, NULL, NULL, 0, k, m, ldx, 0, NULL, NULL, 0, 0};
+    job.nblk = (k + QBLOCK - 1) / QBLOCK;
+    job.kpad = job.nblk * QBLOCK;
+    Py_BEGIN_ALLOW_THREADS
+    quantize_with(level, &job, (int16_t *)(uintptr_t)q, (float *)(uintptr_t)s);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------------- the rest of a decode step
+ * What a decode step does besides its matrix products, for one token a row, in one call each
+ * where torch took several operators of a few microseconds (and its bfloat16 flash attention
+ * ~120 us a layer at 34 cached columns, 7 ms at 2048): RMSNorm, and attention with its rope and
+ * KV-cache write. GCC vector extensions (8 floats), compiled for AVX2 + FMA or plain x86-64 / C. */
+#pragma GCC diagnostic ignored "-Wpsabi"  /* 32-byte vectors pass only between inlined functions */
+typedef float f8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+
+INLINE float load1(int xtype, const void *p, int64_t at) {
+    return xtype == X_F32 ? ((const float *)p)[at] : bf16_to_f32(((const uint16_t *)p)[at]);
+}
+
+INLINE void store1(int xtype, void *p, int64_t at, float v) {
+    if (xtype == X_F32) ((float *)p)[at] = v;
+    else ((uint16_t *)p)[at] = f32_to_bf16(v);
+}
+
+INLINE f8 load8(int xtype, const void *p, int64_t at) {
+    f8 v;
+    if (xtype == X_F32) {
+        memcpy(&v, (const float *)p + at, sizeof v);
+    } else {
+        u16x8 h;
+        memcpy(&h, (const uint16_t *)p + at, sizeof h);
+        const u32x8 u = __builtin_convertvector(h, u32x8) << 16;
+        memcpy(&v, &u, sizeof v);
+    }
+    return v;
+}
+
+/* v rounded to bfloat16 (to nearest even, NaN kept NaN, as f32_to_bf16), still as float32 */
+INLINE f8 round_bf16_8(f8 v) {
+    u32x8 u;
+    memcpy(&u, &v, sizeof u);
+    const u32x8 nan = (u & 0x7fffffffu) > 0x7f800000u;  /* all ones where NaN */
+    const u32x8 rounded = ((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u) & ~nan;
+    u = rounded | ((u | 0x400000u) & 0xffff0000u & nan);
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+/* p[at : at + 8] = v in the activation dtype (a float32 v already rounded for bfloat16) */
+INLINE void store8(int xtype, void *p, int64_t at, f8 v) {
+    if (xtype == X_F32) {
+        memcpy((float *)p + at, &v, sizeof v);
+    } else {
+        u32x8 u;
+        memcpy(&u, &v, sizeof u);
+        const u16x8 h = __builtin_convertvector(u >> 16, u16x8);
+        memcpy((uint16_t *)p + at, &h, sizeof h);
+    }
+}
+
+#define HSUM8(v) ((((v)[0] + (v)[4]) + ((v)[1] + (v)[5])) + (((v)[2] + (v)[6]) + ((v)[3] + (v)[7])))
+
+/* dst[0 : len] = src[at : at + len] (the activation dtype) as float32 */
+INLINE void to_float(float *dst, int xtype, const void *src, int64_t at, int64_t len) {
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+        const f8 v = load8(xtype, src, at + i);
+        memcpy(dst + i, &v, sizeof v);
+    }
+    for (; i < len; i++) dst[i] = load1(xtype, src, at + i);
+}
+
+INLINE f8 load8f(const float *p) {
+    f8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* four sums side by side: one chain of dependent FMAs waited on each one's latency */
+INLINE float dot(const float *a, const float *b, int64_t len) {
+    f8 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    int64_t i = 0;
+    for (; i + 32 <= len; i += 32) {
+        s0 += load8f(a + i) * load8f(b + i);
+        s1 += load8f(a + i + 8) * load8f(b + i + 8);
+        s2 += load8f(a + i + 16) * load8f(b + i + 16);
+        s3 += load8f(a + i + 24) * load8f(b + i + 24);
+    }
+    for (; i + 8 <= len; i += 8) s0 += load8f(a + i) * load8f(b + i);
+    const f8 acc = (s0 + s1) + (s2 + s3);
+    float sum = HSUM8(acc);
+    for (; i < len; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* acc += p * v */
+INLINE void add_scaled(float *acc, float p, const float *v, int64_t len) {
+    const f8 pv = {p, p, p, p, p, p, p, p};
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+        const f8 a = load8f(acc + i) + pv * load8f(v + i);
+        memcpy(acc + i, &a, sizeof a);
+    }
+    for (; i < len; i++) acc[i] += p * v[i];
+}
+
+/* e^x, 8 at a time (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-5 polynomial for e^r,
+ * 2^n into the exponent; within 2 ulp), for x <= 0; below -87 it gives e^-87 rather than less. */
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+INLINE f8 exp8(f8 x) {
+    const f8 floor_ = {-87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f};
+    const i32x8 low = x < floor_;  /* -1 where below */
+    i32x8 bits;
+    memcpy(&bits, &x, sizeof bits);
+    i32x8 fl;
+    memcpy(&fl, &floor_, sizeof fl);
+    bits = (bits & ~low) | (fl & low);
+    memcpy(&x, &bits, sizeof x);
+    const f8 shift = {12582912.f, 12582912.f, 12582912.f, 12582912.f, 12582912.f, 12582912.f, 12582912.f, 12582912.f};
+    const f8 n = (x * 1.44269504088896341f + shift) - shift;  /* round(x / ln 2) */
+    const f8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    f8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    i32x8 out;
+    memcpy(&out, &p, sizeof out);
+    out += __builtin_convertvector(n, i32x8) << 23;
+    memcpy(&p, &out, sizeof p);
+    return p;
+}
+
+/* RMSNorm of each row as HF computes it: x / rms(x) in float32, rounded to the dtype, times w */
+INLINE void rms_norm_rows(int xtype, const void *x, const void *w, void *y, int64_t n, int64_t h, float eps) {
+    for (int64_t b = 0; b < n; b++) {
+        f8 acc = {0};
+        int64_t i = 0;
+        for (; i + 8 <= h; i += 8) {
+            const f8 v = load8(xtype, x, b * h + i);
+            acc += v * v;
+        }
+        float sum = HSUM8(acc);
+        for (; i < h; i++) sum += load1(xtype, x, b * h + i) * load1(xtype, x, b * h + i);
+        const float inv = 1.0f / __builtin_sqrtf(sum / (float)h + eps);
+        const f8 invv = {inv, inv, inv, inv, inv, inv, inv, inv};
+        for (i = 0; i + 8 <= h; i += 8) {
+            f8 v = load8(xtype, x, b * h + i) * invv;
+            if (xtype != X_F32) v = round_bf16_8(v);
+            v *= load8(xtype, w, i);
+            if (xtype != X_F32) v = round_bf16_8(v);
+            store8(xtype, y, b * h + i, v);
+        }
+        for (; i < h; i++) {
+            float v = load1(xtype, x, b * h + i) * inv;
+            if (xtype != X_F32) v = bf16_to_f32(f32_to_bf16(v));
+            store1(xtype, y, b * h + i, v * load1(xtype, w, i));
+        }
+    }
+}
+
+typedef struct {
+    int xtype;
+    const void *qkv;              /* [n, (heads + 2 kv_heads) * hd]: q, k, v of each row */
+    const void *cos, *sin;        /* [n, hd]: the rope of each row's position, in the dtype */
+    void *kc, *vc;                /* the layer's cache from row r0: [rows, kv_heads, max_len, hd] */
+    int64_t cache_row, cache_head; /* their strides, in elements (a column is hd) */
+    const int64_t *first;         /* [n]: the first column each row attends to */
+    int64_t col;                  /* the step's column: its k and v are written there */
+    void *out;                    /* [n, heads * hd] */
+    int64_t n, heads, kv_heads, hd;
+    float scale;
+} Attn;
+
+/* HF's rope (rotate_half: the halves (x1, x2) -> (-x2, x1)) of hd values at `at`, in float32 */
+INLINE void rope(float *out, const Attn *a, int64_t b, int64_t at) {
+    const int64_t half = a->hd / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float x1 = load1(a->xtype, a->qkv, at + i), x2 = load1(a->xtype, a->qkv, at + half + i);
+        out[i] = x1 * load1(a->xtype, a->cos, b * a->hd + i) - x2 * load1(a->xtype, a->sin, b * a->hd + i);
+        out[half + i] = x2 * load1(a->xtype, a->cos, b * a->hd + half + i) + x1 * load1(a->xtype, a->sin, b * a->hd + half + i);
+    }
+}
+
+/* Row b, KV head g: write its k (rotated) and v into the cache, then its `group` query heads
+ * attend to columns [first[b], col]: the scores of every column (each column of K made float32
+ * once for the group), their softmax in float32, then the values (each column of V made float32
+ * once). `work`: 2 (group + 1) hd + group (col + 1) floats. */
+INLINE void attend_one(const Attn *a, int64_t b, int64_t g, float *work) {
+    const int64_t hd = a->hd, group = a->heads / a->kv_heads, width = (a->heads + 2 * a->kv_heads) * hd;
+    const int64_t first = a->first[b], len = a->col + 1 - first;
+    float *q = work, *acc = q + group * hd, *k = acc + group * hd, *v = k + hd, *score = v + hd;
+    const int64_t head = b * a->cache_row + g * a->cache_head;
+    rope(k, a, b, b * width + (a->heads + g) * hd);
+    for (int64_t i = 0; i < hd; i++) {
+        store1(a->xtype, a->kc, head + a->col * hd + i, k[i]);
+        store1(a->xtype, a->vc, head + a->col * hd + i, load1(a->xtype, a->qkv, b * width + (a->heads + a->kv_heads + g) * hd + i));
+    }
+    for (int64_t j = 0; j < group; j++) rope(q + j * hd, a, b, b * width + (g * group + j) * hd);
+    for (int64_t c = 0; c < len; c++) {
+        to_float(k, a->xtype, a->kc, head + (first + c) * hd, hd);
+        for (int64_t j = 0; j < group; j++) score[j * len + c] = dot(q + j * hd, k, hd) * a->scale;
+    }
+    for (int64_t j = 0; j < group; j++) {  /* softmax, in place; a NaN score makes the head's output NaN */
+        float *sc = score + j * len, top = sc[0], sum = 0.0f;
+        int nan = 0;
+        for (int64_t c = 0; c < len; c++) {
+            nan |= sc[c] != sc[c];
+            top = sc[c] > top ? sc[c] : top;
+        }
+        const f8 topv = {top, top, top, top, top, top, top, top};
+        int64_t c = 0;
+        for (; c + 8 <= len; c += 8) {
+            const f8 e = exp8(load8f(sc + c) - topv);
+            memcpy(sc + c, &e, sizeof e);
+            sum += HSUM8(e);
+        }
+        for (; c < len; c++) {
+            f8 e = {sc[c] - top, 0, 0, 0, 0, 0, 0, 0};
+            e = exp8(e);
+            sc[c] = e[0];
+            sum += e[0];
+        }
+        const float inv = nan ? __builtin_nanf("") : 1.0f / sum;
+        for (c = 0; c < len; c++) sc[c] *= inv;
+    }
+    memset(acc, 0, (size_t)(group * hd) * sizeof(float));
+    for (int64_t c = 0; c < len; c++) {
+        to_float(v, a->xtype, a->vc, head + (first + c) * hd, hd);
+        for (int64_t j = 0; j < group; j++) add_scaled(acc + j * hd, score[j * len + c], v, hd);
+    }
+    for (int64_t j = 0; j < group; j++)
+        for (int64_t i = 0; i < hd; i++) store1(a->xtype, a->out, b * a->heads * hd + (g * group + j) * hd + i, acc[j * hd + i]);
+}
+
+typedef struct { const Attn *attn; int avx2; float *work; int64_t per_thread; } AttnTask;
+
+#if X86
+T256FN static void attend_rows_256(const Attn *a, int64_t t0, int64_t t1, float *work) {
+    for (int64_t t = t0; t < t1; t++) attend_one(a, t / a->kv_heads, t % a->kv_heads, work);
+}
+T256FN static void rms_norm_256(int xtype, const void *x, const void *w, void *y, int64_t n, int64_t h, float eps) {
+    rms_norm_rows(xtype, x, w, y, n, h, eps);
+}
+#endif
+static void attend_rows(const Attn *a, int64_t t0, int64_t t1, float *work) {
+    for (int64_t t = t0; t < t1; t++) attend_one(a, t / a->kv_heads, t % a->kv_heads, work);
+}
+static void rms_norm_plain(int xtype, const void *x, const void *w, void *y, int64_t n, int64_t h, float eps) {
+    rms_norm_rows(xtype, x, w, y, n, h, eps);
+}
+
+static void attend_part(void *p, int i, int nt) {  /* (row, KV head) pairs, split over the threads */
+    const AttnTask *t = (const AttnTask *)p;
+    const int64_t tasks = t->attn->n * t->attn->kv_heads, per = (tasks + nt - 1) / nt;
+    const int64_t t0 = i * per, t1 = t0 + per < tasks ? t0 + per : tasks;
+    float *work = t->work + i * t->per_thread;
+#if X86
+    if (t->avx2) { if (t0 < t1) attend_rows_256(t->attn, t0, t1, work); return; }
+#endif
+    if (t0 < t1) attend_rows(t->attn, t0, t1, work);
+}
+
+static PyObject *py_attend(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long qkv, cs, sn, kc, vc, first, out;
+    int xtype, threads, level;
+    long long n, heads, kv_heads, hd, cache_row, cache_head, col;
+    double scale;
+    if (!PyArg_ParseTuple(args, "iKKKKKKKLLLLLLLdii", &xtype, &qkv, &cs, &sn, &kc, &vc, &first, &out, &n, &heads,
+                          &kv_heads, &hd, &cache_row, &cache_head, &col, &scale, &threads, &level))
+        return NULL;
+    if (xtype < X_F32 || xtype > X_BF16 || n < 1 || kv_heads < 1 || heads % kv_heads || hd < 2 || hd % 2 || col < 0
+        || cache_head < hd * (col + 1) || cache_row < cache_head * kv_heads || level < 0 || level >= LEVELS
+        || !supported[level]) {
+        PyErr_SetString(PyExc_ValueError, "attend: unsupported dtype, shape or level");
+        return NULL;
+    }
+    Attn a = {xtype, (const void *)(uintptr_t)qkv, (const void *)(uintptr_t)cs, (const void *)(uintptr_t)sn,
+              (void *)(uintptr_t)kc, (void *)(uintptr_t)vc, cache_row, cache_head, (const int64_t *)(uintptr_t)first,
+              col, (void *)(uintptr_t)out, n, heads, kv_heads, hd, (float)scale};
+    const int64_t group = heads / kv_heads, per_thread = 2 * (group + 1) * hd + group * (col + 1);
+    /* a thread per ~64K cached values read at least, as for the matrix products */
+    const int64_t useful = (n * kv_heads * (col + 1) * hd) / 65536 + 1;
+    int nt = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    if (nt > useful) nt = (int)useful;
+    float *work = (float *)malloc((size_t)(nt * per_thread) * sizeof(float));
+    if (!work) return PyErr_NoMemory();
+    AttnTask task = {&a, X86 && level >= AVX2, work, per_thread};
+    Py_BEGIN_ALLOW_THREADS
+    parallel(attend_part, &task, nt);
+    Py_END_ALLOW_THREADS
+    free(work);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x, w, y;
+    int xtype, level;
+    long long n, h;
+    double eps;
+    if (!PyArg_ParseTuple(args, "iKKKLLdi", &xtype, &x, &w, &y, &n, &h, &eps, &level)) return NULL;
+    if (xtype < X_F32 || xtype > X_BF16 || n < 1 || h < 1 || level < 0 || level >= LEVELS || !supported[level]) {
+        PyErr_SetString(PyExc_ValueError, "rms_norm: unsupported dtype, shape or level");
+        return NULL;
+    }
+#if X86
+    if (level >= AVX2) {
+        rms_norm_256(xtype, (const void *)(uintptr_t)x, (const void *)(uintptr_t)w, (void *)(uintptr_t)y, n, h, (float)eps);
+        Py_RETURN_NONE;
+    }
+#endif
+    rms_norm_plain(xtype, (const void *)(uintptr_t)x, (const void *)(uintptr_t)w, (void *)(uintptr_t)y, n, h, (float)eps);
+    Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------------- shared-memory all-reduce
+ * One round of shm.ShmGroup.all_reduce in one call: this rank's part into its slot of the round's
+ * slot set, then the round number published (a release store, after the slot), then every peer's
+ * awaited (acquire loads; the GIL released; a sched_yield now and then for a peer that shares this
+ * core), then the parts added in rank order in float32 into t: the same bits on every rank.
+ * Returns the first peer that missed the timeout, or -1. */
+static double monotonic_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static PyObject *py_shm_all_reduce(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long t, slots, flags;
+    int xtype, size, rank;
+    long long numel, slot_bytes, flag_stride, round;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "iKLKLKLiiLd", &xtype, &t, &numel, &slots, &slot_bytes, &flags, &flag_stride, &size,
+                          &rank, &round, &timeout))
+        return NULL;
+    const int64_t esize = xtype == X_F32 ? 4 : 2;
+    if (xtype < X_F32 || xtype > X_BF16 || numel < 0 || numel * esize > slot_bytes || size < 1 || rank < 0
+        || rank >= size || flag_stride < 1 || round < 1) {
+        PyErr_SetString(PyExc_ValueError, "shm_all_reduce: unsupported dtype, size or rank");
+        return NULL;
+    }
+    int missed = -1;
+    Py_BEGIN_ALLOW_THREADS
+    char *set = (char *)(uintptr_t)slots + (round % 2) * size * slot_bytes;
+    int64_t *flag = (int64_t *)(uintptr_t)flags;
+    memcpy(set + rank * slot_bytes, (const void *)(uintptr_t)t, (size_t)(numel * esize));
+    __atomic_store_n(flag + rank * flag_stride, (int64_t)round, __ATOMIC_RELEASE);
+    for (int p = 0; p < size && missed < 0; p++) {
+        uint64_t spins = 0;
+        double deadline = 0.0;
+        while (__atomic_load_n(flag + p * flag_stride, __ATOMIC_ACQUIRE) < round) {
+            relax();
+            if (++spins % 1024 == 0) {
+                sched_yield();
+                const double now = monotonic_seconds();
+                if (deadline == 0.0) deadline = now + timeout;
+                else if (now > deadline) { missed = p; break; }
+            }
+        }
+    }
+    for (int64_t i = 0; missed < 0 && i < numel; i++) {
+        float sum = load1(xtype, set, i);
+        for (int p = 1; p < size; p++) sum += load1(xtype, set + p * slot_bytes, i);
+        store1(xtype, (void *)(uintptr_t)t, i, sum);
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(missed);
 }
 
 /* ---------------------------------------------------------------- the plain read (the limit)
@@ -594,6 +1304,15 @@ static PyObject *py_levels(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"linear", py_linear, METH_VARARGS,
      "linear(wtype, xtype, w, scale, x, y, n, k, m, ldx, ldy, threads, level): y = x W^T (* scale), by pointers"},
+    {"attend", py_attend, METH_VARARGS,
+     "attend(xtype, qkv, cos, sin, k_cache, v_cache, first, out, n, heads, kv_heads, head_dim, cache_row, cache_head, "
+     "col, scale, threads, level): one decode step's attention (rope, cache write, softmax(q k / scale) v)"},
+    {"shm_all_reduce", py_shm_all_reduce, METH_VARARGS,
+     "shm_all_reduce(xtype, t, numel, slots, slot_bytes, flags, flag_stride, size, rank, round, timeout) -> peer "
+     "that missed the timeout or -1: one round of shm.ShmGroup.all_reduce"},
+    {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(xtype, x, w, y, n, h, eps, level): y = x / rms(x) * w, HF's way"},
+    {"quantize", py_quantize, METH_VARARGS,
+     "quantize(xtype, x, q, s, k, m, ldx, level): x's rows as int8 weights meet them: int16 q [m, kpad], scales s [m, nblk]"},
     {"read", py_read, METH_VARARGS,
      "read(pointer, nbytes, threads, level, streams) -> checksum: read the bytes once (the sum of their 8-byte words)"},
     {"levels", py_levels, METH_NOARGS, "the kernel levels this CPU runs, slowest first"},
@@ -605,5 +1324,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gemv", NULL, -1, me
 PyMODINIT_FUNC PyInit__gemv(void) {
     detect();
     pthread_atfork(NULL, NULL, forget_workers);
-    return PyModule_Create(&module);
+    PyObject *mod = PyModule_Create(&module);
+    if (mod && PyModule_AddIntConstant(mod, "QBLOCK", QBLOCK) < 0) Py_CLEAR(mod);
+    return mod;
 }

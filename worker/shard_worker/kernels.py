@@ -6,7 +6,9 @@ bytes of weights read; torch's CPU matrix-vector products stop well short of the
 bandwidth (bfloat16 and int8 the most). `_gemv` streams float32, bfloat16 and int8 weights
 (one float32 scale per output row) for 1-8 rows of x, with AVX-512, AVX2 or portable C chosen
 by CPUID. Everything else -- prefill, float16, GPUs, a package built without a compiler -- goes
-through torch.
+through torch. With int8 weights every path quantizes x first (`quant.quantize_activations`).
+The rest of a decode step has C versions too where torch's operators cost more than their work:
+RMSNorm and attention (with its rope and KV-cache write).
 
 A weight may be a view with rows further apart than its width (a column slice of a wider matrix:
 a row-parallel slice read in place from the checkpoint), or a tuple of row blocks standing for
@@ -14,7 +16,8 @@ their concatenation (q, k and v read in place from three checkpoint tensors): ea
 multiplied on its own, which gives every output the very same sums as the concatenated matrix.
 
 `SHARD_KERNEL` picks the path: `auto` (default: the best this CPU runs), `torch` (never ours), or
-one level by name (`portable`, `avx2`, `avx512`, `avx512_bf16`) -- for tests and benchmarks.
+one level by name (`portable`, `avx2`, `avx512`, `avx512_vnni`, `avx512_bf16`) -- for tests and
+benchmarks; a `level` argument does the same for one call.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ try:
     from . import _gemv
 except ImportError:  # built without a C compiler: torch's kernels only
     _gemv = None
+from .quant import fake_quantize_activations
 
 MAX_ROWS = 8  # rows of x one call of ours takes; more is prefill, where torch's GEMMs win
 LEVELS: list[str] = _gemv.levels() if _gemv is not None else []  # slowest first
@@ -130,14 +134,15 @@ def _ours(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, row
 
 
 def _int8_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """int8 rows through torch. On CUDA, decode uses its int8 matrix-vector product (float32
-    activations only). Elsewhere rows are dequantized a bounded chunk at a time (int8 values are
-    exact in any float dtype) and scaled after the product, in float32: prefill is compute-bound,
-    so the chunk costs little beside the GEMM, and no full-size copy of the weight ever exists.
+    """int8 rows through torch, with x quantized as our kernels quantize it (exact in x's dtype).
+    On CUDA, decode uses its int8 matrix-vector product (float32 activations only). Elsewhere rows
+    are dequantized a bounded chunk at a time (int8 values are exact in any float dtype) and
+    scaled after the product, in float32: prefill is compute-bound, so the chunk costs little
+    beside the GEMM, and no full-size copy of the weight ever exists.
     (torch's CPU `_weight_int8pack_mm` is not used: its float32 path streams at a tenth of the
     memory's speed, and its bfloat16 one is off by more than two roundings.)"""
     k = weight.shape[1]
-    x2 = x.reshape(-1, k)
+    x2 = fake_quantize_activations(x.reshape(-1, k))
     if x2.shape[0] <= MAX_ROWS and x.device.type == "cuda":
         y = torch.ops.aten._weight_int8pack_mm(x2.float().contiguous(), weight, scale).to(x.dtype)
     else:
@@ -149,6 +154,45 @@ def _int8_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
     if bias is not None:
         y += bias
     return y
+
+
+def _step_ops(x: torch.Tensor, level: str | None) -> bool:
+    """Whether our C versions of a decode step's other operators take `x`'s dtype and device."""
+    return level is not None and x.device.type == "cpu" and x.dtype in _XTYPES
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, level: str | None = "default") -> torch.Tensor | None:
+    """HF's RMSNorm of the rows of x (x / rms(x) in float32, rounded to x's dtype, times the
+    weight), or None where ours does not apply (the caller uses torch). `level` as for `linear`."""
+    level = LEVEL if level == "default" else level
+    if not (_step_ops(x, level) and weight.dtype == x.dtype and x.is_contiguous()):
+        return None
+    y = torch.empty_like(x)
+    h = x.shape[-1]
+    _gemv.rms_norm(_XTYPES[x.dtype], x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // h, h, eps,
+                   LEVELS.index(level))
+    return y
+
+
+def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           first: torch.Tensor, col: int, heads: int, kv_heads: int, level: str | None = "default") -> torch.Tensor | None:
+    """One decode step's attention for rows [n] of one layer: rope (HF's, `cos` / `sin` [n, ...,
+    head_dim] in qkv's dtype) on q and k; k and v written into the caches (this layer's [rows,
+    kv_heads, max_len, head_dim], from the step's first row) at column `col`; then each query
+    head's softmax(q k^T / sqrt(head_dim)) v over the cached columns [first[row], col] of its KV
+    head. `qkv`: [n, 1, (heads + 2 kv_heads) head_dim]. Returns [n, 1, heads * head_dim], or None
+    where ours does not apply (the caller uses torch). `level` as for `linear`."""
+    level = LEVEL if level == "default" else level
+    n, hd = qkv.shape[0], k_cache.shape[-1]
+    if not (_step_ops(qkv, level) and qkv.is_contiguous() and qkv.shape[1] == 1 and k_cache.dtype == qkv.dtype
+            and k_cache.stride()[2:] == (hd, 1) and v_cache.stride() == k_cache.stride()):
+        return None
+    out = torch.empty(n, 1, heads * hd, dtype=qkv.dtype)
+    cos, sin, first = cos.contiguous(), sin.contiguous(), first.to(torch.int64).contiguous()
+    _gemv.attend(_XTYPES[qkv.dtype], qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+                 v_cache.data_ptr(), first.data_ptr(), out.data_ptr(), n, heads, kv_heads, hd, k_cache.stride(0),
+                 k_cache.stride(1), col, hd**-0.5, torch.get_num_threads(), LEVELS.index(level))
+    return out
 
 
 def read_once(buffer: torch.Tensor, threads: int, streams: int = 1) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import kernels
 from .dist import Comm
 from .kernels import linear
 
@@ -121,6 +122,9 @@ class RMSNorm:
         self.weight = _empty(hidden, dtype=dtype, device=device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ours = kernels.rms_norm(x, self.weight, self.eps)  # one call where torch makes several
+        if ours is not None:
+            return ours
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype) * self.weight

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from shard_contract.sharding import kv_head_start, kv_heads_per_rank, tp_problem, vocab_rows_per_rank
 
+from . import kernels
 from .config import ModelConfig
 from .dist import Comm
 from .layers import ColumnParallelLinear, ParallelLMHead, RMSNorm, RowParallelLinear, VocabParallelEmbedding
@@ -161,6 +162,14 @@ def attention_mask(pads: torch.Tensor, c0: int, c1: int, window: int | None) -> 
     return allowed.unsqueeze(1)  # [N, 1, S, c1]
 
 
+def first_columns(pads: torch.Tensor, col: int, window: int | None) -> torch.Tensor:
+    """For a decode step (one query column, `col`), the first cache column each row attends to:
+    what `attention_mask` allows it is the columns from there to `col` (from its first token, or
+    only itself for a padding query; no further back than the window)."""
+    first = torch.where(pads <= col, pads, torch.full_like(pads, col))
+    return first if window is None else first.clamp(min=col - window + 1)
+
+
 @dataclass
 class Step:
     """Rows [r0, r1) of the batch, cache columns [c0, c1): one forward pass through a stage."""
@@ -172,6 +181,7 @@ class Step:
     cos: torch.Tensor
     sin: torch.Tensor
     masks: dict[int | None, torch.Tensor | str | None]  # per attention window: see `attention_mask`
+    firsts: dict[int | None, torch.Tensor] | None = None  # a decode step's, per window: see `first_columns`
 
     @classmethod
     def build(cls, r0: int, r1: int, c0: int, c1: int, pads: torch.Tensor, rotary: Rotary,
@@ -183,7 +193,8 @@ class Step:
         for w in windows:
             mask = attention_mask(rows, c0, c1, w)
             masks[w] = mask.to(device) if isinstance(mask, torch.Tensor) else mask
-        return cls(r0, r1, c0, c1, cos, sin, masks)
+        firsts = {w: first_columns(rows, c0, w) for w in windows} if c1 - c0 == 1 else None
+        return cls(r0, r1, c0, c1, cos, sin, masks, firsts)
 
 
 class KVCache:
@@ -229,7 +240,14 @@ class Attention:
 
     def __call__(self, x: torch.Tensor, step: Step, cache: KVCache, layer: int) -> torch.Tensor:
         n, s, _ = x.shape
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv(x)
+        if step.firsts is not None:  # a decode step: our kernel where it applies, in one call
+            out = kernels.attend(qkv, step.cos, step.sin, cache.k[layer, step.r0:step.r1],
+                                 cache.v[layer, step.r0:step.r1], step.firsts[self.window], step.c0, self.heads,
+                                 self.kv_heads)
+            if out is not None:
+                return self.o(out)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(n, s, self.heads, self.head_dim).transpose(1, 2), step.cos, step.sin)
         k = apply_rope(k.view(n, s, self.kv_heads, self.head_dim).transpose(1, 2), step.cos, step.sin)
         v = v.view(n, s, self.kv_heads, self.head_dim).transpose(1, 2)

@@ -35,7 +35,7 @@ from tests.support.offload import streaming_plan
 from tests.support.processes import shardctl
 
 from .pool import GenerateJob, JobFailed
-from .test_int8 import int8_reference
+from .test_int8 import LOGITS_TOLERANCE, int8_reference
 from .test_memory import by_dtype  # noqa: F401 -- a fixture: one 40M model stored in each dtype
 from .test_offload import SHAPE, deep  # noqa: F401 -- a fixture: 24 layers
 from .test_parallel import PROMPT, assert_matches_hf, hf_logits
@@ -91,7 +91,7 @@ def reference(hf_model):
 
     def get(directory, device: str, int8: bool = False):
         if (directory, device, int8) not in made:
-            model = int8_reference(hf_model(directory)) if int8 else copy.deepcopy(hf_model(directory))
+            model = int8_reference(hf_model(directory), 1) if int8 else copy.deepcopy(hf_model(directory))
             made[directory, device, int8] = model.to(device)
         return made[directory, device, int8]
     # and IEEE float32 in this process, for HF's reference
@@ -145,7 +145,9 @@ def test_int8_is_the_quantized_model(pool, checkpoint, reference, device):
     prompts = [PROMPT, PROMPT[::-1] + [1, 2, 3, 4]]
     plan = device_plan(model_dir, device, batch=2, quantization="int8")
     results = generate(pool, plan, model_dir, prompts, new_tokens=6)
-    assert_matches_hf(results, reference(model_dir, device, int8=True), prompts)
+    # within float rounding of the same quantized model (test_int8: a value that rounding moves across
+    # a grid boundary of the activations' int16 quantization lands one step away)
+    assert_matches_hf(results, reference(model_dir, device, int8=True), prompts, tolerance=LOGITS_TOLERANCE)
 
 
 # ---------------------------------------------------------------- memory

@@ -4,8 +4,8 @@ on every rank, over enough rounds to reuse both slot sets; a rank that never com
 
 from __future__ import annotations
 
+import multiprocessing
 import os
-import pickle
 import time
 
 import pytest
@@ -23,41 +23,42 @@ def tensors(rank: int) -> list[torch.Tensor]:
             torch.randn(7, generator=g), torch.randn(16384, generator=g).bfloat16(), torch.randn(5, generator=g) * 1e3]
 
 
-def run_ranks(size: int, native: bool, timeout: float = 30.0, absent: int | None = None) -> list:
-    """Each rank's results (or the error it raised), from forked processes."""
-    path = shm.ShmGroup.create(size, "/dev/shm")
-    children = []
+def rank_main(path: str, size: int, rank: int, native: bool, timeout: float, results) -> None:
+    """One rank, in a process of its own: its results, or the error it raised, onto `results`."""
     try:
-        for rank in range(size):
-            if rank == absent:
-                continue
-            read, write = os.pipe()
-            pid = os.fork()
-            if pid == 0:  # the rank
-                os.close(read)
-                try:
-                    if not native:
-                        shm._gemv = None  # the torch path, as in a build without the extension
-                    group = shm.ShmGroup(path, size, rank, timeout)
-                    out = []
-                    for t in tensors(rank):
-                        group.all_reduce(t)
-                        out.append(t)
-                    result = [t.float().numpy().tobytes() + str(t.dtype).encode() for t in out]
-                except Exception as err:  # reported to the test
-                    result = f"{type(err).__name__}: {err}"
-                with os.fdopen(write, "wb") as f:
-                    f.write(pickle.dumps(result))
-                os._exit(0)
-            os.close(write)
-            children.append((pid, read))
-        results = []
-        for pid, read in children:
-            with os.fdopen(read, "rb") as f:
-                results.append(pickle.loads(f.read()))
-            os.waitpid(pid, 0)
-        return results
+        if not native:
+            shm._gemv = None  # the torch path, as in a build without the extension
+        group = shm.ShmGroup(path, size, rank, timeout)
+        out = []
+        for t in tensors(rank):
+            group.all_reduce(t)
+            out.append(t)
+        result = [t.float().numpy().tobytes() + str(t.dtype).encode() for t in out]
+    except Exception as err:  # reported to the test
+        result = f"{type(err).__name__}: {err}"
+    results.put((rank, result))
+
+
+def run_ranks(size: int, native: bool, timeout: float = 30.0, absent: int | None = None) -> list:
+    """Each rank's results (or the error it raised), in rank order. Ranks are spawned, not forked:
+    a child forked from this process (whose torch has run OpenMP regions in earlier tests) can hang
+    in libgomp's locks, and real ranks are fresh processes too."""
+    path = shm.ShmGroup.create(size, "/dev/shm")
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    ranks = [context.Process(target=rank_main, args=(path, size, rank, native, timeout, results))
+             for rank in range(size) if rank != absent]
+    try:
+        for process in ranks:
+            process.start()
+        got = dict(results.get(timeout=timeout + 120) for _ in ranks)
+        for process in ranks:
+            process.join()
+        return [got[rank] for rank in sorted(got)]
     finally:
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
         os.unlink(path)
 
 

@@ -206,9 +206,11 @@ async def test_the_notes_shardctl_commands_work_with_shardctl_installed_without_
     repository (no extra: no torch, no Kubernetes client) in a directory of the user's own,
     against nodes that the real kubectl reads from the API."""
     emulator, kubectl = cluster
+    venv = bare_environment(tmp_path)  # slow: a pip install
+    # The nodes come after it: no kubelet posts their status, so the node controller turns them
+    # Unknown 40 s after their creation, as a real one would (node-monitor-grace-period).
     for node in yaml.safe_load((EXAMPLES / "nodes.yaml").read_text())["items"]:
         await emulator.k8s_create("v1/nodes", None, node)
-    venv = bare_environment(tmp_path)
     work = tmp_path / "work"
     work.mkdir()
     shutil.copy(EXAMPLES / "llama-70b.yaml", work / "shardedmodel.yaml")  # its model's config beside it

@@ -11,7 +11,9 @@ batch 1, a 32-token prompt and N new tokens (default 128), greedy:
   that puts it on the GPU; a warm-up generate, then the timed one: the engine's decode seconds
   over its decode steps;
 * HF transformers' `generate`, the same checkpoint in the same dtype on the same GPU: a warm-up,
-  then a 1-token and an N-token generate (per token: the difference over N - 1).
+  then a 1-token and an N-token generate (per token: the difference over N - 1). Like our worker,
+  with cuDNN's attention off: torch picks it for bfloat16 on Hopper and it builds a new graph at
+  every new key length (~45 ms a token; docs/benchmarks.md has HF's figures with it on).
 
 Precisions: bfloat16 (the figure asked for), then int8 (our int8 weights with bfloat16
 activations; HF has none here) and float32. Every measurement is a child process: one that fails
@@ -130,6 +132,8 @@ def child_hf(device: str, model_dir: str, dtype: str, tokens: int, prompt: list[
     import torch
     from transformers import AutoModelForCausalLM
 
+    if device == "cuda":  # as our worker does: cuDNN's attention rebuilds its graph at every new length
+        torch.backends.cuda.enable_cudnn_sdp(False)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
     ids = torch.tensor([prompt], device=device)
 

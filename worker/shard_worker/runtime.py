@@ -135,6 +135,10 @@ class Worker:
         device = device_for(rank_plan, env)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            # cuDNN's attention builds a graph for every new key length: SDPA picks it for
+            # bfloat16 on Hopper, and each decode step then cost ~45 ms (measured on an H200;
+            # docs/benchmarks.md). Flash and memory-efficient attention take any length.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         started = MemorySample.take(device)  # on a GPU, what the device holds as CUDA starts here
         baseline = baseline or started
         config = ModelConfig.from_dir(env.model_dir)

@@ -23,10 +23,12 @@ parameters), batch 1, a 32-token prompt and 64 new tokens, for float32, bfloat16
 * PyTorch's own tensor-parallel API (`parallelize_module`, 2 ranks x 1 thread, gloo), if it runs.
 
 Every figure is a child process run one after another, so the variants compare within one run on
-a machine whose load changes. Usage:
+a machine whose load changes. The bandwidth these machines get from memory drifts from minute to
+minute (their host is shared: two cores read 33-53 GB/s within an hour), so `--rounds N` measures
+everything N times in turn, the limit included, and reports the median of each figure. Usage:
 
     nice python bench/decode.py [--quick] [--precisions float32,bfloat16,int8] [--tokens 64]
-                                [--skip hf,torch-tp,llama] [--out FILE.json]
+                                [--skip hf,torch-tp,llama] [--rounds 1] [--out FILE.json]
 
 `--quick` uses a small model to check the script end to end in a few minutes.
 """
@@ -37,6 +39,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -419,6 +422,18 @@ def report(stream: dict, results: dict, shape: dict, tokens: int) -> str:
     return "\n".join(lines)
 
 
+def median_of(rounds: list):
+    """One figure from each round's: the median of numbers, key by key through nested dicts; a
+    measurement that failed in some rounds is the median of the others (an error where all failed)."""
+    first = rounds[0]
+    if isinstance(first, dict):
+        ok = [r for r in rounds if "error" not in r] or rounds
+        return {k: median_of([r[k] for r in ok if k in r]) for k in ok[0]}
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return statistics.median(rounds)
+    return first
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small model, to check the script")
@@ -429,6 +444,8 @@ def main() -> int:
                         help=f"python of the llama-cpp-python virtualenv (default {LLAMA_PYTHON})")
     parser.add_argument("--model-dir", type=Path, help="where the random checkpoint is kept "
                         "(default ~/.cache/shard-operator/bench-decode[-quick])")
+    parser.add_argument("--rounds", type=int, default=1, help="measure everything this many times in turn; "
+                        "report medians")
     parser.add_argument("--out", type=Path, help="also write the raw figures as JSON here")
     parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -452,17 +469,26 @@ def main() -> int:
     prompt = [(7 * i + 3) % shape["vocab_size"] for i in range(PROMPT_TOKENS)]
     skip = set(filter(None, args.skip.split(",")))
     load = os.getloadavg()
-    stream = run_child("stream", str(STREAM_BYTES), "5")
-    stream["load"] = os.getloadavg()[0]
-    print(f"  streaming read: {stream}", file=sys.stderr, flush=True)
-    results = {p: measure(model_dir, p, args.tokens, prompt, skip, args.llama_python, shape["num_layers"])
-               for p in args.precisions.split(",")}
+    rounds = []
+    for n in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {n + 1} of {args.rounds}", file=sys.stderr, flush=True)
+        stream = run_child("stream", str(STREAM_BYTES), "5")
+        stream["load"] = os.getloadavg()[0]
+        print(f"  streaming read: {stream}", file=sys.stderr, flush=True)
+        rounds.append({"stream": stream, "results": {
+            p: measure(model_dir, p, args.tokens, prompt, skip, args.llama_python, shape["num_layers"])
+            for p in args.precisions.split(",")}})
+        if args.out:  # what is measured so far survives a run cut short
+            args.out.write_text(json.dumps({"shape": shape, "tokens": args.tokens, "rounds": rounds}, indent=2))
+    stream, results = median_of([r["stream"] for r in rounds]), median_of([r["results"] for r in rounds])
     text = report(stream, results, shape, args.tokens)
-    print(f"load average before: {load[0]:.2f}, after: {os.getloadavg()[0]:.2f}\n")
+    print(f"load average before: {load[0]:.2f}, after: {os.getloadavg()[0]:.2f}"
+          + (f"; every figure is the median of {args.rounds} rounds" if args.rounds > 1 else "") + "\n")
     print(text)
     if args.out:
         args.out.write_text(json.dumps({"shape": shape, "tokens": args.tokens, "stream": stream,
-                                        "results": results}, indent=2))
+                                        "results": results, "rounds": rounds}, indent=2))
     return 0
 
 

@@ -44,8 +44,8 @@ GROUP_KEY_BYTES = 32  # the secret key of one group, which authenticates its ran
 
 # How a rank's process ends when it fails: EXIT_FAILED when a restart may succeed (a peer that never
 # joined, a lost collective, a crash), EXIT_CONFIG (sysexits.h's EX_CONFIG) when its plan, its
-# checkpoint or its environment is wrong and a restart would fail the same way: `shardctl run`
-# gives up at once on it instead of restarting the group.
+# checkpoint or its environment is wrong and a restart would fail the same way: `shardctl run` and
+# the operator give up at once on it instead of restarting the group.
 EXIT_FAILED = 1
 EXIT_CONFIG = 78
 

@@ -1,7 +1,9 @@
 """Which groups to create, keep, recreate or delete, from what is observed. Pure.
 
 A group is all-or-nothing: its ranks share one communicator, so one failed, deleted or restarted
-rank fails the group, and the operator recreates all of it (up to a restart budget). A group whose
+rank fails the group, and the operator recreates all of it (up to a restart budget), unless a rank
+exited EXIT_CONFIG: it said a restart would fail the same way (a bad checkpoint, a plan its device
+cannot run), so the group is given up at once and the status says why. A group whose
 node is gone or NotReady is *lost*: it is not recreated in place (that would fail again) but waits
 for the planner to move it.
 
@@ -22,6 +24,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
+from shard_contract.env import EXIT_CONFIG
+
 from .api import Rollout
 from .manifests import GROUP_LABEL, NODE_ANNOTATION, PLAN_LABEL, RANK_LABEL, RANKS_LABEL, REVISION_LABEL
 
@@ -40,6 +44,12 @@ class RankState:
     started: bool = False
     message: str = ""
     pod_ip: str = ""
+    permanent: bool = False  # it failed for good: it exited EXIT_CONFIG
+
+
+def _terminations(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    return [t for cs in (pod.get("status") or {}).get("containerStatuses") or []
+            for t in ((cs.get("state") or {}).get("terminated"), (cs.get("lastState") or {}).get("terminated")) if t]
 
 
 @dataclass(frozen=True)
@@ -114,7 +124,9 @@ def rank_state(pod: dict[str, Any], healthy_nodes: set[str] | None = None,
     if meta.get("deletionTimestamp"):
         return RankState(state="Terminating", **common)
     if phase in ("Failed", "Succeeded"):
-        return RankState(state="Failed", message=f"{phase}: {_terminated_message(pod)}", **common)
+        permanent = any(t.get("exitCode") == EXIT_CONFIG for t in _terminations(pod))
+        return RankState(state="Failed", message=f"{phase}: {_terminated_message(pod)}", permanent=permanent,
+                         **common)
     for cs in statuses:
         waiting = (cs.get("state") or {}).get("waiting") or {}
         if waiting.get("reason") in CRASHED or cs.get("restartCount", 0) > 0:
@@ -202,6 +214,7 @@ class Decision:
     restart: list[GroupKey] = field(default_factory=list)     # delete the pods; recreated next round
     delete: dict[GroupKey, str] = field(default_factory=dict)  # whole groups, with the reason
     exhausted: dict[int, str] = field(default_factory=dict)    # replica -> why it is given up
+    unrecoverable: set[int] = field(default_factory=set)       # of those, the ones a restart would not mend
     waiting: list[str] = field(default_factory=list)           # why a replacement cannot proceed
 
 
@@ -249,7 +262,15 @@ def decide(wants: Iterable[Want], observed: Iterable[ObservedGroup], rollout: Ro
                 decision.delete[g.key] = f"replaced by revision {want.revision}, which is ready"
         elif new_state == "Failed":
             done = restarts.get(want.key, 0)
-            if done < budget:
+            for_good = [rank for rank in new.ranks if rank.permanent] if new is not None else []
+            if for_good:
+                decision.keep[want.key] = False
+                decision.unrecoverable.add(r)
+                decision.exhausted[r] = (
+                    f"group {r} failed in a way a restart would repeat (a bad checkpoint, or a plan its devices "
+                    f"cannot run): {'; '.join(f'rank {x.rank} ({x.pod}) {x.message}' for x in for_good)}. "
+                    "Fix the model or the spec (an edit makes a new group), or delete its pods to retry.")
+            elif done < budget:
                 decision.restart.append(want.key)
                 decision.keep[want.key] = False
             else:

@@ -161,7 +161,8 @@ def build_status(obs: Observation, previous: dict[str, Any] | None, now: str) ->
     if obs.problem is not None:
         degraded = (True, obs.problem.reason, obs.problem.message)
     elif decision.exhausted:
-        degraded = (True, "RestartBudgetExhausted", " ".join(decision.exhausted[r] for r in sorted(decision.exhausted)))
+        reason = "RankFailedForGood" if decision.unrecoverable >= decision.exhausted.keys() else "RestartBudgetExhausted"
+        degraded = (True, reason, " ".join(decision.exhausted[r] for r in sorted(decision.exhausted)))
     elif broken:
         lost = any(states.get(wanted[r].key) == "Lost" for r in broken)
         degraded = (True, "NodeLost" if lost else "GroupFailed",
@@ -174,7 +175,8 @@ def build_status(obs: Observation, previous: dict[str, Any] | None, now: str) ->
     if obs.planning:
         progressing = (True, "Planning", obs.planning)
     elif decision.exhausted:
-        progressing = (False, "Failed", "a group is over its restart budget")
+        progressing = (False, "Failed", "a group failed for good" if decision.unrecoverable
+                       else "a group is over its restart budget")
     elif decision.waiting:
         progressing = (False, "Blocked", " ".join(decision.waiting))
     elif replacing:

@@ -17,7 +17,7 @@ from .test_dashboard import KNOWN_LABELS, exported_names, operator_names, refere
 
 CASES = Path(__file__).with_name("alerts_test.yaml")
 ALERTS = {"ShardRankDown", "ShardResidentAbovePlan", "ShardCommunicationShareHigh", "ShardRequestsFailing",
-          "ShardRestartBudgetExhausted"}
+          "ShardRestartBudgetExhausted", "ShardRankFailedForGood"}
 ON = ["metrics.prometheusRule.enabled=true", "metrics.podMonitor.enabled=true"]
 
 

@@ -300,6 +300,28 @@ async def test_a_failed_rank_recreates_its_group_until_the_budget_is_spent(world
     assert reasons.count("RecreatingGroup") == 2
 
 
+async def test_a_rank_that_fails_for_good_is_not_restarted(world):
+    """A rank that exits EXIT_CONFIG (78: its checkpoint or plan is wrong) said that a restart would
+    fail the same way: the group is given up at once, whatever the restart budget."""
+    await world.add_node(gpu_node("a"))
+    model_dir = write_model(world.tmp / "models" / "tiny")
+    async with world.operator(restart_budget=3):
+        await world.create(sharded_model("m1", model_dir, replicas=1))
+        await world.wait_phase("m1", "Ready")
+        before = uids(await world.pods("m1"))
+        await world.kubelet.fail("default", sorted(before)[1], exit_code=78)
+        status = await world.wait_phase("m1", "Failed")
+        degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+        assert degraded["reason"] == "RankFailedForGood" and "exit code 78" in degraded["message"], degraded
+        assert status["groups"][0]["restarts"] == 0
+        assert uids(await world.pods("m1")) == before  # kept for `kubectl logs`
+
+        async def posted():
+            reasons = [e[1] for e in await world.events("m1")]
+            return reasons if "RankFailedForGood" in reasons else None
+        assert "RecreatingGroup" not in await eventually(posted)
+
+
 def scrape(op):
     """The operator's metrics samples, as Prometheus would scrape them."""
     registry = CollectorRegistry()

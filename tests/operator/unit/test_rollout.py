@@ -181,6 +181,19 @@ def test_failed_group_is_recreated_within_budget_then_given_up():
     assert d.restart == [] and "over the restart budget of 3" in d.exhausted[0]
 
 
+def test_a_rank_that_exited_for_good_gives_its_group_up_at_once():
+    config_error = pod(phase="Failed", containerStatuses=[{"state": {"terminated": {
+        "reason": "Error", "exitCode": 78, "message": "shard_worker: model.safetensors: tensor x: truncated"}}}])
+    assert rank_state(config_error).permanent and not rank_state(pod(phase="Failed")).permanent
+    [failed] = observe_groups([pod(name="m-0-r1-0"), {**config_error, "metadata": {
+        **config_error["metadata"], "name": "m-0-r1-1", "labels": {**config_error["metadata"]["labels"],
+                                                                   "sharding.dev/rank": "1"}}}])
+    d = decide([Want(0, "r1")], [failed], SURGE, {}, 3)
+    assert d.restart == [] and d.unrecoverable == {0}
+    assert "restart would repeat" in d.exhausted[0] and "rank 1 (m-0-r1-1)" in d.exhausted[0]
+    assert "truncated" in d.exhausted[0]
+
+
 def test_lost_groups_wait_for_a_new_plan_instead_of_restarting():
     d = decide([Want(0, "a")], [group(["Ready", "Lost"], 0, "a")], SURGE, {}, 3)
     assert not d.restart and d.keep == {(0, "a"): False}

@@ -174,7 +174,7 @@ def evaluate_everything(group, operator_port: int, tmp_path) -> None:
         states = {r["name"]: r["state"] for g in prom.api("rules")["groups"] for r in g["rules"]}
         assert states.pop("ShardCommunicationShareHigh") in ("inactive", "pending")
         assert states == dict.fromkeys(["ShardRankDown", "ShardResidentAbovePlan", "ShardRequestsFailing",
-                                        "ShardRestartBudgetExhausted"], "inactive"), states
+                                        "ShardRestartBudgetExhausted", "ShardRankFailedForGood"], "inactive"), states
 
 
 async def test_prometheus_evaluates_every_grafana_query_and_alert_rule(group, world, tmp_path):  # noqa: F811

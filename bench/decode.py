@@ -7,7 +7,8 @@ parameters), batch 1, a 32-token prompt and 64 new tokens, for float32, bfloat16
 
 * the limit: a plain streaming read of a buffer far larger than the caches (vector loads summed,
   `shard_worker._gemv.read`, the faster of 1 and 4 streams a core) on 1 core and on 2, best of
-  5; every variant is reported against the bytes a
+  5, on transparent huge pages as the worker's weights are (torch's THP_MEM_ALLOC_ENABLE: a read
+  on 4 KiB pages is 3-15% slower here, so the limit is the faster); every variant is reported against the bytes a
   decode step reads (every weight but the embedding table, as the variant stores them) divided by
   that bandwidth;
 * the bare matrix-vector products over those weights: torch's GEMV (`F.linear`) and ours
@@ -202,8 +203,10 @@ def child_torch_tp(model_dir: str, dtype: str, tokens: int, prompt: list[int], r
 
 # ---------------------------------------------------------------- the parent
 def run_child(*args: str, timeout: float = 1800, threads: int = 2, script: str = __file__) -> dict:
+    """A child measurement; its torch puts large buffers on huge pages as a worker rank's does."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "THP_MEM_ALLOC_ENABLE": "1"}
     proc = subprocess.run([sys.executable, script, "--child", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+                          timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"child {args[0]} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -216,7 +219,7 @@ def run_torch_tp(model_dir: str, dtype: str, tokens: int, prompt: list[int]) -> 
     procs = [subprocess.Popen([sys.executable, __file__, "--child", "torch-tp", model_dir, dtype, str(tokens),
                                ",".join(map(str, prompt)), str(rank), "2", str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for rank in range(2)]
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "1"}) for rank in range(2)]
     try:
         outs = [p.communicate(timeout=1800) for p in procs]
     finally:

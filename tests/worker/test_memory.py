@@ -87,7 +87,8 @@ def test_conversions_leave_nothing_behind(by_dtype, stored, target):
     for _ in range(3):
         out = subprocess.run([sys.executable, "-c", LOAD_ONE_RANK, str(by_dtype[stored]), dtype, quantization, "2", "1"],
                              capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
-                                                                               "OMP_NUM_THREADS": "1"})
+                                                                               "OMP_NUM_THREADS": "1",
+                                                                               "THP_MEM_ALLOC_ENABLE": "1"})  # as a rank
         assert out.returncode == 0, out.stderr
         measured = json.loads(out.stdout)
         assert measured["allocated"] == predicted.weights

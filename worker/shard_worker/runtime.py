@@ -3,6 +3,7 @@ rank's stage, allocate its KV cache, and measure what that costs in memory."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from dataclasses import dataclass, field
@@ -95,6 +96,17 @@ def agreed_dtype(planned: str, capability: tuple[int, int] | None, comm: Comm) -
     return torch.float16, (f"the plan says bfloat16, which {whose} does not run natively (it needs compute "
                            "capability 8.0): the group runs float16")
 
+
+
+def freeze_loaded_objects() -> None:
+    """Once the rank has loaded, in the process that runs it: the objects alive now (torch's, the
+    model's, the libraries') live as long as the process, so move them out of the cyclic garbage
+    collector's reach (`gc.freeze`, as pre-forking servers do). Walking them cost 4-5% of every
+    bfloat16 decode step at TP=1 (perf, the 853M model): the GC's full collections, which a step's
+    short-lived objects set off, visit every tracked object. With it, such a rank decoded at
+    0.86-1.00 of the one-core read limit in three rounds of four, against 0.80-0.82 without."""
+    gc.collect()
+    gc.freeze()
 
 @dataclass
 class Worker:

@@ -202,9 +202,12 @@ def child_torch_tp(model_dir: str, dtype: str, tokens: int, prompt: list[int], r
 
 
 # ---------------------------------------------------------------- the parent
+# A child's torch puts its large buffers on transparent huge pages: the limit is the faster read
+HUGE_PAGES = {"THP_MEM_ALLOC_ENABLE": "1"}
+
+
 def run_child(*args: str, timeout: float = 1800, threads: int = 2, script: str = __file__) -> dict:
-    """A child measurement; its torch puts large buffers on huge pages as a worker rank's does."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "THP_MEM_ALLOC_ENABLE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), **HUGE_PAGES}
     proc = subprocess.run([sys.executable, script, "--child", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
     if proc.returncode != 0:
@@ -219,7 +222,7 @@ def run_torch_tp(model_dir: str, dtype: str, tokens: int, prompt: list[int]) -> 
     procs = [subprocess.Popen([sys.executable, __file__, "--child", "torch-tp", model_dir, dtype, str(tokens),
                                ",".join(map(str, prompt)), str(rank), "2", str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "1"}) for rank in range(2)]
+                              env={**os.environ, "OMP_NUM_THREADS": "1", **HUGE_PAGES}) for rank in range(2)]
     try:
         outs = [p.communicate(timeout=1800) for p in procs]
     finally:

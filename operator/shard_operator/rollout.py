@@ -80,13 +80,15 @@ class Want:
 
 # ---------------------------------------------------------------- observing
 def _terminated_message(pod: dict[str, Any]) -> str:
-    for term in _terminations(pod)[:1]:
-        # With FallbackToLogsOnError the message is the tail of the rank's log: keep its last line.
-        tail = (term.get("message") or "").strip().splitlines()
-        said = f": {tail[-1][:300]}" if tail else ""
-        return f"{term.get('reason') or 'exited'} (exit code {term.get('exitCode')}){said}"
-    status = pod.get("status") or {}
-    return status.get("reason") or status.get("message") or "failed"
+    terminations = _terminations(pod)
+    if not terminations:
+        status = pod.get("status") or {}
+        return status.get("reason") or status.get("message") or "failed"
+    term = terminations[0]
+    # With FallbackToLogsOnError the message is the tail of the rank's log: keep its last line.
+    tail = (term.get("message") or "").strip().splitlines()
+    said = f": {tail[-1][:300]}" if tail else ""
+    return f"{term.get('reason') or 'exited'} (exit code {term.get('exitCode')}){said}"
 
 
 def pod_node(pod: dict[str, Any]) -> str:

@@ -97,7 +97,6 @@ def agreed_dtype(planned: str, capability: tuple[int, int] | None, comm: Comm) -
                            "capability 8.0): the group runs float16")
 
 
-
 def freeze_loaded_objects() -> None:
     """Once the rank has loaded, in the process that runs it: the objects alive now (torch's, the
     model's, the libraries') live as long as the process, so move them out of the cyclic garbage
@@ -107,6 +106,7 @@ def freeze_loaded_objects() -> None:
     0.86-1.00 of the one-core read limit in three rounds of four, against 0.80-0.82 without."""
     gc.collect()
     gc.freeze()
+
 
 @dataclass
 class Worker:

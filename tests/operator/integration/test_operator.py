@@ -765,9 +765,9 @@ async def _uids(world, name):
 
 
 async def _serving_without(world, name, node, ready):
-    pods = await world.pods(name)
-    return (await world.status(name)).get("readyReplicas") == ready and \
-        node not in set().union(*groups_of(pods).values()) and len(groups_of(pods)) == ready
+    groups = groups_of(await world.pods(name))
+    return (await world.status(name)).get("readyReplicas") == ready and len(groups) == ready and \
+        node not in set().union(*groups.values())
 
 
 async def _as_planned(world, name, settings, replicas):

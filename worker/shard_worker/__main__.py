@@ -21,6 +21,12 @@ from pathlib import Path
 # with 2 threads decoded slower than with 1 (0.42 of the 2-core limit in bfloat16). Set it to
 # override.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Also before torch allocates: its CPU allocator puts every buffer of 2 MiB or more on transparent
+# huge pages (2 MiB aligned, madvise MADV_HUGEPAGE). Decode streams every weight once a token: on
+# 4 KiB pages the hardware prefetchers stop at each page boundary, and bfloat16 weights streamed
+# 4-11% slower (Zen 4, bench/decode.py). A kernel with THP off ("never") ignores it. Set it to 0
+# to opt out.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from shard_contract.checkpoint import CheckpointError
 from shard_contract.env import EXIT_CONFIG, EXIT_FAILED, RESULT_ENV, TASK_ENV, WorkerEnv, WorkerEnvError

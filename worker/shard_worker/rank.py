@@ -37,7 +37,7 @@ from .batcher import EngineLoop, Unavailable
 from .health import Heartbeat, Record, Verdict, memory_problems, read_group_key
 from .log import first_line, log
 from .rankmetrics import RankMetrics
-from .runtime import Worker
+from .runtime import Worker, freeze_loaded_objects
 
 HOST_ENV = "SHARD_HOST"
 GRACEFUL_SECONDS = 10.0  # in-flight requests get this long to finish on SIGTERM
@@ -136,6 +136,7 @@ class Rank:
             self._stop_serving(self.exit_status(err))
             return
         log(rank, worker.loaded(time.perf_counter() - start))
+        freeze_loaded_objects()
         self.problems = memory_problems(self.rank_plan, worker.resident, self.env.memory_budget_bytes)
         for problem in self.problems:
             log(rank, f"memory check failed: {problem}")

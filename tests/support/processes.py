@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    # A test run started in the background (`make test &`) ignores SIGINT, and its children would
+    # inherit that: Ctrl-C would then not reach shardctl, as it does from a user's terminal.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def shardctl(*args: str, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "shard_operator.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kwargs)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_as_in_a_terminal, **kwargs)
 
 
 def children(pid: int) -> list[int]:

@@ -8,9 +8,10 @@ parameters), batch 1, a 32-token prompt and 64 new tokens, for float32, bfloat16
 * the limit: a plain streaming read of a buffer far larger than the caches (vector loads summed,
   `shard_worker._gemv.read`, the faster of 1 and 4 streams a core) on 1 core and on 2, best of
   5, on transparent huge pages as the worker's weights are (torch's THP_MEM_ALLOC_ENABLE: a read
-  on 4 KiB pages is 3-15% slower here, so the limit is the faster); every variant is reported against the bytes a
-  decode step reads (every weight but the embedding table, as the variant stores them) divided by
-  that bandwidth;
+  on 4 KiB pages is 3-15% slower here, so the limit is the faster), measured again before and
+  after each variant: every variant is reported against the bytes a decode step reads (every
+  weight but the embedding table, as the variant stores them) divided by the mean of the two
+  reads around it (the bandwidth of that minute);
 * the bare matrix-vector products over those weights: torch's GEMV (`F.linear`) and ours
   (`shard_worker.kernels`), with 1 and 2 threads, each beside a streaming read in the same process;
 * HF transformers' `generate` with 1 and 2 threads (float32, bfloat16);
@@ -302,6 +303,11 @@ def ensure_checkpoint(directory: Path, shape: dict, dtype: str = "float32") -> P
     return directory
 
 
+def stream_now() -> dict:
+    """GB/s of the plain read on 1 and 2 cores now (best of 2: quick, between two variants)."""
+    return run_child("stream", str(STREAM_BYTES), "2")
+
+
 def decode_bytes(model_dir: str, dtype: str, quantization: str) -> int:
     """Bytes our decode step reads: every weight but the embedding table, as stored (the planner's
     sizing: the same numbers the plan predicts)."""
@@ -316,6 +322,7 @@ def decode_bytes(model_dir: str, dtype: str, quantization: str) -> int:
 def measure(model_dir: str, precision: str, tokens: int, prompt: list[int], skip: set[str],
             llama_python: Path, layers: int) -> dict:
     dtype, quantization, gguf_kind = PRECISIONS[precision]
+    before = [stream_now()]  # the read just before the next variant (the one after the last)
 
     def step(name: str, fn, *args, **kwargs):
         print(f"  {precision} {name} ...", file=sys.stderr, flush=True)
@@ -325,6 +332,9 @@ def measure(model_dir: str, precision: str, tokens: int, prompt: list[int], skip
         except Exception as err:  # one failed variant must not lose the others
             value = {"error": str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__}
         value["load"] = os.getloadavg()[0]  # 1-minute load average at the end (our own ranks included)
+        after = stream_now()
+        value["stream"] = {n: (before[0][n] + after[n]) / 2 for n in ("1", "2")}  # that minute's limit
+        before[0] = after
         print(f"  {precision} {name}: {value} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
         return value
 
@@ -360,7 +370,8 @@ def report(stream: dict, results: dict, shape: dict, tokens: int) -> str:
     bw1, bw2 = stream["1"] * 1e9, stream["2"] * 1e9
     lines = [f"Model: random Llama {shape}; batch 1, {PROMPT_TOKENS}-token prompt, {tokens} new tokens.",
              f"Streaming read (the limit): {stream['1']:.1f} GB/s on 1 core, {stream['2']:.1f} GB/s on 2 cores "
-             f"({STREAM_BYTES / 2**30:.0f} GiB buffer, load {stream['load']:.1f}).", "",
+             f"({STREAM_BYTES / 2**30:.0f} GiB buffer, load {stream['load']:.1f}) at the start of a round; each "
+             "variant's share is against the read measured just before and after it.", "",
              "| precision | variant | cores | ms/token | tokens/s | share of the streaming limit | vs llama.cpp "
              "| comm share | idle share | load |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -375,15 +386,20 @@ def report(stream: dict, results: dict, shape: dict, tokens: int) -> str:
         llama = {n: r.get(f"llama{n}", {}).get("seconds_per_token") for n in (1, 2)}
         llama_rpc = r.get("llama_rpc", {}).get("seconds_per_token")
         rows = []
+        def near(figures: dict, n: int, nbytes: int = ours_bytes) -> float:
+            """Seconds a token at the limit measured around a variant (the round's where it has none)."""
+            bw = figures.get("stream", {}).get(str(n))
+            return nbytes / (bw * 1e9) if bw else nbytes / (bw1 if n == 1 else bw2)
+
         mv = r["matvec"]
         if "error" not in mv:
             scale = ours_bytes / mv["bytes"]  # the bare weights lack norms and biases: per token
             for n in (1, 2):
                 rows.append((f"torch's GEMV (F.linear{', int8 dequantized in chunks' if precision == 'int8' else ''}), bare",
-                             n, mv[str(n)]["torch"] * scale, limit[n], None, {"load": mv["load"]}))
+                             n, mv[str(n)]["torch"] * scale, near(mv, n), None, {"load": mv["load"]}))
                 rows.append((f"our GEMV ({mv['kernel']}), bare; beside a read of the same bytes: "
                              f"{mv[str(n)]['read'] / mv[str(n)]['ours']:.2f}", n, mv[str(n)]["ours"] * scale,
-                             limit[n], None, {"load": mv["load"]}))
+                             near(mv, n), None, {"load": mv["load"]}))
         for key, name, n in (("hf1", "HF transformers generate, 1 thread", 1),
                              ("hf2", "HF transformers generate, 2 threads", 2),
                              ("tp1", "shard worker TP=1, 1 thread", 1), ("tp1x2", "shard worker TP=1, 2 threads", 2),
@@ -392,15 +408,15 @@ def report(stream: dict, results: dict, shape: dict, tokens: int) -> str:
                              ("torch_tp2", "PyTorch parallelize_module TP=2", 2)):
             if key in r:
                 peer = {"pp2": llama_rpc}.get(key, llama[n]) if key != "torch_tp2" else llama[n]
-                rows.append((name, n, r[key].get("seconds_per_token"), limit[n], peer, r[key]))
+                rows.append((name, n, r[key].get("seconds_per_token"), near(r[key], n), peer, r[key]))
         for n in (1, 2):
             if f"llama{n}" in r:
                 rows.append((f"llama.cpp {dict(zip(PRECISIONS, ('F32', 'BF16', 'Q8_0')))[precision]}, {n} thread(s) "
-                             f"({llama_bytes / 2**20:.0f} MiB a token)", n, llama[n], llama_bytes / (bw1 if n == 1 else bw2),
+                             f"({llama_bytes / 2**20:.0f} MiB a token)", n, llama[n], near(r[f"llama{n}"], n, llama_bytes),
                              None, r[f"llama{n}"]))
         if "llama_rpc" in r:
-            rows.append(("llama.cpp layers over 2 processes (RPC), 1 thread each", 1, llama_rpc, llama_bytes / bw1,
-                         None, r["llama_rpc"]))
+            rows.append(("llama.cpp layers over 2 processes (RPC), 1 thread each", 1, llama_rpc,
+                         near(r["llama_rpc"], 1, llama_bytes), None, r["llama_rpc"]))
         for name, n, seconds, lim, peer, figures in rows:
             if seconds is None:
                 lines.append(f"| {precision} | {name} | {n} | {figures.get('error', 'not run')} | | | | | | "
@@ -413,8 +429,8 @@ def report(stream: dict, results: dict, shape: dict, tokens: int) -> str:
         tp1, tp2 = r["tp1"].get("seconds_per_token"), r["tp2"].get("seconds_per_token")
         checks = []
         if tp1 and tp2 and precision != "int8":
-            checks += [("TP=1 share of the 1-core streaming limit", limit[1] / tp1, ">= 0.85"),
-                       ("TP=2 share of the 2-core streaming limit", limit[2] / tp2, ">= 0.80")]
+            checks += [("TP=1 share of the 1-core streaming limit", near(r["tp1"], 1) / tp1, ">= 0.85"),
+                       ("TP=2 share of the 2-core streaming limit", near(r["tp2"], 2) / tp2, ">= 0.80")]
         for n, ours in ((1, tp1), (2, tp2)):
             if ours and llama[n]:
                 checks.append((f"TP={n} vs llama.cpp with {n} thread(s) (theirs / ours)", llama[n] / ours, ">= 1.00"))

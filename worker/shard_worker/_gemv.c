@@ -778,6 +778,33 @@ static void *prepare_x(Job *j, int level, int *failed) {
     return xf;
 }
 
+/* y = x W^T (* scale) for m rows of x, split over `threads`; 0, or -1 when memory ran out.
+ * Runs without the GIL (the callers release it). */
+static int gemv_run(int wtype, int xtype, const void *w, const void *scale, const void *x, void *y, int64_t n,
+                    int64_t k, int64_t ldw, int64_t m, int64_t ldx, int64_t ldy, int threads, int level) {
+    Job job = {wtype, xtype, w, scale, x, y, NULL, n, k, m, ldx, ldy, ldw, NULL, NULL, 0, 0};
+    GemvTask task = {&job, pick(level, wtype, xtype)};
+    int failed = 0;
+    void *buffer = prepare_x(&job, level, &failed);
+    if (!failed) {
+        /* a thread per ~64K weights at least: below that, waking one costs more than it saves */
+        const int64_t useful = (n * k) / 65536 + 1;
+        int nt = threads < 1 ? 1 : threads;
+        if (nt > useful) nt = (int)useful;
+        parallel(gemv_part, &task, nt);
+    }
+    free(buffer);
+    return failed ? -1 : 0;
+}
+
+/* the dtypes and shapes gemv_run takes */
+static int gemv_valid(int wtype, int xtype, const void *scale, int64_t n, int64_t k, int64_t ldw, int64_t m,
+                      int64_t ldx, int64_t ldy) {
+    return !(wtype < W_F32 || wtype > W_I8 || xtype < X_F32 || xtype > X_BF16 || m < 1 || m > MAX_M || n < 0
+             || k < 1 || ldw < k || ldx < k || ldy < n || (wtype == W_I8 && !scale)
+             || (wtype == W_F32 && xtype != X_F32) || (wtype == W_BF16 && xtype != X_BF16));
+}
+
 static PyObject *py_linear(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long w, scale, x, y;
@@ -786,9 +813,7 @@ static PyObject *py_linear(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iiKKKKLLLLLLii", &wtype, &xtype, &w, &scale, &x, &y, &n, &k, &ldw, &m, &ldx, &ldy,
                           &threads, &level))
         return NULL;
-    if (wtype < W_F32 || wtype > W_I8 || xtype < X_F32 || xtype > X_BF16 || m < 1 || m > MAX_M || n < 0 || k < 1
-        || ldw < k || ldx < k || ldy < n || (wtype == W_I8 && !scale) || (wtype == W_F32 && xtype != X_F32)
-        || (wtype == W_BF16 && xtype != X_BF16)) {
+    if (!gemv_valid(wtype, xtype, (const void *)(uintptr_t)scale, n, k, ldw, m, ldx, ldy)) {
         PyErr_SetString(PyExc_ValueError, "linear: unsupported dtypes or shape");
         return NULL;
     }
@@ -796,22 +821,11 @@ static PyObject *py_linear(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "linear: this CPU cannot run kernel level %d", level);
         return NULL;
     }
-    Job job = {wtype, xtype, (const void *)(uintptr_t)w, (const void *)(uintptr_t)scale,
-               (const void *)(uintptr_t)x, (void *)(uintptr_t)y, NULL, n, k, m, ldx, ldy, ldw, NULL, NULL, 0, 0};
-    GemvTask task = {&job, pick(level, wtype, xtype)};
-    int failed = 0;
-    void *buffer;
+    int failed;
     Py_BEGIN_ALLOW_THREADS
-    buffer = prepare_x(&job, level, &failed);
-    if (!failed) {
-        /* a thread per ~64K weights at least: below that, waking one costs more than it saves */
-        const int64_t useful = (n * k) / 65536 + 1;
-        int nt = threads < 1 ? 1 : threads;
-        if (nt > useful) nt = (int)useful;
-        parallel(gemv_part, &task, nt);
-    }
+    failed = gemv_run(wtype, xtype, (const void *)(uintptr_t)w, (const void *)(uintptr_t)scale,
+                      (const void *)(uintptr_t)x, (void *)(uintptr_t)y, n, k, ldw, m, ldx, ldy, threads, level);
     Py_END_ALLOW_THREADS
-    free(buffer);
     if (failed) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
@@ -827,7 +841,7 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "quantize: unsupported dtype, shape or level");
         return NULL;
     }
-    Job job = {W_I8, xtype, NULL, NULL, (const void *)(uintptr_t)x, NULL, NULL, 0, k, m, ldx, 0, NULL, NULL, 0, 0};
+    Job job = {.wtype = W_I8, .xtype = xtype, .x = (const void *)(uintptr_t)x, .k = k, .m = m, .ldx = ldx};
     job.nblk = (k + QBLOCK - 1) / QBLOCK;
     job.kpad = job.nblk * QBLOCK;
     Py_BEGIN_ALLOW_THREADS
@@ -993,6 +1007,70 @@ INLINE void rms_norm_rows(int xtype, const void *x, const void *w, void *y, int6
     }
 }
 
+/* SwiGLU's silu(g) = g / (1 + e^-g), in float32, from e = e^-|g| (exp8 takes x <= 0): g / (1 + e)
+ * for g >= 0, g e / (1 + e) below (the same value, without computing e^-g, which overflows) */
+INLINE f8 silu8(f8 g) {
+    u32x8 bits;
+    memcpy(&bits, &g, sizeof bits);
+    f8 neg_abs;
+    const u32x8 nb = bits | 0x80000000u;
+    memcpy(&neg_abs, &nb, sizeof neg_abs);
+    const f8 e = exp8(&neg_abs), one = {1, 1, 1, 1, 1, 1, 1, 1};
+    const i32x8 below = g < (f8){0};  /* -1 where g < 0 */
+    /* below -87, e^-g overflows float32 in torch's g / (1 + e^-g): -0, where exp8 stops at e^-87 */
+    const i32x8 far = g < (f8){-87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f};
+    i32x8 gi, ei, gei;
+    memcpy(&ei, &e, sizeof ei);
+    ei &= ~far;
+    f8 e_near;
+    memcpy(&e_near, &ei, sizeof e_near);
+    const f8 ge = g * e_near;
+    memcpy(&gi, &g, sizeof gi);
+    memcpy(&gei, &ge, sizeof gei);
+    const i32x8 numi = (gei & below) | (gi & ~below);
+    f8 num;
+    memcpy(&num, &numi, sizeof num);
+    return num / (one + e);
+}
+
+/* out[b] = silu(gate) * up for rows [n, 2 inter] = (gate | up), as torch's F.silu(gate) * up: the
+ * silu rounded to the dtype, then the product */
+INLINE void silu_mul_rows(int xtype, const void *gu, void *out, int64_t n, int64_t inter) {
+    for (int64_t b = 0; b < n; b++) {
+        const int64_t g0 = b * 2 * inter, u0 = g0 + inter, o0 = b * inter;
+        for (int64_t i = 0; i < inter; i += 8) {
+            const int64_t len = inter - i < 8 ? inter - i : 8;
+            f8 g = {0}, u = {0};
+            if (len == 8) {
+                g = load8(xtype, gu, g0 + i);
+                u = load8(xtype, gu, u0 + i);
+            } else {
+                for (int64_t l = 0; l < len; l++) { g[l] = load1(xtype, gu, g0 + i + l); u[l] = load1(xtype, gu, u0 + i + l); }
+            }
+            f8 y = silu8(g);
+            if (xtype != X_F32) round_bf16_8(&y);
+            y *= u;
+            if (xtype != X_F32) round_bf16_8(&y);
+            if (len == 8) store8(xtype, out, o0 + i, &y);
+            else for (int64_t l = 0; l < len; l++) store1(xtype, out, o0 + i + l, y[l]);
+        }
+    }
+}
+
+/* dst[b, :len] += src[b * ld : b * ld + len] for n rows (ld 0: one row for all, a bias), each sum
+ * in float32 rounded to the dtype, as torch adds */
+INLINE void add_rows(int xtype, void *dst, const void *src, int64_t n, int64_t len, int64_t ld) {
+    for (int64_t b = 0; b < n; b++) {
+        int64_t i = 0;
+        for (; i + 8 <= len; i += 8) {
+            f8 v = load8(xtype, dst, b * len + i) + load8(xtype, src, b * ld + i);
+            if (xtype != X_F32) round_bf16_8(&v);
+            store8(xtype, dst, b * len + i, &v);
+        }
+        for (; i < len; i++) store1(xtype, dst, b * len + i, load1(xtype, dst, b * len + i) + load1(xtype, src, b * ld + i));
+    }
+}
+
 typedef struct {
     int xtype;
     const void *qkv;              /* [n, (heads + 2 kv_heads) * hd]: q, k, v of each row */
@@ -1076,12 +1154,38 @@ T256FN static void attend_rows_256(const Attn *a, int64_t t0, int64_t t1, float 
 T256FN static void rms_norm_256(int xtype, const void *x, const void *w, void *y, int64_t n, int64_t h, float eps) {
     rms_norm_rows(xtype, x, w, y, n, h, eps);
 }
+T256FN static void silu_mul_256(int xtype, const void *gu, void *out, int64_t n, int64_t inter) {
+    silu_mul_rows(xtype, gu, out, n, inter);
+}
+T256FN static void add_rows_256(int xtype, void *dst, const void *src, int64_t n, int64_t len, int64_t ld) {
+    add_rows(xtype, dst, src, n, len, ld);
+}
 #endif
 static void attend_rows(const Attn *a, int64_t t0, int64_t t1, float *work) {
     for (int64_t t = t0; t < t1; t++) attend_one(a, t / a->kv_heads, t % a->kv_heads, work);
 }
 static void rms_norm_plain(int xtype, const void *x, const void *w, void *y, int64_t n, int64_t h, float eps) {
     rms_norm_rows(xtype, x, w, y, n, h, eps);
+}
+static void silu_mul_plain(int xtype, const void *gu, void *out, int64_t n, int64_t inter) {
+    silu_mul_rows(xtype, gu, out, n, inter);
+}
+static void add_rows_plain(int xtype, void *dst, const void *src, int64_t n, int64_t len, int64_t ld) {
+    add_rows(xtype, dst, src, n, len, ld);
+}
+static void silu_mul_run(int level, int xtype, const void *gu, void *out, int64_t n, int64_t inter) {
+#if X86
+    if (level >= AVX2) { silu_mul_256(xtype, gu, out, n, inter); return; }
+#endif
+    (void)level;
+    silu_mul_plain(xtype, gu, out, n, inter);
+}
+static void add_rows_run(int level, int xtype, void *dst, const void *src, int64_t n, int64_t len, int64_t ld) {
+#if X86
+    if (level >= AVX2) { add_rows_256(xtype, dst, src, n, len, ld); return; }
+#endif
+    (void)level;
+    add_rows_plain(xtype, dst, src, n, len, ld);
 }
 
 static void attend_part(void *p, int i, int nt) {  /* (row, KV head) pairs, split over the threads */
@@ -1095,6 +1199,28 @@ static void attend_part(void *p, int i, int nt) {  /* (row, KV head) pairs, spli
     if (t0 < t1) attend_rows(t->attn, t0, t1, work);
 }
 
+/* the shapes attend_run takes */
+static int attend_valid(const Attn *a, int64_t n) {
+    return !(a->xtype < X_F32 || a->xtype > X_BF16 || n < 1 || a->kv_heads < 1 || a->heads % a->kv_heads
+             || a->hd < 2 || a->hd % 2 || a->col < 0 || a->cache_head < a->hd * (a->col + 1)
+             || a->cache_row < a->cache_head * a->kv_heads);
+}
+
+/* One decode step's attention (see py_attend), split over `threads`; 0, or -1 when memory ran out */
+static int attend_run(const Attn *a, int threads, int level) {
+    const int64_t group = a->heads / a->kv_heads, per_thread = 2 * (group + 1) * a->hd + group * (a->col + 1);
+    /* a thread per ~64K cached values read at least, as for the matrix products */
+    const int64_t useful = (a->n * a->kv_heads * (a->col + 1) * a->hd) / 65536 + 1;
+    int nt = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    if (nt > useful) nt = (int)useful;
+    float *work = (float *)malloc((size_t)(nt * per_thread) * sizeof(float));
+    if (!work) return -1;
+    AttnTask task = {a, X86 && level >= AVX2, work, per_thread};
+    parallel(attend_part, &task, nt);
+    free(work);
+    return 0;
+}
+
 static PyObject *py_attend(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long qkv, cs, sn, kc, vc, first, out;
@@ -1104,28 +1230,27 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iKKKKKKKLLLLLLLdii", &xtype, &qkv, &cs, &sn, &kc, &vc, &first, &out, &n, &heads,
                           &kv_heads, &hd, &cache_row, &cache_head, &col, &scale, &threads, &level))
         return NULL;
-    if (xtype < X_F32 || xtype > X_BF16 || n < 1 || kv_heads < 1 || heads % kv_heads || hd < 2 || hd % 2 || col < 0
-        || cache_head < hd * (col + 1) || cache_row < cache_head * kv_heads || level < 0 || level >= LEVELS
-        || !supported[level]) {
-        PyErr_SetString(PyExc_ValueError, "attend: unsupported dtype, shape or level");
-        return NULL;
-    }
     Attn a = {xtype, (const void *)(uintptr_t)qkv, (const void *)(uintptr_t)cs, (const void *)(uintptr_t)sn,
               (void *)(uintptr_t)kc, (void *)(uintptr_t)vc, cache_row, cache_head, (const int64_t *)(uintptr_t)first,
               col, (void *)(uintptr_t)out, n, heads, kv_heads, hd, (float)scale};
-    const int64_t group = heads / kv_heads, per_thread = 2 * (group + 1) * hd + group * (col + 1);
-    /* a thread per ~64K cached values read at least, as for the matrix products */
-    const int64_t useful = (n * kv_heads * (col + 1) * hd) / 65536 + 1;
-    int nt = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
-    if (nt > useful) nt = (int)useful;
-    float *work = (float *)malloc((size_t)(nt * per_thread) * sizeof(float));
-    if (!work) return PyErr_NoMemory();
-    AttnTask task = {&a, X86 && level >= AVX2, work, per_thread};
+    if (!attend_valid(&a, n) || level < 0 || level >= LEVELS || !supported[level]) {
+        PyErr_SetString(PyExc_ValueError, "attend: unsupported dtype, shape or level");
+        return NULL;
+    }
+    int failed;
     Py_BEGIN_ALLOW_THREADS
-    parallel(attend_part, &task, nt);
+    failed = attend_run(&a, threads, level);
     Py_END_ALLOW_THREADS
-    free(work);
+    if (failed) return PyErr_NoMemory();
     Py_RETURN_NONE;
+}
+
+static void rms_norm_run(int level, int xtype, const void *x, const void *w, void *y, int64_t n, int64_t h, float eps) {
+#if X86
+    if (level >= AVX2) { rms_norm_256(xtype, x, w, y, n, h, eps); return; }
+#endif
+    (void)level;
+    rms_norm_plain(xtype, x, w, y, n, h, eps);
 }
 
 static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
@@ -1139,13 +1264,8 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "rms_norm: unsupported dtype, shape or level");
         return NULL;
     }
-#if X86
-    if (level >= AVX2) {
-        rms_norm_256(xtype, (const void *)(uintptr_t)x, (const void *)(uintptr_t)w, (void *)(uintptr_t)y, n, h, (float)eps);
-        Py_RETURN_NONE;
-    }
-#endif
-    rms_norm_plain(xtype, (const void *)(uintptr_t)x, (const void *)(uintptr_t)w, (void *)(uintptr_t)y, n, h, (float)eps);
+    rms_norm_run(level, xtype, (const void *)(uintptr_t)x, (const void *)(uintptr_t)w, (void *)(uintptr_t)y, n, h,
+                 (float)eps);
     Py_RETURN_NONE;
 }
 
@@ -1159,6 +1279,34 @@ static double monotonic_seconds(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int shm_round(int xtype, void *t, int64_t numel, char *slots, int64_t slot_bytes, int64_t *flag,
+                     int64_t flag_stride, int size, int rank, int64_t round, double timeout) {
+    const int64_t esize = xtype == X_F32 ? 4 : 2;
+    int missed = -1;
+    char *set = slots + (round % 2) * size * slot_bytes;
+    memcpy(set + rank * slot_bytes, t, (size_t)(numel * esize));
+    __atomic_store_n(flag + rank * flag_stride, round, __ATOMIC_RELEASE);
+    for (int p = 0; p < size && missed < 0; p++) {
+        uint64_t spins = 0;
+        double deadline = 0.0;
+        while (__atomic_load_n(flag + p * flag_stride, __ATOMIC_ACQUIRE) < round) {
+            relax();
+            if (++spins % 1024 == 0) {
+                sched_yield();
+                const double now = monotonic_seconds();
+                if (deadline == 0.0) deadline = now + timeout;
+                else if (now > deadline) { missed = p; break; }
+            }
+        }
+    }
+    for (int64_t i = 0; missed < 0 && i < numel; i++) {
+        float sum = load1(xtype, set, i);
+        for (int p = 1; p < size; p++) sum += load1(xtype, set + p * slot_bytes, i);
+        store1(xtype, t, i, sum);
+    }
+    return missed;
 }
 
 static PyObject *py_shm_all_reduce(PyObject *self, PyObject *args) {
@@ -1176,32 +1324,198 @@ static PyObject *py_shm_all_reduce(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "shm_all_reduce: unsupported dtype, size or rank");
         return NULL;
     }
-    int missed = -1;
+    int missed;
     Py_BEGIN_ALLOW_THREADS
-    char *set = (char *)(uintptr_t)slots + (round % 2) * size * slot_bytes;
-    int64_t *flag = (int64_t *)(uintptr_t)flags;
-    memcpy(set + rank * slot_bytes, (const void *)(uintptr_t)t, (size_t)(numel * esize));
-    __atomic_store_n(flag + rank * flag_stride, (int64_t)round, __ATOMIC_RELEASE);
-    for (int p = 0; p < size && missed < 0; p++) {
-        uint64_t spins = 0;
-        double deadline = 0.0;
-        while (__atomic_load_n(flag + p * flag_stride, __ATOMIC_ACQUIRE) < round) {
-            relax();
-            if (++spins % 1024 == 0) {
-                sched_yield();
-                const double now = monotonic_seconds();
-                if (deadline == 0.0) deadline = now + timeout;
-                else if (now > deadline) { missed = p; break; }
-            }
-        }
-    }
-    for (int64_t i = 0; missed < 0 && i < numel; i++) {
-        float sum = load1(xtype, set, i);
-        for (int p = 1; p < size; p++) sum += load1(xtype, set + p * slot_bytes, i);
-        store1(xtype, (void *)(uintptr_t)t, i, sum);
-    }
+    missed = shm_round(xtype, (void *)(uintptr_t)t, numel, (char *)(uintptr_t)slots, slot_bytes,
+                       (int64_t *)(uintptr_t)flags, flag_stride, size, rank, round, timeout);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(missed);
+}
+
+static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long gu, out;
+    int xtype, level;
+    long long n, inter;
+    if (!PyArg_ParseTuple(args, "iKKLLi", &xtype, &gu, &out, &n, &inter, &level)) return NULL;
+    if (xtype < X_F32 || xtype > X_BF16 || n < 0 || inter < 1 || level < 0 || level >= LEVELS || !supported[level]) {
+        PyErr_SetString(PyExc_ValueError, "silu_mul: unsupported dtype, shape or level");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    silu_mul_run(level, xtype, (const void *)(uintptr_t)gu, (void *)(uintptr_t)out, n, inter);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------------- a whole decoder layer
+ * A decode step's layer in one call, the GIL released throughout: what the Python layer does with
+ * the calls above, in the same order and with the same roundings, so the bits are the same (the
+ * tests compare them), without ~0.5 ms of Python and torch dispatch a layer (a fifth of a TP=2
+ * rank's decode step in bfloat16):
+ *   h = rms_norm(x); qkv = h Wqkv^T (+ b); a = attend(qkv); o = a Wo^T; all-reduce o (+ b); x += o;
+ *   h = rms_norm(x); gu = h Wgu^T (+ b); m = silu(gate) up; d = m Wdown^T; all-reduce d (+ b); x += d.
+ * The layer's fixed part (pointers, shapes, its KV cache, the shared-memory group) is a LayerPlan:
+ * int64 fields (doubles by their bits) that Python packs by the names layer_fields() gives. */
+#define LAYER_FIELDS(F)                                                                          \
+    F(xtype) F(wtype) F(hidden) F(heads) F(kv_heads) F(head_dim) F(inter) F(eps_bits)            \
+    F(in_norm) F(post_norm)                                                                      \
+    F(qkv_w) F(qkv_ldw) F(qkv_scale) F(qkv_bias) F(o_w) F(o_ldw) F(o_scale) F(o_bias)            \
+    F(gate_up_w) F(gate_up_ldw) F(gate_up_scale) F(gate_up_bias)                                 \
+    F(down_w) F(down_ldw) F(down_scale) F(down_bias)                                             \
+    F(k_cache) F(v_cache) F(cache_rows) F(cache_row) F(cache_head) F(cache_len)                   \
+    F(shm_slots) F(shm_slot_bytes) F(shm_flags) F(shm_flag_stride) F(shm_size) F(shm_rank) F(shm_timeout_bits)
+#define PLAN_FIELD(name) int64_t name;
+typedef struct { LAYER_FIELDS(PLAN_FIELD) } LayerPlan;
+#define PLAN_NAME(name) #name,
+static const char *LAYER_FIELD_NAMES[] = {LAYER_FIELDS(PLAN_NAME)};
+#define N_LAYER_FIELDS ((Py_ssize_t)(sizeof LAYER_FIELD_NAMES / sizeof LAYER_FIELD_NAMES[0]))
+
+#define PTR(v) ((void *)(uintptr_t)(v))
+static double bits_double(int64_t bits) { double d; memcpy(&d, &bits, sizeof d); return d; }
+
+/* What is wrong with a plan, or NULL */
+static const char *layer_problem(const LayerPlan *p) {
+    const int64_t h = p->hidden, q = p->heads * p->head_dim, kv = p->kv_heads * p->head_dim, esize = p->xtype ? 2 : 4;
+    const void *scales[4] = {PTR(p->qkv_scale), PTR(p->o_scale), PTR(p->gate_up_scale), PTR(p->down_scale)};
+    const int64_t ns[4] = {q + 2 * kv, h, 2 * p->inter, h}, ks[4] = {h, q, h, p->inter};
+    const int64_t ldws[4] = {p->qkv_ldw, p->o_ldw, p->gate_up_ldw, p->down_ldw};
+    const int64_t ws[4] = {p->qkv_w, p->o_w, p->gate_up_w, p->down_w};
+    for (int i = 0; i < 4; i++)
+        if (!ws[i] || !gemv_valid((int)p->wtype, (int)p->xtype, scales[i], ns[i], ks[i], ldws[i], 1, ks[i], ns[i]))
+            return "a projection's dtype or shape is not one the matrix products take";
+    if (h < 1 || p->heads < 1 || p->kv_heads < 1 || p->heads % p->kv_heads || p->head_dim < 2 || p->head_dim % 2
+        || p->inter < 1)
+        return "bad sizes";
+    if (!p->in_norm || !p->post_norm || !p->k_cache || !p->v_cache) return "a norm weight or a cache is missing";
+    if (p->cache_rows < 1 || p->cache_len < 1 || p->cache_head < p->head_dim * p->cache_len
+        || p->cache_row < p->cache_head * p->kv_heads)
+        return "the KV cache's strides do not fit its shape";
+    if (p->shm_size > 1 && (!p->shm_slots || !p->shm_flags || p->shm_rank < 0 || p->shm_rank >= p->shm_size
+                            || p->shm_flag_stride < 1 || h * esize > p->shm_slot_bytes))
+        return "the shared-memory group cannot take this layer's all-reduces";
+    return NULL;
+}
+
+/* The all-reduce of y over the TP ranks, when there are several: the time it took is added to
+ * *comm; returns the peer that missed the timeout, or -1 */
+static int reduce(const LayerPlan *p, void *y, int64_t n, int64_t *round, double *comm) {
+    int missed = -1;
+    if (p->shm_size > 1) {
+        const double start = monotonic_seconds();
+        missed = shm_round((int)p->xtype, y, n * p->hidden, (char *)PTR(p->shm_slots), p->shm_slot_bytes,
+                           (int64_t *)PTR(p->shm_flags), p->shm_flag_stride, (int)p->shm_size, (int)p->shm_rank,
+                           ++*round, bits_double(p->shm_timeout_bits));
+        *comm += monotonic_seconds() - start;
+    }
+    return missed;
+}
+
+/* x [n, hidden] (in place): the layer's decode step for rows [r0, r0 + n) of its cache at column
+ * `col`. Returns 0; -1 when memory ran out; or 1 + the peer that missed an all-reduce. */
+static int decode_layer_run(const LayerPlan *p, void *x, int64_t n, int64_t col, const int64_t *first,
+                            const void *cos, const void *sin, int64_t r0, int threads, int level, int64_t *round,
+                            double *comm) {
+    const int xt = (int)p->xtype, wt = (int)p->wtype;
+    const int64_t h = p->hidden, hd = p->head_dim, q = p->heads * hd, kv = p->kv_heads * hd, inter = p->inter;
+    const int64_t nqkv = q + 2 * kv, esize = xt == X_F32 ? 4 : 2;
+    const float eps = (float)bits_double(p->eps_bits);
+    char *buf = (char *)malloc((size_t)(n * (h + nqkv + q + 3 * inter) * esize));
+    if (!buf) return -1;
+    char *hbuf = buf, *qkv = hbuf + n * h * esize, *att = qkv + n * nqkv * esize, *gu = att + n * q * esize;
+    char *act = gu + n * 2 * inter * esize;
+    void *out = hbuf;  /* the o and down products reuse h's rows: h is read before each is written */
+    int status = 0;
+    rms_norm_run(level, xt, x, PTR(p->in_norm), hbuf, n, h, eps);
+    if (gemv_run(wt, xt, PTR(p->qkv_w), PTR(p->qkv_scale), hbuf, qkv, nqkv, h, p->qkv_ldw, n, h, nqkv, threads, level))
+        goto oom;
+    if (p->qkv_bias) add_rows_run(level, xt, qkv, PTR(p->qkv_bias), n, nqkv, 0);
+    const Attn a = {xt, qkv, cos, sin, (char *)PTR(p->k_cache) + r0 * p->cache_row * esize,
+                    (char *)PTR(p->v_cache) + r0 * p->cache_row * esize, p->cache_row, p->cache_head, first, col, att,
+                    n, p->heads, p->kv_heads, hd, (float)(1.0 / __builtin_sqrt((double)hd))};
+    if (attend_run(&a, threads, level)) goto oom;
+    if (gemv_run(wt, xt, PTR(p->o_w), PTR(p->o_scale), att, out, h, q, p->o_ldw, n, q, h, threads, level)) goto oom;
+    int missed = reduce(p, out, n, round, comm);
+    if (missed >= 0) { status = 1 + missed; goto done; }
+    if (p->o_bias) add_rows_run(level, xt, out, PTR(p->o_bias), n, h, 0);
+    add_rows_run(level, xt, x, out, n, h, h);
+    rms_norm_run(level, xt, x, PTR(p->post_norm), hbuf, n, h, eps);
+    if (gemv_run(wt, xt, PTR(p->gate_up_w), PTR(p->gate_up_scale), hbuf, gu, 2 * inter, h, p->gate_up_ldw, n, h,
+                 2 * inter, threads, level))
+        goto oom;
+    if (p->gate_up_bias) add_rows_run(level, xt, gu, PTR(p->gate_up_bias), n, 2 * inter, 0);
+    silu_mul_run(level, xt, gu, act, n, inter);
+    if (gemv_run(wt, xt, PTR(p->down_w), PTR(p->down_scale), act, out, h, inter, p->down_ldw, n, inter, h, threads,
+                 level))
+        goto oom;
+    missed = reduce(p, out, n, round, comm);
+    if (missed >= 0) { status = 1 + missed; goto done; }
+    if (p->down_bias) add_rows_run(level, xt, out, PTR(p->down_bias), n, h, 0);
+    add_rows_run(level, xt, x, out, n, h, h);
+    goto done;
+oom:
+    status = -1;
+done:
+    free(buf);
+    return status;
+}
+
+static int plan_from(PyObject *obj, LayerPlan *plan) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) < 0) return -1;
+    const int ok = view.len == (Py_ssize_t)sizeof *plan;
+    if (ok) memcpy(plan, view.buf, sizeof *plan);
+    PyBuffer_Release(&view);
+    if (!ok) PyErr_SetString(PyExc_ValueError, "layer plan: wrong size (pack it by layer_fields())");
+    return ok ? 0 : -1;
+}
+
+static PyObject *py_layer_fields(PyObject *self, PyObject *args) {
+    (void)self; (void)args;
+    PyObject *out = PyTuple_New(N_LAYER_FIELDS);
+    for (Py_ssize_t i = 0; out && i < N_LAYER_FIELDS; i++) {
+        PyObject *name = PyUnicode_FromString(LAYER_FIELD_NAMES[i]);
+        if (!name) { Py_DECREF(out); return NULL; }
+        PyTuple_SET_ITEM(out, i, name);
+    }
+    return out;
+}
+
+static PyObject *py_layer_problem(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *obj;
+    LayerPlan plan;
+    if (!PyArg_ParseTuple(args, "O", &obj) || plan_from(obj, &plan) < 0) return NULL;
+    const char *problem = layer_problem(&plan);
+    if (problem) return PyUnicode_FromString(problem);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_decode_layer(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *obj;
+    unsigned long long x, first, cos, sin;
+    long long n, col, r0, round;
+    int threads, level;
+    LayerPlan p;
+    if (!PyArg_ParseTuple(args, "OKLLKKKLiiL", &obj, &x, &n, &col, &first, &cos, &sin, &r0, &threads, &level, &round)
+        || plan_from(obj, &p) < 0)
+        return NULL;
+    if (n < 1 || n > MAX_M || r0 < 0 || r0 + n > p.cache_rows || col < 0 || col >= p.cache_len || level < 0
+        || level >= LEVELS || !supported[level] || layer_problem(&p)
+        || (p.shm_size > 1 && n * p.hidden * (p.xtype ? 2 : 4) > p.shm_slot_bytes)) {
+        PyErr_SetString(PyExc_ValueError, "decode_layer: unsupported rows, column, level or plan");
+        return NULL;
+    }
+    int64_t rounds = round;
+    double comm = 0.0;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = decode_layer_run(&p, PTR(x), n, col, (const int64_t *)PTR(first), PTR(cos), PTR(sin), r0, threads, level,
+                              &rounds, &comm);
+    Py_END_ALLOW_THREADS
+    if (status < 0) return PyErr_NoMemory();
+    return Py_BuildValue("(id)", status - 1, comm);
 }
 
 /* ---------------------------------------------------------------- the plain read (the limit)
@@ -1316,6 +1630,13 @@ static PyMethodDef methods[] = {
      "quantize(xtype, x, q, s, k, m, ldx, level): x's rows as int8 weights meet them: int16 q [m, kpad], scales s [m, nblk]"},
     {"read", py_read, METH_VARARGS,
      "read(pointer, nbytes, threads, level, streams) -> checksum: read the bytes once (the sum of their 8-byte words)"},
+    {"silu_mul", py_silu_mul, METH_VARARGS,
+     "silu_mul(xtype, gate_up, out, n, inter, level): out = silu(gate) * up for rows [n, 2 inter] = (gate | up)"},
+    {"layer_fields", py_layer_fields, METH_NOARGS, "the names of a layer plan's int64 fields, in order"},
+    {"layer_problem", py_layer_problem, METH_VARARGS, "layer_problem(plan) -> what is wrong with a layer plan, or None"},
+    {"decode_layer", py_decode_layer, METH_VARARGS,
+     "decode_layer(plan, x, n, col, first, cos, sin, r0, threads, level, round) -> (peer that missed an all-reduce "
+     "or -1, seconds in all-reduces): a decoder layer's decode step, x updated in place"},
     {"levels", py_levels, METH_NOARGS, "the kernel levels this CPU runs, slowest first"},
     {NULL, NULL, 0, NULL},
 };

@@ -8,7 +8,8 @@ bandwidth (bfloat16 and int8 the most). `_gemv` streams float32, bfloat16 and in
 by CPUID. Everything else -- prefill, float16, GPUs, a package built without a compiler -- goes
 through torch. With int8 weights every path quantizes x first (`quant.quantize_activations`).
 The rest of a decode step has C versions too where torch's operators cost more than their work:
-RMSNorm and attention (with its rope and KV-cache write).
+RMSNorm, attention (with its rope and KV-cache write) and SwiGLU's silu(gate) * up; `fused.py`
+runs a whole decoder layer in one call.
 
 A weight may be a view with rows further apart than its width (a column slice of a wider matrix:
 a row-parallel slice read in place from the checkpoint), or a tuple of row blocks standing for
@@ -172,6 +173,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, level: str | Non
     _gemv.rms_norm(_XTYPES[x.dtype], x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // h, h, eps,
                    LEVELS.index(level))
     return y
+
+
+def silu_mul(gate_up: torch.Tensor, level: str | None = "default") -> torch.Tensor | None:
+    """F.silu(gate) * up for gate_up = (gate | up) along its last dimension (the silu rounded to
+    the dtype before the product, as torch's two operators round), or None where ours does not
+    apply (the caller uses torch). `level` as for `linear`."""
+    level = LEVEL if level == "default" else level
+    if not (_step_ops(gate_up, level) and gate_up.is_contiguous() and gate_up.shape[-1] % 2 == 0):
+        return None
+    inter = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype)
+    _gemv.silu_mul(_XTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
+                   LEVELS.index(level))
+    return out
 
 
 def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

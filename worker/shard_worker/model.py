@@ -28,6 +28,7 @@ from shard_contract.sharding import kv_head_start, kv_heads_per_rank, tp_problem
 from . import kernels
 from .config import ModelConfig
 from .dist import Comm
+from .fused import FusedDecode
 from .layers import ColumnParallelLinear, ParallelLMHead, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 
 
@@ -274,8 +275,12 @@ class MLP:
                                       streamed)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        gate_up = self.gate_up(x)
+        act = kernels.silu_mul(gate_up)  # ours on a CPU, as the fused layers compute it
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self.down(act)
 
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's matrices: what a streamed layer borrows
@@ -334,14 +339,22 @@ class Stage:
             self.lm_head = ParallelLMHead(layout.vocab_rows, c.hidden_size, c.vocab_size, comm, dtype, device,
                                           weight=shared)
         self.windows = {c.sliding_windows[i] for i in range(*layout.layers)}
+        self.fused = FusedDecode(comm)
 
     def forward(self, x: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
         """Token ids [N, S] (first stage) or hidden states [N, S, H] -> hidden states [N, S, H]."""
         if self.embed is not None:
             x = self.embed(x)
+        fused = self.fused.ready(x, step, cache)
+        if fused:
+            x = x.clone(memory_format=torch.contiguous_format)  # the fused layers update it in place
         for slot, layer in enumerate(self.layers):
+            if fused and not layer.streamed and self.fused.run(layer, slot, x) is not None:
+                continue
             with self.streamer.lend(layer) if layer.streamed else nullcontext():
                 x = layer(x, step, cache, slot)
+            if fused:
+                x = x.contiguous()
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

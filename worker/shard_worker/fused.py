@@ -1,0 +1,127 @@
+"""A decode step's decoder layers, one C call each (`_gemv.decode_layer`).
+
+The Python layers (`model.DecoderLayer`) call our kernels one by one: RMSNorm, the q/k/v product,
+attention, the o product, its all-reduce, ... Each call does microseconds of work behind tens of
+microseconds of Python and torch dispatch: about half a millisecond a layer, a fifth of a bfloat16
+TP=2 rank's decode step on our 2-core machines (`perf`: libpython and libtorch 20% of its time).
+Here a layer's fixed part -- its weights, norms, KV cache and the TP group's shared memory -- is
+packed once into a plan (int64 fields by the names `_gemv.layer_fields()` gives), and each decode
+step runs a layer in one call with the GIL released. The C layer calls the same kernels in the
+same order with the same roundings as the Python layer, so both give the same bits
+(tests/worker/test_fused.py).
+
+It takes CPU decode steps (1-8 rows of one token) through resident layers in float32 or bfloat16
+(int8 weights too), at TP = 1 or with TP ranks that sum through shared memory. Prefill, GPUs,
+streamed (offloaded) layers, TP over gloo and `SHARD_KERNEL=torch` keep the Python layers, and
+`SHARD_FUSED_LAYERS=0` turns this off.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import struct
+
+import torch
+
+from . import kernels, shm
+from .dist import Comm
+
+ENV = "SHARD_FUSED_LAYERS"
+_XTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_WTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+
+
+def _bits(value: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+class FusedDecode:
+    """The fused layers of one stage: `ready` says whether a forward pass can use them, `run`
+    takes one layer. Plans are built on first use, for the KV cache they were built with."""
+
+    def __init__(self, comm: Comm | None):
+        self.comm = comm
+        self.enabled = (kernels.LEVEL is not None and os.environ.get(ENV, "1") != "0"
+                        and hasattr(kernels._gemv, "decode_layer"))
+        self._plans: dict[int, tuple[bytes, tuple]] = {}  # slot -> (plan, what it points at)
+        self._cache = None
+        self._step = None  # the step `ready` prepared, and its tables as the C layer reads them
+        self._tables: tuple = ()
+
+    def ready(self, x: torch.Tensor, step, cache) -> bool:
+        """Whether this forward pass's layers can run fused (then `run` takes the resident ones)."""
+        if not (self.enabled and step.firsts is not None and x.device.type == "cpu" and x.dtype in _XTYPES
+                and x.dim() == 3 and x.shape[1] == 1 and 1 <= x.shape[0] <= kernels.MAX_ROWS
+                and cache.k.dtype == x.dtype):
+            return False
+        tp = self.comm.topo.tp if self.comm is not None else 1
+        if tp > 1 and (self.comm.shm is None or not self.comm.shm.fits(x)):
+            return False
+        if cache is not self._cache:
+            self._plans, self._cache = {}, cache
+        self._step = step
+        self._tables = (step.cos.contiguous(), step.sin.contiguous(),
+                        {w: f.to(torch.int64).contiguous() for w, f in step.firsts.items()})
+        return True
+
+    def run(self, layer, slot: int, x: torch.Tensor) -> torch.Tensor | None:
+        """x [n, 1, hidden] (this pass's own copy) through `layer` in place; None where the layer
+        cannot run fused (the caller runs it in Python)."""
+        plan = self._plan(layer, slot, x.dtype)
+        if plan is None:
+            return None
+        step, (cos, sin, firsts) = self._step, self._tables
+        group = self.comm.shm if self.comm is not None and self.comm.topo.tp > 1 else None
+        rounds = group.round if group is not None else 0
+        missed, seconds = kernels._gemv.decode_layer(
+            plan, x.data_ptr(), x.shape[0], step.c0, firsts[layer.attn.window].data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), step.r0, torch.get_num_threads(), kernels.LEVELS.index(kernels.LEVEL), rounds)
+        if group is not None:
+            group.round += 2
+            if missed >= 0:
+                raise TimeoutError(f"TP rank {missed} did not reach collective round {group.round} "
+                                   f"within {group.timeout:.0f}s")
+            self.comm.acct.communicated("all_reduce", 2 * x.numel() * x.element_size(), seconds)
+        return x
+
+    def _plan(self, layer, slot: int, dtype: torch.dtype) -> bytes | None:
+        projections = (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)
+        weights = tuple(p.weight for p in projections)
+        known = self._plans.get(slot)
+        if known is not None and all(a is b for a, b in zip(known[1], weights)):
+            return known[0]
+        plan = None if layer.streamed else self._pack(layer, slot, projections, dtype)
+        self._plans[slot] = (plan, weights)
+        return plan
+
+    def _pack(self, layer, slot: int, projections, dtype: torch.dtype) -> bytes | None:
+        wtypes = {p.weight.dtype for p in projections if isinstance(p.weight, torch.Tensor)}
+        if len(wtypes) != 1 or not all(isinstance(p.weight, torch.Tensor) and p.weight.device.type == "cpu"
+                                       and p.weight.stride(1) == 1 for p in projections):
+            return None
+        wtype = wtypes.pop()
+        if wtype not in (dtype, torch.int8) or layer.input_norm.weight.dtype != dtype \
+                or layer.input_norm.eps != layer.post_norm.eps:
+            return None
+        cache, attn, group = self._cache, layer.attn, self.comm.shm if self.comm is not None else None
+        fields = {"xtype": _XTYPES[dtype], "wtype": _WTYPES[wtype], "hidden": attn.o.shape[0], "heads": attn.heads,
+                  "kv_heads": attn.kv_heads, "head_dim": attn.head_dim, "inter": layer.mlp.gate_up.shape[0] // 2,
+                  "eps_bits": _bits(layer.input_norm.eps), "in_norm": layer.input_norm.weight.data_ptr(),
+                  "post_norm": layer.post_norm.weight.data_ptr()}
+        for name, p in zip(("qkv", "o", "gate_up", "down"), projections):
+            fields.update({f"{name}_w": p.weight.data_ptr(), f"{name}_ldw": p.weight.stride(0),
+                           f"{name}_scale": p.scale.data_ptr() if p.scale is not None else 0,
+                           f"{name}_bias": p.bias.data_ptr() if p.bias is not None else 0})
+        k, v = cache.k[slot], cache.v[slot]
+        if k.stride() != v.stride() or k.stride()[2:] != (attn.head_dim, 1):
+            return None
+        fields.update({"k_cache": k.data_ptr(), "v_cache": v.data_ptr(), "cache_rows": k.shape[0],
+                       "cache_row": k.stride(0), "cache_head": k.stride(1), "cache_len": k.shape[2]})
+        tp = self.comm.topo.tp if self.comm is not None else 1
+        fields.update({"shm_slots": group.slots.data_ptr() if tp > 1 else 0, "shm_slot_bytes": shm.SLOT_BYTES,
+                       "shm_flags": group.flags.data_ptr() if tp > 1 else 0, "shm_flag_stride": shm.FLAG_STRIDE,
+                       "shm_size": tp, "shm_rank": group.rank if tp > 1 else 0,
+                       "shm_timeout_bits": _bits(group.timeout if tp > 1 else 0.0)})
+        plan = array.array("q", [fields[name] for name in kernels._gemv.layer_fields()]).tobytes()
+        return None if kernels._gemv.layer_problem(plan) is not None else plan

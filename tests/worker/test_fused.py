@@ -29,7 +29,8 @@ def model(request, tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp(family), family, seed=3, **SHAPE, **FAMILIES[family])
 
 
-def _run(model_dir, dtype: torch.dtype, quantization: str, use_fused: bool, pads: list[int], steps: int = 6):
+def _run(model_dir, dtype: torch.dtype, quantization: str, use_fused: bool, pads: list[int], steps: int = 6,
+         units: list[tuple[int, int]] | None = None):
     """Prefill of the rows (left-padded by `pads`), then `steps` decode steps: the hidden states of
     every step, the KV cache, and how many layer steps ran fused."""
     from shard_worker.accounting import Accounting
@@ -62,8 +63,9 @@ def _run(model_dir, dtype: torch.dtype, quantization: str, use_fused: bool, pads
     outs = [stage.forward(ids, Step.build(0, rows, 0, prompt, pads_t, rotary, stage.windows, dtype, cpu), cache)]
     for col in range(prompt, prompt + steps):
         ids = torch.randint(0, SHAPE["vocab_size"], (rows, 1), generator=generator)
-        step = Step.build(0, rows, col, col + 1, pads_t, rotary, stage.windows, dtype, cpu)
-        outs.append(stage.forward(ids, step, cache))
+        for r0, r1 in units or [(0, rows)]:  # rows in units, as pipeline stages take them
+            step = Step.build(r0, r1, col, col + 1, pads_t, rotary, stage.windows, dtype, cpu)
+            outs.append(stage.forward(ids[r0:r1], step, cache))
     return outs, cache, ran
 
 
@@ -76,6 +78,15 @@ def test_fused_layers_compute_what_python_layers_do(model, dtype, quantization):
     assert none == 0 and ran == 6 * SHAPE["num_layers"]  # every decode step's every layer, fused
     for step, (a, b) in enumerate(zip(python, ours)):
         assert torch.equal(a, b), f"step {step}: hidden states differ (max {(a.float() - b.float()).abs().max()})"
+    assert torch.equal(python_cache.k, our_cache.k) and torch.equal(python_cache.v, our_cache.v)
+
+
+def test_fused_layers_take_rows_from_any_row_of_the_cache(model):
+    units = [(0, 1), (1, 3)]  # the second unit's rows start at row 1 of the KV cache
+    python, python_cache, _ = _run(model, torch.bfloat16, "none", False, [2, 0, 1], units=units)
+    ours, our_cache, ran = _run(model, torch.bfloat16, "none", True, [2, 0, 1], units=units)
+    assert ran == 2 * 6 * SHAPE["num_layers"]
+    assert all(torch.equal(a, b) for a, b in zip(python, ours))
     assert torch.equal(python_cache.k, our_cache.k) and torch.equal(python_cache.v, our_cache.v)
 
 

@@ -44,6 +44,7 @@ class FusedDecode:
         self.comm = comm
         self.enabled = (kernels.LEVEL is not None and os.environ.get(ENV, "1") != "0"
                         and hasattr(kernels._gemv, "decode_layer"))
+        self._level = kernels.LEVELS.index(kernels.LEVEL) if self.enabled else -1
         self._plans: dict[int, tuple[bytes, tuple]] = {}  # slot -> (plan, what it points at)
         self._cache = None
         self._step = None  # the step `ready` prepared, and its tables as the C layer reads them
@@ -76,7 +77,7 @@ class FusedDecode:
         rounds = group.round if group is not None else 0
         missed, seconds = kernels._gemv.decode_layer(
             plan, x.data_ptr(), x.shape[0], step.c0, firsts[layer.attn.window].data_ptr(), cos.data_ptr(),
-            sin.data_ptr(), step.r0, torch.get_num_threads(), kernels.LEVELS.index(kernels.LEVEL), rounds)
+            sin.data_ptr(), step.r0, torch.get_num_threads(), self._level, rounds)
         if group is not None:
             group.round += 2
             if missed >= 0:

@@ -386,6 +386,7 @@ def report(stream: dict, results: dict, shape: dict, tokens: int) -> str:
         llama = {n: r.get(f"llama{n}", {}).get("seconds_per_token") for n in (1, 2)}
         llama_rpc = r.get("llama_rpc", {}).get("seconds_per_token")
         rows = []
+
         def near(figures: dict, n: int, nbytes: int = ours_bytes) -> float:
             """Seconds a token at the limit measured around a variant (the round's where it has none)."""
             bw = figures.get("stream", {}).get(str(n))

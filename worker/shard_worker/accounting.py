@@ -197,9 +197,8 @@ class Accounting:
     def communicated(self, op: str, nbytes: int, seconds: float) -> None:
         """A collective its caller timed (inside a C call: `fused.py`), counted as `communicating`
         counts one: its time is not the open compute span's."""
+        self.comm(op, nbytes, seconds)
         with self._lock:
-            self._counters.comm_bytes[op] += nbytes
-            self._counters.comm_seconds[op] += seconds
             if self._open is not None:
                 self._open.inner += seconds
 

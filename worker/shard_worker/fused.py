@@ -28,8 +28,6 @@ from . import kernels, shm
 from .dist import Comm
 
 ENV = "SHARD_FUSED_LAYERS"
-_XTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_WTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 
 def _bits(value: float) -> int:
@@ -42,8 +40,10 @@ class FusedDecode:
 
     def __init__(self, comm: Comm | None):
         self.comm = comm
+        tp = comm.topo.tp if comm is not None else 1
+        self._group = comm.shm if tp > 1 else None  # the TP ranks' shared memory (None: TP = 1)
         self.enabled = (kernels.LEVEL is not None and os.environ.get(ENV, "1") != "0"
-                        and hasattr(kernels._gemv, "decode_layer"))
+                        and (tp == 1 or self._group is not None))
         self._level = kernels.LEVELS.index(kernels.LEVEL) if self.enabled else -1
         self._plans: dict[int, tuple[bytes, tuple]] = {}  # slot -> (plan, what it points at)
         self._cache = None
@@ -52,12 +52,11 @@ class FusedDecode:
 
     def ready(self, x: torch.Tensor, step, cache) -> bool:
         """Whether this forward pass's layers can run fused (then `run` takes the resident ones)."""
-        if not (self.enabled and step.firsts is not None and x.device.type == "cpu" and x.dtype in _XTYPES
+        if not (self.enabled and step.firsts is not None and x.device.type == "cpu" and x.dtype in kernels._XTYPES
                 and x.dim() == 3 and x.shape[1] == 1 and 1 <= x.shape[0] <= kernels.MAX_ROWS
                 and cache.k.dtype == x.dtype):
             return False
-        tp = self.comm.topo.tp if self.comm is not None else 1
-        if tp > 1 and (self.comm.shm is None or not self.comm.shm.fits(x)):
+        if self._group is not None and not self._group.fits(x):
             return False
         if cache is not self._cache:
             self._plans, self._cache = {}, cache
@@ -73,7 +72,7 @@ class FusedDecode:
         if plan is None:
             return None
         step, (cos, sin, firsts) = self._step, self._tables
-        group = self.comm.shm if self.comm is not None and self.comm.topo.tp > 1 else None
+        group = self._group
         rounds = group.round if group is not None else 0
         missed, seconds = kernels._gemv.decode_layer(
             plan, x.data_ptr(), x.shape[0], step.c0, firsts[layer.attn.window].data_ptr(), cos.data_ptr(),
@@ -105,8 +104,8 @@ class FusedDecode:
         if wtype not in (dtype, torch.int8) or layer.input_norm.weight.dtype != dtype \
                 or layer.input_norm.eps != layer.post_norm.eps:
             return None
-        cache, attn, group = self._cache, layer.attn, self.comm.shm if self.comm is not None else None
-        fields = {"xtype": _XTYPES[dtype], "wtype": _WTYPES[wtype], "hidden": attn.o.shape[0], "heads": attn.heads,
+        cache, attn, group = self._cache, layer.attn, self._group
+        fields = {"xtype": kernels._XTYPES[dtype], "wtype": kernels._WTYPES[wtype], "hidden": attn.o.shape[0], "heads": attn.heads,
                   "kv_heads": attn.kv_heads, "head_dim": attn.head_dim, "inter": layer.mlp.gate_up.shape[0] // 2,
                   "eps_bits": _bits(layer.input_norm.eps), "in_norm": layer.input_norm.weight.data_ptr(),
                   "post_norm": layer.post_norm.weight.data_ptr()}
@@ -119,10 +118,11 @@ class FusedDecode:
             return None
         fields.update({"k_cache": k.data_ptr(), "v_cache": v.data_ptr(), "cache_rows": k.shape[0],
                        "cache_row": k.stride(0), "cache_head": k.stride(1), "cache_len": k.shape[2]})
-        tp = self.comm.topo.tp if self.comm is not None else 1
-        fields.update({"shm_slots": group.slots.data_ptr() if tp > 1 else 0, "shm_slot_bytes": shm.SLOT_BYTES,
-                       "shm_flags": group.flags.data_ptr() if tp > 1 else 0, "shm_flag_stride": shm.FLAG_STRIDE,
-                       "shm_size": tp, "shm_rank": group.rank if tp > 1 else 0,
-                       "shm_timeout_bits": _bits(group.timeout if tp > 1 else 0.0)})
+        if group is not None:
+            fields.update({"shm_slots": group.slots.data_ptr(), "shm_flags": group.flags.data_ptr(),
+                           "shm_size": group.size, "shm_rank": group.rank, "shm_timeout_bits": _bits(group.timeout)})
+        else:
+            fields.update({"shm_slots": 0, "shm_flags": 0, "shm_size": 1, "shm_rank": 0, "shm_timeout_bits": 0})
+        fields.update({"shm_slot_bytes": shm.SLOT_BYTES, "shm_flag_stride": shm.FLAG_STRIDE})
         plan = array.array("q", [fields[name] for name in kernels._gemv.layer_fields()]).tobytes()
         return None if kernels._gemv.layer_problem(plan) is not None else plan

@@ -48,6 +48,20 @@ def test_every_rank_runs_and_the_pod_succeeds_when_all_do(tmp_path):
     assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {"0": "0", "1": "1", "2": "2"}
 
 
+def test_the_callers_signal_handlers_are_back_after_the_ranks_end():
+    def mine(*_):
+        pass
+
+    before = {sig: signal.signal(sig, mine) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert supervise(1, child("sys.exit(0)"), {**POD, "RANK": "0", "WORLD_SIZE": "4"}) == 0
+        assert supervise(1, child("sys.exit(5)"), {**POD, "RANK": "0", "WORLD_SIZE": "4"}) == 5
+        assert all(signal.getsignal(sig) is mine for sig in before)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 @pytest.mark.parametrize("how, status", [("sys.exit(3)", 3), ("os.kill(os.getpid(), signal.SIGKILL)", 128 + 9)])
 def test_a_failing_rank_stops_the_others_and_fails_the_pod(tmp_path, how, status):
     # local rank 1 fails at once; the others would run for a minute

@@ -64,8 +64,7 @@ def supervise(count: int, command: Sequence[str] = RANK_COMMAND, environ: Mappin
             except ProcessLookupError:
                 pass
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, forward)
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         for env in envs:
             procs.append(subprocess.Popen(list(command), env=env, stdin=subprocess.DEVNULL,
@@ -84,6 +83,8 @@ def supervise(count: int, command: Sequence[str] = RANK_COMMAND, environ: Mappin
         return 0
     finally:
         _stop([p for p in procs if p.returncode is None])
+        for sig, handler in previous.items():  # the caller's own handlers again
+            signal.signal(sig, handler)
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:

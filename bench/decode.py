@@ -350,8 +350,9 @@ def measure(model_dir: str, precision: str, tokens: int, prompt: list[int], skip
             value["stream"] = {n: sum(pair) / 2 for n, pair in reads.items()}  # that minute's limit
             value["remeasured"] = attempt
             before[0] = after
-            print(f"  {precision} {name}: {value} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
             steady = all(max(pair) <= STEADY * min(pair) for pair in reads.values())
+            value["steady"] = int(steady)  # 0: the last measure, its reads still apart
+            print(f"  {precision} {name}: {value} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
             if steady or "error" in value:
                 break
             print(f"  {precision} {name}: the reads around it differ ({reads}): again", file=sys.stderr, flush=True)
@@ -533,7 +534,10 @@ def main() -> int:
     print(text)
     again = sum(f.get("remeasured", 0) for rnd in rounds for r in rnd["results"].values() for f in r.values()
                 if isinstance(f, dict))
-    print(f"\nMeasures taken again because the reads around them differed by more than {STEADY - 1:.0%}: {again}.")
+    unsteady = sum(1 - f.get("steady", 1) for rnd in rounds for r in rnd["results"].values() for f in r.values()
+                   if isinstance(f, dict))
+    print(f"\nMeasures taken again because the reads around them differed by more than {STEADY - 1:.0%}: {again}; "
+          f"kept with their reads still apart after {MEASURES} measures: {unsteady}.")
     if args.out:
         args.out.write_text(json.dumps({"shape": shape, "tokens": args.tokens, "stream": stream,
                                         "results": results, "rounds": rounds}, indent=2))

@@ -134,7 +134,8 @@ def with_leaders(view: GroupView, reports: dict[str, ShardsResponse], unread: li
     """A ShardedModel's table with what its leaders report (`reports`, by the leader's pod): every
     rank of a leader's group (its pods share the group's name) gets its time shares, its device's
     capacity and the bytes measured now; the step line gets the slowest group's latest batch (the
-    plan's predicted step is the slowest group's too). `unread`: why leaders were not read, one note."""
+    plan's predicted step is the slowest group's too). `unread`: why leaders were not read, one note.
+    For --json, everything read: the ShardedModel, each leader's /v1/shards by its pod, the unread."""
     by_group = {group_of_pod(pod): report for pod, report in reports.items()}
     rows = []
     for row in view.rows:
@@ -145,7 +146,9 @@ def with_leaders(view: GroupView, reports: dict[str, ShardsResponse], unread: li
             measured=entry.resident_bytes.total if entry.resident_bytes is not None else row.measured))
     steps = [step for step in map(measured_step, reports.values()) if step is not None]
     notes = [f"no time shares or measured step from {'; '.join(unread)}"] if unread else []
-    return replace(view, rows=rows, measured_step=max(steps, default=None), notes=view.notes + notes)
+    raw = {"shardedModel": view.raw, "unread": unread,
+           "leaders": {pod: report.model_dump(mode="json") for pod, report in reports.items()}}
+    return replace(view, rows=rows, measured_step=max(steps, default=None), notes=view.notes + notes, raw=raw)
 
 
 def _message(err: Any) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from shard_contract.wire import PredictedBytes, ResidentBytes, ShardEntry, ShardsResponse
@@ -54,6 +56,9 @@ def test_every_rank_of_a_leaders_group_gets_its_shares_capacity_and_bytes_and_th
     assert view.measured_step == pytest.approx(0.03)  # group 1's 0.9 s over 30 steps: slower than group 0's 20 ms
     text = render(view)
     assert "measured 30.00 ms (the latest batch)" in text and "75%" in text
+    raw = json.loads(json.dumps(view.raw))  # --json: what was read, the leaders' own reports included
+    assert raw["shardedModel"] == MODEL and raw["unread"] == []
+    assert {pod: ShardsResponse.model_validate(r) for pod, r in raw["leaders"].items()} == reports
     assert not [line for line in text.splitlines() if "time shares" in line]
 
 
@@ -66,3 +71,4 @@ def test_leaders_not_read_leave_the_status_table_and_say_why_in_one_line():
         "no time shares or measured step from group 0 (m-0-old-0): HTTP 503: error trying to reach service; "
         "group 1 (m-1-a-0): HTTP 400: address not allowed"]
     assert "- (no batch yet)" in render(view)
+    assert view.raw["shardedModel"] == MODEL and view.raw["leaders"] == {} and len(view.raw["unread"]) == 2

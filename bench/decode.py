@@ -88,7 +88,7 @@ def stream_seconds(buffer, threads: int) -> float:
 def child_stream(nbytes: int, seconds: float) -> dict:
     """GB/s of a plain read of `nbytes` on 1 core and on 2: the median of back-to-back reads for
     `seconds` each (and the fastest, for the record). The median, not the best: the host gives our
-    two cores ~35 GB/s together most of the time and ~55-60 in bursts of a second or so, and a best
+    two cores ~35 GB/s together most of the time and ~55-60 in bursts (half a second to a minute), and a best
     of a few reads catches a burst that the minutes around it do not have."""
     import torch
 
@@ -532,10 +532,8 @@ def main() -> int:
     print(f"load average before: {load[0]:.2f}, after: {os.getloadavg()[0]:.2f}"
           + (f"; every figure is the median of {args.rounds} rounds" if args.rounds > 1 else "") + "\n")
     print(text)
-    again = sum(f.get("remeasured", 0) for rnd in rounds for r in rnd["results"].values() for f in r.values()
-                if isinstance(f, dict))
-    unsteady = sum(1 - f.get("steady", 1) for rnd in rounds for r in rnd["results"].values() for f in r.values()
-                   if isinstance(f, dict))
+    measures = [f for rnd in rounds for r in rnd["results"].values() for f in r.values() if isinstance(f, dict)]
+    again, unsteady = sum(f.get("remeasured", 0) for f in measures), sum(1 - f.get("steady", 1) for f in measures)
     print(f"\nMeasures taken again because the reads around them differed by more than {STEADY - 1:.0%}: {again}; "
           f"kept with their reads still apart after {MEASURES} measures: {unsteady}.")
     if args.out:

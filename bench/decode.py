@@ -88,8 +88,8 @@ def stream_seconds(buffer, threads: int) -> float:
 def child_stream(nbytes: int, seconds: float) -> dict:
     """GB/s of a plain read of `nbytes` on 1 core and on 2: the median of back-to-back reads for
     `seconds` each (and the fastest, for the record). The median, not the best: the host gives our
-    two cores ~35 GB/s together most of the time and ~55-60 in bursts (half a second to a minute), and a best
-    of a few reads catches a burst that the minutes around it do not have."""
+    two cores ~35 GB/s together most of the time and ~55-60 in bursts (half a second to a minute),
+    and a best of a few reads catches a burst that the minutes around it do not have."""
     import torch
 
     buffer = torch.ones(nbytes, dtype=torch.uint8)  # touched: resident before the first read

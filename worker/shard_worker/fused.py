@@ -105,9 +105,10 @@ class FusedDecode:
                 or layer.input_norm.eps != layer.post_norm.eps:
             return None
         cache, attn, group = self._cache, layer.attn, self._group
-        fields = {"xtype": kernels._XTYPES[dtype], "wtype": kernels._WTYPES[wtype], "hidden": attn.o.shape[0], "heads": attn.heads,
-                  "kv_heads": attn.kv_heads, "head_dim": attn.head_dim, "inter": layer.mlp.gate_up.shape[0] // 2,
-                  "eps_bits": _bits(layer.input_norm.eps), "in_norm": layer.input_norm.weight.data_ptr(),
+        fields = {"xtype": kernels._XTYPES[dtype], "wtype": kernels._WTYPES[wtype], "hidden": attn.o.shape[0],
+                  "heads": attn.heads, "kv_heads": attn.kv_heads, "head_dim": attn.head_dim,
+                  "inter": layer.mlp.gate_up.shape[0] // 2, "eps_bits": _bits(layer.input_norm.eps),
+                  "in_norm": layer.input_norm.weight.data_ptr(),
                   "post_norm": layer.post_norm.weight.data_ptr()}
         for name, p in zip(("qkv", "o", "gate_up", "down"), projections):
             fields.update({f"{name}_w": p.weight.data_ptr(), f"{name}_ldw": p.weight.stride(0),

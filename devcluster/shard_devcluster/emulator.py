@@ -3,7 +3,8 @@ served over HTTP on loopback.
 
 `FidelityEmulator` extends kmock's KubernetesEmulator (pinned: kmock==0.8, whose internals this
 relies on) with the API-server semantics the real kopf operator, the real `kubernetes` client and
-real `kubectl` rely on (checked against kube-apiserver v1.36).
+real `kubectl` rely on, as kube-apiserver v1.36 behaves. Its `/version` says v1.33.0 all the same:
+the release of the kubectl the tests use, which then warns of no version skew.
 `tests/operator/integration/test_emulator_conformance.py` probes each of them over raw HTTP, and
 says which real behaviour each mimics.
 
@@ -28,11 +29,15 @@ says which real behaviour each mimics.
 * ClusterIP allocation for Services: a random free address of `service_cidr`;
 * Secrets: `stringData` folded into base64 `data`, `type` defaulted and fixed, keys and base64
   validated, `immutable` enforced;
-* custom resources: unknown fields pruned and defaults applied from the CRD's schema (schemas.py);
+* custom resources: unknown fields pruned and defaults applied from the CRD's schema (schemas.py),
+  then, for HTTP writes, `fieldValidation` (Strict: 400 naming the unknown fields, Warn (the
+  default): a Warning header each) and the schema's validations and CEL rules (validation.py: 422
+  with a cause per field; ratcheting on updates; a /status write checks its status only); the
+  in-process API stores what it is given, as storage would;
 * scope checks (namespaced vs cluster-scoped), K8s-conformant Status errors (NotFound,
   AlreadyExists, Conflict, Invalid, ...);
 * for kubectl: server-side tables for every kind, in watches too (tables.py), OpenAPI v3 with the
-  CRD's schema (`kubectl explain`), /version of the kubectl release the tests use;
+  CRD's schema (`kubectl explain`), /version v1.33.0 (above);
 * pods/log from the kubelet of the pod's node, at the endpoint its Node status names;
 * pods/proxy (GET): forwarded to the pod's IP and port, its answer returned as it is;
 * every request is kept for assertions (`api_requests()`), e.g. that the operator uses only the
@@ -42,7 +47,8 @@ says which real behaviour each mimics.
 
 The scheduler, node lifecycle, pod GC and endpoints controllers are components of their own
 (controlplane.py). Not emulated: the other built-in controllers (Deployments, ...), RBAC,
-admission, CRD schema validation, managedFields, protobuf bodies.
+admission webhooks, validation of built-in kinds (but Secrets and pod updates), managedFields,
+protobuf bodies, pods/portforward and pods/exec (SPDY or WebSocket streams: 400 here).
 
 Also an in-process API (k8s_create/k8s_patch/k8s_delete/k8s_get/k8s_list/k8s_bind/k8s_watch) for
 the control plane's components and for tests that arrange the world.
@@ -65,33 +71,20 @@ import attrs
 import jsonpatch
 import kmock
 import yaml
-from kmock._internal import aiobus, enums, rendering
+from kmock._internal import aiobus, enums, parsing, rendering
 
-from . import tables
+from . import tables, validation
 from .schemas import OPENAPI_V2, OPENAPI_V2_TYPE, openapi_v3, structural
 from .tables import dig
 
 Res = kmock.resource
 
-# kmock's URL parser treats ".../namespaces/X" as namespace scoping, so the Namespace resource
-# itself breaks: GET /api/v1/namespaces raises ValueError (-> HTTP 500) and /api/v1/namespaces/X
-# parses as namespace=X with no resource. Patch the parser for the v1/namespaces resource.
-from kmock._internal import parsing as _parsing
-
-_orig_parse_path = _parsing.parse_path
-
-
-def _parse_path(path: str) -> _parsing.ParsedPath:
-    parts = path.strip('/').split('/')
-    if parts[:3] == ['api', 'v1', 'namespaces'] and (len(parts) <= 4 or (len(parts) == 5 and parts[4] in ('status', 'finalize'))):
-        return _parsing.ParsedPath(group='', version='v1', plural='namespaces', namespace=None,
-                                   name=parts[3] if len(parts) > 3 else None,
-                                   subresource=parts[4] if len(parts) > 4 else None)
-    return _orig_parse_path(path)
-
-
-_parsing.parse_path = _parse_path
+# kmock reads ".../namespaces/X" as namespace X's scope, so a request on the Namespace resource
+# itself (/api/v1/namespaces[/X[/status|finalize]]) parses with no resource, or fails. kmock 0.8 has
+# no hook for its URL parsing: `__call__` (its entry point) reads these requests itself.
+NAMESPACE_PATH = re.compile(r'/api/v1/namespaces(?:/([^/]+)(?:/(status|finalize))?)?/?')
 Key = tuple  # (resource, namespace|None, name)
+STREAMS = ('portforward', 'exec', 'attach')  # pods' streaming subresources
 PODS, NODES = Res('v1/pods'), Res('v1/nodes')
 KUBERNETES_VERSION = 'v1.33.0'
 
@@ -309,6 +302,25 @@ def pod_update(old: dict, new: dict) -> None:
                        '`spec.terminationGracePeriodSeconds` (allow it to be set to 1 if it was previously negative)')
 
 
+# --- admission ----------------------------------------------------------------------------
+
+@attrs.define
+class Admission:
+    """What one HTTP write asks the server to check (`fieldValidation`: Ignore, Warn (the default
+    since v1.27) or Strict), and the warnings it gets back (`Warning: 299 - "..."` headers)."""
+
+    field_validation: str = 'Warn'
+    warnings: list = attrs.field(factory=list)
+
+    @classmethod
+    def of(cls, params) -> 'Admission':
+        directive = params.get('fieldValidation') or 'Warn'
+        if directive not in ('Ignore', 'Warn', 'Strict'):
+            raise ApiError(400, 'BadRequest', f'fieldValidation parameter unsupported: "{directive}": supported values: '
+                           '"Ignore", "Strict", "Warn"')
+        return cls(directive)
+
+
 # --- fault injection ---------------------------------------------------------------------
 
 @attrs.define(kw_only=True)
@@ -450,6 +462,9 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         self._info_cache.clear()
         self._printer_columns[res] = list(printer_columns)
         if schema is not None:
+            problems = validation.compile_rules(schema)
+            if problems:  # (kube-apiserver refuses such a CRD)
+                raise ApiError(422, 'Invalid', f'CustomResourceDefinition "{key}" is invalid: ' + '; '.join(problems))
             self._schemas[res] = schema
         self._scale_paths[res] = scale_paths
 
@@ -606,6 +621,27 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         e = ApiError(404, 'NotFound', f'the server could not find the requested resource ({res.plural}.{res.group or "core"}/{res.version})')
         return rendering.Response(status=404, payload=e.status())
 
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        """kmock's entry point, but for requests on the Namespace resource, which its URL parser
+        cannot read (/api/v1/namespaces fails it; /api/v1/namespaces/X is namespace X's scope to it)."""
+        match = NAMESPACE_PATH.fullmatch(raw_request.path)
+        if match is None:
+            return await super().__call__(raw_request)
+        name, sub = match.groups()
+        body = await raw_request.read()
+        try:
+            data = json.loads(body) if body else None
+        except ValueError:
+            data = None
+        path = parsing.ParsedPath(group='', version='v1', plural='namespaces', name=name, subresource=sub)
+        request = rendering.Request(
+            id=len(self._requests), raw_request=raw_request, url=raw_request.url, method=raw_request.method,
+            params=dict(raw_request.query), headers=dict(raw_request.headers), cookies=dict(raw_request.cookies),
+            body=body, text=body.decode(errors='replace'), data=data, resource=Res('v1/namespaces'), name=name,
+            subresource=sub, action=parsing.guess_k8s(path, enums.method(raw_request.method), dict(raw_request.query)))
+        self._requests.append(request)
+        return await self._handle(request)
+
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         res = request.resource
         if not self._known(res):
@@ -624,22 +660,28 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             await asyncio.sleep(self.faults.delay)  # (a read: nothing to apply first)
         try:
             ns, name, sub = request.namespace, request.name, request.subresource
+            if res == PODS and sub in STREAMS:
+                raise ApiError(400, 'BadRequest', f'pods/{sub} is not served by the dev cluster\'s API server (a SPDY or '
+                               'WebSocket stream): reach the pod at its IP, or a Service at its address, through the dev '
+                               'cluster\'s HTTP proxy (docs/dev-cluster.md)')
             result: tuple[int, Any] | None = None
             dry = request.params.get('dryRun') == 'All'
+            admit = Admission.of(request.params) if method in ('POST', 'PUT', 'PATCH') else None
             if method == 'POST' and name is None:
                 async with self._lock:
                     body = self._parse_body(request)
-                    result = 201, await self._do_create(res, ns, body, dry=dry)
+                    result = 201, await self._do_create(res, ns, body, dry=dry, admit=admit)
             elif method == 'PUT' and name is not None:
                 async with self._lock:
-                    result = 200, await self._do_replace(res, ns, name, sub, self._parse_body(request), dry=dry)
+                    result = 200, await self._do_replace(res, ns, name, sub, self._parse_body(request), dry=dry, admit=admit)
             elif method == 'PATCH' and name is not None:
                 ctype = self._header(request, 'Content-Type') or 'application/merge-patch+json'
                 async with self._lock:
                     if ctype.startswith('application/apply-patch'):
-                        result = await self._do_apply(res, ns, name, sub, request, dry=dry)
+                        result = await self._do_apply(res, ns, name, sub, request, dry=dry, admit=admit)
                     else:
-                        result = 200, await self._do_patch(res, ns, name, sub, ctype, self._parse_body(request), dry=dry)
+                        result = 200, await self._do_patch(res, ns, name, sub, ctype, self._parse_body(request), dry=dry,
+                                                           admit=admit)
             elif method == 'POST' and res == PODS and sub == 'binding':
                 async with self._lock:
                     await self._do_bind(ns, name, self._parse_body(request))
@@ -672,7 +714,10 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         # Known resources are served directly: kmock's reaction matching costs ~0.1 s a request
         # with thousands of objects. (So kmock DSL reactions apply to unknown paths only.)
         if result is not None:
-            return await rendering.Response(status=result[0], payload=result[1])(request)
+            response = await rendering.Response(status=result[0], payload=result[1])(request)
+            for warning in admit.warnings if admit is not None else ():  # (as client-go reads them)
+                response.headers.add('Warning', '299 - ' + json.dumps(warning))
+            return response
         if method == 'GET':
             serve = {enums.action.WATCH: self._serve_watch, enums.action.LIST: self._serve_list,
                      enums.action.FETCH: self._serve_fetch}.get(request.action)
@@ -706,7 +751,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
     _serve_create = _serve_update = _serve_delete = _serve_result
 
     # ---- write operations ---------------------------------------------------------------
-    async def _do_create(self, res: Res, ns: str | None, body: Any, dry: bool = False) -> dict:
+    async def _do_create(self, res: Res, ns: str | None, body: Any, dry: bool = False,
+                         admit: Admission | None = None) -> dict:
         if not isinstance(body, dict):
             raise ApiError(400, 'BadRequest', 'the body must be an object')
         meta = body.setdefault('metadata', {})
@@ -725,10 +771,6 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             if not meta.get('generateName'):
                 raise ApiError(422, 'Invalid', 'metadata.name: Required value: name or generateName is required')
             meta['name'] = meta['generateName'] + ''.join(random.choices(string.ascii_lowercase + string.digits, k=5))
-        key = (res, meta.get('namespace'), meta['name'])
-        if self._current(key) is not None:
-            raise ApiError(409, 'AlreadyExists', f'{res.plural} "{meta["name"]}" already exists',
-                           {'name': meta['name'], 'group': res.group, 'kind': res.plural})
         body.setdefault('apiVersion', self._api_version(res))
         body.setdefault('kind', self._kind(res))
         if self._has_sub(res, 'status') and res != Res('v1/nodes'):
@@ -739,8 +781,14 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             body = secret_write(None, body)
             meta = body['metadata']
         if res in self._schemas:
-            body = structural(self._schemas[res], body)
+            unknown: list[str] = []
+            body = structural(self._schemas[res], body, unknown)
             meta = body['metadata']
+            self._admit(res, body, None, None, unknown, admit)
+        key = (res, meta.get('namespace'), meta['name'])  # (validated first, as the real server does)
+        if self._current(key) is not None:
+            raise ApiError(409, 'AlreadyExists', f'{res.plural} "{meta["name"]}" already exists',
+                           {'name': meta['name'], 'group': res.group, 'kind': res.plural})
         if res == Res('v1/services') and not dry:
             spec = body.setdefault('spec', {})
             if not spec.get('clusterIP') and spec.get('type', 'ClusterIP') != 'ExternalName':
@@ -770,10 +818,10 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             raise self._not_found(res, name)
         return obj
 
-    async def _do_patch(self, res, ns, name, sub, ctype, patch, dry=False) -> dict:
+    async def _do_patch(self, res, ns, name, sub, ctype, patch, dry=False, admit=None) -> dict:
         old = self._get_or_404(res, ns, name)
         if sub == 'scale':
-            return await self._patch_scale(res, ns, name, old, ctype, patch, dry)
+            return await self._patch_scale(res, ns, name, old, ctype, patch, dry, admit)
         if sub not in (None, 'status') or (sub == 'status' and not self._has_sub(res, 'status')):
             raise self._not_found(res, f'{name}/{sub}')
         try:
@@ -798,14 +846,14 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         if patched_rv not in (None, old['metadata']['resourceVersion']):
             raise ApiError(409, 'Conflict', f'Operation cannot be fulfilled on {res.plural} "{name}": '
                            'the object has been modified; please apply your changes to the latest version and try again')
-        return await self._commit_update(res, ns, name, old, new, sub, dry)
+        return await self._commit_update(res, ns, name, old, new, sub, dry, admit)
 
-    async def _do_replace(self, res, ns, name, sub, body, dry=False) -> dict:
+    async def _do_replace(self, res, ns, name, sub, body, dry=False, admit=None) -> dict:
         old = self._get_or_404(res, ns, name)
         if not isinstance(body, dict):
             raise ApiError(400, 'BadRequest', 'the body must be an object')
         if sub == 'scale':
-            return await self._patch_scale(res, ns, name, old, 'application/merge-patch+json', body, dry)
+            return await self._patch_scale(res, ns, name, old, 'application/merge-patch+json', body, dry, admit)
         meta = body.setdefault('metadata', {})
         if meta.get('name') not in (None, name):
             raise ApiError(400, 'BadRequest', 'the name of the object does not match the name on the URL')
@@ -813,9 +861,9 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         if rv is not None and rv != old['metadata']['resourceVersion']:
             raise ApiError(409, 'Conflict', f'Operation cannot be fulfilled on {res.plural} "{name}": '
                            'the object has been modified; please apply your changes to the latest version and try again')
-        return await self._commit_update(res, ns, name, old, body, sub, dry)
+        return await self._commit_update(res, ns, name, old, body, sub, dry, admit)
 
-    async def _do_apply(self, res, ns, name, sub, request, dry=False) -> tuple[int, dict]:
+    async def _do_apply(self, res, ns, name, sub, request, dry=False, admit=None) -> tuple[int, dict]:
         if not request.params.get('fieldManager'):
             raise ApiError(400, 'BadRequest', 'PatchOptions.meta.k8s.io "" is invalid: fieldManager: Required value')
         try:
@@ -828,12 +876,12 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             if sub:
                 raise self._not_found(res, name)
             body.setdefault('metadata', {})['name'] = name
-            return 201, await self._do_create(res, ns, body, dry=dry)
+            return 201, await self._do_create(res, ns, body, dry=dry, admit=admit)
         body.get('metadata', {}).pop('resourceVersion', None)
         merge = merge_patch if res in self._custom else strategic_merge_patch
-        return 200, await self._commit_update(res, ns, name, old, merge(old, body), sub, dry)
+        return 200, await self._commit_update(res, ns, name, old, merge(old, body), sub, dry, admit)
 
-    async def _commit_update(self, res, ns, name, old, new, sub, dry) -> dict:
+    async def _commit_update(self, res, ns, name, old, new, sub, dry, admit: Admission | None = None) -> dict:
         new = copy.deepcopy(new)
         om, nm = old['metadata'], new.setdefault('metadata', {})
         if sub == 'status':
@@ -868,8 +916,10 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             new = secret_write(old, new)
             nm = new['metadata']
         if res in self._schemas:
-            new = structural(self._schemas[res], new)
+            unknown: list[str] = []
+            new = structural(self._schemas[res], new, unknown)
             nm = new['metadata']
+            self._admit(res, new, old, sub, unknown, admit)
         if res == PODS and sub is None:
             pod_update(old, new)
         nm['resourceVersion'] = om['resourceVersion']
@@ -891,6 +941,32 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         self._store(key, new)
         await self._emit(res, 'MODIFIED', new, old)
         return copy.deepcopy(new)
+
+    def _admit(self, res: Res, new: dict, old: dict | None, sub: str | None, unknown: list[str],
+               admit: Admission | None) -> None:
+        """What a custom resource's write must pass over HTTP: the unknown fields pruned from it as
+        `fieldValidation` asks (Strict: 400, Warn: a warning each), then its schema and CEL rules
+        (validation.py; 422 with a cause per field); a /status write is checked in its status only."""
+        if admit is None:
+            return  # the in-process API writes as storage would: tests arrange any world with it
+        kind = self._kind(res)
+        if unknown and admit.field_validation == 'Strict':
+            raise ApiError(400, 'BadRequest', f'{kind} in version "{res.version}" cannot be handled as a {kind}: '
+                           'strict decoding error: ' + ', '.join(f'unknown field "{p}"' for p in unknown))
+        if admit.field_validation == 'Warn':
+            admit.warnings += [f'unknown field "{p}"' for p in unknown]
+        schema = self._schemas[res]
+        if sub == 'status':
+            errors = validation.validate((schema.get('properties') or {}).get('status') or {}, new.get('status'),
+                                         (old or {}).get('status', validation.MISSING), 'status', admit.warnings) \
+                if new.get('status') is not None else []
+        else:
+            errors = validation.validate(schema, new, validation.MISSING if old is None else old, '', admit.warnings)
+        if errors:
+            name = new['metadata'].get('name')
+            listed = str(errors[0]) if len(errors) == 1 else '[' + ', '.join(map(str, errors)) + ']'
+            raise ApiError(422, 'Invalid', f'{kind}.{res.group} "{name}" is invalid: {listed}',
+                           {'name': name, 'group': res.group, 'kind': kind, 'causes': [e.cause() for e in errors]})
 
     async def _do_bind(self, ns, name, binding: Any) -> None:
         """pods/binding (the only way to set spec.nodeName after creation): the pod is assigned to
@@ -915,7 +991,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         self._store((PODS, ns, name), new)
         await self._emit(PODS, 'MODIFIED', new, old)
 
-    async def _patch_scale(self, res, ns, name, old, ctype, patch, dry) -> dict:
+    async def _patch_scale(self, res, ns, name, old, ctype, patch, dry, admit=None) -> dict:
         if not self._has_sub(res, 'scale'):
             raise self._not_found(res, f'{name}/scale')
         scale = self._scale_of(res, old)
@@ -927,7 +1003,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         for part in spec_path[:-1]:
             tgt = tgt.setdefault(part, {})
         tgt[spec_path[-1]] = replicas
-        obj = await self._commit_update(res, ns, name, old, new, None, dry)
+        obj = await self._commit_update(res, ns, name, old, new, None, dry, admit)
         return self._scale_of(res, obj)
 
     def _scale_of(self, res, obj) -> dict:

@@ -1,10 +1,11 @@
 """What kube-apiserver does with a CustomResourceDefinition's structural schema, and the OpenAPI
 documents it publishes. Pure.
 
-* `structural(schema, obj)`: unknown fields pruned and defaults applied, as the apiserver does to
-  every custom resource it is sent (apiextensions-apiserver: pruning, then defaulting of the
-  request body; `x-kubernetes-preserve-unknown-fields` keeps what it covers, `metadata` is the
-  server's own). The schema is not validated against (types, bounds, CEL): not emulated.
+* `structural(schema, obj, unknown)`: unknown fields pruned (their paths added to `unknown`, for
+  `fieldValidation`), nulls of non-nullable fields dropped, and defaults applied, as the apiserver
+  does to every custom resource it is sent (apiextensions-apiserver: pruning, then defaulting of
+  the request body; `x-kubernetes-preserve-unknown-fields` keeps what it covers, `metadata` is the
+  server's own). Validating the result is validation.py's.
 * `openapi_v3(...)`: the `/openapi/v3/apis/<group>/<version>` document, with each kind's schema
   under its reverse-domain name and `x-kubernetes-group-version-kind`, which is what `kubectl
   explain` reads; every write path declares `fieldValidation`, so kubectl leaves validation to the
@@ -22,32 +23,37 @@ from typing import Any
 SERVER_FIELDS = ('apiVersion', 'kind', 'metadata')
 
 
-def structural(schema: dict[str, Any], obj: Any) -> Any:
-    """`obj` pruned of the fields `schema` does not declare, with the schema's defaults filled in."""
-    return _walk(schema, copy.deepcopy(obj), top=True)
+def structural(schema: dict[str, Any], obj: Any, unknown: list[str] | None = None) -> Any:
+    """`obj` pruned of the fields `schema` does not declare (their paths added to `unknown`), with
+    the schema's defaults filled in."""
+    return _walk(schema, copy.deepcopy(obj), '', unknown if unknown is not None else [], top=True)
 
 
-def _walk(schema: dict[str, Any], value: Any, top: bool = False) -> Any:
+def _walk(schema: dict[str, Any], value: Any, path: str, unknown: list[str], top: bool = False) -> Any:
     if isinstance(value, dict) and schema.get('type', 'object') == 'object':
         properties = schema.get('properties')
         extra = schema.get('additionalProperties')
         keep = schema.get('x-kubernetes-preserve-unknown-fields') or extra is True
         out = {}
         for key, item in value.items():
+            where = f'{path}.{key}' if path else key
             if top and key in SERVER_FIELDS:
                 out[key] = item
             elif properties and key in properties:
-                out[key] = _walk(properties[key], item)
+                if item is not None or properties[key].get('nullable'):  # (a null then takes the default)
+                    out[key] = _walk(properties[key], item, where, unknown)
             elif isinstance(extra, dict):
-                out[key] = _walk(extra, item)
+                out[key] = _walk(extra, item, where, unknown)
             elif keep or (properties is None and extra is None and schema.get('type') is None):
                 out[key] = item
+            else:
+                unknown.append(where)
         for key, sub in (properties or {}).items():
             if key not in out and 'default' in sub:
-                out[key] = _walk(sub, copy.deepcopy(sub['default']))
+                out[key] = _walk(sub, copy.deepcopy(sub['default']), '', [])
         return out
     if isinstance(value, list) and isinstance(schema.get('items'), dict):
-        return [_walk(schema['items'], item) for item in value]
+        return [_walk(schema['items'], item, f'{path}[{i}]', unknown) for i, item in enumerate(value)]
     return value
 
 

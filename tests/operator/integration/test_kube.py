@@ -30,9 +30,9 @@ def writes_and_reads(kube: Kube, rounds: int) -> int:
         assert patched["data"] == {"k": "w"} and patched["metadata"]["resourceVersion"] != created["metadata"]["resourceVersion"]
         assert [c["metadata"]["name"] for c in kube.list("ConfigMap", "default", "")] == [f"c{i}"]
         assert kube.pod_log("default", "p") == "hello\n"
-        model = kube.patch_status("default", "m", {"phase": f"round {i}"})
-        assert model["status"]["phase"] == f"round {i}"  # (with the defaults of the status schema)
-        assert kube.patch_status("default", "gone", {"phase": "x"}) is None  # 404: deleted meanwhile
+        model = kube.patch_status("default", "m", {"reason": f"round {i}"})
+        assert model["status"]["reason"] == f"round {i}"  # (with the defaults of the status schema)
+        assert kube.patch_status("default", "gone", {"reason": "x"}) is None  # 404: deleted meanwhile
         assert kube.delete("ConfigMap", "default", f"c{i}")["metadata"]["name"] == f"c{i}"
         assert kube.delete("ConfigMap", "default", f"c{i}") is None  # 404: gone
     return rounds * 9

@@ -76,7 +76,9 @@ def sim_node(name: str, *, gpus: int = 2, memory_mib: int = 200, pool: str = "de
               MEMORY_LABEL: str(memory_mib), COUNT_LABEL: str(gpus), KIND_LABEL: "cpu"}
     if speed is not None:
         labels[SPEED_LABEL] = str(speed)
-    resources = {"cpu": "2", "memory": "8Gi", "nvidia.com/gpu": str(gpus)}
+    # `pods`: what a kubelet declares (110 by default, --max-pods); kube-scheduler places no pod on a
+    # Node without it ("Too many pods").
+    resources = {"cpu": "2", "memory": "8Gi", "nvidia.com/gpu": str(gpus), "pods": "110"}
     return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}, "spec": {},
             "status": {"capacity": resources, "allocatable": dict(resources),
                        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}]}}

@@ -4,9 +4,10 @@ Each filter says why a node is not feasible in the scheduler's own words, so an 
 PodScheduled condition reads as on a cluster ("0/3 nodes are available: 1 Insufficient
 nvidia.com/gpu, 2 node(s) didn't match Pod's node affinity/selector."). The filters, in the
 scheduler's order: NodeUnschedulable, NodeName, TaintToleration, NodeAffinity (nodeSelector and
-required node affinity), NodeResourcesFit (every resource the pod requests, extended resources
-such as nvidia.com/gpu included, against the node's allocatable less what the pods bound to it
-request). Among the feasible nodes the least allocated one wins (ties by name); the real
+required node affinity), NodeResourcesFit (the pod itself against the node's allocatable `pods`,
+less the pods bound to it: "Too many pods", so a Node that declares no `pods` takes none; then every
+resource the pod requests, extended resources such as nvidia.com/gpu included, against the node's
+allocatable less what the pods bound to it request). Among the feasible nodes the least allocated one wins (ties by name); the real
 scheduler's scoring (spreading, image locality, ...) is not emulated.
 """
 
@@ -20,13 +21,14 @@ from shard_contract.units import quantity
 
 def requests(pod: dict[str, Any]) -> Counter:
     """What a pod requests: each container's requests (its limits where it sets no request, as the
-    API server defaults them), summed; an init container's, where larger, counts instead."""
+    API server defaults them), summed; an init container's, where larger, counts instead; and one of
+    its node's `pods`."""
     def of(container: dict[str, Any]) -> Counter:
         res = container.get("resources") or {}
         merged = {**(res.get("limits") or {}), **(res.get("requests") or {})}
         return Counter({name: quantity(v) for name, v in merged.items()})
     spec = pod.get("spec") or {}
-    total: Counter = Counter()
+    total: Counter = Counter({"pods": Decimal(1)})
     for container in spec.get("containers") or []:
         total.update(of(container))
     for container in spec.get("initContainers") or []:
@@ -92,7 +94,8 @@ def matches_affinity(pod: dict[str, Any], node: dict[str, Any]) -> bool:
 
 
 def why_not(pod: dict[str, Any], node: dict[str, Any], used: Counter) -> str | None:
-    """Why `pod` cannot run on `node`, whose bound pods request `used`; None if it can."""
+    """Why `pod` cannot run on `node`, whose bound pods request `used` (and number `used["pods"]`);
+    None if it can."""
     spec, nspec = pod.get("spec") or {}, node.get("spec") or {}
     tolerations = spec.get("tolerations") or []
     if nspec.get("unschedulable") and not tolerates(tolerations, {"key": "node.kubernetes.io/unschedulable",
@@ -104,8 +107,10 @@ def why_not(pod: dict[str, Any], node: dict[str, Any], used: Counter) -> str | N
     if not matches_affinity(pod, node):
         return "node(s) didn't match Pod's node affinity/selector"
     allocatable = (node.get("status") or {}).get("allocatable") or {}
+    if used["pods"] + 1 > quantity(allocatable.get("pods", 0)):
+        return "Too many pods"
     for name, amount in sorted(requests(pod).items()):
-        if amount > 0 and amount + used[name] > quantity(allocatable.get(name, 0)):
+        if name != "pods" and amount > 0 and amount + used[name] > quantity(allocatable.get(name, 0)):
             return f"Insufficient {name}"
     return None
 
@@ -142,7 +147,7 @@ def place(pod: dict[str, Any], nodes: list[dict[str, Any]], used: dict[str, Coun
         def load(node: dict[str, Any]) -> tuple:
             allocatable = (node.get("status") or {}).get("allocatable") or {}
             share = max((used.get(node["metadata"]["name"], Counter())[r] / quantity(allocatable[r])
-                         for r in asked if quantity(allocatable.get(r, 0)) > 0), default=Decimal(0))
+                         for r in asked if r != "pods" and quantity(allocatable.get(r, 0)) > 0), default=Decimal(0))
             return share, node["metadata"]["name"]
         return min(feasible, key=load)["metadata"]["name"], ""
     if not nodes:

@@ -35,8 +35,8 @@ def gpu_node(name: str, gpus: int = 2, memory_mib: int = 24576, product: str = "
                                               "nvidia.com/gpu.memory": str(memory_mib),
                                               "nvidia.com/gpu.count": str(gpus), **(labels or {})}},
         "spec": {"unschedulable": True} if unschedulable else {},
-        "status": {"allocatable": {"cpu": "32", "memory": "128Gi", resource: str(gpus)},
-                   "capacity": {"cpu": "32", "memory": "128Gi", resource: str(gpus)},
+        "status": {"allocatable": {"cpu": "32", "memory": "128Gi", resource: str(gpus), "pods": "110"},
+                   "capacity": {"cpu": "32", "memory": "128Gi", resource: str(gpus), "pods": "110"},
                    "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
     }
 

@@ -244,17 +244,17 @@ class ProcessKubelet:
 
     async def _register(self, node: dict) -> None:
         await self._post_node(node)
-        await self._renew(node["metadata"]["name"])
+        await self._renew(node)
 
     async def _post_node(self, node: dict) -> None:
         """The node's status as its kubelet reports it: Ready, its address and endpoint."""
         name = node["metadata"]["name"]
         ready = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
         now = timestamp()
+        since = ready.get("lastTransitionTime") if ready.get("status") == "True" else None  # (registered Ready: now)
         status = {"conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
                                   "message": "kubelet is posting ready status", "lastHeartbeatTime": now,
-                                  "lastTransitionTime": ready.get("lastTransitionTime") if ready.get("status") == "True"
-                                  else now}],
+                                  "lastTransitionTime": since or now}],
                   "addresses": [{"type": "InternalIP", "address": HOST_IP}],
                   "daemonEndpoints": {"kubeletEndpoint": {"Port": self.server.port}},
                   "nodeInfo": {"kubeletVersion": "shard-devcluster", "containerRuntimeVersion": "process://local",
@@ -266,13 +266,17 @@ class ProcessKubelet:
         except (ApiStatusError, aiohttp.ClientError, asyncio.TimeoutError) as err:
             log.warning("node %s: status not posted: %s", name, err)
 
-    async def _renew(self, name: str) -> None:
+    async def _renew(self, node: dict) -> None:
+        """The node's Lease renewed, or created; owned by its Node (as the kubelet sets it), so the
+        garbage collector deletes it with the Node."""
+        name = node["metadata"]["name"]
         url = path(LEASES, NODE_LEASE_NAMESPACE, name)
+        owner = {"ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": name, "uid": node["metadata"]["uid"]}]}
         try:
-            if await self.api.patch(url, {"spec": {"renewTime": microtime()}}) is None:
+            if await self.api.patch(url, {"metadata": owner, "spec": {"renewTime": microtime()}}) is None:
                 await self.api.create(path(LEASES, NODE_LEASE_NAMESPACE), {
-                    "metadata": {"name": name}, "spec": {"holderIdentity": name, "renewTime": microtime(),
-                                                         "leaseDurationSeconds": self.lease_seconds}})
+                    "metadata": {"name": name, **owner}, "spec": {
+                        "holderIdentity": name, "renewTime": microtime(), "leaseDurationSeconds": self.lease_seconds}})
         except (ApiStatusError, aiohttp.ClientError, asyncio.TimeoutError) as err:
             log.warning("node %s: lease not renewed: %s", name, err)
 
@@ -281,7 +285,7 @@ class ProcessKubelet:
         while True:
             await asyncio.sleep(self.renew_seconds)
             for node in list(self.nodes.objects.values()):
-                await self._renew(node["metadata"]["name"])
+                await self._renew(node)
                 if _ready(node) != "True":
                     await self._post_node(node)
 

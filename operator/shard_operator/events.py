@@ -22,6 +22,12 @@ def instance() -> str:
     return os.environ.get("POD_NAME") or socket.gethostname()
 
 
+def one_line(message: str) -> str:
+    """A message as one line: `kubectl describe` prints an Event's message as its table's last cell,
+    as it is, so a line break would start a row of its own (a condition keeps the paragraphs)."""
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
 def event_body(model: dict[str, Any], type_: str, reason: str, message: str, now: str, reporter: str) -> dict[str, Any]:
     """A core/v1 Event about a ShardedModel (`now`: RFC 3339 with microseconds)."""
     meta = model["metadata"]
@@ -31,7 +37,7 @@ def event_body(model: dict[str, Any], type_: str, reason: str, message: str, now
         "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": meta["name"],
                            "namespace": meta["namespace"], "uid": meta.get("uid"),
                            "resourceVersion": meta.get("resourceVersion")},
-        "type": type_, "reason": reason, "message": message[:1000], "action": ACTIONS.get(reason, "Reconcile"),
+        "type": type_, "reason": reason, "message": one_line(message)[:1000], "action": ACTIONS.get(reason, "Reconcile"),
         "reportingComponent": REPORTING_CONTROLLER, "reportingInstance": reporter,
         "source": {"component": REPORTING_CONTROLLER},  # the From of `kubectl describe`
         "firstTimestamp": now[:19] + "Z", "lastTimestamp": now[:19] + "Z", "eventTime": now, "count": 1,

@@ -217,3 +217,7 @@ def test_events_say_what_the_operator_did_and_who_it_is():
     assert event_body(model, "Warning", "InvalidSpec", "x", "2026-01-01T00:00:00.000000Z", "op-1")["action"] == "Reconcile"
     for reason in ("Offloading", "FullyResident"):  # they come with the plan that streams (or stops)
         assert event_body(model, "Normal", reason, "x", "2026-01-01T00:00:00.000000Z", "op-1")["action"] == "Plan"
+    # kubectl describe prints the message as its Events table's last cell: one line, or the table breaks.
+    paragraphs = "needs 0.18 GiB a rank.\n\n  2 x 0.17 GiB usable:\n  offload cannot stream int8 weights\n"
+    assert event_body(model, "Warning", "InsufficientCapacity", paragraphs, "2026-01-01T00:00:00.000000Z",
+                      "op-1")["message"] == "needs 0.18 GiB a rank. 2 x 0.17 GiB usable: offload cannot stream int8 weights"

@@ -66,6 +66,10 @@ RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": 
 # this directory, which the kubelet points at the pod's own /dev/shm volume. Tensor-parallel peers
 # in one pod share memory, as the processes of `shardctl run` do; peers in different pods use gloo.
 SHM_DIR_ENV = "SHARD_SHM_DIR"
+# What a pod's process binds instead of "every address", which here would take the port from every
+# other pod and the Service proxy: the worker's HTTP server and the operator's health and metrics
+# endpoints (the chart's operator Deployment, run by this kubelet).
+BIND_ENV = ("SHARD_HOST", "SHARD_OPERATOR_BIND_ADDRESS")
 POOL_LABEL = "sharding.dev/pool"
 
 
@@ -161,7 +165,7 @@ class DevCluster:
             self.kubelet = ProcessKubelet(self.api, self.network, self.workdir / "pods", host_root=str(self.host_root),
                                           probe_period=self.probe_period, grace=self.grace, extra_env=RANK_ENV,
                                           renew_seconds=self.renew_seconds, node_selector=self.node_selector,
-                                          shm_env=SHM_DIR_ENV)
+                                          shm_env=SHM_DIR_ENV, bind_env=BIND_ENV)
             await self._stack.enter_async_context(self.kubelet)
             self.proxy = ServiceProxy(self.api, self.network)
             await self.proxy.start()
@@ -175,14 +179,12 @@ class DevCluster:
             raise
 
     async def _install_crd(self) -> None:
-        """The ShardedModel CRD on the attached API server (created, or its spec brought up to date)."""
+        """The ShardedModel CRD on the attached API server, created unless it exists: an existing one
+        is left as it is (Helm's, say, which owns it and would find it changed)."""
         from shard_operator.crd import build_crd
 
         assert self.api is not None
-        crd = build_crd()
-        url = path("apiextensions.k8s.io/v1/customresourcedefinitions")
-        if await self.api.create(url, crd) is None:
-            await self.api.patch(f"{url}/{crd['metadata']['name']}", {"spec": crd["spec"]})
+        await self.api.create(path("apiextensions.k8s.io/v1/customresourcedefinitions"), build_crd())
 
     async def stop(self) -> None:
         await self.stop_operator()

@@ -28,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "kubectl works against it.",
                        epilog="examples:\n  shardctl dev-cluster --demo-model\n"
                               "  shardctl dev-cluster --nodes examples/dev-cluster/nodes.yaml --faults error=0.05\n"
+                              "  shardctl dev-cluster --kubeconfig admin.conf --no-operator   # beside the chart's operator\n"
                               "  shardctl dev-cluster add-node sim-c   # beside a running one")
     p.add_argument("--dir", type=Path, default=None, metavar="DIR",
                    help="state directory: kubeconfig, logs, and the nodes' filesystem in host/ "
@@ -46,6 +47,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="attach to the API server (and its scheduler and controllers) this kubeconfig names instead "
                         "of starting the emulated one: the kubelet, the Service proxy and the operator run here "
                         "(docs/dev-cluster.md) (default: start the emulated API server)")
+    p.add_argument("--no-operator", dest="operator", action="store_false",
+                   help="start no operator: the one the attached cluster runs (the Helm chart's, with its own RBAC) "
+                        "reconciles, or none (default: start one, with the kubeconfig's credentials)")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                   help="serve the operator's /metrics on 127.0.0.1:PORT; it must be free (default: 0, no metrics)")
     p.add_argument("--node-selector", default="", metavar="LABELS",
                    help="the kubelet serves only the Nodes these labels select (default: every Node), e.g. "
                         "sharding.dev/device-kind=cpu beside real kubelets")
@@ -98,7 +104,25 @@ def run(args: argparse.Namespace) -> int:
     if args.kubeconfig is not None and args.faults is not None:
         print("--faults is the emulated API server's: not with --kubeconfig", file=sys.stderr)
         return 2
+    if args.metrics_port and not args.operator:
+        print("--metrics-port is the operator's: not with --no-operator", file=sys.stderr)
+        return 2
+    if args.metrics_port and not _free(args.metrics_port):
+        print(f"--metrics-port {args.metrics_port}: 127.0.0.1:{args.metrics_port} is taken; give a free port",
+              file=sys.stderr)
+        return 2
     return asyncio.run(_serve(args))
+
+
+def _free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def add_node(args: argparse.Namespace) -> int:
@@ -143,17 +167,19 @@ async def _serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    metrics = {"METRICS_PORT": str(args.metrics_port), "BIND_ADDRESS": "127.0.0.1"} if args.metrics_port else {}
     cluster = DevCluster(workdir, host_root=host_root, nodes=nodes, faults=args.faults, attach=args.kubeconfig,
-                         node_selector=args.node_selector)
+                         node_selector=args.node_selector, run_operator=args.operator, operator_env=metrics)
     await cluster.start()
     try:
-        assert cluster.proxy is not None and cluster.operator is not None
+        assert cluster.proxy is not None
         cluster.proxy.on_listen = lambda ns, name, url: print(f"service {ns}/{name}: {url}", flush=True)
         cluster.proxy.on_error = lambda message: print(message, file=sys.stderr, flush=True)
-        print(banner(cluster), flush=True)
-        operator_exit = asyncio.ensure_future(cluster.operator.wait())
-        await asyncio.wait([operator_exit, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-        if operator_exit.done():
+        print(banner(cluster, args.metrics_port), flush=True)
+        operator_exit = asyncio.ensure_future(cluster.operator.wait()) if cluster.operator is not None else None
+        await asyncio.wait([f for f in (operator_exit, asyncio.ensure_future(stop.wait())) if f is not None],
+                           return_when=asyncio.FIRST_COMPLETED)
+        if operator_exit is not None and operator_exit.done():
             print(f"the operator exited with status {operator_exit.result()}; see {cluster.operator_log}",
                   file=sys.stderr)
             return 1
@@ -163,7 +189,7 @@ async def _serve(args: argparse.Namespace) -> int:
         await cluster.stop()
 
 
-def banner(cluster) -> str:
+def banner(cluster, metrics_port: int = 0) -> str:
     from shard_operator.inventory import MEMORY_LABEL
 
     assert cluster.kubelet is not None
@@ -172,8 +198,10 @@ def banner(cluster) -> str:
                   f"{n['metadata'].get('labels', {}).get(MEMORY_LABEL, '?')} MiB" for n in nodes]
     faults = cluster.emu.faults if cluster.emu is not None else None
     server = f"attached to the API server {cluster.url}" if cluster.attach else f"API server {cluster.url}"
+    operator = f"operator log {cluster.operator_log}" if cluster.operator is not None else "no operator (--no-operator)"
     return "\n".join([
-        f"dev cluster: {server}, operator log {cluster.operator_log}",
+        f"dev cluster: {server}, {operator}",
+        *([f"the operator's metrics: http://127.0.0.1:{metrics_port}/metrics"] if metrics_port else []),
         *([f"the API server fails requests: {faults!r}"] if faults is not None else []),
         "nodes (each GPU is a CPU memory budget the worker on it enforces; `shardctl dev-cluster add-node NAME`, "
         "or kubectl apply/delete of Nodes, changes them):", *node_lines,

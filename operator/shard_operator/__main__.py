@@ -26,11 +26,11 @@ def main() -> int:
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     controller = Controller(settings, Kube(load_client(), settings.api_timeout_seconds))
     if settings.metrics_port:
-        metrics.serve(controller, settings.metrics_port)
+        metrics.serve(controller, settings.metrics_port, settings.bind_address)
     kopf.run(registry=build_registry(controller), settings=kopf_settings(settings),
              standalone=settings.standalone, clusterwide=not settings.namespaces,
              namespaces=list(settings.namespaces),
-             liveness_endpoint=f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port else None)
+             liveness_endpoint=f"http://{settings.bind_address}:{settings.health_port}/healthz" if settings.health_port else None)
     return 0
 
 

@@ -57,6 +57,9 @@ class Settings:
     health_port: int = 8080
     # Port of the operator's own Prometheus metrics (GET /metrics, metrics.py); 0 disables it.
     metrics_port: int = 0
+    # Address the liveness and metrics endpoints listen on: every address of the pod by default; the
+    # dev cluster's kubelet sets the pod's own, as its pods share one network stack.
+    bind_address: str = "0.0.0.0"
     # Python logging level of the operator (DEBUG, INFO, WARNING, ERROR).
     log_level: str = "INFO"
     # Give each model a NetworkPolicy that opens its ranks' ports (rendezvous, then NCCL's and

@@ -26,7 +26,7 @@ SIM = {"sharding.dev/device-kind": "cpu"}
 # A stand-in container: prints what it was given, then serves the files of its /data mount on the
 # address it is told to bind (SHARD_HOST), port 8000: /ready and /alive answer while those files exist.
 SERVE = ("import os, sys, functools, http.server as h\n"
-         "print('|'.join(os.environ.get(k, '-') for k in ('POD_IP', 'MASTER_ADDR', 'MASTER_PORT', 'SHARD_MEMORY_BUDGET', 'PLAN', 'SHARD_SHM_DIR')), flush=True)\n"
+         "print('|'.join(os.environ.get(k, '-') for k in ('POD_IP', 'MASTER_ADDR', 'MASTER_PORT', 'SHARD_MEMORY_BUDGET', 'PLAN', 'SHARD_SHM_DIR', 'SHARD_OPERATOR_BIND_ADDRESS')), flush=True)\n"
          "print('plan:', open(os.environ['PLAN']).read() if 'PLAN' in os.environ else '-', flush=True)\n"
          "h.ThreadingHTTPServer((os.environ['SHARD_HOST'], 8000), functools.partial(h.SimpleHTTPRequestHandler, directory=sys.argv[1])).serve_forever()\n")
 
@@ -112,8 +112,8 @@ async def test_pods_get_own_addresses_a_resolved_rendezvous_volumes_and_the_devi
     await asyncio.sleep(0.3)
     await cluster.emu.k8s_create("v1/pods", "default", pod("r0", "a", **common))
     (l0, p0), (l1, p1) = await first_line(cluster, "r0"), await first_line(cluster, "r1")
-    ip0, addr0, port0, budget0, plan0, shm0 = l0.split("|")
-    ip1, addr1, port1, budget1, _, shm1 = l1.split("|")
+    ip0, addr0, port0, budget0, plan0, shm0, bind0 = l0.split("|")
+    ip1, addr1, port1, budget1, _, shm1, _ = l1.split("|")
     pod_ips = {(await status(cluster, n))["podIP"] for n in ("r0", "r1")}  # what the API shows: the cluster's
     assert all(ipaddress.ip_address(ip) in ipaddress.ip_network("10.128.0.0/9") for ip in pod_ips)
     assert ip0 != ip1 and {ip0, ip1} == {cluster.network.local(ip) for ip in pod_ips}  # what the processes see
@@ -122,6 +122,7 @@ async def test_pods_get_own_addresses_a_resolved_rendezvous_volumes_and_the_devi
     assert port0 == port1 == "29500"                               # as the pods say: each leader binds its own address
     assert (budget0, budget1) == (str(160 * 2**20), str(96 * 2**20))  # each node's GPU memory
     assert plan0.startswith(str(cluster.workdir)) and p0 == p1 == 'plan: {"x": 1}'
+    assert bind0 == ip0  # (what the chart's operator binds its health and metrics endpoints to)
     # Each pod's /dev/shm is its own (the worker's shared-memory collectives go there)
     assert (shm0, shm1) == tuple(str(cluster.kubelet.sandboxes[("default", n)].directory / "volumes" / "dshm")
                                  for n in ("r0", "r1"))
@@ -434,6 +435,31 @@ async def test_shardctl_dev_cluster_starts_a_cluster_kubectl_can_use_and_stops_e
     assert not [pid for pid in started if Path(f"/proc/{pid}").exists()], "processes left behind"
 
 
+async def test_each_nodes_lease_is_owned_by_it_and_its_ready_condition_says_since_when(cluster):
+    """The kubelet keeps its Node's Lease in kube-node-lease with an ownerReference to the Node, so
+    the garbage collector deletes the Lease with the Node; its Ready condition carries the time it
+    turned True (lastTransitionTime), as a kubelet reports it."""
+    node = await cluster.emu.k8s_get("v1/nodes", None, "a")
+
+    async def lease():
+        return await cluster.emu.k8s_get("coordination.k8s.io/v1/leases", "kube-node-lease", "a")
+    owned = await eventually(lease, timeout=30)
+    assert owned["metadata"]["ownerReferences"] == [{"apiVersion": "v1", "kind": "Node", "name": "a",
+                                                     "uid": node["metadata"]["uid"]}]
+
+    async def reported():
+        ready = next(c for c in (await cluster.emu.k8s_get("v1/nodes", None, "a"))["status"]["conditions"]
+                     if c["type"] == "Ready")
+        return ready if ready.get("lastHeartbeatTime") else None
+    ready = await eventually(reported, timeout=30)
+    assert ready["status"] == "True" and ready["lastTransitionTime"] <= ready["lastHeartbeatTime"]
+    await cluster.emu.k8s_delete("v1/nodes", None, "a")
+
+    async def collected():
+        return await lease() is None
+    await eventually(collected, timeout=30)
+
+
 async def test_a_port_taken_on_every_address_fails_the_pod_with_the_reason(cluster):
     import socket
 
@@ -459,25 +485,32 @@ sys.exit(main(sys.argv[1:]))
 
 @pytest.mark.slow
 async def test_the_kubelet_and_proxies_attach_to_another_api_server_without_the_emulator(tmp_path):
-    """`shardctl dev-cluster --kubeconfig FILE` runs the kubelet, the Service proxy, DNS and the operator
-    against another API server (here an emulator in this process, with its scheduler and controllers),
-    in a process where the emulator cannot even be imported: a pod is scheduled by that control plane,
-    run, served through its Service, logged through the API server, and deleted gracefully."""
+    """`shardctl dev-cluster --kubeconfig FILE --no-operator` runs the kubelet, the Service proxy and
+    DNS against another API server (here an emulator in this process, with its scheduler and
+    controllers), in a process where the emulator cannot even be imported, beside the operator that
+    cluster runs (none here): a pod is scheduled by that control plane, run, served through its
+    Service, logged through the API server, and deleted gracefully; the CRD it finds (Helm's) is left
+    as it was."""
     import os
     import sys
 
     import yaml
 
     from shard_devcluster.apiserver import serve, write_kubeconfig
+    from shard_operator.crd import build_crd
     from tests.support.k8s_binaries import binary
 
     async with serve() as (emu, url):
         kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", url)
+        crds = "apiextensions.k8s.io/v1/customresourcedefinitions"
+        helms = await emu.k8s_create(crds, None, {**build_crd(), "metadata": {
+            "name": "shardedmodels.sharding.dev", "labels": {"app.kubernetes.io/managed-by": "Helm"}}})
         nodes = tmp_path / "nodes.yaml"
         nodes.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": [
             gpu_node("a", gpus=2, memory_mib=160, labels=SIM), gpu_node("real", gpus=2)]}))  # (a real kubelet's)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", ATTACHED, "dev-cluster", "--kubeconfig", str(kubeconfig), "--nodes", str(nodes),
+            "--no-operator",
             "--node-selector", "sharding.dev/device-kind=cpu", "--dir", str(tmp_path / "state"),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         out: list[str] = []
@@ -485,7 +518,8 @@ async def test_the_kubelet_and_proxies_attach_to_another_api_server_without_the_
         async def line_with(text: str) -> str:
             return await output_line(proc, out, text)
         try:
-            await line_with("attached to the API server")
+            assert "no operator (--no-operator)" in await line_with("attached to the API server")
+            assert await emu.k8s_get(crds, None, "shardedmodels.sharding.dev") == helms  # untouched
             await emu.k8s_create("v1/services", "default", GROUP_SERVICE)
             web = await emu.k8s_create("v1/services", "default", {"metadata": {"name": "web"}, "spec": {
                 "selector": {"app": "grp"}, "ports": [{"port": 80, "targetPort": "http"}]}})
@@ -517,6 +551,7 @@ async def test_the_kubelet_and_proxies_attach_to_another_api_server_without_the_
             proc.send_signal(signal.SIGTERM)
             await asyncio.wait_for(proc.wait(), 60)
         assert proc.returncode == 0, "".join(out) + (await proc.stdout.read()).decode()
+        assert not (tmp_path / "state" / "operator.log").exists()  # no operator was started
 
 
 def test_the_node_components_need_no_emulator():

@@ -90,6 +90,27 @@ async def test_the_scheduler_binds_within_affinity_selectors_taints_and_extended
     assert await eventually(lambda: node_of(emu, "surge")) == "a"  # a finished pod holds nothing
 
 
+async def test_a_node_holds_no_more_pods_than_it_declares(cluster):
+    """NodeResourcesFit counts each pod against the node's allocatable `pods` (a kubelet declares
+    110 by default), whatever it requests: a Node that declares none, or is full, gets no pod, with
+    the scheduler's "Too many pods"; a pod that finishes frees its place."""
+    emu, _ = cluster
+    bare = gpu_node("bare")
+    for part in ("allocatable", "capacity"):
+        del bare["status"][part]["pods"]
+    one = gpu_node("one")
+    one["status"]["allocatable"]["pods"] = "1"
+    await emu.k8s_create(NODES, None, bare)
+    await emu.k8s_create(NODES, None, one)
+    await emu.k8s_create(PODS, "default", pod("first", gpus=0))
+    assert await eventually(lambda: node_of(emu, "first")) == "one"
+    await emu.k8s_create(PODS, "default", pod("second", gpus=0))
+    second = await eventually(lambda: _unschedulable(emu, "second"))
+    assert second["message"] == "0/2 nodes are available: 2 Too many pods."
+    await emu.k8s_patch(PODS, "default", "first", {"status": {"phase": "Succeeded"}}, subresource="status")
+    assert await eventually(lambda: node_of(emu, "second")) == "one"
+
+
 async def _unschedulable(emu, name):
     condition = await scheduled(emu, name)
     return condition if condition.get("reason") == "Unschedulable" else None

@@ -548,3 +548,13 @@ def test_faults_are_drawn_from_their_seed():
     aimed = Faults(error=1.0, paths=r"/status$")
     assert (aimed.draw("PATCH", "/apis/g/v1/namespaces/n/things/t/status", False),
             aimed.draw("PATCH", "/apis/g/v1/namespaces/n/things/t", False)) == ("error", None)
+
+
+async def test_pod_streams_are_refused_with_the_reason(api):
+    """Not emulated, and said so: kube-apiserver upgrades pods/portforward, exec and attach to a SPDY
+    or WebSocket stream to the pod's kubelet; here each is a 400 naming what to use instead, which
+    kubectl prints ("error upgrading connection: ...")."""
+    await api("POST", PODS, json=pod("p1"))
+    for sub in ("portforward", "exec", "attach"):
+        st, b = await api("POST", f"{PODS}/p1/{sub}", headers={"Connection": "Upgrade", "Upgrade": "SPDY/3.1"})
+        assert (st, b["reason"]) == (400, "BadRequest") and "HTTP proxy" in b["message"], sub

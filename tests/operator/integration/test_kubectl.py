@@ -162,3 +162,30 @@ async def test_kubectls_everyday_verbs_behave_as_on_a_cluster(tmp_path):
                 return row if row.get("PHASE") == "Failed" else None
             row = await eventually(failed, timeout=30)
         assert (row["READY"], row["REASON"]) == ("0/1", "InvalidParallelism")  # why, on the row
+
+
+async def test_kubectl_meets_the_servers_validation_of_shardedmodels(tmp_path):
+    """kubectl leaves validation to the server (it sends fieldValidation=Strict): a spec the CRD's
+    schema or CEL rules refuse is "invalid" with every field named, an unknown field fails strict
+    decoding; with --validate=warn it is dropped and kubectl prints the server's warning."""
+    async def run(*args: str) -> tuple[int, str]:
+        proc = await asyncio.create_subprocess_exec(str(binary("kubectl")), "--kubeconfig", str(config), *args,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        return await proc.wait(), (await proc.stdout.read()).decode()
+
+    def manifest(name: str, **spec) -> Path:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({"apiVersion": "sharding.dev/v1alpha1", "kind": "ShardedModel",
+                                        "metadata": {"name": name}, "spec": {"model": {"path": "m"}, **spec}}))
+        return path
+    async with serve(control_plane=False) as (emu, url):
+        config = write_kubeconfig(tmp_path / "kubeconfig", url)
+        code, out = await run("apply", "-f", str(manifest("bad", parallelism={"tensor": 0}, replicas=-1)))
+        assert code == 1 and 'The ShardedModel "bad" is invalid' in out, out
+        assert 'spec.parallelism.tensor: Invalid value: 0: must be a positive integer or "auto"' in out
+        assert "spec.replicas: Invalid value: -1: spec.replicas in body should be greater than or equal to 0" in out
+        code, out = await run("apply", "-f", str(manifest("typo", replica=2)))
+        assert code == 1 and 'strict decoding error: unknown field "spec.replica"' in out, out
+        code, out = await run("apply", "--validate=warn", "-f", str(manifest("typo", replica=2)))
+        assert code == 0 and 'Warning: unknown field "spec.replica"' in out, out
+        assert (await emu.k8s_get("sharding.dev/v1alpha1/shardedmodels", "default", "typo"))["spec"]["replicas"] == 1

@@ -100,9 +100,18 @@ async def test_examples_apply_once_the_crd_is_installed(cluster):
     emulator, kubectl = cluster
     emulator.add_crd(yaml.safe_load((CHART / "crds" / "shardedmodels.yaml").read_text()))
     await create_namespace(kubectl, "inference")
-    # The ShardedModel examples (nodes.yaml describes a node pool for `shardctl plan`, not something to apply).
+    # The ShardedModel examples (nodes.yaml describes a node pool for `shardctl plan`, not something to
+    # apply); local-demo.yaml is `shardctl run`'s, whose path leads out of its directory ('..'), which
+    # the CRD's pattern refuses, as the file says.
     files = sorted(p for p in EXAMPLES.glob("*.yaml") if "kind: ShardedModel" in p.read_text())
+    local = EXAMPLES / "local-demo.yaml"
+    files.remove(local)
     assert len(files) >= 3
+    proc = await asyncio.create_subprocess_exec(str(binary("kubectl")), "apply", "-f", str(local), env=kubectl.env,
+                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    refused = (await proc.communicate())[0].decode()
+    assert proc.returncode == 1 and 'The ShardedModel "demo" is invalid: spec.model.path: Invalid value: ' \
+        '"../.cache/demo-model"' in refused, refused
     args = [arg for path in files for arg in ("-f", str(path))]
     out = await kubectl("apply", *args)
     models = await kubectl("get", "shardedmodels", "-A", "-o", "name")

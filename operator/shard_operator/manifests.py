@@ -46,6 +46,7 @@ SOURCE_ANNOTATION = "sharding.dev/model-source"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "shard-operator"}
 
 PLAN_KEY = "plan.json"
+SPEC_KEY = "spec.json"  # in the plan record: the spec the plan was made for (the last one accepted)
 PROFILE_KEY = "profile.json"
 WORKER_COMMAND = ["python", "-m", "shard_worker"]
 LAUNCH_COMMAND = ["python", "-m", "shard_worker.launch", "--local-ranks"]  # + the pod's rank count
@@ -193,7 +194,7 @@ def model_objects(ctx: Context, plan: Plan) -> list[dict[str, Any]]:
                  "ports": [{"name": "metrics", "port": port, "targetPort": "http", "protocol": "TCP"}]},
     }
     policy = [rank_network_policy(owner)] if ctx.network_policy else []
-    return [*policy, endpoint, metrics, plan_record(ctx.owner, plan)]
+    return [*policy, endpoint, metrics, plan_record(ctx.owner, plan, ctx.spec)]
 
 
 def rank_network_policy(owner: Owner) -> dict[str, Any]:
@@ -211,10 +212,12 @@ def rank_network_policy(owner: Owner) -> dict[str, Any]:
     }
 
 
-def plan_record(owner: Owner, plan: Plan) -> dict[str, Any]:
+def plan_record(owner: Owner, plan: Plan, spec: ShardedModelSpec) -> dict[str, Any]:
+    """The current Plan and the spec it was made for: when the planner refuses a later spec, the
+    groups keep running as this one shaped them (same revisions, so nothing restarts)."""
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": owner.meta(plan_record_name(owner.name), {COMPONENT_LABEL: "plan"}),
-            "data": {PLAN_KEY: plan.to_json()}}
+            "data": {PLAN_KEY: plan.to_json(), SPEC_KEY: json.dumps(spec.dump(), sort_keys=True)}}
 
 
 # ---------------------------------------------------------------- per group

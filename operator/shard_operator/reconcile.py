@@ -1,8 +1,9 @@
 """One reconcile of one ShardedModel, read top to bottom: values in, a Result out.
 
     observe (pods, Services, ConfigMaps -> groups) -> plan (spec, profile, inventory, settle
-    window, keep or re-plan) -> roll out (which groups to create, keep, recreate or delete, and the
-    writes that do it) -> poll (the leaders' measured bytes) -> report (status, Events)
+    window, keep or re-plan) -> make room (replacement groups where they can start) -> roll out
+    (which groups to create, keep, recreate or delete, and the writes that do it) -> poll (the
+    leaders' measured bytes) -> report (status, Events)
 
 Each step takes values and returns a small result. Nothing is written here: the Result says what
 to write, which Events to post and when to run again (controller-runtime's `Result{RequeueAfter}`),
@@ -14,6 +15,7 @@ see, so a table test runs it against an in-memory store.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -34,6 +36,7 @@ from .manifests import (
     MODEL_LABEL,
     PLAN_KEY,
     REVISION_LABEL,
+    SPEC_KEY,
     Context,
     Owner,
     check,
@@ -42,10 +45,11 @@ from .manifests import (
     model_label,
     plan_record_name,
 )
+from .inventory import Inventory
 from .planner import PlanError
 from .profile import ModelProfile
 from .profiles import LocalProfiles, ModelNotFound, local_model_dir, remote_profile
-from .replan import PlanChoice, choose_plan, without_held
+from .replan import PlanChoice, choose_plan, make_room, without_held
 from .rollout import Decision, GroupKey, ObservedGroup, Want, decide, group_state, observe_groups
 from .settings import Settings
 from .status import Observation, Problem, build_status, failed_status, newly_ready, status_patch
@@ -131,7 +135,8 @@ def reconcile(body: dict[str, Any], world: World, memory: Memory, now: float, st
     listing = {kind: reads.kube.list(kind, owner.namespace, selector) for kind in kinds}
 
     seen = observe(owner, listing, world)
-    planned = plan_for(body, generation, seen, listing, world, memory.pool, now, settings, reads)
+    planned = room_for_replacements(plan_for(body, generation, seen, listing, world, memory.pool, now, settings,
+                                             reads), seen, world, settings)
     rolled = RolledOut()
     if planned.ctx is not None and planned.plan is not None:
         rolled = roll_out(planned.ctx, planned.plan, planned.choice, seen, previous, listing, world,
@@ -168,7 +173,8 @@ def failed(body: dict[str, Any], memory: Memory, err: Exception, stamp: str, req
 class Seen:
     groups: list[ObservedGroup]
     group_plans: dict[GroupKey, Plan]  # the Plan each group's ConfigMap holds
-    current: Plan | None               # the plan record
+    current: Plan | None               # the plan record ...
+    accepted: ShardedModelSpec | None = None  # ... and the spec it was made for
 
 
 def observe(owner: Owner, listing: dict[str, list[dict[str, Any]]], world: World) -> Seen:
@@ -185,7 +191,8 @@ def observe(owner: Owner, listing: dict[str, list[dict[str, Any]]], world: World
                 continue
     record = next((c for c in listing["ConfigMap"] if c["metadata"]["name"] == plan_record_name(owner.name)), None)
     return Seen(groups=observe_groups(listing["Pod"], group_objs, healthy_nodes(world.nodes), node_names(world.nodes)),
-                group_plans=plans, current=_plan_record(record) if record is not None else None)
+                group_plans=plans, current=_plan_record(record) if record is not None else None,
+                accepted=_accepted_spec(record) if record is not None else None)
 
 
 def _plan_record(cm: dict[str, Any]) -> Plan | None:
@@ -193,6 +200,13 @@ def _plan_record(cm: dict[str, Any]) -> Plan | None:
         return Plan.from_json((cm.get("data") or {}).get(PLAN_KEY, ""))
     except ValueError:
         return None  # unreadable: plan afresh
+
+
+def _accepted_spec(cm: dict[str, Any]) -> ShardedModelSpec | None:
+    try:
+        return parse_spec(json.loads((cm.get("data") or {}).get(SPEC_KEY, "")))
+    except (ValueError, SpecError):
+        return None  # none (an older record) or unreadable: the groups follow the current spec
 
 
 # ---------------------------------------------------------------- plan
@@ -207,6 +221,8 @@ class Planned:
     planning: str = ""                    # why there is no plan yet, while one is being worked out
     writes: list[Write] = field(default_factory=list)  # the profiling pod's
     wake_in: float | None = None
+    profile: ModelProfile | None = None   # what the plan was made of (to place replacements)
+    inventory: Inventory | None = None
 
 
 def plan_for(body: dict[str, Any], generation: int, seen: Seen, listing: dict[str, list[dict[str, Any]]],
@@ -234,14 +250,17 @@ def plan_for(body: dict[str, Any], generation: int, seen: Seen, listing: dict[st
                              improvement=settings.improvement_threshold, options=settings.planner_options)
         # Run the groups that fit, and say what the others lack.
         problem = Problem("InsufficientCapacity", choice.shortfall, fatal=False) if choice.shortfall else None
-        return Planned(timing.considered(), spec, ctx, choice, choice.plan, problem, writes=writes, wake_in=wake_in)
+        return Planned(timing.considered(), spec, ctx, choice, choice.plan, problem, writes=writes, wake_in=wake_in,
+                       profile=profile, inventory=inventory)
     except SpecError as err:
         return Planned(pool, spec, problem=Problem("InvalidSpec", str(err)))
     except ModelNotFound as err:
         return Planned(pool, spec, ctx, problem=Problem("ModelNotFound", str(err)))
     except CheckpointError as err:
         return Planned(pool, spec, ctx, problem=Problem("InvalidModel", str(err)))
-    except PlanError as err:  # nothing new fits: keep serving with what still runs
+    except PlanError as err:  # nothing new fits: keep serving with what still runs, as the accepted spec made it
+        if current is not None and seen.accepted is not None and ctx is not None:
+            ctx = dataclasses.replace(ctx, spec=seen.accepted)
         return Planned(pool, spec, ctx, plan=current, problem=Problem(err.reason, err.message, fatal=current is None),
                        writes=writes, wake_in=wake_in)
 
@@ -252,6 +271,34 @@ def _profile(ctx: Context, listing: dict[str, list[dict[str, Any]]], settings: S
     if model_dir is not None:
         return reads.profiles.get(model_dir), []
     return remote_profile(ctx, reads.kube, listing["Pod"], listing["ConfigMap"], settings.profile_timeout_seconds)
+
+
+# ---------------------------------------------------------------- make room
+def room_for_replacements(planned: Planned, seen: Seen, world: World, settings: Settings) -> Planned:
+    """The plan with each group that replaces a serving one placed where it can start: beside the
+    serving groups where the pool has room (surge), else in place (`replan.make_room`)."""
+    ctx, plan, choice = planned.ctx, planned.plan, planned.choice
+    if ctx is None or plan is None or choice is None or planned.profile is None or planned.inventory is None:
+        return planned
+    revisions = {g.replica: group_revision(ctx, plan, g.replica) for g in plan.groups}
+    started = {g.replica for g in seen.groups if revisions.get(g.replica) == g.revision and g.ranks}
+    replacing: dict[int, Counter] = {}
+    for g in seen.groups:
+        if g.replica in revisions and g.revision != revisions[g.replica]:
+            held = Counter(r.node for r in g.ranks if r.state not in ("Failed", "Lost"))
+            replacing[g.replica] = replacing.get(g.replica, Counter()) + held
+    if not replacing:
+        return planned
+    room = make_room(plan, planned.profile, ctx.spec, planned.inventory,
+                     free_gpus(world.nodes, world.gpu_uses, ctx.spec.placement.gpu_resource), replacing, started,
+                     settings.planner_options)
+    if not room.moved:
+        return planned
+    moved = "; ".join(room.moved)
+    kind = "moved" if choice.kind == "unchanged" else choice.kind
+    message = f"{choice.message}; {moved}" if choice.message else moved
+    return dataclasses.replace(planned, plan=room.plan, choice=dataclasses.replace(
+        choice, plan=room.plan, kind=kind, message=message))
 
 
 # ---------------------------------------------------------------- roll out
@@ -274,7 +321,7 @@ def roll_out(ctx: Context, plan: Plan, choice: PlanChoice | None, seen: Seen, pr
                   dict(Counter(r.node for r in plan.group(g.replica)))) for g in plan.groups]
     restarts = {(g["replica"], g["revision"]): g.get("restarts", 0) for g in previous.get("groups") or []}
     free = free_gpus(world.nodes, world.gpu_uses, ctx.spec.placement.gpu_resource)
-    decision = decide(wants, seen.groups, ctx.spec.rollout, restarts, budget, free)
+    decision = decide(wants, seen.groups, ctx.spec.rollout, restarts, budget, free, healthy_nodes(world.nodes))
     for key in decision.restart:
         restarts[key] = restarts.get(key, 0) + 1
     alive = {g.key for g in seen.groups} | {w.key for w in wants}
@@ -290,7 +337,7 @@ def rollout_events(choice: PlanChoice | None, seen: Seen, decision: Decision) ->
     current = seen.current
     if choice is not None and (current is None or choice.plan.hash != current.hash or
                                choice.plan.replicas != current.replicas):
-        reason = {"initial": "Planned", "improved": "Rebalancing", "repaired": "Rebalancing",
+        reason = {"initial": "Planned", "improved": "Rebalancing", "repaired": "Rebalancing", "moved": "Rebalancing",
                   "replanned": "Rebalancing", "respec": "Replanned", "scaled": "Scaled"}.get(choice.kind, "Planned")
         events.append(Event("Normal", reason, choice.message))
         if (streaming := offload.event(current, choice.plan)) is not None:

@@ -9,6 +9,11 @@ on a pool of one group both run one), and `PlanChoice.shortfall` says what the o
 are placed as soon as the pool has room. A pool that merely grew replaces running groups only when
 the decode step gets clearly faster.
 
+A group that replaces a serving one (a new revision: the spec, the template or the pool changed)
+is placed where it can start at once when the pool has room beside the serving groups
+(`make_room`), so a rollout surges onto free nodes; on a full pool it is placed where its own
+serving group is, to replace it in place when maxUnavailable allows.
+
 Inventory-driven changes wait until the inventory has settled (the caller's settle window), so a
 flapping node causes no churn.
 """
@@ -24,14 +29,14 @@ from shard_contract.units import gib
 
 from .api import Parallelism, ShardedModelSpec
 from .inventory import Device, Inventory, SkippedNode
-from .planner import AUTO_FALLBACK, PlanError, PlannerOptions, _resolve_request, plan, shortfall
+from .planner import AUTO_FALLBACK, PlanError, PlannerOptions, _resolve_request, places, plan, shortfall
 from .profile import ModelProfile
 
 
 @dataclass(frozen=True)
 class PlanChoice:
     plan: Plan
-    kind: str  # initial | unchanged | respec | scaled | repaired | improved | replanned
+    kind: str  # initial | unchanged | respec | scaled | repaired | improved | replanned | moved (make_room)
     message: str = ""
     waiting: bool = False  # an inventory change is seen but not acted on yet (settle window)
     shortfall: str = ""  # what the replicas that do not fit lack ("" when all fit)
@@ -213,6 +218,87 @@ def _choose(current: Plan | None, profile: ModelProfile, spec: ShardedModelSpec,
     placed = "; ".join(f"group {r} on {', '.join(sorted({x.node for x in merged.group(r)}))}" for r in added)
     return PlanChoice(merged, "repaired" if lost else "scaled",
                       f"{what}: {placed}" if added else f"{what}; the pool has no room for more groups", waiting)
+
+
+# ---------------------------------------------------------------- room for replacements
+@dataclass(frozen=True)
+class Room:
+    plan: Plan
+    moved: list[str]  # what moved, e.g. "group 0 starts on c, d, beside the serving group"
+
+
+def make_room(p: Plan, profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
+              free: Mapping[str, int], replacing: Mapping[int, Mapping[str, int]], started: set[int],
+              options: PlannerOptions | None = None) -> Room:
+    """`p` with each replacement group placed where it can start: beside the serving groups when
+    the pool has room (a surge), else on its own serving group's devices (in place).
+
+    `free`: GPUs nobody holds on each node; `replacing`: replica -> GPUs its older groups hold on
+    each node (they go once the new group is ready, or first, in place); `started`: replicas whose
+    new group has pods already (never moved). Groups are taken in replica order, each leaving what
+    it takes to the next; a group that fits where `p` put it stays there.
+    """
+    left: Counter = Counter({node: n for node, n in free.items() if n > 0})
+    moved: list[str] = []
+    for replica in [g.replica for g in p.groups]:
+        needs = Counter(r.node for r in p.group(replica))
+        if replica in started:
+            continue
+        if replica not in replacing or _within(needs, left):
+            left.subtract(needs)
+            continue
+        beside = _place_one(p, replica, profile, spec, _devices_on(inventory, left), options)
+        if beside is not None:
+            p = beside
+            left.subtract(Counter(r.node for r in p.group(replica)))
+            moved.append(f"group {replica} starts on {_nodes(p, replica)}, where the pool has room beside the "
+                         "serving group")
+            continue
+        own = left + Counter(replacing[replica])
+        if _within(needs, own):
+            continue  # in place, where it is planned
+        in_place = _place_one(p, replica, profile, spec, _devices_on(inventory, own), options)
+        if in_place is not None:
+            p = in_place
+            moved.append(f"group {replica} is planned on {_nodes(p, replica)}, to replace its serving group in "
+                         "place (the pool has no room beside it)")
+    return Room(p, moved)
+
+
+def _within(needs: Counter, have: Counter) -> bool:
+    return all(have[node] >= n for node, n in needs.items())
+
+
+def _devices_on(inventory: Inventory, counts: Mapping[str, int]) -> Inventory:
+    """At most `counts[node]` devices of each node of the pool."""
+    taken: Counter = Counter()
+    devices = []
+    for d in inventory.devices:
+        if taken[d.node] < counts.get(d.node, 0):
+            taken[d.node] += 1
+            devices.append(d)
+    return Inventory(devices=devices)
+
+
+def _place_one(p: Plan, replica: int, profile: ModelProfile, spec: ShardedModelSpec, devices: Inventory,
+               options: PlannerOptions | None) -> Plan | None:
+    """`p` with group `replica` planned afresh on `devices`, at the plan's degrees; None if it fits nowhere there."""
+    pinned = spec.model_copy(update={"replicas": 1, "parallelism": Parallelism(
+        tensor=p.tensor_parallel, pipeline=p.pipeline_parallel, layer_partition=spec.parallelism.layer_partition)})
+    if not devices.devices or not places(profile, pinned, devices, 1, options):
+        return None
+    try:
+        one = plan(profile, pinned, devices, options)
+    except PlanError:
+        return None
+    if (one.dtype, one.quantization) != (p.dtype, p.quantization):
+        return None  # devices without native bfloat16 would run another dtype than the plan's
+    others = [g.replica for g in p.groups if g.replica != replica]
+    return _merge(_subset(p, others, p.replicas), one, [replica], p.replicas)
+
+
+def _nodes(p: Plan, replica: int) -> str:
+    return ", ".join(sorted({r.node for r in p.group(replica)}))
 
 
 def streamed(p: Plan) -> int:

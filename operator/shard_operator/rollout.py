@@ -123,6 +123,10 @@ def rank_state(pod: dict[str, Any], healthy_nodes: set[str] | None = None,
         return RankState(state="Lost", message=f"node {node} no longer exists", **common)
     if meta.get("deletionTimestamp"):
         return RankState(state="Terminating", **common)
+    # Before Failed: a rank whose node went away fails with it (and its peers fail for want of
+    # it); recreating the group there would fail again.
+    if healthy_nodes is not None and node and node not in healthy_nodes:
+        return RankState(state="Lost", message=f"node {node} is gone or NotReady", **common)
     if phase in ("Failed", "Succeeded"):
         permanent = any(t.get("exitCode") == EXIT_CONFIG for t in _terminations(pod))
         return RankState(state="Failed", message=f"{phase}: {_terminated_message(pod)}", permanent=permanent,
@@ -132,8 +136,6 @@ def rank_state(pod: dict[str, Any], healthy_nodes: set[str] | None = None,
         if waiting.get("reason") in CRASHED or cs.get("restartCount", 0) > 0:
             return RankState(state="Failed", message=f"restarted {cs.get('restartCount', 0)} times "
                              f"({waiting.get('reason') or _terminated_message(pod)})", **common)
-    if healthy_nodes is not None and node and node not in healthy_nodes:
-        return RankState(state="Lost", message=f"node {node} is gone or NotReady", **common)
     conditions = {c.get("type"): c for c in status.get("conditions") or []}
     if phase == "Running":
         ready = (conditions.get("Ready") or {}).get("status") == "True"
@@ -190,12 +192,14 @@ def group_state(group: ObservedGroup | None) -> tuple[str, str]:
     ranks = group.ranks
     if any(r.state == "Terminating" for r in ranks):
         return "Terminating", "waiting for the old pods to go"
-    failed = [r for r in ranks if r.state == "Failed"]
-    if failed:
-        return "Failed", "; ".join(f"rank {r.rank} ({r.pod}) {r.message}" for r in failed)
+    # Lost before Failed: when a node goes, its ranks are lost and their peers elsewhere fail for
+    # want of them; the group must move (a new plan), not be recreated where it was.
     lost = [r for r in ranks if r.state == "Lost"]
     if lost:
         return "Lost", "; ".join(f"rank {r.rank} ({r.pod}): {r.message}" for r in lost)
+    failed = [r for r in ranks if r.state == "Failed"]
+    if failed:
+        return "Failed", "; ".join(f"rank {r.rank} ({r.pod}) {r.message}" for r in failed)
     present = {r.rank for r in ranks}
     missing = sorted(set(range(group.world_size)) - present)
     if missing and any(r.started for r in ranks):
@@ -215,7 +219,8 @@ class Decision:
     delete: dict[GroupKey, str] = field(default_factory=dict)  # whole groups, with the reason
     exhausted: dict[int, str] = field(default_factory=dict)    # replica -> why it is given up
     unrecoverable: set[int] = field(default_factory=set)       # of those, the ones a restart would not mend
-    waiting: list[str] = field(default_factory=list)           # why a replacement cannot proceed
+    waiting: list[str] = field(default_factory=list)           # why a replacement cannot proceed (blocked)
+    queued: list[str] = field(default_factory=list)            # replacements that wait their turn
 
 
 def _fits(want: Want, free: dict[str, int] | None) -> bool:
@@ -223,11 +228,13 @@ def _fits(want: Want, free: dict[str, int] | None) -> bool:
 
 
 def decide(wants: Iterable[Want], observed: Iterable[ObservedGroup], rollout: Rollout,
-           restarts: dict[GroupKey, int], budget: int, free_gpus: dict[str, int] | None = None) -> Decision:
+           restarts: dict[GroupKey, int], budget: int, free_gpus: dict[str, int] | None = None,
+           healthy_nodes: set[str] | None = None) -> Decision:
     """The next step towards `wants` (one group per replica) from the `observed` groups.
 
     `restarts`: recreations so far per group; `free_gpus`: GPUs nobody requests on each node (None:
-    unknown, assume room).
+    unknown, assume room); `healthy_nodes`: nodes that exist and are Ready (None: unknown). A failed
+    group planned onto a node outside them is lost, not recreated there.
     """
     wanted = {w.replica: w for w in wants}
     groups: dict[int, list[ObservedGroup]] = defaultdict(list)
@@ -251,6 +258,8 @@ def decide(wants: Iterable[Want], observed: Iterable[ObservedGroup], rollout: Ro
         want = wanted[r]
         new = next((g for g in groups[r] if g.revision == want.revision), None)
         new_state, new_message = state.get(want.key, ("Empty", ""))
+        if new_state == "Failed" and healthy_nodes is not None and not set(want.gpus) <= healthy_nodes:
+            new_state = "Lost"  # its node went with some of its ranks: they are not even listed
         olds = [g for g in groups[r] if g.revision != want.revision]
         old_ready = [g for g in olds if state[g.key][0] == "Ready"]
         for g in olds:
@@ -293,7 +302,13 @@ def decide(wants: Iterable[Want], observed: Iterable[ObservedGroup], rollout: Ro
             for g in old_ready:
                 decision.delete[g.key] = f"replaced in place by revision {want.revision} (maxUnavailable)"
         else:
-            decision.waiting.append(_why_waiting(want, rollout, surging, free))
+            # Its turn comes when the replacements under way are done (maxSurge or maxUnavailable
+            # taken by them); otherwise only a change to the spec or the pool moves it.
+            turn = bool((rollout.max_surge and surging >= rollout.max_surge) or
+                        (rollout.max_unavailable and unavailable >= rollout.max_unavailable))
+            others = sum(1 for o in wanted if o != r and ready(o))
+            why = _why_waiting(want, rollout, surging, unavailable, free, others, turn)
+            (decision.queued if turn else decision.waiting).append(why)
         if new is not None and want.key not in decision.keep:
             decision.keep[want.key] = False
     return decision
@@ -305,12 +320,24 @@ def _take(want: Want, free: dict[str, int] | None) -> None:
             free[node] = free.get(node, 0) - n
 
 
-def _why_waiting(want: Want, rollout: Rollout, surging: int, free: dict[str, int] | None) -> str:
-    head = f"group {want.replica} cannot be replaced yet: "
+def _why_waiting(want: Want, rollout: Rollout, surging: int, unavailable: int, free: dict[str, int] | None,
+                 others: int, turn: bool) -> str:
+    """Why a replacement waits (`turn`: for those under way), and what would let it go on: in
+    place, it takes its group down while `others` groups serve (none: the model goes down)."""
+    head = f"group {want.replica} {'waits its turn' if turn else 'cannot be replaced yet'}: "
     if rollout.max_surge == 0 and rollout.max_unavailable == 0:
         return head + "maxSurge and maxUnavailable are both 0"
     if surging >= rollout.max_surge:
         return head + f"{surging} of maxSurge={rollout.max_surge} replacement groups are starting"
     short = ", ".join(f"{node} needs {n} GPUs, {max(0, (free or {}).get(node, 0))} free"
                       for node, n in sorted(want.gpus.items()) if (free or {}).get(node, 0) < n)
-    return head + f"no room to surge beside the serving group ({short}); raise maxUnavailable to replace it in place"
+    if rollout.max_unavailable:
+        return head + (f"the pool has no room for a new group beside the serving one ({short}), and {unavailable} "
+                       f"of maxUnavailable={rollout.max_unavailable} groups are down already")
+    if others:
+        down = (f"replacing it in place takes it down while {others} other group{'s' if others > 1 else ''} "
+                f"serve{'s' if others == 1 else ''}")
+    else:
+        down = "replacing it in place takes the model down (no other group serves)"
+    return (head + f"the pool has no room for a new group beside the serving one ({short}); {down}: "
+            f"spec.rollout.maxUnavailable 1 allows that")

@@ -180,7 +180,9 @@ def build_status(obs: Observation, previous: dict[str, Any] | None, now: str) ->
     elif decision.waiting:
         progressing = (False, "Blocked", " ".join(decision.waiting))
     elif replacing:
-        progressing = (True, "Rebalancing", f"replacing group {', '.join(sorted({str(g.replica) for g in replacing}))}")
+        queued = "".join(f"; {why}" for why in decision.queued)
+        progressing = (True, "Rebalancing",
+                       f"replacing group {', '.join(sorted({str(g.replica) for g in replacing}))}{queued}")
     elif extra:
         progressing = (True, "Scaling", f"removing group {', '.join(str(g.replica) for g in extra)}")
     elif decision.restart:

@@ -424,7 +424,8 @@ async def test_a_replacement_without_room_to_surge_waits_and_says_so(world):
             progressing = next(c for c in (await world.status("m1"))["conditions"] if c["type"] == "Progressing")
             return progressing if progressing["reason"] == "Blocked" else None
         progressing = await eventually(blocked)
-        assert "no room to surge" in progressing["message"] and "a needs 2 GPUs, 0 free" in progressing["message"]
+        assert "no room for a new group beside the serving one (a needs 2 GPUs, 0 free)" in progressing["message"]
+        assert "takes the model down" in progressing["message"]
         assert uids(await world.pods("m1")) == before  # still serving
 
         await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"rollout": {"maxUnavailable": 1}}})

@@ -169,6 +169,22 @@ def condition(type_: str, reason: str, words: str = "") -> Callable[[Sim], None]
     return check
 
 
+def both(*checks: Callable[[Sim], None]) -> Callable[[Sim], None]:
+    def check(sim: Sim) -> None:
+        for c in checks:
+            c(sim)
+    return check
+
+
+def nodes_of_group(group: int, revision: str, nodes: set[str]) -> Callable[[Sim], None]:
+    """The pods of group `group` revision `revision` (its letter) are planned onto `nodes`."""
+    def check(sim: Sim) -> None:
+        planned = {p["metadata"]["annotations"]["sharding.dev/node"] for p in sim.store.of_kind("Pod")
+                   if sim.short(p["metadata"]["name"]).startswith(f"m1-{group}-{revision}-")}
+        assert planned == nodes, planned
+    return check
+
+
 def measured(sim: Sim) -> None:
     shards = sim.store.get(MODEL, "m1")["status"]["shards"]
     assert sorted(s["residentBytes"] for s in shards) == [RESIDENT, RESIDENT + 2**20]
@@ -263,13 +279,80 @@ SCENARIOS: dict[str, tuple[list[dict], list[Round]]] = {
         Round([create()], [*MODEL_WRITES, *group_writes(0, "a"), "status Loading"],
               ["Normal Planned", "Normal CreatingGroup"], next=30.01),
         READY,
-        Round([edit(worker={"image": "example.com/worker:2"})], ["status Rebalancing"], ["Warning Blocked"], next=20,
-              then=condition("Progressing", "Blocked", "no room to surge beside the serving group (a needs 2 GPUs, "
-                             "0 free)")),
-        Round([edit(rollout={"maxUnavailable": 1})], [*group_deletes(0, "a"), "status Rebalancing"],
-              ["Normal DeletingGroup"], next=20),
+        # The spec is accepted (the plan record keeps it); the rollout waits, saying what it would cost.
+        Round([edit(worker={"image": "example.com/worker:2"})], ["patch ConfigMap m1-plan", "status Rebalancing"],
+              ["Warning Blocked"], next=20,
+              then=condition("Progressing", "Blocked", "the pool has no room for a new group beside the serving one "
+                             "(a needs 2 GPUs, 0 free); replacing it in place takes the model down (no other group "
+                             "serves): spec.rollout.maxUnavailable 1 allows that")),
+        Round([edit(rollout={"maxUnavailable": 1})], ["patch ConfigMap m1-plan", *group_deletes(0, "a"),
+                                                      "status Rebalancing"], ["Normal DeletingGroup"], next=20),
         Round([kubelet()], [*group_writes(0, "b"), "status Loading"], ["Normal CreatingGroup"], next=20),
         Round([kubelet()], ["status Ready"], ready(), next=20),
+    ]),
+    # Issue 26: a new revision is placed on the nodes with room, beside the serving group.
+    "a new revision surges onto a free node while the old group serves": ([gpu_node(n) for n in "ab"], [
+        Round([create()], [*MODEL_WRITES, *group_writes(0, "a"), "status Loading"],
+              ["Normal Planned", "Normal CreatingGroup"], next=30.01, then=nodes_of_group(0, "a", {"a"})),
+        READY,
+        Round([edit(model={"maxModelLen": 200})], ["patch ConfigMap m1-plan", *group_writes(0, "b"),
+                                                   "status Rebalancing"],
+              ["Normal Replanned", "Normal CreatingGroup"], next=20, then=nodes_of_group(0, "b", {"b"})),
+        Round([kubelet(ready=False)], ["status Rebalancing"], next=5, then=nodes_of_group(0, "a", {"a"})),
+        Round([kubelet()], [*group_deletes(0, "a"), "status Rebalancing"], ["Normal DeletingGroup", *ready()], next=20,
+              then=condition("Available", "MinimumGroupsReady")),
+        Round([kubelet()], ["status Ready"], next=20),
+    ]),
+    # A full pool (no node spare): one group at a time goes down and comes back while the other serves.
+    "a full pool replaces one group at a time while the other serves": ([gpu_node(n) for n in "ab"], [
+        Round([create(replicas=2, rollout={"maxSurge": 1, "maxUnavailable": 1})],
+              [*MODEL_WRITES, *group_writes(0, "a"), *group_writes(1, "a"), "status Loading"],
+              ["Normal Planned", "Normal CreatingGroup", "Normal CreatingGroup"], next=30.01),
+        READY2,
+        Round([edit(model={"maxModelLen": 200})], ["patch ConfigMap m1-plan", *group_deletes(0, "a"),
+                                                   "status Rebalancing"],
+              ["Normal Replanned", "Normal DeletingGroup"], next=20,
+              then=condition("Progressing", "Rebalancing", "group 1 waits its turn")),
+        Round([kubelet()], [*group_writes(0, "b"), "status Rebalancing"], ["Normal CreatingGroup"], next=20,
+              then=both(nodes_of_group(0, "b", {"a"}), condition("Available", "MinimumGroupsReady", "1 of 2 groups"))),
+        Round([kubelet()], [*group_deletes(1, "a"), "status Rebalancing"], ["Normal DeletingGroup", *ready()], next=20),
+        Round([kubelet()], [*group_writes(1, "b"), "status Loading"], ["Normal CreatingGroup"], next=20,
+              then=both(nodes_of_group(1, "b", {"b"}), condition("Available", "MinimumGroupsReady", "1 of 2 groups"))),
+        Round([kubelet()], ["status Ready"], ready(), next=20),
+    ]),
+    # A spec the planner refuses: the groups run on as the accepted spec made them (same pods, and
+    # a recreated group is that revision again); Degraded says why. Put back, it rolls out.
+    "a spec the planner refuses changes nothing": ([gpu_node(n) for n in "ab"], [
+        Round([create()], [*MODEL_WRITES, *group_writes(0, "a"), "status Loading"],
+              ["Normal Planned", "Normal CreatingGroup"], next=30.01),
+        READY,
+        Round([edit(worker={"image": "example.com/worker:2"}, placement={"memoryHeadroom": 0.999})],
+              ["status Degraded"], ["Warning InsufficientCapacity"], next=20,
+              then=both(condition("Degraded", "InsufficientCapacity", "does not fit"),
+                        condition("Available", "MinimumGroupsReady", "1 of 1 groups ready"))),
+        Round([later(20)], [], next=10.01),
+        Round([rank_fails(0, 1)], ["delete Pod m1-0-a-0", "delete Pod m1-0-a-1", "status Degraded"],
+              ["Warning RecreatingGroup"], next=10.01),
+        Round([kubelet()], ["create Secret m1-0-a (409)", "create Pod m1-0-a-0", "create Pod m1-0-a-1",
+                            "status Degraded"], ["Normal CreatingGroup"], next=10.01),
+        Round([kubelet()], ["status Degraded"], ready(), next=10.01),
+        # The headroom back: the new image rolls out, beside the serving group.
+        Round([edit(placement={"memoryHeadroom": 0.1})], ["patch ConfigMap m1-plan", *group_writes(0, "b"),
+                                                          "status Rebalancing"],
+              ["Normal Rebalancing", "Normal CreatingGroup"], next=10.01, then=nodes_of_group(0, "b", {"b"})),
+    ]),
+    # A node goes and the rank beside it fails for want of its peer: lost, not recreated there.
+    "a lost node is not taken for failed ranks": ([gpu_node(n, gpus=1) for n in "abc"], [
+        Round([create(tensor=1, pipeline=2)], [*MODEL_WRITES, *group_writes(0, "a"), "status Loading"],
+              ["Normal Planned", "Normal CreatingGroup"], next=30.01, then=nodes_of_group(0, "a", {"a", "b"})),
+        READY,
+        Round([later(31)], [], next=20),
+        Round([node_gone("a"), rank_fails(0, 1)], ["status Degraded"], ["Warning NodeLost"], next=20),
+        Round([later(31)], ["patch ConfigMap m1-plan", *group_writes(0, "b"), "delete Secret m1-0-a",
+                            "delete Pod m1-0-a-0 (grace 0)", "delete Pod m1-0-a-1", "delete Service m1-0-a",
+                            "delete ConfigMap m1-0-a", "status Rebalancing"],
+              ["Normal Rebalancing", "Normal CreatingGroup", "Normal DeletingGroup"], next=60,
+              then=nodes_of_group(0, "b", {"b", "c"})),
     ]),
     "a lost node's group moves once the pool has settled": ([gpu_node(n) for n in "abc"], [
         Round([create(replicas=2)], [*MODEL_WRITES, *group_writes(0, "a"), *group_writes(1, "a"), "status Loading"],
@@ -290,9 +373,11 @@ SCENARIOS: dict[str, tuple[list[dict], list[Round]]] = {
               ["Normal Planned", "Normal CreatingGroup", "Normal CreatingGroup"], next=30.01),
         READY2,
         # A new image: group 0's replacement surges (maxSurge 1), group 1's waits for it.
-        Round([edit(worker={"image": "example.com/worker:2"})], [*group_writes(0, "b"), "status Rebalancing"],
-              ["Normal CreatingGroup", "Warning Blocked"], next=20,
-              then=condition("Progressing", "Blocked", "1 of maxSurge=1 replacement groups are starting")),
+        Round([edit(worker={"image": "example.com/worker:2"})], ["patch ConfigMap m1-plan", *group_writes(0, "b"),
+                                                                "status Rebalancing"],
+              ["Normal CreatingGroup"], next=20,
+              then=condition("Progressing", "Rebalancing", "replacing group 0, 1; group 1 waits its turn: 1 of "
+                             "maxSurge=1 replacement groups are starting")),
         # Scaled up meanwhile: the new group comes at the wanted revision at once.
         Round([edit(replicas=3)], ["patch ConfigMap m1-plan", "patch ConfigMap m1-0-b", *group_writes(2, "a"),
                                    "status Rebalancing"], ["Normal Scaled", "Normal CreatingGroup"], next=5),

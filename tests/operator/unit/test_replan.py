@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+from collections import Counter
 
-from shard_operator.inventory import parse_devices
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shard_operator.inventory import Inventory, parse_devices
 from shard_operator.planner import PlanError
-from shard_operator.replan import choose_plan, critical_path, incompatibility, without_devices, without_held
+from shard_operator.replan import (choose_plan, critical_path, incompatibility, make_room, without_devices,
+                                  without_held)
 from tests.operator.conftest import make_spec, tiny_profile
 from tests.support.cluster import SEVEN_B
 
@@ -149,3 +154,96 @@ def test_a_node_whose_gpus_other_workloads_hold_is_listed_with_the_reason():
     inv = without_held(parse_devices("a:24GiB*2,b:24GiB*2"), {"a": 2, "b": 1})
     assert [(d.node, d.index) for d in inv.devices] == [("b", 0)]
     assert [(s.node, s.reason) for s in inv.skipped] == [("a", "other workloads hold its 2 GPUs")]
+
+
+# ---------------------------------------------------------------- room for replacements
+def held_by(plan, replica):
+    """GPUs each node gives group `replica` of `plan`."""
+    out = {}
+    for r in plan.group(replica):
+        out[r.node] = out.get(r.node, 0) + 1
+    return out
+
+
+def test_a_replacement_starts_on_the_free_node_beside_the_serving_group(profile):
+    pool = parse_devices(POOL)
+    serving = choose_plan(None, profile, make_spec(replicas=1), pool).plan
+    assert nodes_of(serving, 0) == {"a"}
+    # A new revision planned where the serving group runs (the planner's first choice) moves to a free node.
+    room = make_room(serving, profile, make_spec(replicas=1), pool, free={"a": 0, "b": 2, "c": 2},
+                     replacing={0: held_by(serving, 0)}, started=set())
+    assert nodes_of(room.plan, 0) == {"b"} and room.moved == [
+        "group 0 starts on b, where the pool has room beside the serving group"]
+    assert (room.plan.tensor_parallel, room.plan.pipeline_parallel) == (serving.tensor_parallel,
+                                                                        serving.pipeline_parallel)
+    # Started already, or not a replacement: nothing moves.
+    for kwargs in (dict(replacing={0: held_by(serving, 0)}, started={0}), dict(replacing={}, started=set())):
+        assert make_room(serving, profile, make_spec(replicas=1), pool, free={"b": 2, "c": 2}, **kwargs).moved == []
+
+
+def test_a_full_pool_plans_each_replacement_on_its_own_groups_devices(profile):
+    pool = parse_devices("a:24GiB*2,b:24GiB*2")
+    serving = choose_plan(None, profile, make_spec(replicas=2), pool).plan
+    assert (nodes_of(serving, 0), nodes_of(serving, 1)) == ({"a"}, {"b"})
+    # A fresh plan that swapped them would deadlock (each waits for the other's node): in place instead.
+    swapped = serving.model_copy(update={"ranks": [r.model_copy(update={"replica": 1 - r.replica}) for r in serving.ranks]})
+    room = make_room(swapped, profile, make_spec(replicas=2), pool, free={"a": 0, "b": 0},
+                     replacing={0: held_by(serving, 0), 1: held_by(serving, 1)}, started=set())
+    assert (nodes_of(room.plan, 0), nodes_of(room.plan, 1)) == ({"a"}, {"b"})
+    assert all("to replace its serving group in place" in m for m in room.moved) and len(room.moved) == 2
+    # Planned in place already: it stays.
+    assert make_room(serving, profile, make_spec(replicas=2), pool, free={"a": 0, "b": 0},
+                     replacing={0: held_by(serving, 0), 1: held_by(serving, 1)}, started=set()).moved == []
+
+
+def test_room_is_taken_in_replica_order(profile):
+    """One spare node: group 0 surges onto it, group 1 is planned in place (its turn comes later)."""
+    pool = parse_devices(POOL)
+    serving = choose_plan(None, profile, make_spec(replicas=2), pool).plan
+    spare = ({"a", "b", "c"} - nodes_of(serving, 0) - nodes_of(serving, 1)).pop()
+    room = make_room(serving, profile, make_spec(replicas=2), pool, free={spare: 2},
+                     replacing={0: held_by(serving, 0), 1: held_by(serving, 1)}, started=set())
+    assert nodes_of(room.plan, 0) == {spare} and nodes_of(room.plan, 1) == nodes_of(serving, 1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(nodes=st.lists(st.integers(0, 4), min_size=1, max_size=4), replicas=st.integers(1, 3),
+       frees=st.lists(st.integers(0, 2), min_size=4, max_size=4), started=st.sets(st.integers(0, 2)),
+       data=st.data())
+def test_make_room_moves_a_group_only_where_it_fits(nodes, replicas, frees, started, data):
+    """Whatever the pool and what is free: started groups and those not replacing one stay; every
+    group keeps the plan's degrees; a moved group fits what is free plus its own serving group's
+    devices, and the groups moved beside the serving ones fit what is free, together."""
+    if not any(nodes):
+        return
+    profile, names = tiny_profile(), "abcd"
+    pool = parse_devices(",".join(f"{names[i]}:24GiB*{n}" for i, n in enumerate(nodes) if n))
+    # The serving groups, and a new plan made on part of the pool (so some groups land elsewhere).
+    part = data.draw(st.sets(st.sampled_from(sorted({d.node for d in pool.devices})), min_size=1))
+    try:
+        serving = choose_plan(None, profile, make_spec(replicas=replicas), pool).plan
+        current = choose_plan(None, profile, make_spec(replicas=replicas), Inventory(
+            devices=[d for d in pool.devices if d.node in part])).plan
+    except PlanError:
+        return
+    groups = [g.replica for g in current.groups]
+    replacing = {r: held_by(serving, r) for r in data.draw(st.sets(st.sampled_from(groups)))
+                 if serving.group(r)}
+    # Free: what the serving groups and other workloads (up to `frees`) leave of each node.
+    held = Counter(r.node for r in serving.ranks)
+    free = {names[i]: max(0, n - held[names[i]] - f) for i, (f, n) in enumerate(zip(frees, nodes))}
+    room = make_room(current, profile, make_spec(replicas=replicas), pool, free, replacing, started)
+    beside: dict[str, int] = {}
+    assert (room.plan.tensor_parallel, room.plan.pipeline_parallel, len(room.plan.groups)) == \
+        (current.tensor_parallel, current.pipeline_parallel, len(current.groups))
+    for r in groups:
+        before, after = held_by(current, r), held_by(room.plan, r)
+        assert len(room.plan.group(r)) == current.world_size
+        if r in started or r not in replacing:
+            assert after == before
+        elif after != before:
+            assert all(free.get(node, 0) + replacing[r].get(node, 0) >= n for node, n in after.items())
+            if f"group {r} starts on" in " ".join(room.moved):
+                for node, n in after.items():
+                    beside[node] = beside.get(node, 0) + n
+    assert all(free.get(node, 0) >= n for node, n in beside.items()), (beside, free)

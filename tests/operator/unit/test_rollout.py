@@ -82,6 +82,7 @@ def group(states, replica=0, revision="r1", world=2, started=True):
     (group(["Ready", None]), "Failed"),  # a rank was deleted while the group ran
     (group(["Ready", "Failed"]), "Failed"),
     (group(["Ready", "Lost"]), "Lost"),
+    (group(["Lost", "Failed"]), "Lost"),  # the peer failed because the node went
     (group(["Terminating", "Failed"]), "Terminating"),
 ])
 def test_group_state(g, state):
@@ -151,7 +152,7 @@ def test_max_surge_limits_concurrent_replacements():
     observed.append(group(["Running"] * 2, 0, "new"))
     d = decide([Want(r, "new") for r in range(3)], observed, SURGE, {}, 3)
     assert not [k for k, create in d.keep.items() if create and k != (0, "new")]
-    assert d.waiting and "1 of maxSurge=1" in d.waiting[0]
+    assert d.queued and "1 of maxSurge=1" in d.queued[0] and not d.waiting  # its turn comes by itself
 
 
 def test_max_unavailable_replaces_in_place():
@@ -166,11 +167,46 @@ def test_no_room_to_surge_is_said_not_forced():
     old = group(["Ready"] * 2, 0, "old")
     d = decide([Want(0, "new", {"a": 2})], [old], SURGE, {}, 3, free_gpus={"a": 0, "b": 4})
     assert not d.delete and not any(d.keep.values())
-    assert "no room to surge" in d.waiting[0] and "a needs 2 GPUs, 0 free" in d.waiting[0]
+    assert "no room for a new group beside the serving one (a needs 2 GPUs, 0 free)" in d.waiting[0]
+    assert "takes the model down (no other group serves)" in d.waiting[0]
     d = decide([Want(0, "new", {"b": 2})], [old], SURGE, {}, 3, free_gpus={"a": 0, "b": 4})
     assert d.keep == {(0, "new"): True}
     d = decide([Want(0, "new")], [old], Rollout(max_surge=0, max_unavailable=0), {}, 3)
     assert "both 0" in d.waiting[0]
+
+
+def test_a_full_pool_replaces_one_group_at_a_time_while_the_others_serve():
+    """Two groups, each on the node the other does not use: none can surge."""
+    observed = [group(["Ready"] * 2, 0, "old"), group(["Ready"] * 2, 1, "old")]
+    wants = [Want(0, "new", {"a": 2}), Want(1, "new", {"b": 2})]
+    d = decide(wants, observed, SURGE, {}, 3, free_gpus={"a": 0, "b": 0})
+    assert not d.delete and not d.queued  # maxUnavailable 0: nobody may go down
+    assert "takes it down while 1 other group serves: spec.rollout.maxUnavailable 1 allows that" in d.waiting[0]
+    one_down = Rollout(max_surge=1, max_unavailable=1)
+    d = decide(wants, observed, one_down, {}, 3, free_gpus={"a": 0, "b": 0})
+    assert list(d.delete) == [(0, "old")] and not d.waiting  # group 1 serves meanwhile ...
+    assert "1 of maxUnavailable=1 groups are down already" in d.queued[0]  # ... and waits its turn
+    d = decide(wants, [observed[1], group(["Ready", "Running"], 0, "new")], one_down, {}, 3, free_gpus={"a": 0, "b": 0})
+    assert not d.delete and d.queued
+    d = decide(wants, [observed[1], group(["Ready"] * 2, 0, "new")], one_down, {}, 3, free_gpus={"a": 0, "b": 0})
+    assert list(d.delete) == [(1, "old")]  # group 0 serves again: group 1's turn
+
+
+def test_a_failed_group_whose_node_left_is_lost_not_recreated_there():
+    """Its ranks on the gone node are not even listed; the peers elsewhere failed for want of them."""
+    peers_failed = group(["Failed", None], 0, "a")
+    d = decide([Want(0, "a", {"a": 1, "b": 1})], [peers_failed], SURGE, {}, 3, healthy_nodes={"a"})
+    assert not d.restart and d.keep == {(0, "a"): False}
+    d = decide([Want(0, "a", {"a": 1, "b": 1})], [peers_failed], SURGE, {}, 3, healthy_nodes={"a", "b"})
+    assert d.restart == [(0, "a")]
+
+
+def test_lost_is_decided_before_failed():
+    """A rank on a NotReady node that failed with it, and its peer that failed for want of it: lost."""
+    failed = pod(phase="Failed", node="b")
+    assert rank_state(failed, healthy_nodes={"a"}).state == "Lost"
+    assert rank_state(failed, healthy_nodes={"a", "b"}).state == "Failed"
+    assert group_state(group(["Failed", "Lost"]))[0] == "Lost"
 
 
 def test_failed_group_is_recreated_within_budget_then_given_up():

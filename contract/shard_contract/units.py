@@ -46,6 +46,28 @@ def gib(n_bytes: int | float) -> str:
     return f"{n_bytes / GiB:.2f}"
 
 
+_STEPS = (("GiB", GiB, 2), ("MiB", MiB, 1), ("B", 1, 0))
+
+
+def apart(a: int | float, b: int | float) -> tuple[str, str]:
+    """`a` and `b` in the first unit that tells them apart: GiB with two decimals, else MiB with
+    one, else bytes ("0.18 GiB" and "0.18 GiB" become "184.3 MiB" and "183.9 MiB")."""
+    for unit, size, digits in _STEPS:
+        x, y = f"{a / size:.{digits}f}", f"{b / size:.{digits}f}"
+        if x != y or size == 1:
+            return f"{x} {unit}", f"{y} {unit}"
+    raise AssertionError("unreachable")
+
+
+def exactly(n_bytes: int | float) -> str:
+    """A gap as a number that does not round to 0: GiB with two decimals, else MiB with one, else bytes."""
+    for unit, size, digits in _STEPS:
+        text = f"{n_bytes / size:.{digits}f}"
+        if float(text) != 0 or size == 1:
+            return f"{text} {unit}"
+    raise AssertionError("unreachable")
+
+
 def human(n_bytes: int | float) -> str:
     """Format bytes with the largest binary unit that keeps the number readable."""
     for unit, size in (("TiB", 2**40), ("GiB", GiB), ("MiB", MiB), ("KiB", 2**10)):

@@ -41,7 +41,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from shard_contract.plan import DEFAULT_PREFETCH, GroupPlan, OffloadSettings, Plan, PredictedBytes, RankPlan, StagePlan
 from shard_contract.sharding import tp_problem, valid_tensor_degrees
-from shard_contract.units import count, gib, human
+from shard_contract.units import apart, count, exactly, gib, human
 
 from . import offload
 from .advice import Asked, Fits, Suggestion, offer, suggestions
@@ -890,15 +890,22 @@ def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: R
         if rank > max(usable):
             split = (f"layerPartition {par.layer_partition}" if par.layer_partition
                      else f"the layers split as evenly as they go over {count(pp, 'stage')}")
-            facts.append(f"at tensor={tp} x pipeline={pp} ({split}) the most loaded rank needs {gib(rank)} GiB; "
-                         f"the largest device offers {gib(max(usable))} GiB usable.")
+            needs, offers = apart(rank, max(usable))
+            facts.append(f"at tensor={tp} x pipeline={pp} ({split}) the most loaded rank needs {needs}; the largest "
+                         f"device offers {offers} usable ({exactly(rank - max(usable))} short).")
+    needs, has = apart(need, sum(usable))
     facts.append(
-        f"one replica needs at least {gib(need)} GiB across {count(len(usable), 'device')} ({gib(weights)} GiB "
-        f"of {_weights_phrase(request)} weights and {gib(kv)} GiB of KV cache for {request.max_len} tokens x "
-        f"{count(request.batch, 'sequence')} per replica, plus ~{gib(per_device)} GiB per device for runtime "
-        f"and activations); the pool has {gib(sum(usable))} GiB usable ({inventory.describe()}, "
-        f"{request.headroom:.0%} headroom)"
-        + ("." if need > sum(usable) else ": enough in all, but no split of the layers fits these devices."))
+        f"one replica needs at least {needs} across {count(len(usable), 'device')} ({exactly(weights)} "
+        f"of {_weights_phrase(request)} weights and {exactly(kv)} of KV cache for {request.max_len} tokens x "
+        f"{count(request.batch, 'sequence')} per replica, plus ~{exactly(per_device)} per device for runtime "
+        f"and activations); the pool has {has} usable ({inventory.describe()}, {request.headroom:.0%} headroom)"
+        + (f": {exactly(need - sum(usable))} short." if need > sum(usable)
+           else ": enough in all, but no split of the layers fits these devices."))
+    # What the spec asks that cannot be (streaming int8 weights) is the cause: it comes first.
+    cause = offload_note if request.quantization != "none" and offload_note else ""
+    if cause:
+        facts = [cause.rstrip("."), "without streaming, " + facts[0], *facts[1:]]
+        offload_note = ""
     lines = [f"{profile.name} does not fit: {facts[0]}", *(f[0].upper() + f[1:] for f in facts[1:])]
     if inventory.skipped:
         lines.append("Skipped nodes: " + "; ".join(f"{s.node} ({s.reason})" for s in inventory.skipped) + ".")

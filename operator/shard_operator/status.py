@@ -18,6 +18,7 @@ from .api import (Condition, GroupStatus, PlanSummary, ShardedModelSpec, Sharded
 from .manifests import MODEL_LABEL, ROLE_LABEL, endpoint_name, model_label
 from .rollout import Decision, GroupKey, ObservedGroup, Want, group_state
 
+SEE_DEGRADED = "the Degraded condition says why"  # a problem's message is written once, there
 MEASURE_TOLERANCE = 0.01  # resident bytes within 1% of the reported value are not re-reported
 # Streaming counters grow while a rank serves: re-reported once they grew by 10%, so a steady
 # state writes the status a number of times that grows with the log of its uptime, not with it.
@@ -189,8 +190,8 @@ def build_status(obs: Observation, previous: dict[str, Any] | None, now: str) ->
         progressing = (True, "Recreating", f"recreating group {', '.join(str(k[0]) for k in decision.restart)}")
     elif obs.plan is not None and current_ready < len(obs.wants):
         progressing = (True, "Creating", f"{current_ready} of {len(obs.wants)} groups ready")
-    elif obs.problem is not None:
-        progressing = (False, obs.problem.reason, obs.problem.message)
+    elif obs.problem is not None:  # its message is Degraded's: said once
+        progressing = (False, obs.problem.reason, SEE_DEGRADED)
     else:
         progressing = (False, "Complete", f"{ready} of {replicas} groups ready")
 
@@ -198,8 +199,8 @@ def build_status(obs: Observation, previous: dict[str, Any] | None, now: str) ->
     need = max(1, replicas - (spec.rollout.max_unavailable if spec else 0))
     fitting = len(obs.plan.groups) if obs.plan is not None else replicas
     if obs.problem is not None and obs.problem.fatal:  # no plan can be made: that is why
-        still = f"{ready} group{'s' if ready != 1 else ''} of an earlier plan still ready; " if ready else ""
-        available = (ready > 0, obs.problem.reason, still + obs.problem.message)
+        still = f"{ready} group{'s' if ready != 1 else ''} of an earlier plan still ready" if ready else "no group ready"
+        available = (ready > 0, obs.problem.reason, f"{still}; {SEE_DEGRADED}")
     elif replicas == 0:
         available = (False, "ScaledToZero", "spec.replicas is 0")
     elif ready >= need:

@@ -26,6 +26,7 @@ from shard_contract.wire import ShardEntry, ShardsResponse
 
 from .api import GROUP, PLURAL, VERSION, WorkerSpec
 from .manifests import group_of_pod
+from .status import SEE_DEGRADED
 
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen: a --watch refresh on a terminal
 
@@ -116,8 +117,11 @@ def view_of_model(obj: dict[str, Any]) -> GroupView:
             for s in status.get("shards") or []]
     ready = f"{status.get('readyReplicas', 0)}/{(obj.get('spec') or {}).get('replicas', 0)} groups ready"
     conditions = {c.get("type"): c for c in status.get("conditions") or []}
-    notes = [f"{c['type']}: {c.get('reason', '')}: {c['message']}" for c in conditions.values()
-             if c.get("message") and (c["type"] == "Degraded") == (c.get("status") == "True")]
+    notes, said = [], {SEE_DEGRADED}  # a message is shown once, however many conditions carry it
+    for c in sorted(conditions.values(), key=lambda c: c["type"] != "Degraded"):
+        if c.get("message") and (c["type"] == "Degraded") == (c.get("status") == "True") and c["message"] not in said:
+            said.add(c["message"])
+            notes.append(f"{c['type']}: {c.get('reason', '')}: {c['message']}")
     return GroupView(title=f"ShardedModel {meta.get('namespace', '')}/{meta.get('name', '')}: "
                            f"{status.get('phase', 'Pending')}, {ready}, plan {plan.get('hash', '-')}",
                      rows=rows, predicted_step=plan.get("predictedStepSeconds"), measured_step=None, notes=notes,

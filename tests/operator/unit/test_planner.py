@@ -99,6 +99,21 @@ def test_zero_replicas_plans_no_ranks():
     assert result.ranks == [] and result.groups == [] and result.tensor_parallel == 1
 
 
+def test_a_capacity_message_leads_with_the_cause_and_tells_a_gap_that_gib_rounds_away():
+    """Issue 26: int8 asked of a model that streams; devices a fraction of a MiB too small."""
+    from tests.operator.conftest import make_spec, tiny_profile
+    streaming_int8 = make_spec(model={"quantization": "int8"}, placement={"offload": {"policy": "auto"}})
+    with pytest.raises(PlanError) as err:
+        plan(tiny_profile(), streaming_int8, parse_devices("a:2845MiB*2"))
+    first, second, third, *_ = err.value.message.splitlines()
+    assert first.startswith("tiny does not fit: placement.offload.policy auto cannot stream int8 weights")
+    assert second.startswith("Without streaming, at tensor=2 x pipeline=1") and second.endswith(
+        "the most loaded rank needs 2561.1 MiB; the largest device offers 2560.5 MiB usable (0.6 MiB short).")
+    assert "(0.3 MiB of int8 (float32 activations) weights and 0.2 MiB of KV cache" in third
+    assert third.endswith("the pool has 5121.0 MiB usable (2 x 2.8 GiB (gpu) on a, 10% headroom): 1.2 MiB short.")
+    assert err.value.message.count("cannot stream int8") == 1  # said once
+
+
 def test_explicit_partition_is_checked_not_trusted():
     profile = profile_from_config(LLAMA_70B)
     ok = plan(profile, spec(parallelism={"tensor": 4, "pipeline": 2, "layerPartition": [44, 36]}),
@@ -111,7 +126,7 @@ def test_explicit_partition_is_checked_not_trusted():
              parse_devices("a:32GiB*4,b:32GiB*4"))
     assert err.value.reason == "InsufficientCapacity"
     assert str(err.value).startswith("model does not fit: at tensor=4 x pipeline=2 (layerPartition [70, 10]) the "
-                                     "most loaded rank needs 31.24 GiB; the largest device offers 28.80 GiB usable.")
+                                     "most loaded rank needs 31.24 GiB; the largest device offers 28.80 GiB usable (2.44 GiB short).")
     assert "drop layerPartition" in str(err.value)
 
 

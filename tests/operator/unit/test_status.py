@@ -79,14 +79,17 @@ def test_a_model_that_cannot_be_planned_says_why_it_is_not_available(valid_spec,
     obs = Observation(name="m", generation=1, spec=make_spec(replicas=2) if valid_spec else None, problem=problem)
     status = build_status(obs, None, NOW)
     available = next(c for c in status["conditions"] if c["type"] == "Available")
-    assert (available["status"], available["reason"], available["message"]) == ("False", reason, "what is wrong")
+    assert (available["status"], available["reason"], available["message"]) == \
+        ("False", reason, "no group ready; the Degraded condition says why")
     assert status["phase"] == "Failed" and conditions(status)["Degraded"] == ("True", reason)
+    # The message is written once, in Degraded (Progressing and Available point to it).
+    assert [c["type"] for c in status["conditions"] if "what is wrong" in c["message"]] == ["Degraded"]
     # Groups of an earlier spec that still serve are counted, and said to be there.
     serving = Observation(name="m", generation=2, spec=obs.spec, problem=problem, groups=[group(0, "old", ["Ready"] * 2)])
     status = build_status(serving, None, NOW)
     available = next(c for c in status["conditions"] if c["type"] == "Available")
     assert (available["status"], available["reason"]) == ("True", reason)
-    assert available["message"] == "1 group of an earlier plan still ready; what is wrong"
+    assert available["message"] == "1 group of an earlier plan still ready; the Degraded condition says why"
     assert status["phase"] == "Degraded" and status["readyReplicas"] == 1
 
 

@@ -72,3 +72,18 @@ def test_leaders_not_read_leave_the_status_table_and_say_why_in_one_line():
         "group 1 (m-1-a-0): HTTP 400: address not allowed"]
     assert "- (no batch yet)" in render(view)
     assert view.raw["shardedModel"] == MODEL and view.raw["leaders"] == {} and len(view.raw["unread"]) == 2
+
+
+def test_a_problem_is_noted_once_whatever_conditions_carry_it():
+    """The Degraded condition's message, once: Progressing points to it (or, written by an older
+    operator, repeats it word for word), and Available says what still serves."""
+    why = "tiny does not fit: the most loaded rank needs 2561.1 MiB; the largest device offers 2560.5 MiB usable"
+    for progressing in (why, "the Degraded condition says why"):
+        obj = {**MODEL, "status": {**MODEL["status"], "conditions": [
+            {"type": "Available", "status": "False", "reason": "InsufficientCapacity",
+             "message": "no group ready; the Degraded condition says why"},
+            {"type": "Progressing", "status": "False", "reason": "InsufficientCapacity", "message": progressing},
+            {"type": "Degraded", "status": "True", "reason": "InsufficientCapacity", "message": why}]}}
+        assert view_of_model(obj).notes == [f"Degraded: InsufficientCapacity: {why}",
+                                            "Available: InsufficientCapacity: no group ready; the Degraded condition "
+                                            "says why"]

@@ -31,7 +31,9 @@ from .api import Placement, Toleration
 
 SPEED_LABEL = "sharding.dev/gpu-speed"
 MEMORY_LABEL = "nvidia.com/gpu.memory"  # MiB, from GPU feature discovery
+OUR_MEMORY_LABEL = "sharding.dev/gpu-memory"  # ours: a quantity (80Gi, 81559Mi) or MiB as GFD writes it
 PRODUCT_LABEL = "nvidia.com/gpu.product"
+GKE_ACCELERATOR_LABEL = "cloud.google.com/gke-accelerator"  # GKE's own (nvidia-l4, nvidia-h100-80gb, ...)
 COUNT_LABEL = "nvidia.com/gpu.count"
 COMPUTE_LABELS = ("nvidia.com/gpu.compute.major", "nvidia.com/gpu.compute.minor")  # GFD too
 # bfloat16 runs natively from compute capability 8.0 (Ampere) on: not on T4 (7.5) or V100 (7.0)
@@ -63,6 +65,34 @@ KNOWN_BANDWIDTH: tuple[tuple[str, float], ...] = (
     ("A100", 1.555), ("A800", 2.039), ("L40S", 0.864), ("L40", 0.864), ("A40", 0.696),
     ("A10G", 0.6), ("A10", 0.6), ("L4", 0.3), ("T4", 0.32), ("V100", 0.9), ("RTX-4090", 1.008),
     ("RTX-6000-ADA", 0.96),
+)
+
+
+# Each GPU's memory in MiB by product, for nodes without GPU feature discovery (GKE, plain EKS):
+# matched when every token of the entry is a token of the product label (split at "-", upper
+# case), first entry first. A figure is what nvidia-smi reports as memory.total where a report was
+# found (the source is named); otherwise the datasheet's capacity in decimal GB, which is below
+# what the cards report (an H100 "80 GB" reports 81559 MiB, 85.5 GB), so a plan never counts on
+# memory a card lacks. A MIG slice is never looked up: its memory is not the card's.
+NVIDIA_SMI = "nvidia-smi memory.total, modal-labs/modal-client#2797"
+KNOWN_MEMORY: tuple[tuple[tuple[str, ...], int, str], ...] = (
+    (("H100", "NVL"), 95830, "nvidia-smi: 99961274368 bytes, fastfetch-cli/fastfetch#1658"),
+    (("H100", "PCIE"), 76293, "datasheet: 80 GB"),
+    (("H100",), 81559, NVIDIA_SMI),
+    (("H200",), 134468, "datasheet: 141 GB"),
+    (("B200",), 171661, "datasheet: 180 GB"),
+    (("H800",), 76293, "datasheet: 80 GB"),
+    (("A100", "80GB"), 81920, NVIDIA_SMI),
+    (("A100",), 40960, f"{NVIDIA_SMI} (A100 40GB; GKE's nvidia-tesla-a100)"),
+    (("L40S",), 46068, NVIDIA_SMI),
+    (("L40",), 45776, "datasheet: 48 GB"),
+    (("A40",), 45776, "datasheet: 48 GB"),
+    (("A10G",), 22888, "datasheet: 24 GB"),
+    (("A10",), 23028, NVIDIA_SMI),
+    (("L4",), 23034, NVIDIA_SMI),
+    (("T4",), 15360, NVIDIA_SMI),
+    (("V100", "32GB"), 30517, "datasheet: 32 GB"),
+    (("V100",), 15258, "datasheet: 16 GB"),
 )
 
 
@@ -127,6 +157,45 @@ class Inventory(BaseModel):
         return "; ".join(parts) or "no devices"
 
 
+def memory_of(product: str) -> int | None:
+    """MiB of one GPU of a known product (`KNOWN_MEMORY`), or None: unknown, or a MIG slice."""
+    tokens = set(product.upper().replace(" ", "-").replace("_", "-").split("-"))
+    if "MIG" in tokens:
+        return None
+    return next((mib for needles, mib, _ in KNOWN_MEMORY if tokens.issuperset(needles)), None)
+
+
+def product_of(labels: dict[str, str]) -> str:
+    """The GPU product: GPU feature discovery's label, else GKE's accelerator label."""
+    return labels.get(PRODUCT_LABEL) or labels.get(GKE_ACCELERATOR_LABEL, "")
+
+
+def gpu_memory(labels: dict[str, str]) -> tuple[int | None, str]:
+    """Bytes of one GPU of a node, and where they come from (or why they are unknown): our label
+    `sharding.dev/gpu-memory`, then GFD's `nvidia.com/gpu.memory` (MiB), then the product table."""
+    if OUR_MEMORY_LABEL in labels:
+        value = labels[OUR_MEMORY_LABEL]
+        try:
+            memory = int(value) * MiB if value.isdigit() else parse_bytes(value)
+        except ValueError:
+            memory = 0
+        if memory <= 0:
+            return None, f"{OUR_MEMORY_LABEL}={value}: expected a size such as 80Gi or 81559Mi (or MiB as a number)"
+        return memory, OUR_MEMORY_LABEL
+    if MEMORY_LABEL in labels:
+        value = labels[MEMORY_LABEL]
+        if not value.isdigit() or int(value) <= 0:
+            return None, f"{MEMORY_LABEL}={value}: expected MiB as a positive number"
+        return int(value) * MiB, MEMORY_LABEL
+    product = product_of(labels)
+    mib = memory_of(product) if product else None
+    if mib is None:
+        known = f"product {product} is not in the table of known GPUs" if product else "no product label either"
+        return None, (f"no {MEMORY_LABEL} label (GPU feature discovery not running?), no {OUR_MEMORY_LABEL} label, and "
+                      f"{known}: label the node {OUR_MEMORY_LABEL}=<memory of one GPU, e.g. 80Gi>")
+    return mib * MiB, f"the known memory of {product}"
+
+
 def bandwidth_of(product: str) -> float:
     normalized = product.upper().replace(" ", "-").replace("_", "-")
     for needle, tbps in KNOWN_BANDWIDTH:
@@ -166,8 +235,9 @@ def _skip_reason(node: dict[str, Any], placement: Placement) -> str | None:
     allocatable = (status.get("allocatable") or {}).get(placement.gpu_resource)
     if allocatable in (None, "0", 0):
         return f"no allocatable {placement.gpu_resource}"
-    if MEMORY_LABEL not in labels:
-        return f"no {MEMORY_LABEL} label (GPU feature discovery not running?)"
+    memory, source = gpu_memory(labels)
+    if memory is None:
+        return source
     if labels.get(KIND_LABEL, "gpu") not in ("gpu", "cpu"):
         return f"{KIND_LABEL}={labels[KIND_LABEL]}: expected gpu or cpu"
     for label in (SPEED_LABEL, HOST_BANDWIDTH_LABEL, FILE_BANDWIDTH_LABEL):
@@ -190,9 +260,10 @@ def devices_from_node(node: dict[str, Any], placement: Placement) -> list[Device
     meta, status = node["metadata"], node.get("status") or {}
     labels = meta.get("labels") or {}
     count = int(str(status["allocatable"][placement.gpu_resource]))
-    product = labels.get(PRODUCT_LABEL, "")
+    product = product_of(labels)
     speed = float(labels[SPEED_LABEL]) if SPEED_LABEL in labels else bandwidth_of(product)
-    memory = int(labels[MEMORY_LABEL]) * MiB
+    memory, _ = gpu_memory(labels)
+    assert memory is not None  # _skip_reason said so
     zone = labels.get("topology.kubernetes.io/zone", "")
     kind = labels.get(KIND_LABEL, "gpu")
     rates = {field: float(labels[label]) for field, label in (("host_gbps", HOST_BANDWIDTH_LABEL),

@@ -92,6 +92,51 @@ def test_other_gpu_resource_and_missing_labels():
     bare = {"kind": "Node", "metadata": {"name": "bare", "labels": {}},
             "status": {"allocatable": {"nvidia.com/gpu": "2"}, "conditions": [{"type": "Ready", "status": "True"}]}}
     assert inventory_from_nodes([bare]).skipped[0].reason.startswith("no nvidia.com/gpu.memory label")
+    assert "no product label either" in inventory_from_nodes([bare]).skipped[0].reason
+
+
+def _node(**labels: str) -> dict:
+    return {"kind": "Node", "metadata": {"name": "n", "labels": labels},
+            "status": {"allocatable": {"nvidia.com/gpu": "2"}, "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+@pytest.mark.parametrize("labels, mib, product", [
+    # GPU feature discovery's memory label, as before
+    ({"nvidia.com/gpu.memory": "81559"}, 81559, ""),
+    # without it (GKE, plain EKS): the product's known memory, from GFD's product or GKE's label
+    ({"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}, 81559, "NVIDIA-H100-80GB-HBM3"),
+    ({"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}, 81920, "NVIDIA-A100-SXM4-80GB"),
+    ({"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB"}, 40960, "NVIDIA-A100-SXM4-40GB"),
+    ({"nvidia.com/gpu.product": "NVIDIA-H100-NVL"}, 95830, "NVIDIA-H100-NVL"),
+    ({"nvidia.com/gpu.product": "NVIDIA-L40S"}, 46068, "NVIDIA-L40S"),
+    ({"nvidia.com/gpu.product": "NVIDIA-L4"}, 23034, "NVIDIA-L4"),
+    ({"nvidia.com/gpu.product": "Tesla-T4"}, 15360, "Tesla-T4"),
+    ({"nvidia.com/gpu.product": "NVIDIA-A10G"}, 22888, "NVIDIA-A10G"),
+    ({"cloud.google.com/gke-accelerator": "nvidia-l4"}, 23034, "nvidia-l4"),
+    ({"cloud.google.com/gke-accelerator": "nvidia-tesla-a100"}, 40960, "nvidia-tesla-a100"),
+    ({"cloud.google.com/gke-accelerator": "nvidia-a100-80gb"}, 81920, "nvidia-a100-80gb"),
+    ({"cloud.google.com/gke-accelerator": "nvidia-h100-mega-80gb"}, 81559, "nvidia-h100-mega-80gb"),
+    # ours wins over both (a MIG layout, a card the table does not know): a size, or MiB as GFD writes it
+    ({"sharding.dev/gpu-memory": "40Gi", "nvidia.com/gpu.memory": "81559"}, 40 * 1024, ""),
+    ({"sharding.dev/gpu-memory": "23034", "nvidia.com/gpu.product": "NVIDIA-L4"}, 23034, "NVIDIA-L4"),
+])
+def test_gpu_memory_without_feature_discovery(labels, mib, product):
+    (device, _) = inventory_from_nodes([_node(**labels)]).devices
+    assert (device.memory_bytes, device.product) == (mib * MiB, product)
+
+
+@pytest.mark.parametrize("labels, reason", [
+    ({}, "no nvidia.com/gpu.memory label (GPU feature discovery not running?), no sharding.dev/gpu-memory label, "
+         "and no product label either: label the node sharding.dev/gpu-memory=<memory of one GPU, e.g. 80Gi>"),
+    ({"nvidia.com/gpu.product": "NVIDIA-Quadro-9000"}, "product NVIDIA-Quadro-9000 is not in the table of known GPUs"),
+    # a MIG slice has a fraction of the card's memory: never the table's figure
+    ({"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb"}, "is not in the table of known GPUs"),
+    ({"sharding.dev/gpu-memory": "lots"}, "sharding.dev/gpu-memory=lots: expected a size such as 80Gi"),
+    ({"nvidia.com/gpu.memory": "0"}, "nvidia.com/gpu.memory=0: expected MiB as a positive number"),
+])
+def test_a_node_whose_gpu_memory_is_unknown_is_skipped_saying_what_to_label(labels, reason):
+    (skipped,) = inventory_from_nodes([_node(**labels)]).skipped
+    assert reason in skipped.reason
 
 
 @pytest.mark.parametrize("text, expected", [

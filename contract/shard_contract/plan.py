@@ -143,6 +143,8 @@ class Plan(BaseModel):
     max_model_len: int
     max_batch_size: int
     memory_headroom: float
+    nvls: bool = Field(False, description="NCCL's NVLS buffers are budgeted in each GPU rank's overhead "
+                                          "(the spec turned NVLS on).")
     groups: list[GroupPlan]
     ranks: list[RankPlan]
     reason: str = Field("", description="Why this TP x PP was chosen.")

@@ -103,7 +103,7 @@ def _convert(node: dict[str, Any], defs: dict[str, Any], factory: dict[tuple[str
 
 
 _KEEP = ("type", "description", "enum", "minimum", "maximum", "minLength", "maxLength", "minItems",
-         "maxItems", "pattern", "required", "format", "x-kubernetes-validations")
+         "maxItems", "maxProperties", "pattern", "required", "format", "x-kubernetes-validations")
 
 
 def _convert_keywords(node: dict[str, Any]) -> dict[str, Any]:

@@ -52,6 +52,7 @@ from .profile import ModelProfile
 from .sizing import (
     RUNTIME_OVERHEAD,
     Shard,
+    nvls_bytes,
     activation_bytes,
     kv_cache_bytes,
     layer_copied_bytes,
@@ -161,6 +162,7 @@ class Request:
     spread_replicas: bool
     pod_layout: str = "auto"
     offload: OffloadSettings = OffloadSettings()
+    nvls: bool = False  # spec.worker.nccl.nvls: NCCL's NVLS buffers are budgeted
 
 
 @dataclass
@@ -397,6 +399,7 @@ def _resolve_request(profile: ModelProfile, spec: ShardedModelSpec) -> Request:
                    batch=spec.model.max_batch_size,
                    replicas=spec.replicas, headroom=spec.placement.memory_headroom,
                    spread_replicas=spec.placement.topology.spread_replicas, pod_layout=spec.placement.pod_layout,
+                   nvls=spec.worker.nccl.nvls,
                    offload=OffloadSettings(policy=off.policy, host_memory=off.host_memory_bytes,
                                            from_files=off.from_files,
                                            prefetch=DEFAULT_PREFETCH if off.prefetch == "auto" else off.prefetch))
@@ -533,6 +536,10 @@ class Costs:
                 host_rate=shape[3] * 1e9, file_rate=shape[4] * 1e9, request=request.offload)
         return self._offload[key]
 
+    def overhead(self, kind: str, tp: int, pipeline: bool) -> int:
+        """A rank's runtime beyond the model: the options' per kind, and NCCL's NVLS buffers when on."""
+        return self.options.runtime_overhead[kind] + nvls_bytes(self.request.nvls, kind, tp, pipeline)
+
     def _stage_of(self, shape: tuple, tp: int, embeds: bool, has_lm_head: bool) -> StageModel:
         key = (shape, tp, embeds, has_lm_head)
         if key not in self._cache:
@@ -547,7 +554,7 @@ class Costs:
         layer_bytes = self.layer_bytes(tp)
         fixed = (weight_bytes(profile, empty, request.dtype)
                  + activation_bytes(profile, empty, request.max_len, request.batch, request.dtype)
-                 + self.options.runtime_overhead[kind])
+                 + self.overhead(kind, tp, not (embeds and has_lm_head)))
         bandwidth = speed * 1e12
         collective = self.options.transport.collective(kind, pod_layout(request.pod_layout, kind, tp)) if tp > 1 else 0.0
         return StageModel(
@@ -698,7 +705,7 @@ def _to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, co
                 - (sum(streamed[i] for i in off.layers) if off else 0),
                 kv_cache=kv_cache_bytes(profile, shard, request.max_len, request.batch, request.dtype),
                 activations=activation_bytes(profile, shard, request.max_len, request.batch, request.dtype),
-                overhead=options.runtime_overhead[block.kind],
+                overhead=costs.overhead(block.kind, tp, pp > 1),
                 staging=off.prefetch * max(copied[block.kind][i] for i in off.layers) if off else 0)
             for tp_rank, device in enumerate(block.devices):
                 ranks.append(RankPlan(
@@ -717,7 +724,7 @@ def _to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, co
         num_layers=profile.num_layers,
         tensor_parallel=tp, pipeline_parallel=pp,
         replicas=request.replicas, max_model_len=request.max_len, max_batch_size=request.batch,
-        memory_headroom=request.headroom, groups=groups, ranks=ranks,
+        memory_headroom=request.headroom, nvls=request.nvls, groups=groups, ranks=ranks,
         reason="; ".join(filter(None, [_reason(spec, best, found), offload.summary(ranks, request.offload.policy)])))
 
 
@@ -846,7 +853,8 @@ def _weights_phrase(request: Request) -> str:
 def _capacity_needed(profile: ModelProfile, request: Request, inventory: Inventory, tps: list[int],
                      options: PlannerOptions) -> Shortfall:
     whole = Shard(tp=1, layers=(0, profile.num_layers), embeds=True, has_lm_head=True)
-    per_device = options.runtime_overhead[inventory.devices[0].kind] + \
+    kind = inventory.devices[0].kind
+    per_device = options.runtime_overhead[kind] + nvls_bytes(request.nvls, kind, max(tps), False) + \
         activation_bytes(profile, Shard(tp=max(tps), layers=(0, 0), embeds=False, has_lm_head=False),
                          request.max_len, request.batch, request.dtype)
     return Shortfall(weights=weight_bytes(profile, whole, request.dtype, request.quantization),

@@ -78,7 +78,8 @@ def incompatibility(current: Plan, profile: ModelProfile, spec: ShardedModelSpec
                            ("quantization", current.quantization, request.quantization),
                            ("maxModelLen", current.max_model_len, request.max_len),
                            ("maxBatchSize", current.max_batch_size, request.batch),
-                           ("memoryHeadroom", current.memory_headroom, request.headroom)):
+                           ("memoryHeadroom", current.memory_headroom, request.headroom),
+                           ("nccl.nvls", current.nvls, request.nvls)):
         fell_back = what == "dtype" and spec.model.dtype == "auto" and AUTO_FALLBACK.get(new) == old
         if old != new and not fell_back:
             return f"{what} changed from {old} to {new}"

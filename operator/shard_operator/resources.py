@@ -101,5 +101,20 @@ def pod_resources(ranks: list[RankPlan], requests: dict[str, str], limits: dict[
         return scaled
 
     gpus = {gpu_resource: str(n)}
-    return {"requests": {**default_requests(ranks), **per_pod(requests, "requests"), **gpus},
-            "limits": {**per_pod(limits, "limits"), **gpus}}
+    asked = per_pod(requests, "requests")
+    # Extended resources (rdma/..., a vendor's NICs) cannot be overcommitted: Kubernetes wants them
+    # in limits, equal to the request; the spec may name them in either.
+    extended = {k: v for k, v in asked.items() if extended_resource(k)}
+    return {"requests": {**default_requests(ranks), **asked, **gpus},
+            "limits": {**extended, **per_pod(limits, "limits"), **gpus}}
+
+
+def extended_resource(name: str) -> bool:
+    """A resource outside kubernetes.io's own (cpu, memory, hugepages-*, ephemeral-storage)."""
+    return "/" in name and not name.split("/", 1)[0].endswith("kubernetes.io")
+
+
+def threads_per_rank(rank: RankPlan, requests: dict[str, str]) -> int:
+    """The threads a rank computes with (OMP_NUM_THREADS): the CPUs it asks for, at least one."""
+    cpu = requests.get("cpu")
+    return max(1, int(quantity(cpu)) if cpu is not None else CPU_REQUEST[rank.kind])

@@ -27,6 +27,21 @@ from .profile import ModelProfile
 # buffers, allocator slack). Settable: PlannerOptions.runtime_overhead.
 RUNTIME_OVERHEAD = {"gpu": 2560 * MiB, "cpu": 64 * MiB}
 
+# NCCL's NVLink SHARP (NVLS) buffers on NVSwitch systems: about 0.3 GiB per rank for each of its
+# communicators (issue 26's estimate, not measured here: no multi-GPU machine), allocated when a
+# communicator starts. Off unless the spec asks (NCCL_NVLS_ENABLE=0), as NeMo's launcher
+# (NVIDIA/NeMo-Framework-Launcher#127) and sglang (sgl-project/sglang#631) turn it off to save memory.
+NVLS_BYTES = 300 * MiB
+
+
+def nvls_bytes(nvls: bool, kind: str, tp: int, pipeline: bool) -> int:
+    """NVLS buffers of one GPU rank (`pipeline`: its group has more than one stage): one set for the
+    group's world communicator and one for its stage's tensor-parallel group when that is another.
+    Counted whether or not the communicator's ranks share a node (an upper bound)."""
+    if not nvls or kind != "gpu":
+        return 0
+    return NVLS_BYTES * (int(tp > 1 or pipeline) + int(tp > 1 and pipeline))
+
 QUANTIZATIONS = ("none", "int8")
 SCALE_BYTES = 4  # one float32 scale per output row of an int8 matrix
 

@@ -134,6 +134,15 @@ def test_the_worker_finds_the_gpu_driver_on_the_common_device_plugins():
     assert {"/usr/local/nvidia/lib64", "/usr/local/nvidia/lib"} <= set(env["LD_LIBRARY_PATH"].split(":"))
 
 
+def test_the_worker_image_has_the_rdma_user_space_libraries_nccl_loads():
+    """rdma-core's libibverbs (with its device providers) and librdmacm in the runtime stage:
+    without them NCCL between nodes falls back to TCP."""
+    steps = instructions("Dockerfile.worker")
+    runtime = steps[max(i for i, (op, _) in enumerate(steps) if op == "FROM"):]
+    installs = " ".join(args for op, args in runtime if op == "RUN" and "apt-get install" in args)
+    assert {"libibverbs1", "ibverbs-providers", "librdmacm1"} <= set(installs.split())
+
+
 def test_worker_torch_matches_the_tested_torch():
     makefile_pin = re.search(r"torch==([\d.]+)", (REPO / "Makefile").read_text())[1]
     steps = instructions("Dockerfile.worker")

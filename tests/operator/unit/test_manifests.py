@@ -314,6 +314,112 @@ def test_runtime_class_name_is_set_on_rank_pods_when_given():
     assert group_revision(ctx_for(**spec), plan, 0) != group_revision(ctx_for(), plan, 0)
 
 
+ADMIN = {"imagePullSecrets": [{"name": "registry"}], "serviceAccountName": "llm-workers",
+         "podAnnotations": {"k8s.v1.cni.cncf.io/networks": "rdma-net", "sidecar.istio.io/inject": "false"},
+         "podLabels": {"cost-center": "ml-42"}, "priorityClassName": "inference-high",
+         "capabilities": ["IPC_LOCK"], "resources": {"requests": {"rdma/hca_shared_devices_a": "1"}},
+         "nccl": {"socketIfname": "eth0", "ibHca": "mlx5_0,mlx5_1", "debug": "WARN"}}
+
+
+def test_what_a_cluster_admin_sets_reaches_every_pod_of_the_worker_image():
+    """Pull secrets, service account, priority, labels and annotations on rank and profiling pods;
+    the capability and the RDMA device on rank pods (in limits too: not overcommittable), NCCL's
+    settings in their environment; and all of it in the revision."""
+    spec = dict(worker=ADMIN)
+    ctx = ctx_for(**spec)
+    plan = make_plan(**spec)
+    for pod in [*pods(desired_objects(ctx, plan)), profiling_pod(ctx, 60)]:
+        assert pod["spec"]["imagePullSecrets"] == [{"name": "registry"}]
+        assert (pod["spec"]["serviceAccountName"], pod["spec"]["priorityClassName"]) == ("llm-workers",
+                                                                                        "inference-high")
+        assert pod["spec"]["automountServiceAccountToken"] is False  # the account's token stays out
+        assert pod["metadata"]["labels"]["cost-center"] == "ml-42" and pod["metadata"]["labels"][MODEL_LABEL] == "llama"
+        assert pod["metadata"]["annotations"]["k8s.v1.cni.cncf.io/networks"] == "rdma-net"
+    for pod in pods(desired_objects(ctx, plan)):
+        container = pod["spec"]["containers"][0]
+        assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+        resources = container["resources"]
+        ranks = pod["metadata"]["labels"][RANKS_LABEL]  # per rank, as every spec.worker.resources
+        assert resources["requests"]["rdma/hca_shared_devices_a"] == resources["limits"]["rdma/hca_shared_devices_a"] == ranks
+        env = env_of(pod)
+        assert (env["NCCL_SOCKET_IFNAME"], env["NCCL_IB_HCA"], env["NCCL_DEBUG"]) == ("eth0", "mlx5_0,mlx5_1", "WARN")
+    assert "capabilities" not in profiling_pod(ctx, 60)["spec"]["containers"][0]["securityContext"] or \
+        "add" not in profiling_pod(ctx, 60)["spec"]["containers"][0]["securityContext"]["capabilities"]
+    assert group_revision(ctx, plan, 0) != group_revision(ctx_for(), plan, 0)
+    kubernetes_validate.validate(pods(desired_objects(ctx, plan))[0], "1.33", strict=True)
+    kubernetes_validate.validate(profiling_pod(ctx, 60), "1.33", strict=True)
+
+
+@pytest.mark.parametrize("devices, requests, kind, threads", [
+    ("a:24GiB*2", {}, "gpu", "2"),                  # a GPU rank asks for 2 CPUs by default
+    ("a:24GiB*2", {"cpu": "6"}, "gpu", "6"),
+    ("a:24GiB*2", {"cpu": "500m"}, "gpu", "1"),     # at least one
+    ("a:24GiB*2", {}, "cpu", "1"),                  # a CPU rank computes on its core
+])
+def test_every_rank_gets_its_threads_and_gpus_their_device_order_and_nccl_policy(devices, requests, kind, threads):
+    spec = dict(worker={"resources": {"requests": requests}})
+    plan = planner.plan(tiny_profile(), make_spec(**spec), parse_devices(devices, kind=kind))
+    for pod in pods(desired_objects(ctx_for(**spec), plan)):
+        env = env_of(pod)
+        assert env["OMP_NUM_THREADS"] == threads  # per rank: a pod's launcher gives it to each of its ranks
+        gpu = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "NCCL_NVLS_ENABLE": "0"}
+        assert {k: env.get(k) for k in gpu} == (gpu if kind == "gpu" else {k: None for k in gpu})
+
+
+def test_the_spec_env_may_replace_the_defaults_but_not_what_the_planner_budgets():
+    spec = dict(worker={"env": [{"name": "OMP_NUM_THREADS", "value": "3"}]})
+    (pod, *_) = pods(desired_objects(ctx_for(**spec), make_plan(**spec)))
+    assert [e["value"] for e in pod["spec"]["containers"][0]["env"] if e["name"] == "OMP_NUM_THREADS"] == ["3"]
+    with pytest.raises(SpecError, match="NCCL_NVLS_ENABLE set by the operator .* spec.worker.nccl"):
+        check(ctx_for(worker={"env": [{"name": "NCCL_NVLS_ENABLE", "value": "1"}]}))
+    with pytest.raises(SpecError, match="NCCL_SOCKET_IFNAME set by the operator"):
+        check(ctx_for(worker={"env": [{"name": "NCCL_SOCKET_IFNAME", "value": "eth1"}], "nccl": {"socketIfname": "eth0"}}))
+    check(ctx_for(worker={"env": [{"name": "NCCL_SOCKET_IFNAME", "value": "eth1"}]}))  # without the field: fine
+
+
+def test_nvls_on_is_in_the_environment_and_budgeted_by_the_planner():
+    off, on = make_plan(), make_plan(worker={"nccl": {"nvls": True}})
+    # tensor=2 x pipeline=1: one communicator (the group's, which is its tensor-parallel group)
+    assert [r.predicted_bytes.overhead - o.predicted_bytes.overhead for r, o in zip(on.ranks, off.ranks)] == \
+        [300 * 2**20] * 2
+    assert on.nvls and not off.nvls
+    (pod, *_) = pods(desired_objects(ctx_for(worker={"nccl": {"nvls": True}}), on))
+    assert env_of(pod)["NCCL_NVLS_ENABLE"] == "1"
+    two_stages = make_plan("a:24GiB*2,b:24GiB*2", parallelism={"tensor": 2, "pipeline": 2}, worker={"nccl": {"nvls": True}})
+    flat = make_plan("a:24GiB*2,b:24GiB*2", parallelism={"tensor": 2, "pipeline": 2})
+    assert {r.predicted_bytes.overhead - f.predicted_bytes.overhead for r, f in zip(two_stages.ranks, flat.ranks)} == \
+        {600 * 2**20}  # the group's and its stage's tensor-parallel group
+
+
+def test_on_the_node_network_each_pod_serves_on_its_own_ports():
+    spec = dict(parallelism={"tensor": 1, "pipeline": 2}, worker={"hostNetwork": True})
+    plan = make_plan("a:24GiB*2", **spec)  # both stages on node a
+    leader, follower = pods(desired_objects(ctx_for(**spec), plan))
+    for pod, port in ((leader, 8000), (follower, 8001)):
+        assert (pod["spec"]["hostNetwork"], pod["spec"]["dnsPolicy"]) == (True, "ClusterFirstWithHostNet")
+        assert env_of(pod)["SHARD_PORT"] == str(port)
+        assert [p["containerPort"] for p in pod["spec"]["containers"][0]["ports"] if p["name"] == "http"] == [port]
+    assert [p["name"] for p in leader["spec"]["containers"][0]["ports"]] == ["http", "rendezvous"]
+    assert [p["name"] for p in follower["spec"]["containers"][0]["ports"]] == ["http"]  # only rank 0 listens there
+    with pytest.raises(SpecError, match="rendezvousPort 8001 is one of the serving ports of the group"):
+        desired_objects(ctx_for(parallelism={"tensor": 1, "pipeline": 2},
+                                worker={"hostNetwork": True, "rendezvousPort": 8001}), plan)
+
+
+@pytest.mark.parametrize("worker, message", [
+    ({"podLabels": {"sharding.dev/group": "9"}}, "sharding.dev/group: sharding.dev/ keys"),
+    ({"podAnnotations": {"app.kubernetes.io/managed-by": "me"}}, "are the operator's"),
+    ({"podLabels": {"team": "ml platform"}}, "spec.worker.podLabels.team"),
+    ({"podAnnotations": {"bad key": "x"}}, "not a label or annotation key"),
+    ({"capabilities": ["SYS_ADMIN"]}, "spec.worker.capabilities.0: should be 'IPC_LOCK'"),
+    ({"imagePullSecrets": [{"name": "Registry_Creds"}]}, "spec.worker.imagePullSecrets.0.name"),
+    ({"nccl": {"socketIfname": "eth0; rm -rf /"}}, "spec.worker.nccl.socketIfname"),
+])
+def test_pod_template_fields_are_validated(worker, message):
+    with pytest.raises(SpecError, match=re.escape(message)):
+        make_spec(worker=worker)
+
+
 @pytest.mark.parametrize("tolerations, expected", [
     ([], [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]),
     ([{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],  # given: not twice

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import json
+from collections import Counter
+from pathlib import Path
+
 import pytest
 
-from shard_operator.api import Rollout
+from shard_operator.api import Rollout, load_sharded_models
+from shard_operator.inventory import inventory_from_nodes
+from shard_operator.profile import profile_from_config
+from shard_operator.replan import choose_plan, make_room
 from shard_operator.rollout import (ObservedGroup, RankState, Want, decide, deletion_grace, group_state,
                                     observe_groups, rank_state)
+from tests.support.cluster import gpu_node
 
 
 def pod(name="m-0-r1-0", rank=0, phase="Running", ready=True, node="a", **extra):
@@ -245,3 +253,31 @@ def test_broken_old_groups_go_at_once_and_terminating_ones_are_left_alone():
     assert list(d.delete) == [(0, "old")] and d.keep == {(0, "new"): True}
     d = decide([Want(0, "new")], [group(["Terminating", "Ready"], 0, "old")], SURGE, {}, 3)
     assert not d.delete and d.keep == {(0, "new"): True}
+
+
+def test_the_70b_example_rolls_on_exactly_two_nodes_of_eight_gpus():
+    """examples/llama-70b.yaml (2 replicas of tensor=8) on two 8 x H100 nodes and nothing else: a new
+    image replaces group 0 in place while group 1 serves, then group 1 while group 0 serves."""
+    examples = Path(__file__).resolve().parents[3] / "examples"
+    (model,) = load_sharded_models(examples / "llama-70b.yaml")
+    profile = profile_from_config(json.loads((examples / "models" / "llama-3-70b" / "config.json").read_text()))
+    nodes = [gpu_node(n, gpus=8, memory_mib=81559, product="NVIDIA-H100-80GB-HBM3",
+                      labels={"sharding.dev/pool": "inference"}) for n in ("h100-a", "h100-b")]
+    inventory = inventory_from_nodes(nodes, model.spec.placement)
+    serving = choose_plan(None, profile, model.spec, inventory).plan
+    assert (serving.tensor_parallel, len(serving.groups)) == (8, 2)
+    held = {r: dict(Counter(x.node for x in serving.group(r))) for r in (0, 1)}
+    assert sorted(map(str, held.values())) == ["{'h100-a': 8}", "{'h100-b': 8}"]
+
+    # The new image: nothing is free, so each replacement is planned where its own group runs.
+    room = make_room(serving, profile, model.spec, inventory, {"h100-a": 0, "h100-b": 0}, held, set())
+    wants = [Want(r, "new", dict(Counter(x.node for x in room.plan.group(r)))) for r in (0, 1)]
+    assert [w.gpus for w in wants] == [held[0], held[1]]
+    old = [group(["Ready"] * 8, r, "old", world=8) for r in (0, 1)]
+    free = {"h100-a": 0, "h100-b": 0}
+    d = decide(wants, old, model.spec.rollout, {}, 3, free)
+    assert list(d.delete) == [(0, "old")] and not d.waiting and d.queued  # group 1 serves meanwhile
+    d = decide(wants, [old[1], group(["Ready"] * 8, 0, "new", world=8)], model.spec.rollout, {}, 3, free)
+    assert list(d.delete) == [(1, "old")]  # group 0 serves again: group 1's turn
+    d = decide(wants, [group(["Ready"] * 8, r, "new", world=8) for r in (0, 1)], model.spec.rollout, {}, 3, free)
+    assert not d.delete and not d.waiting and not d.queued

@@ -102,6 +102,15 @@ async def test_an_invalid_spec_is_422_with_a_cause_per_field_and_nothing_is_stor
     # the int-or-"auto" rule, on a string
     (dict(parallelism={"pipeline": "max"}), "spec.parallelism.pipeline", "FieldValueInvalid",
      'Invalid value: "max": must be a positive integer or "auto"'),
+    # the worker pods' labels: a CEL rule over the map's keys, a pattern on its values, a size bound
+    (dict(worker={"podLabels": {"sharding.dev/group": "9"}}), "spec.worker.podLabels", "FieldValueInvalid",
+     "Invalid value: sharding.dev/ keys and app.kubernetes.io/managed-by are the operator's"),
+    (dict(worker={"podLabels": {"team": "ml platform"}}), "spec.worker.podLabels.team", "FieldValueInvalid",
+     'Invalid value: "ml platform": spec.worker.podLabels.team in body should match '),
+    (dict(worker={"podAnnotations": {f"k{i}": "v" for i in range(65)}}), "spec.worker.podAnnotations",
+     "FieldValueTooMany", "Too many: 65: must have at most 64 items"),
+    (dict(worker={"capabilities": ["SYS_ADMIN"]}), "spec.worker.capabilities[0]", "FieldValueNotSupported",
+     'Unsupported value: "SYS_ADMIN": supported values: "IPC_LOCK"'),
 ])
 async def test_schema_types_bounds_patterns_required_and_cel_rules(cluster, spec, field, reason, message):
     """Each of the OpenAPI v3 validations a structural schema may carry, and the CRD's CEL rules,

@@ -367,7 +367,9 @@ async def test_an_invalid_spec_creates_nothing_and_says_why_once(world, change, 
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
     assert degraded["reason"] == reason and words in degraded["message"]
     available = next(c for c in status["conditions"] if c["type"] == "Available")
-    assert (available["status"], available["reason"], available["message"]) == ("False", reason, degraded["message"])
+    # the message once, in Degraded; Available gives the reason and points there
+    assert (available["status"], available["reason"], available["message"]) == \
+        ("False", reason, "no group ready; the Degraded condition says why")
     assert await world.objects("v1/pods", "bad") == [] and await world.objects("v1/services", "bad") == []
     assert [e for e in await world.events("bad") if e[0] == "Warning"] == [("Warning", reason, degraded["message"])]
 

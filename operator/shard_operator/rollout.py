@@ -221,6 +221,7 @@ class Decision:
     unrecoverable: set[int] = field(default_factory=set)       # of those, the ones a restart would not mend
     waiting: list[str] = field(default_factory=list)           # why a replacement cannot proceed (blocked)
     queued: list[str] = field(default_factory=list)            # replacements that wait their turn
+    lost: set[int] = field(default_factory=set)                # replicas whose failed group's node is gone
 
 
 def _fits(want: Want, free: dict[str, int] | None) -> bool:
@@ -260,6 +261,7 @@ def decide(wants: Iterable[Want], observed: Iterable[ObservedGroup], rollout: Ro
         new_state, new_message = state.get(want.key, ("Empty", ""))
         if new_state == "Failed" and healthy_nodes is not None and not set(want.gpus) <= healthy_nodes:
             new_state = "Lost"  # its node went with some of its ranks: they are not even listed
+            decision.lost.add(r)
         olds = [g for g in groups[r] if g.revision != want.revision]
         old_ready = [g for g in olds if state[g.key][0] == "Ready"]
         for g in olds:

@@ -165,7 +165,7 @@ def build_status(obs: Observation, previous: dict[str, Any] | None, now: str) ->
         reason = "RankFailedForGood" if decision.unrecoverable >= decision.exhausted.keys() else "RestartBudgetExhausted"
         degraded = (True, reason, " ".join(decision.exhausted[r] for r in sorted(decision.exhausted)))
     elif broken:
-        lost = any(states.get(wanted[r].key) == "Lost" for r in broken)
+        lost = any(states.get(wanted[r].key) == "Lost" or r in decision.lost for r in broken)
         degraded = (True, "NodeLost" if lost else "GroupFailed",
                     f"group {', '.join(map(str, broken))} is {'lost' if lost else 'failing'}; "
                     f"{'waiting for the node or a new plan' if lost else 'recreating it'}")

@@ -204,7 +204,7 @@ def test_a_failed_group_whose_node_left_is_lost_not_recreated_there():
     """Its ranks on the gone node are not even listed; the peers elsewhere failed for want of them."""
     peers_failed = group(["Failed", None], 0, "a")
     d = decide([Want(0, "a", {"a": 1, "b": 1})], [peers_failed], SURGE, {}, 3, healthy_nodes={"a"})
-    assert not d.restart and d.keep == {(0, "a"): False}
+    assert not d.restart and d.keep == {(0, "a"): False} and d.lost == {0}
     d = decide([Want(0, "a", {"a": 1, "b": 1})], [peers_failed], SURGE, {}, 3, healthy_nodes={"a", "b"})
     assert d.restart == [(0, "a")]
 

@@ -44,6 +44,9 @@ def conditions(status):
      "Degraded", ("False", "TooFewGroupsReady"), ("True", "Recreating"), ("True", "GroupFailed")),
     ([group(0, "new", ["Ready"] * 2), group(1, "new", ["Ready", "Lost"])], {}, "Degraded",
      ("False", "TooFewGroupsReady"), ("True", "Creating"), ("True", "NodeLost")),
+    # failed ranks of a group planned onto a node that is gone (the decision says so): lost too
+    ([group(0, "new", ["Ready"] * 2), group(1, "new", ["Failed"])], {"decision": Decision(lost={1})}, "Degraded",
+     ("False", "TooFewGroupsReady"), ("True", "Creating"), ("True", "NodeLost")),
     ([group(0, "new", ["Failed"] * 2), group(1, "new", ["Failed"] * 2)],
      {"decision": Decision(exhausted={0: "group 0 failed 4 times", 1: "group 1 failed 4 times"})},
      "Failed", ("False", "TooFewGroupsReady"), ("False", "Failed"), ("True", "RestartBudgetExhausted")),

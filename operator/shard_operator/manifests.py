@@ -26,9 +26,9 @@ from typing import Any, Callable
 
 from shard_contract.env import (API_KEY_MOUNT, ENV_NAMES, MODEL_MOUNT, PLAN_MOUNT, SECRET_KEY, SECRET_MOUNT, WorkerEnv,
                                 new_group_key)
-from shard_contract.plan import Plan, RankPlan
+from shard_contract.plan import Plan
 
-from . import resources
+from . import podtemplate, resources
 from .api import API_VERSION, KIND, ShardedModelSpec, SpecError
 from .transport import pod_layout, pod_ranks
 
@@ -284,54 +284,6 @@ def _model_volume(spec: ShardedModelSpec) -> tuple[dict[str, Any], str]:
                                        "pullPolicy": volume.image.pull_policy}}, inside
 
 
-def _security(add: list[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    # The image's own (numeric, non-root) user runs the worker; root is refused. `add`: capabilities
-    # the spec asks for (IPC_LOCK for RDMA); for a non-root process Kubernetes puts them in the
-    # bounding set only (kubernetes/kubernetes#56374): docs/operations.md, RDMA.
-    pod = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
-    container = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                 "capabilities": {"drop": ["ALL"], **({"add": list(add)} if add else {})}}
-    return pod, container
-
-
-def _pod_extras(spec: ShardedModelSpec) -> dict[str, Any]:
-    """What a cluster admin sets on the pods that run the worker image: pull secrets, service
-    account, priority."""
-    worker = spec.worker
-    extras: dict[str, Any] = {}
-    if worker.image_pull_secrets:
-        extras["imagePullSecrets"] = [r.dump() for r in worker.image_pull_secrets]
-    if worker.service_account_name:
-        extras["serviceAccountName"] = worker.service_account_name
-    if worker.priority_class_name:
-        extras["priorityClassName"] = worker.priority_class_name
-    return extras
-
-
-# What every rank's environment gets unless spec.worker.env says otherwise: one thread per CPU the
-# rank asks for (torch and OpenMP would start one per core of the node, in every rank of the pod),
-# and CUDA's device numbers in PCI order, as nvidia-smi and the device plugin count them.
-DEVICE_ORDER = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-
-
-def rank_env(spec: ShardedModelSpec, held: list[RankPlan]) -> list[dict[str, str]]:
-    """A rank pod's environment besides the worker's own (WorkerEnv): the thread count, on GPUs
-    the device order and the NCCL policy (spec.worker.nccl: NVLS off unless asked), then the
-    spec's env, which may replace the thread count and device order but not what the planner
-    budgets (NCCL_NVLS_ENABLE) or another field sets."""
-    user = {e.name for e in spec.worker.env}
-    gpu = held[0].kind == "gpu"
-    nccl = spec.worker.nccl.env() if gpu else {}
-    clash = sorted((set(ENV_NAMES.values()) | set(spec.worker.nccl.env())) & user)
-    if clash:
-        raise SpecError(f"spec.worker.env: {', '.join(clash)} set by the operator for every rank (NCCL_* ones from "
-                        f"spec.worker.nccl); remove {'it' if len(clash) == 1 else 'them'}")
-    defaults = {"OMP_NUM_THREADS": str(resources.threads_per_rank(held[0], spec.worker.resources.requests)),
-                **(DEVICE_ORDER if gpu else {})}
-    return [*({"name": k, "value": v} for k, v in {**defaults, **nccl}.items() if k not in user),
-            *({"name": e.name, "value": e.value} for e in spec.worker.env)]
-
-
 def _api_key(spec: ShardedModelSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The leader pod's volume and mount of `spec.worker.apiKeySecret`, if any: the kubelet mounts
     the Secret, so the operator needs no permission to read it."""
@@ -380,7 +332,7 @@ def rank_pod(ctx: Context, plan: Plan, replica: int, ranks: list[int], revision:
         raise SpecError(f"spec.worker.rendezvousPort {worker.rendezvous_port} is one of the serving ports of "
                         f"{'the group on the node network' if worker.host_network else f'a pod of {len(ranks)} ranks'}"
                         f" ({worker.port}-{worker.port + serving - 1}, spec.worker.port + rank)")
-    pod_security, container_security = _security(worker.capabilities)
+    pod_security, container_security = podtemplate.security(worker.capabilities)
     plan_dir = PLAN_MOUNT.rsplit("/", 1)[0]
     http = {"path": "/health", "port": "http"}
     labels = {**group_labels(plan, replica, revision), COMPONENT_LABEL: "rank", RANK_LABEL: str(rank),
@@ -399,7 +351,7 @@ def rank_pod(ctx: Context, plan: Plan, replica: int, ranks: list[int], revision:
         "spec": {
             **runtime,
             **network,
-            **_pod_extras(spec),
+            **podtemplate.pod_extras(spec),
             "hostname": name,
             "subdomain": group,
             # A broken communicator cannot heal: a failed rank fails its pod, and the operator
@@ -420,7 +372,7 @@ def rank_pod(ctx: Context, plan: Plan, replica: int, ranks: list[int], revision:
                 # The tail of a failed rank's log becomes its termination message, which the
                 # operator quotes in its Event: the failed pod is deleted with its group.
                 "terminationMessagePolicy": "FallbackToLogsOnError",
-                "env": [{"name": k, "value": v} for k, v in env.items()] + [bind] + rank_env(spec, held),
+                "env": [{"name": k, "value": v} for k, v in env.items()] + [bind] + podtemplate.rank_env(spec, held),
                 "ports": [*http_ports, *rendezvous],
                 "resources": resources.pod_resources(held, worker.resources.requests, worker.resources.limits,
                                                      spec.placement.gpu_resource),
@@ -464,13 +416,13 @@ def profiling_pod(ctx: Context, timeout_seconds: int) -> dict[str, Any]:
     """A short pod that prints the model's profile (config.json + safetensors headers) as JSON."""
     owner, spec = ctx.owner, ctx.spec
     volume, model_dir = _model_volume(spec)
-    pod_security, container_security = _security()
+    pod_security, container_security = podtemplate.security()
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": owner.meta(profile_name(owner.name), {**spec.worker.pod_labels, COMPONENT_LABEL: "profiler"},
                                {**spec.worker.pod_annotations, SOURCE_ANNOTATION: model_source(spec)}),
         "spec": {
-            **_pod_extras(spec),
+            **podtemplate.pod_extras(spec),
             "restartPolicy": "Never",
             "activeDeadlineSeconds": int(timeout_seconds),
             "enableServiceLinks": False,
@@ -533,14 +485,8 @@ def drift_patch(desired: dict[str, Any], actual: dict[str, Any]) -> dict[str, An
     return patch or None
 
 
-_ANY_RANK = RankPlan(replica=0, rank=0, stage=0, tp_rank=0, node="", device="", device_index=0, kind="gpu",
-                     layers=(0, 0), embeds=True, has_lm_head=True, capacity_bytes=1, usable_bytes=1,
-                     predicted_bytes={"weights": 0, "kv_cache": 0, "activations": 0, "overhead": 0})
-
-
 def check(ctx: Context) -> None:
     """Raise SpecError for a spec no pod could be built from (before anything is created)."""
     _model_volume(ctx.spec)
-    for kind in ("gpu", "cpu"):  # the environment of either kind of rank
-        rank_env(ctx.spec, [_ANY_RANK.model_copy(update={"kind": kind})])
+    podtemplate.check_env(ctx.spec)
     resources.check(ctx.spec.worker.resources.requests, ctx.spec.worker.resources.limits)

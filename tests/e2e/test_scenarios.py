@@ -187,8 +187,9 @@ def test_1b_a_pod_per_tensor_parallel_group_serves_the_tokens_of_a_pod_per_rank(
         assert pod["metadata"]["labels"]["sharding.dev/ranks"] == "2"
         assert pod["spec"]["containers"][0]["command"] == ["python", "-m", "shard_worker.launch", "--local-ranks", "2"]
         for port in (8000, 8001):  # each rank of the pod serves on its own port, and knows the group
-            assert httpx.get(f"http://{h.cluster.network.local(pod['status']['podIP'])}:{port}/ready",
-                             timeout=10).status_code == 200
+            # (the pod's probe asks its first rank; the second reads the group's records a beat later)
+            url = f"http://{h.cluster.network.local(pod['status']['podIP'])}:{port}/ready"
+            h.wait(f"{url} ready", lambda: httpx.get(url, timeout=10).status_code == 200, timeout=30)
     status = h.wait("measured memory of every rank", lambda: (s := h.ready("block", 1)) and
                     all(x.get("residentBytes") for x in s["shards"]) and s)
     names = [p["metadata"]["name"] for p in pods]

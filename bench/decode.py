@@ -110,7 +110,8 @@ def decode_weights(model_dir: str, dtype: str, quantization: str) -> list[tuple]
     from shard_worker.quant import quantize
 
     index = Path(model_dir) / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+             else ["model.safetensors"])
     out = []
     for file in files:
         with safe_open(Path(model_dir) / file, "pt") as f:
@@ -241,7 +242,7 @@ def run_torch_tp(model_dir: str, dtype: str, tokens: int, prompt: list[int]) -> 
             if p.poll() is None:
                 p.kill()
     if any(p.returncode != 0 for p in procs):
-        err = next(o[1] for p, o in zip(procs, outs) if p.returncode != 0)
+        err = next(o[1] for p, o in zip(procs, outs, strict=True) if p.returncode != 0)
         return {"error": err.strip().splitlines()[-1] if err.strip() else "failed"}
     return json.loads(outs[0][0].strip().splitlines()[-1])
 
@@ -342,7 +343,7 @@ def measure(model_dir: str, precision: str, tokens: int, prompt: list[int], skip
             started = time.perf_counter()
             try:
                 value = fn(*args, **kwargs)
-            except Exception as err:  # one failed variant must not lose the others
+            except Exception as err:  # noqa: BLE001 -- one failed variant must not lose the others
                 value = {"error": str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__}
             value["load"] = os.getloadavg()[0]  # 1-minute load average at the end (our own ranks included)
             after = stream_now()
@@ -419,7 +420,8 @@ def report(stream: dict, results: dict, shape: dict, tokens: int) -> str:
         if "error" not in mv:
             scale = ours_bytes / mv["bytes"]  # the bare weights lack norms and biases: per token
             for n in (1, 2):
-                rows.append((f"torch's GEMV (F.linear{', int8 dequantized in chunks' if precision == 'int8' else ''}), bare",
+                chunked = ', int8 dequantized in chunks' if precision == 'int8' else ''
+                rows.append((f"torch's GEMV (F.linear{chunked}), bare",
                              n, mv[str(n)]["torch"] * scale, near(mv, n), None, {"load": mv["load"]}))
                 rows.append((f"our GEMV ({mv['kernel']}), bare; beside a read of the same bytes: "
                              f"{mv[str(n)]['read'] / mv[str(n)]['ours']:.2f}", n, mv[str(n)]["ours"] * scale,
@@ -435,8 +437,10 @@ def report(stream: dict, results: dict, shape: dict, tokens: int) -> str:
                 rows.append((name, n, r[key].get("seconds_per_token"), near(r[key], n), peer, r[key]))
         for n in (1, 2):
             if f"llama{n}" in r:
-                rows.append((f"llama.cpp {dict(zip(PRECISIONS, ('F32', 'BF16', 'Q8_0')))[precision]}, {n} thread(s) "
-                             f"({llama_bytes / 2**20:.0f} MiB a token)", n, llama[n], near(r[f"llama{n}"], n, llama_bytes),
+                quant = PRECISIONS[precision][2]
+                rows.append((f"llama.cpp {quant}, {n} thread(s) "
+                             f"({llama_bytes / 2**20:.0f} MiB a token)", n, llama[n],
+                             near(r[f"llama{n}"], n, llama_bytes),
                              None, r[f"llama{n}"]))
         if "llama_rpc" in r:
             rows.append(("llama.cpp layers over 2 processes (RPC), 1 thread each", 1, llama_rpc,
@@ -446,9 +450,11 @@ def report(stream: dict, results: dict, shape: dict, tokens: int) -> str:
                 lines.append(f"| {precision} | {name} | {n} | {figures.get('error', 'not run')} | | | | | | "
                              f"{figures.get('load', 0):.1f} |")
                 continue
-            shares = (f"{figures['comm_share']:.1%} | {figures['idle_share']:.1%}" if "comm_share" in figures else " | ")
+            shares = (f"{figures['comm_share']:.1%} | {figures['idle_share']:.1%}" if "comm_share" in figures
+                      else " | ")
             versus = f"{peer / seconds:.2f}" if peer else ""
-            lines.append(f"| {precision} | {name} | {n} | {seconds * 1e3:.1f} | {1 / seconds:.2f} | {lim / seconds:.2f} "
+            lines.append(f"| {precision} | {name} | {n} | {seconds * 1e3:.1f} | {1 / seconds:.2f} "
+                         f"| {lim / seconds:.2f} "
                          f"| {versus} | {shares} | {figures.get('load', 0):.1f} |")
         tp1, tp2 = r["tp1"].get("seconds_per_token"), r["tp2"].get("seconds_per_token")
         checks = []

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import decode  # noqa: E402  (bench/decode.py: the model's shape, its writer, the bytes a step reads)
+import decode
 
 PROMPT_TOKENS = decode.PROMPT_TOKENS
 BANDWIDTH_BYTES = {"cuda": 4 * 2**30, "cpu": 256 * 2**20}
@@ -185,7 +185,8 @@ def summarize(results: dict, bandwidth: dict) -> None:
         r["ours_vs_hf"] = hf / ours if ours and hf else None
         ours_tokens, hf_tokens = (r.get(e, {}).get("tokens") for e in ("ours", "hf"))
         if ours_tokens and hf_tokens:  # greedy from the same prompt: the same tokens until a near-tie
-            same = next((i for i, (a, b) in enumerate(zip(ours_tokens, hf_tokens)) if a != b), len(ours_tokens))
+            same = next((i for i, (a, b) in enumerate(zip(ours_tokens, hf_tokens, strict=False)) if a != b),
+                        len(ours_tokens))
             r["same_first_tokens"] = same
 
 

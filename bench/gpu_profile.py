@@ -15,11 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
-import decode  # noqa: E402
-import gpu_decode  # noqa: E402
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import decode
+import gpu_decode
+import torch
+import torch.nn.functional as F
 
 SHAPES = [(2048, 2048), (5632, 2048), (2048, 5632), (32000, 2048)]  # (out, in) of the model's projections
 

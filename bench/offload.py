@@ -133,7 +133,7 @@ def measure(model_dir: str, dtype: str, tokens: int, prompt: list[int], skip: se
         print(f"  {dtype} {name} ...", file=sys.stderr, flush=True)
         try:
             value = fn(*args, **kwargs)
-        except Exception as err:  # one failed variant must not lose the others
+        except Exception as err:  # noqa: BLE001 -- one failed variant must not lose the others
             value = {"error": str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__}
         value["load"] = os.getloadavg()[0]
         print(f"  {dtype} {name}: {value}", file=sys.stderr, flush=True)
@@ -163,7 +163,8 @@ def report(results: dict, bus: dict, shape: dict, tokens: int) -> str:
     lines = [f"Model: random Llama {shape}; batch 1, {PROMPT_TOKENS}-token prompt, {tokens} new tokens; one rank "
              "(one compute thread, its prefetch thread beside it); accelerate with one thread.",
              f"Streaming read on 2 cores (the shared bus): {bus.get('2', 0):.1f} GB/s (load {bus.get('load', 0):.1f}).",
-             "", "| dtype | streamed | MiB/step (copied) | fetch GB/s | limit ms | bus bound ms | ours ms/token | tokens/s "
+             "",
+             "| dtype | streamed | MiB/step (copied) | fetch GB/s | limit ms | bus bound ms | ours ms/token | tokens/s "
              "| limit / ours | streaming share | stall share | plan's ms | accelerate ms/token (MiB off) "
              "| accelerate / ours | load |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -25,12 +25,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import kubernetes  # noqa: E402
+import kubernetes
 
-from shard_devcluster.apiserver import SM, serve  # noqa: E402
-from tests.support.fakekubelet import FakeKubelet  # noqa: E402
-from tests.support.cluster import gpu_node, sharded_model, write_model  # noqa: E402
-from tests.support.operator import fast_settings, running_operator  # noqa: E402
+from shard_devcluster.apiserver import SM, serve
+from tests.support.cluster import gpu_node, sharded_model, write_model
+from tests.support.fakekubelet import FakeKubelet
+from tests.support.operator import fast_settings, running_operator
 
 WRITES = ("POST", "PATCH", "PUT", "DELETE")
 RANKS = 8
@@ -132,7 +132,8 @@ def report(r: dict) -> str:
         ("ShardedModels x ranks", f"{r['models']} x {RANKS} = {r['models'] * RANKS} pods on {r['models']} nodes"),
         ("create all -> every pod exists", f"{r['t_pods']:.1f} s"),
         ("create all -> every model Ready", f"{r['t_ready']:.1f} s"),
-        ("reconciles while creating", f"{r['reconciles_creating']} ({r['reconciles_creating'] / r['models']:.1f} per model)"),
+        ("reconciles while creating",
+         f"{r['reconciles_creating']} ({r['reconciles_creating'] / r['models']:.1f} per model)"),
         ("API requests per reconcile while creating",
          f"{sum(creating.values()) / n:.2f} (" + ", ".join(f"{v} {x:.2f}" for v, x in per.items()) + ")"),
         ("operator process CPU while creating (kopf watches included)",

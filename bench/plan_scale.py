@@ -73,7 +73,8 @@ def main() -> None:
                 missing = shortfall(result, profile, spec, inventory)
                 advice_times.append(time.perf_counter() - start)
             assert missing is not None
-            print(f"  {len(result.groups)} of {replicas} fit; suggestions median {statistics.median(advice_times):.3f} s "
+            print(f"  {len(result.groups)} of {replicas} fit; "
+                  f"suggestions median {statistics.median(advice_times):.3f} s "
                   f"(min {min(advice_times):.3f}, max {max(advice_times):.3f}): "
                   + "; or ".join(s.text for s in missing.suggestions))
 

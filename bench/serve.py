@@ -130,8 +130,10 @@ def run_layout(model_dir: Path, tp: int, threads: int, clients_list: list[int], 
             span = max(r["end"] for r in results) - min(r["start"] for r in results)
             latency = [r["end"] - r["start"] for r in results]
             ttft = [r["ttft"] for r in results]
-            rows.append({"layout": f"TP={tp}, {threads} thread{'s' if threads > 1 else ''} per rank", "clients": clients,
-                         "dashboard": f"polled every {poll_period:g} s" if poll_period else "-", "requests": len(results),
+            rows.append({"layout": f"TP={tp}, {threads} thread{'s' if threads > 1 else ''} per rank",
+                         "clients": clients,
+                         "dashboard": f"polled every {poll_period:g} s" if poll_period else "-",
+                         "requests": len(results),
                          "tokens_per_s": sum(r["tokens"] for r in results) / span,
                          "latency_p50": percentile(latency, 0.5), "latency_p99": percentile(latency, 0.99),
                          "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
@@ -141,10 +143,12 @@ def run_layout(model_dir: Path, tp: int, threads: int, clients_list: list[int], 
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| layout | clients | dashboard | requests | tokens/s | latency p50 / p99 (s) | TTFT p50 / p99 (s) | mean batch | load |",
+    lines = ["| layout | clients | dashboard | requests | tokens/s | latency p50 / p99 (s) | TTFT p50 / p99 (s) "
+             "| mean batch | load |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['layout']} | {r['clients']} | {r['dashboard']} | {r['requests']} | {r['tokens_per_s']:.1f} | "
+        lines.append(f"| {r['layout']} | {r['clients']} | {r['dashboard']} | {r['requests']} "
+                     f"| {r['tokens_per_s']:.1f} | "
                      f"{r['latency_p50']:.2f} / {r['latency_p99']:.2f} | {r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} | "
                      f"{r['mean_batch']:.2f} | {r['load']:.1f} |")
     return "\n".join(lines)

@@ -22,6 +22,7 @@ import stat
 import struct
 import sys
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -210,7 +211,7 @@ class ModelShape:
     mlp_bias: bool
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "ModelShape":
+    def from_config(cls, config: dict[str, Any]) -> ModelShape:
         """From a config that `read_config` accepted."""
         heads = config["num_attention_heads"]
         arch = next(a for a in config["architectures"] if a in SUPPORTED_ARCHITECTURES)
@@ -296,7 +297,7 @@ def read_safetensors_header(path: str | os.PathLike[str], file: str | None = Non
     infos = {name: _tensor(path, file or path.name, name, entry, data_start, size - data_start)
              for name, entry in header.items()}
     spans = sorted((info.offset, info.offset + info.nbytes, name) for name, info in infos.items())
-    for (_, end, first), (start, stop, second) in zip(spans, spans[1:]):
+    for (_, end, first), (start, stop, second) in pairwise(spans):
         if start < end:
             raise CheckpointError(f"{path}: tensor {second}: data_offsets [{start - data_start}, "
                                   f"{stop - data_start}] overlap those of tensor {first}")
@@ -406,7 +407,8 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> CheckpointFacts:
         info = infos.get(tensor)
         if info is None:
             files = ", ".join(sorted(weights.files))
-            raise CheckpointError(f"{os.path.realpath(model_dir)}: tensor {tensor} is missing from the checkpoint ({files})")
+            raise CheckpointError(f"{os.path.realpath(model_dir)}: tensor {tensor} is missing from the checkpoint "
+                                  f"({files})")
         if info.shape != shape:
             raise CheckpointError(f"{weights.files[info.file]}: tensor {tensor} has shape {info.shape}, "
                                   f"config.json implies {shape}")

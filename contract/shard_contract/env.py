@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -86,7 +87,7 @@ class WorkerEnv(BaseModel):
         return {ENV_NAMES[k]: str(v) for k, v in self.model_dump().items() if v is not None}
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "WorkerEnv":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
         environ = os.environ if environ is None else environ
         values = {field: environ[name] for field, name in ENV_NAMES.items() if name in environ}
         try:

@@ -7,14 +7,15 @@ very entries `/v1/shards` answers (measured resident bytes and health added). Pu
 SVG text out, no script and no external reference, so the text can be embedded anywhere.
 
 Each rank's bar is scaled to its own device: predicted weights / KV cache / activations / overhead
-(and the staging slots of a rank that streams layers) stacked, the headroom (capacity minus usable) shaded at the right end, and the measured resident
-total as a thin bar beneath. A rank that is not alive, or failed, is drawn red with the reason.
+(and the staging slots of a rank that streams layers) stacked, the headroom (capacity minus usable)
+shaded at the right end, and the measured resident total as a thin bar beneath. A rank that is not
+alive, or failed, is drawn red with the reason.
 """
 
 from __future__ import annotations
 
 import textwrap
-from typing import Sequence
+from collections.abc import Sequence
 from xml.sax.saxutils import escape, quoteattr
 
 from .plan import describe_layers

@@ -16,9 +16,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-DEFAULT_PREFETCH = 2  # slots: one layer computes while the next loads (double buffering)
-
 from .units import count
+
+DEFAULT_PREFETCH = 2  # slots: one layer computes while the next loads (double buffering)
 
 
 def describe_layers(layers: tuple[int, int] | list[int]) -> str:
@@ -200,5 +200,5 @@ class Plan(BaseModel):
         return json.dumps(self.to_json_dict(), indent=2)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str) -> Plan:
         return cls.model_validate_json(text)

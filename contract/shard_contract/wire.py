@@ -156,7 +156,7 @@ class ShardEntry(BaseModel):
     load_progress: LoadProgress | None = Field(None, description="While it loads, and after.")
 
     @classmethod
-    def planned(cls, rp: RankPlan, **measured: object) -> "ShardEntry":
+    def planned(cls, rp: RankPlan, **measured: object) -> ShardEntry:
         """A rank's place in the plan, plus what it has `measured` (report fields, health)."""
         return cls.model_validate({"rank": rp.rank, "stage": rp.stage, "tp_rank": rp.tp_rank, "layers": rp.layers,
                                    "node": rp.node, "device": rp.device, "capacity_bytes": rp.capacity_bytes,
@@ -175,7 +175,7 @@ class ShardsResponse(BaseModel):
                                                            "(its critical path through every stage).")
     ranks: list[ShardEntry]
 
-    def measured_by_rank(self) -> dict[int, "Measured"]:
+    def measured_by_rank(self) -> dict[int, Measured]:
         """rank -> what it measured, for every rank that has measured."""
         return {r.rank: Measured(resident=r.resident_bytes.total, streamed_bytes=r.streamed_bytes,
                                  stream_seconds=r.stream_seconds, stall_seconds=r.stall_seconds,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import kmock
 
@@ -39,5 +39,6 @@ def write_kubeconfig(path: Path, server: str) -> Path:
         "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
         "clusters": [{"name": "emulator", "cluster": {"server": server}}],
         "users": [{"name": "test", "user": {}}],
-        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test", "namespace": "default"}}]}))
+        "contexts": [{"name": "emulator",
+                      "context": {"cluster": "emulator", "user": "test", "namespace": "default"}}]}))
     return path

@@ -29,8 +29,9 @@ import shutil
 import signal
 import sys
 import threading
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from shard_operator.inventory import COUNT_LABEL, KIND_LABEL, MEMORY_LABEL, PRODUCT_LABEL, SPEED_LABEL
@@ -130,7 +131,7 @@ class DevCluster:
         self.operator: asyncio.subprocess.Process | None = None
         self._stack = contextlib.AsyncExitStack()
 
-    async def __aenter__(self) -> "DevCluster":
+    async def __aenter__(self) -> DevCluster:
         await self.start()
         return self
 
@@ -146,7 +147,8 @@ class DevCluster:
                 from .apiserver import serve, write_kubeconfig
                 from .controlplane import ControlPlane
 
-                self.emu, self.url = await self._stack.enter_async_context(serve(control_plane=False, faults=self.faults,
+                self.emu, self.url = await self._stack.enter_async_context(serve(control_plane=False,
+                                                                                 faults=self.faults,
                                                                                pod_address=self.network.local))
                 self.control_plane = await self._stack.enter_async_context(ControlPlane(
                     self.emu, node_monitor_grace=self.node_monitor_grace, pod_gc_quarantine=self.pod_gc_quarantine))
@@ -200,7 +202,7 @@ class DevCluster:
         return {**os.environ, **ours, **{f"SHARD_OPERATOR_{k}": v for k, v in self.operator_env.items()}}
 
     async def start_operator(self) -> None:
-        with open(self.operator_log, "ab") as log:
+        with open(self.operator_log, "ab") as log:  # noqa: ASYNC230 -- opened once, to hand to the child
             self.operator = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "shard_operator", env=self.operator_environment(), stdout=log,
                 stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL, preexec_fn=_die_with_parent)

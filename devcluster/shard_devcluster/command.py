@@ -28,7 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "kubectl works against it.",
                        epilog="examples:\n  shardctl dev-cluster --demo-model\n"
                               "  shardctl dev-cluster --nodes examples/dev-cluster/nodes.yaml --faults error=0.05\n"
-                              "  shardctl dev-cluster --kubeconfig admin.conf --no-operator   # beside the chart's operator\n"
+                              "  shardctl dev-cluster --kubeconfig admin.conf --no-operator"
+                              "   # beside the chart's operator\n"
                               "  shardctl dev-cluster add-node sim-c   # beside a running one")
     p.add_argument("--dir", type=Path, default=None, metavar="DIR",
                    help="state directory: kubeconfig, logs, and the nodes' filesystem in host/ "

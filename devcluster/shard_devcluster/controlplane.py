@@ -30,7 +30,8 @@ import random
 import string
 import time
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .emulator import ApiError, FidelityEmulator, now
 from .scheduling import holds_resources, place, requests
@@ -76,7 +77,8 @@ async def record(emu: FidelityEmulator, about: dict[str, Any], type_: str, reaso
 class Cache:
     """One resource as an in-process watch shows it: key -> object; `changed` is set on every event."""
 
-    def __init__(self, emu: FidelityEmulator, resource: str, on_event: Callable[[str, dict, dict | None], None] | None = None):
+    def __init__(self, emu: FidelityEmulator, resource: str,
+                 on_event: Callable[[str, dict, dict | None], None] | None = None):
         self.emu, self.resource, self.on_event = emu, resource, on_event
         self.objects: dict[tuple[str | None, str], dict[str, Any]] = {}
         self.changed = asyncio.Event()
@@ -135,7 +137,7 @@ class Scheduler:
 
     async def schedule(self) -> None:
         pods = self.pods.objects
-        for key in [k for k, node in self.assumed.items() if k not in pods or (pods[k].get("spec") or {}).get("nodeName")]:
+        for key in [k for k in self.assumed if k not in pods or (pods[k].get("spec") or {}).get("nodeName")]:
             del self.assumed[key]
         used = {node: Counter(usage) for node, usage in self.used.items()}
         for key, node in self.assumed.items():
@@ -233,7 +235,8 @@ class NodeLifecycle:
 
     async def mark_pods_not_ready(self, node: dict[str, Any]) -> None:
         name = node["metadata"]["name"]
-        await record(self.emu, {**node, "kind": "Node"}, "Normal", "NodeNotReady", f"Node {name} status is now: NodeNotReady",
+        await record(self.emu, {**node, "kind": "Node"}, "Normal", "NodeNotReady",
+                     f"Node {name} status is now: NodeNotReady",
                      "node-controller", "NodeNotReady")
         for pod in await self.emu.k8s_list(PODS, field_selector=f"spec.nodeName={name}"):
             if ready_condition(pod).get("status") != "True":
@@ -302,7 +305,8 @@ def _selects(service: dict[str, Any], labels: dict[str, str]) -> bool:
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
 
-def service_endpoints(service: dict[str, Any], pods: list[dict[str, Any]]) -> tuple[list[dict], list[tuple[list, list]]]:
+def service_endpoints(service: dict[str, Any],
+                      pods: list[dict[str, Any]]) -> tuple[list[dict], list[tuple[list, list]]]:
     """(Endpoints subsets, [(slice ports, slice endpoints)]) of a Service over the pods it selects."""
     spec, name = service.get("spec") or {}, service["metadata"]["name"]
     publish = bool(spec.get("publishNotReadyAddresses"))
@@ -328,10 +332,12 @@ def service_endpoints(service: dict[str, Any], pods: list[dict[str, Any]]) -> tu
             group["addresses" if ready or publish else "notReadyAddresses"].append(address)
         endpoint = {"addresses": [ip], "conditions": {"ready": (ready or publish) and not terminating, "serving": ready,
                                                       "terminating": terminating},
-                    "targetRef": address["targetRef"], **{k: address[k] for k in ("nodeName", "hostname") if k in address}}
+                    "targetRef": address["targetRef"],
+                    **{k: address[k] for k in ("nodeName", "hostname") if k in address}}
         slices.setdefault(ports, []).append(endpoint)
     out_subsets = [{**{k: v for k, v in group.items() if v},
-                    **({"ports": [{"name": n, "port": port, "protocol": proto} for n, port, proto in ports]} if ports else {})}
+                    **({"ports": [{"name": n, "port": port,
+                                   "protocol": proto} for n, port, proto in ports]} if ports else {})}
                    for ports, group in sorted(subsets.items()) if group["addresses"] or group["notReadyAddresses"]]
     out_slices = [([{"name": n, "port": port, "protocol": proto} for n, port, proto in ports], endpoints)
                   for ports, endpoints in sorted(slices.items())]
@@ -430,7 +436,7 @@ class EndpointsController:
         meta = service["metadata"]
         ns, name = meta["namespace"], meta["name"]
         wanted = wanted or [([], [])]  # (a Service with no endpoints still has an empty slice)
-        for (ports, endpoints), current in zip(wanted, existing):
+        for (ports, endpoints), current in zip(wanted, existing, strict=False):
             if (current.get("ports") or [], current.get("endpoints") or []) != (ports, endpoints):
                 await self.emu.k8s_patch(SLICES, ns, current["metadata"]["name"],
                                          {"ports": ports or None, "endpoints": endpoints or None})
@@ -456,7 +462,7 @@ class ControlPlane:
         self.endpoints = EndpointsController(emu)
         self._tasks: list[asyncio.Task] = []
 
-    async def __aenter__(self) -> "ControlPlane":
+    async def __aenter__(self) -> ControlPlane:
         for component in (self.scheduler, self.node_lifecycle, self.pod_gc, self.endpoints):
             self._tasks += [asyncio.create_task(coro) for coro in component.tasks()]
         return self

@@ -23,7 +23,8 @@ def records(service: dict | None, slices: list[dict]) -> dict[str, str]:
         return {}
     meta, spec = service["metadata"], service.get("spec") or {}
     ns, name = meta["namespace"], meta["name"]
-    ready = [e for s in slices for e in s.get("endpoints") or [] if (e.get("conditions") or {}).get("ready") and e.get("addresses")]
+    ready = [e for s in slices for e in s.get("endpoints") or []
+             if (e.get("conditions") or {}).get("ready") and e.get("addresses")]
     out: dict[str, str] = {}
     cluster_ip = spec.get("clusterIP")
     if cluster_ip and cluster_ip != "None":

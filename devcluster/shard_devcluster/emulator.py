@@ -71,7 +71,7 @@ import attrs
 import jsonpatch
 import kmock
 import yaml
-from kmock._internal import aiobus, enums, parsing, rendering
+from kmock._internal import enums, parsing, rendering
 
 from . import tables, validation
 from .schemas import OPENAPI_V2, OPENAPI_V2_TYPE, openapi_v3, structural
@@ -108,7 +108,7 @@ class ApiError(Exception):
 
 
 def now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')
+    return datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%dT%H:%M:%SZ')
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -181,12 +181,13 @@ def secret_write(old: dict | None, new: dict) -> dict:
             base64.b64decode(value, validate=True)
         except (ValueError, TypeError):
             raise ApiError(400, 'BadRequest', 'Secret in version "v1" cannot be handled as a Secret: illegal '
-                           'base64 data')
+                           'base64 data') from None
     if data:
         new['data'] = data
     new['type'] = new.get('type') or (old or {}).get('type') or 'Opaque'
     if old is not None:
-        problems = [f'type: Invalid value: "{new["type"]}": field is immutable'] if new['type'] != old.get('type') else []
+        problems = ([f'type: Invalid value: "{new["type"]}": field is immutable'] if new['type'] != old.get('type')
+                    else [])
         if old.get('immutable'):
             problems += [f'{f}: Forbidden: field is immutable when `immutable` is set'
                          for f in ('data', 'immutable') if new.get(f) != old.get(f)]
@@ -201,7 +202,8 @@ def _split_top(s: str) -> list[str]:
     parts, depth, cur = [], 0, ''
     for ch in s:
         if ch == ',' and depth == 0:
-            parts.append(cur); cur = ''
+            parts.append(cur)
+            cur = ''
             continue
         depth += ch == '('
         depth -= ch == ')'
@@ -230,12 +232,11 @@ def parse_label_selector(sel: str | None):
     def check(labels: dict) -> bool:
         for key, op, val in reqs:
             present, v = key in labels, labels.get(key)
-            if op == 'eq' and v != val: return False
-            if op == 'ne' and present and v == val: return False
-            if op == 'in' and (not present or v not in val): return False
-            if op == 'notin' and present and v in val: return False
-            if op == 'exists' and not present: return False
-            if op == 'absent' and present: return False
+            failed = ((op == 'eq' and v != val) or (op == 'ne' and present and v == val)
+                      or (op == 'in' and (not present or v not in val)) or (op == 'notin' and present and v in val)
+                      or (op == 'exists' and not present) or (op == 'absent' and present))
+            if failed:
+                return False
         return True
     return check
 
@@ -263,7 +264,7 @@ def parse_field_selector(sel: str | None):
 # --- pods ------------------------------------------------------------------------------
 
 def in_seconds(seconds: float) -> str:
-    return (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=seconds)).strftime('%Y-%m-%dT%H:%M:%SZ')
+    return (datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=seconds)).strftime('%Y-%m-%dT%H:%M:%SZ')
 
 
 def deletion_grace(pod: dict, asked: Any) -> int | None:
@@ -296,7 +297,8 @@ def pod_update(old: dict, new: dict) -> None:
     old_spec, new_spec = old.get('spec') or {}, new.get('spec') or {}
     kept = all(t in (new_spec.get('tolerations') or []) for t in old_spec.get('tolerations') or [])
     if mutable_cleared(old_spec) != mutable_cleared(new_spec) or not kept:
-        raise ApiError(422, 'Invalid', f'Pod "{old["metadata"]["name"]}" is invalid: spec: Forbidden: pod updates may not '
+        raise ApiError(422, 'Invalid',
+                       f'Pod "{old["metadata"]["name"]}" is invalid: spec: Forbidden: pod updates may not '
                        'change fields other than `spec.containers[*].image`,`spec.initContainers[*].image`,'
                        '`spec.activeDeadlineSeconds`,`spec.tolerations` (only additions to existing tolerations),'
                        '`spec.terminationGracePeriodSeconds` (allow it to be set to 1 if it was previously negative)')
@@ -316,7 +318,8 @@ class Admission:
     def of(cls, params) -> 'Admission':
         directive = params.get('fieldValidation') or 'Warn'
         if directive not in ('Ignore', 'Warn', 'Strict'):
-            raise ApiError(400, 'BadRequest', f'fieldValidation parameter unsupported: "{directive}": supported values: '
+            raise ApiError(400, 'BadRequest',
+                           f'fieldValidation parameter unsupported: "{directive}": supported values: '
                            '"Ignore", "Strict", "Warn"')
         return cls(directive)
 
@@ -481,7 +484,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             status='status' in subs, scale='scale' in subs,
             printer_columns=version.get('additionalPrinterColumns') or [],
             schema=(version.get('schema') or {}).get('openAPIV3Schema'),
-            scale_paths=(scale.get('specReplicasPath', '.spec.replicas'), scale.get('statusReplicasPath', '.status.replicas'),
+            scale_paths=(scale.get('specReplicasPath', '.spec.replicas'),
+                         scale.get('statusReplicasPath', '.status.replicas'),
                          scale.get('labelSelectorPath')))
         return key
 
@@ -548,9 +552,11 @@ class FidelityEmulator(kmock.KubernetesEmulator):
 
     def _check_scope(self, res: Res, namespace: str | None, writing_named: bool = False) -> None:
         if not self._namespaced(res) and namespace is not None:
-            raise ApiError(404, 'NotFound', f'the server could not find the requested resource ({res.plural} is cluster-scoped)')
+            raise ApiError(404, 'NotFound',
+                           f'the server could not find the requested resource ({res.plural} is cluster-scoped)')
         if self._namespaced(res) and namespace is None and writing_named:
-            raise ApiError(404, 'NotFound', f'the server could not find the requested resource ({res.plural} is namespaced)')
+            raise ApiError(404, 'NotFound',
+                           f'the server could not find the requested resource ({res.plural} is namespaced)')
 
     # ---- in-process API ---------------------------------------------------------------
     async def k8s_get(self, res, namespace, name) -> dict | None:
@@ -618,7 +624,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         return self._known_cache[res]
 
     def _unknown_response(self, res) -> rendering.Response:
-        e = ApiError(404, 'NotFound', f'the server could not find the requested resource ({res.plural}.{res.group or "core"}/{res.version})')
+        e = ApiError(404, 'NotFound', 'the server could not find the requested resource '
+                     f'({res.plural}.{res.group or "core"}/{res.version})')
         return rendering.Response(status=404, payload=e.status())
 
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
@@ -661,9 +668,10 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         try:
             ns, name, sub = request.namespace, request.name, request.subresource
             if res == PODS and sub in STREAMS:
-                raise ApiError(400, 'BadRequest', f'pods/{sub} is not served by the dev cluster\'s API server (a SPDY or '
-                               'WebSocket stream): reach the pod at its IP, or a Service at its address, through the dev '
-                               'cluster\'s HTTP proxy (docs/dev-cluster.md)')
+                raise ApiError(400, 'BadRequest',
+                               f'pods/{sub} is not served by the dev cluster\'s API server (a SPDY or '
+                               'WebSocket stream): reach the pod at its IP, or a Service at its address, '
+                               'through the dev cluster\'s HTTP proxy (docs/dev-cluster.md)')
             result: tuple[int, Any] | None = None
             dry = request.params.get('dryRun') == 'All'
             admit = Admission.of(request.params) if method in ('POST', 'PUT', 'PATCH') else None
@@ -673,14 +681,16 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                     result = 201, await self._do_create(res, ns, body, dry=dry, admit=admit)
             elif method == 'PUT' and name is not None:
                 async with self._lock:
-                    result = 200, await self._do_replace(res, ns, name, sub, self._parse_body(request), dry=dry, admit=admit)
+                    result = 200, await self._do_replace(res, ns, name, sub, self._parse_body(request), dry=dry,
+                                                         admit=admit)
             elif method == 'PATCH' and name is not None:
                 ctype = self._header(request, 'Content-Type') or 'application/merge-patch+json'
                 async with self._lock:
                     if ctype.startswith('application/apply-patch'):
                         result = await self._do_apply(res, ns, name, sub, request, dry=dry, admit=admit)
                     else:
-                        result = 200, await self._do_patch(res, ns, name, sub, ctype, self._parse_body(request), dry=dry,
+                        result = 200, await self._do_patch(res, ns, name, sub, ctype, self._parse_body(request),
+                                                           dry=dry,
                                                            admit=admit)
             elif method == 'POST' and res == PODS and sub == 'binding':
                 async with self._lock:
@@ -695,11 +705,13 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                     result = 200, await self._do_delete(res, ns, name, opts, dry=dry)
             elif method == 'DELETE' and name is None:
                 self._check_scope(res, ns)
-                items = await self.k8s_list(res, ns, request.params.get('labelSelector'), request.params.get('fieldSelector'))
+                items = await self.k8s_list(res, ns, request.params.get('labelSelector'),
+                                            request.params.get('fieldSelector'))
                 deleted = []
                 async with self._lock:
                     for item in items:
-                        deleted.append(await self._do_delete(res, item['metadata'].get('namespace'), item['metadata']['name'], {}, dry=dry))
+                        deleted.append(await self._do_delete(res, item['metadata'].get('namespace'),
+                                                             item['metadata']['name'], {}, dry=dry))
                 result = 200, {'kind': f'{self._kind(res)}List', 'apiVersion': self._api_version(res),
                                'metadata': {'resourceVersion': str(self._rv)}, 'items': deleted}
             elif method == 'GET':
@@ -739,7 +751,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         try:
             return json.loads(request.text)
         except ValueError:
-            raise ApiError(400, 'BadRequest', 'the request body is not valid JSON')
+            raise ApiError(400, 'BadRequest', 'the request body is not valid JSON') from None
 
     # Fallback reactions registered by the base class for writes.
     async def _serve_result(self, request):
@@ -758,9 +770,11 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         meta = body.setdefault('metadata', {})
         if self._namespaced(res):
             if ns is None:
-                raise ApiError(405, 'MethodNotAllowed', f'{res.plural} is namespaced: POST to /namespaces/NS/{res.plural}')
+                raise ApiError(405, 'MethodNotAllowed',
+                               f'{res.plural} is namespaced: POST to /namespaces/NS/{res.plural}')
             if meta.get('namespace') not in (None, ns):
-                raise ApiError(400, 'BadRequest', 'the namespace of the provided object does not match the namespace sent on the request')
+                raise ApiError(400, 'BadRequest',
+                               'the namespace of the provided object does not match the namespace sent on the request')
             meta['namespace'] = ns
             if self.check_namespaces and self._current((Res('v1/namespaces'), None, ns)) is None:
                 raise ApiError(404, 'NotFound', f'namespaces "{ns}" not found', {'name': ns, 'kind': 'namespaces'})
@@ -831,21 +845,25 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                 new = jsonpatch.apply_patch(old, patch, in_place=False)
             elif ctype == 'application/strategic-merge-patch+json':
                 if res in self._custom:
-                    raise ApiError(415, 'UnsupportedMediaType', 'strategic merge patch is not supported for custom resources')
+                    raise ApiError(415, 'UnsupportedMediaType',
+                                   'strategic merge patch is not supported for custom resources')
                 new = strategic_merge_patch(old, patch)
             elif ctype in ('application/merge-patch+json', 'application/json'):
                 if not isinstance(patch, dict):
                     raise ApiError(400, 'BadRequest', 'merge patch must be an object')
                 new = merge_patch(old, patch)
             else:
-                raise ApiError(415, 'UnsupportedMediaType', f'the body of the request was in an unknown format: {ctype}')
+                raise ApiError(415, 'UnsupportedMediaType',
+                               f'the body of the request was in an unknown format: {ctype}')
         except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as e:
-            raise ApiError(422, 'Invalid', f'the server rejected our request due to an error in our request: {e}')
+            raise ApiError(422, 'Invalid', f'the server rejected our request due to an error in our request: {e}') \
+                from e
         # A resourceVersion in the patch acts as a precondition (optimistic locking).
         patched_rv = (new.get('metadata') or {}).get('resourceVersion')
         if patched_rv not in (None, old['metadata']['resourceVersion']):
             raise ApiError(409, 'Conflict', f'Operation cannot be fulfilled on {res.plural} "{name}": '
-                           'the object has been modified; please apply your changes to the latest version and try again')
+                           'the object has been modified; '
+                           'please apply your changes to the latest version and try again')
         return await self._commit_update(res, ns, name, old, new, sub, dry, admit)
 
     async def _do_replace(self, res, ns, name, sub, body, dry=False, admit=None) -> dict:
@@ -860,7 +878,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         rv = meta.get('resourceVersion')
         if rv is not None and rv != old['metadata']['resourceVersion']:
             raise ApiError(409, 'Conflict', f'Operation cannot be fulfilled on {res.plural} "{name}": '
-                           'the object has been modified; please apply your changes to the latest version and try again')
+                           'the object has been modified; '
+                           'please apply your changes to the latest version and try again')
         return await self._commit_update(res, ns, name, old, body, sub, dry, admit)
 
     async def _do_apply(self, res, ns, name, sub, request, dry=False, admit=None) -> tuple[int, dict]:
@@ -869,7 +888,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         try:
             body = yaml.safe_load(request.text)
         except yaml.YAMLError as e:
-            raise ApiError(400, 'BadRequest', f'invalid YAML: {e}')
+            raise ApiError(400, 'BadRequest', f'invalid YAML: {e}') from e
         self._check_scope(res, ns, writing_named=True)
         old = self._current((res, ns, name))
         if old is None:
@@ -909,7 +928,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             if om.get('deletionTimestamp'):
                 added = set(nm.get('finalizers') or []) - set(om.get('finalizers') or [])
                 if added:
-                    raise ApiError(422, 'Invalid', f'metadata.finalizers: Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers {sorted(added)}')
+                    raise ApiError(422, 'Invalid', 'metadata.finalizers: Forbidden: no new finalizers can be added '
+                                   f'if the object is being deleted, found new finalizers {sorted(added)}')
         new.setdefault('apiVersion', old.get('apiVersion'))
         new.setdefault('kind', old.get('kind'))
         if res == Res('v1/secrets'):
@@ -976,7 +996,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         if not target:
             raise ApiError(422, 'Invalid', f'Binding "{name}" is invalid: target.name: Required value')
         old = self._get_or_404(PODS, ns, name)
-        conflict = (f'pod {name} is being deleted, cannot be assigned to a host' if old['metadata'].get('deletionTimestamp')
+        conflict = (f'pod {name} is being deleted, cannot be assigned to a host'
+                    if old['metadata'].get('deletionTimestamp')
                     else f'pod {name} is already assigned to node "{old["spec"]["nodeName"]}"'
                     if (old.get('spec') or {}).get('nodeName') else None)
         if conflict:
@@ -1010,7 +1031,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         spec_p, status_p, sel_p = self._scale_paths.get(res, ('.spec.replicas', '.status.replicas', '.status.selector'))
         m = obj['metadata']
         return {'kind': 'Scale', 'apiVersion': 'autoscaling/v1',
-                'metadata': {k: m[k] for k in ('name', 'namespace', 'uid', 'resourceVersion', 'creationTimestamp') if k in m},
+                'metadata': {k: m[k] for k in ('name', 'namespace', 'uid', 'resourceVersion', 'creationTimestamp')
+                             if k in m},
                 'spec': {'replicas': dig(obj, spec_p) or 0},
                 'status': {'replicas': dig(obj, status_p) or 0,
                            **({'selector': dig(obj, sel_p)} if sel_p and dig(obj, sel_p) else {})}}
@@ -1019,7 +1041,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         old = self._get_or_404(res, ns, name)
         om = old['metadata']
         pre = opts.get('preconditions') or {}
-        if pre.get('uid') not in (None, om.get('uid')) or pre.get('resourceVersion') not in (None, om.get('resourceVersion')):
+        if (pre.get('uid') not in (None, om.get('uid'))
+                or pre.get('resourceVersion') not in (None, om.get('resourceVersion'))):
             raise ApiError(409, 'Conflict', f'Precondition failed for {res.plural} "{name}"')
         policy = opts.get('propagationPolicy') or 'Background'
         new = copy.deepcopy(old)
@@ -1103,7 +1126,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                 obj = self._current((r, dns, n))
                 if orphan:
                     refs = [ref for ref in obj['metadata'].get('ownerReferences', []) if ref.get('uid') != uid]
-                    await self._commit_update(r, dns, n, obj, merge_patch(obj, {'metadata': {'ownerReferences': refs or None}}), None, False)
+                    orphaned = merge_patch(obj, {'metadata': {'ownerReferences': refs or None}})
+                    await self._commit_update(r, dns, n, obj, orphaned, None, False)
                 else:
                     try:
                         await self._do_delete(r, dns, n, {'propagationPolicy': 'Foreground'})
@@ -1115,8 +1139,10 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                 if orphan or not self._dependents(uid):
                     obj = self._current((res, ns, name))
                     if obj is not None:
-                        fins = [f for f in obj['metadata'].get('finalizers', []) if f not in ('foregroundDeletion', 'orphan')]
-                        await self._commit_update(res, ns, name, obj, merge_patch(obj, {'metadata': {'finalizers': fins}}), None, False)
+                        fins = [f for f in obj['metadata'].get('finalizers', [])
+                                if f not in ('foregroundDeletion', 'orphan')]
+                        await self._commit_update(res, ns, name, obj,
+                                                  merge_patch(obj, {'metadata': {'finalizers': fins}}), None, False)
                     return
             await asyncio.sleep(0.01)
 
@@ -1151,7 +1177,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
     def _table(self, request, res: Res, objs: list[dict], definitions: bool = True) -> dict:
         columns = (tables.custom_columns(self._printer_columns.get(res, [])) if res in self._custom
                    else tables.BUILTIN.get(f'{self._api_version(res)}/{res.plural}', tables.DEFAULT))
-        return tables.table(columns, objs, str(self._rv), include_object=request.params.get('includeObject') or 'Metadata',
+        return tables.table(columns, objs, str(self._rv),
+                            include_object=request.params.get('includeObject') or 'Metadata',
                             definitions=definitions)
 
     async def _serve_fetch(self, request):
@@ -1175,7 +1202,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             return rendering.Response(status=e.code, payload=e.status())
         # NB: always return an explicit status: kmock's Response._render() stores the status of a
         # returned Response on the (shared) fallback reaction, so it would leak into later requests.
-        return rendering.Response(status=200, payload=self._table(request, res, [obj]) if self._wants_table(request) else obj)
+        return rendering.Response(status=200,
+                                  payload=self._table(request, res, [obj]) if self._wants_table(request) else obj)
 
     async def _pod_log(self, request, pod: dict) -> rendering.Response:
         """pods/log, as kube-apiserver serves it: from the kubelet of the pod's node, at the
@@ -1208,7 +1236,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             upstream = await session.get(url, params=query, ssl=False)
         except aiohttp.ClientError as err:
             await session.close()
-            raise ApiError(500, 'InternalError', f'Get "{url}": {err}')
+            raise ApiError(500, 'InternalError', f'Get "{url}": {err}') from err
 
         async def body() -> AsyncIterator[bytes]:
             try:
@@ -1244,8 +1272,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                     url, params=request.params, ssl=False, allow_redirects=False,
                     timeout=aiohttp.ClientTimeout(total=30)) as upstream:
                 body = await upstream.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
-            raise ApiError(503, 'ServiceUnavailable', f'error trying to reach service: dial tcp {host}: {err}')
+        except (TimeoutError, aiohttp.ClientError, ValueError) as err:
+            raise ApiError(503, 'ServiceUnavailable', f'error trying to reach service: dial tcp {host}: {err}') from err
         return rendering.Response(status=upstream.status, payload=body,
                                   headers={'Content-Type': upstream.headers.get('Content-Type', 'text/plain')})
 
@@ -1320,7 +1348,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                 hist = self._history.get(res, [])
                 if hist and int(since) < hist[0][0] - 1 and len(hist) >= self.history_limit:
                     replay = [{'type': 'ERROR', 'object': {'kind': 'Status', 'apiVersion': 'v1', 'status': 'Failure',
-                                                           'code': 410, 'reason': 'Expired', 'message': 'too old resource version'}}]
+                                                           'code': 410, 'reason': 'Expired',
+                                                           'message': 'too old resource version'}}]
                 else:
                     replay = [ev for rv, ev in hist if rv > int(since)]
             current_rv = str(self._rv)
@@ -1333,9 +1362,9 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                 if out:
                     yield render(out)
             if initial_events:
+                end = {'resourceVersion': current_rv, 'annotations': {'k8s.io/initial-events-end': 'true'}}
                 yield {'type': 'BOOKMARK', 'object': {'kind': self._kind(res), 'apiVersion': self._api_version(res),
-                                                      'metadata': {'resourceVersion': current_rv,
-                                                                   'annotations': {'k8s.io/initial-events-end': 'true'}}}}
+                                                      'metadata': end}}
             stream = aiter(bus.stream(since=mark))
             next_bookmark = loop.time() + self.bookmark_interval
             pending: asyncio.Task | None = None

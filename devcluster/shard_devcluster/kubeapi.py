@@ -14,8 +14,9 @@ import datetime
 import json
 import logging
 import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 from urllib.parse import urlencode
 
 import aiohttp
@@ -36,11 +37,11 @@ def path(resource: str, namespace: str | None = None, name: str | None = None, s
 
 def microtime() -> str:
     """A MicroTime, as Leases and Events carry them."""
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def timestamp() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class ApiStatusError(Exception):
@@ -58,7 +59,7 @@ class KubeApi:
         self._session: aiohttp.ClientSession | None = None
 
     @classmethod
-    def from_kubeconfig(cls, kubeconfig: str | Path, context: str | None = None) -> "KubeApi":
+    def from_kubeconfig(cls, kubeconfig: str | Path, context: str | None = None) -> KubeApi:
         import kubernetes
 
         config = kubernetes.client.Configuration()
@@ -151,7 +152,7 @@ class Informer:
                     version = obj["metadata"].get("resourceVersion") or version
                     if kind != "BOOKMARK":
                         await self._apply(kind, obj)
-            except (aiohttp.ClientError, ApiStatusError, asyncio.TimeoutError, ValueError) as err:
+            except (TimeoutError, aiohttp.ClientError, ApiStatusError, ValueError) as err:
                 log.debug("watch %s: %s; listing again", self.url, err)
                 version = ""
                 await asyncio.sleep(0.5)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import ssl
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from aiohttp import web
 

@@ -26,7 +26,8 @@ import ipaddress
 import random
 import socket
 import threading
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 DEFAULT_POD_CIDR = "10.128.0.0/9"  # 8M addresses drawn at random: dev clusters side by side rarely meet
 DOMAIN = "cluster.local"

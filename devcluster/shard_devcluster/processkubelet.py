@@ -148,8 +148,8 @@ def _requests_gpu(container: dict[str, Any]) -> bool:
 
 
 def _ready(obj: dict[str, Any]) -> str | None:
-    return next((c.get("status") for c in (obj.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"),
-                None)
+    conditions = (obj.get("status") or {}).get("conditions") or []
+    return next((c.get("status") for c in conditions if c.get("type") == "Ready"), None)
 
 
 class ProcessKubelet:
@@ -206,7 +206,7 @@ class ProcessKubelet:
         if self._session:
             await self._session.close()
 
-    async def __aenter__(self) -> "ProcessKubelet":
+    async def __aenter__(self) -> ProcessKubelet:
         await self.start()
         return self
 
@@ -263,7 +263,7 @@ class ProcessKubelet:
                                "kubeProxyVersion": "", "machineID": "", "systemUUID": "", "bootID": ""}}
         try:
             await self.api.patch(path(NODES, name=name, sub="status"), {"status": status}, SMP)
-        except (ApiStatusError, aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except (TimeoutError, ApiStatusError, aiohttp.ClientError) as err:
             log.warning("node %s: status not posted: %s", name, err)
 
     async def _renew(self, node: dict) -> None:
@@ -271,13 +271,14 @@ class ProcessKubelet:
         garbage collector deletes it with the Node."""
         name = node["metadata"]["name"]
         url = path(LEASES, NODE_LEASE_NAMESPACE, name)
-        owner = {"ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": name, "uid": node["metadata"]["uid"]}]}
+        owner = {"ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": name,
+                                      "uid": node["metadata"]["uid"]}]}
         try:
             if await self.api.patch(url, {"metadata": owner, "spec": {"renewTime": microtime()}}) is None:
                 await self.api.create(path(LEASES, NODE_LEASE_NAMESPACE), {
                     "metadata": {"name": name, **owner}, "spec": {
                         "holderIdentity": name, "renewTime": microtime(), "leaseDurationSeconds": self.lease_seconds}})
-        except (ApiStatusError, aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except (TimeoutError, ApiStatusError, aiohttp.ClientError) as err:
             log.warning("node %s: lease not renewed: %s", name, err)
 
     async def _heartbeat(self) -> None:
@@ -438,12 +439,12 @@ class ProcessKubelet:
         """DELETE with grace 0, on condition that it is still this pod: what lets a deleted pod go."""
         meta = pod["metadata"]
         self._finalized.add(meta["uid"])
-        for attempt in range(20):  # (as long as the API server fails it: nothing else will)
+        for _ in range(20):  # (as long as the API server fails it: nothing else will)
             try:
                 await self.api.delete(path(PODS, meta["namespace"], meta["name"]),
                                       {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}})
                 return
-            except (ApiStatusError, aiohttp.ClientError, asyncio.TimeoutError) as err:
+            except (TimeoutError, ApiStatusError, aiohttp.ClientError) as err:
                 log.warning("pod %s/%s: final delete failed: %s", meta["namespace"], meta["name"], err)
                 await asyncio.sleep(0.5)
         self._finalized.discard(meta["uid"])  # the next event about it tries again
@@ -462,7 +463,8 @@ class ProcessKubelet:
     async def _unknown(self, pod: dict) -> None:
         meta = pod["metadata"]
         container = ((pod.get("spec") or {}).get("containers") or [{}])[0]
-        status = {"phase": "Failed", "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": timestamp()}],
+        status = {"phase": "Failed",
+                  "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": timestamp()}],
                   "containerStatuses": [self._container_status(container, False, {"terminated": {
                       "exitCode": 137, "reason": "ContainerStatusUnknown", "finishedAt": timestamp(),
                       "message": "The container could not be located when the pod was terminated"}})]}
@@ -500,7 +502,7 @@ class ProcessKubelet:
                       "containerStatuses": [self._container_status(sandbox.container, running and sandbox.ready,
                                                                    sandbox.state, sandbox.proc and sandbox.proc.pid)],
                       **sandbox.reason}
-            for attempt in range(20):
+            for _ in range(20):
                 if sandbox.lost:
                     return
                 if await self._patch_status(sandbox.namespace, sandbox.name, status) is not False:
@@ -511,7 +513,7 @@ class ProcessKubelet:
         """True: written; None: the pod is gone; False: the API server failed (try again)."""
         try:
             return await self.api.patch(path(PODS, ns, name, "status"), {"status": status}, SMP) is not None or None
-        except (ApiStatusError, aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except (TimeoutError, ApiStatusError, aiohttp.ClientError) as err:
             log.debug("pod %s/%s: status not written: %s", ns, name, err)
             return False
 
@@ -556,11 +558,12 @@ class ProcessKubelet:
             source, kind, name = volume["secret"], "secrets", volume["secret"]["secretName"]
         try:
             obj = await self.api.get(path(f"v1/{kind}", ns, name))
-        except (ApiStatusError, aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except (TimeoutError, ApiStatusError, aiohttp.ClientError) as err:
             raise PodError("CreateContainerConfigError", f"{kind[:-1]} {name}: {err}") from None
         if obj is None:
             raise PodError("CreateContainerConfigError", f"{kind[:-1]} {name} not found")
-        data = {k: v.encode() if kind == "configmaps" else base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
+        data = {k: v.encode() if kind == "configmaps" else base64.b64decode(v)
+                for k, v in (obj.get("data") or {}).items()}
         here.mkdir(parents=True, exist_ok=True)
         for item in source.get("items") or [{"key": k, "path": k} for k in data]:
             target = here / item["path"]

@@ -31,8 +31,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -126,7 +127,8 @@ class ServiceProxy:
             number = next((p.get("port") for p in endpoint_slice.get("ports") or []
                            if (p.get("name") or "") == (port.get("name") or "")), None)
             for endpoint in endpoint_slice.get("endpoints") or []:
-                if number is None or not (endpoint.get("conditions") or {}).get("ready") or not endpoint.get("addresses"):
+                ready = (endpoint.get("conditions") or {}).get("ready")
+                if number is None or not ready or not endpoint.get("addresses"):
                     continue
                 pod = (endpoint.get("targetRef") or {}).get("name") or endpoint["addresses"][0]
                 found.append((pod, f"http://{self.network.local(endpoint['addresses'][0])}:{number}"))
@@ -146,7 +148,8 @@ class ServiceProxy:
                 return None
             await asyncio.sleep(0.1)
 
-    async def _forward(self, request: web.BaseRequest, key: tuple[str, str], port: dict[str, Any]) -> web.StreamResponse:
+    async def _forward(self, request: web.BaseRequest, key: tuple[str, str],
+                       port: dict[str, Any]) -> web.StreamResponse:
         assert self._session is not None
         self.stats.requests += 1
         body = await request.read()

@@ -7,17 +7,19 @@ scheduler's order: NodeUnschedulable, NodeName, TaintToleration, NodeAffinity (n
 required node affinity), NodeResourcesFit (the pod itself against the node's allocatable `pods`,
 less the pods bound to it: "Too many pods", so a Node that declares no `pods` takes none; then every
 resource the pod requests, extended resources such as nvidia.com/gpu included, against the node's
-allocatable less what the pods bound to it request). Among the feasible nodes the least allocated one wins (ties by name); the real
-scheduler's scoring (spreading, image locality, ...) is not emulated.
+allocatable less what the pods bound to it request). Among the feasible nodes the least allocated one
+wins (ties by name); the real scheduler's scoring (spreading, image locality, ...) is not emulated.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from decimal import Decimal
-from typing import Any, Iterable
+from typing import Any
 
 from shard_contract.units import quantity
+
 
 def requests(pod: dict[str, Any]) -> Counter:
     """What a pod requests: each container's requests (its limits where it sets no request, as the
@@ -122,7 +124,8 @@ def named_nodes(pod: dict[str, Any]) -> set[str] | None:
                 .get("requiredDuringSchedulingIgnoredDuringExecution") or {})
     names: set[str] = set()
     for term in required.get("nodeSelectorTerms") or []:
-        fields = [e for e in term.get("matchFields") or [] if e.get("key") == "metadata.name" and e.get("operator") == "In"]
+        fields = [e for e in term.get("matchFields") or []
+                  if e.get("key") == "metadata.name" and e.get("operator") == "In"]
         if not fields:
             return None
         names |= set(fields[0].get("values") or [])

@@ -7,7 +7,8 @@ AT for the rest. Priority 1 columns show with `-o wide`. Pure.
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 Cell = Callable[[dict], Any]
 
@@ -20,7 +21,7 @@ def age(ts: str | None) -> str:
     """kubectl's short durations (duration.HumanDuration, abridged): 42s, 5m10s, 3h, 2d."""
     if not ts:
         return '<unknown>'
-    secs = max(0, int((datetime.datetime.now(datetime.timezone.utc) - _parse(ts)).total_seconds()))
+    secs = max(0, int((datetime.datetime.now(datetime.UTC) - _parse(ts)).total_seconds()))
     if secs < 120:
         return f'{secs}s'
     if secs < 600:
@@ -139,7 +140,8 @@ def _slice_endpoints(es: dict) -> str:
 # ---------------------------------------------------------------- events
 def _last_seen(event: dict) -> str:
     series = (event.get('series') or {}).get('lastObservedTime')
-    return age(series or event.get('lastTimestamp') or event.get('eventTime') or event['metadata'].get('creationTimestamp'))
+    return age(series or event.get('lastTimestamp') or event.get('eventTime')
+               or event['metadata'].get('creationTimestamp'))
 
 
 def _regarding(event: dict) -> dict:
@@ -158,7 +160,8 @@ def _event_source(event: dict) -> str:
 
 
 _EVENT_COLUMNS = [
-    ('Last Seen', _last_seen, 0), ('Type', lambda e: e.get('type', ''), 0), ('Reason', lambda e: e.get('reason', ''), 0),
+    ('Last Seen', _last_seen, 0), ('Type', lambda e: e.get('type', ''), 0),
+    ('Reason', lambda e: e.get('reason', ''), 0),
     ('Object', _event_object, 0), ('Subobject', lambda e: _regarding(e).get('fieldPath', ''), 1),
     ('Source', _event_source, 1), ('Message', lambda e: (e.get('message') or e.get('note') or '').strip(), 0),
     ('First Seen', lambda e: age(e.get('firstTimestamp') or e.get('eventTime')), 1),
@@ -189,11 +192,13 @@ BUILTIN: dict[str, list[tuple[str, Cell, int]]] = {
     'events.k8s.io/v1/events': _EVENT_COLUMNS,
     'v1/namespaces': [('Name', _name, 0), ('Status', lambda n: (n.get('status') or {}).get('phase') or 'Active', 0),
                       ('Age', _created, 0)],
-    'v1/configmaps': [('Name', _name, 0), ('Data', lambda c: len(c.get('data') or {}) + len(c.get('binaryData') or {}), 0),
+    'v1/configmaps': [('Name', _name, 0),
+                      ('Data', lambda c: len(c.get('data') or {}) + len(c.get('binaryData') or {}), 0),
                       ('Age', _created, 0)],
     'v1/secrets': [('Name', _name, 0), ('Type', lambda s: s.get('type', ''), 0),
                    ('Data', lambda s: len(s.get('data') or {}), 0), ('Age', _created, 0)],
-    'coordination.k8s.io/v1/leases': [('Name', _name, 0), ('Holder', lambda l: (l.get('spec') or {}).get('holderIdentity', ''), 0),
+    'coordination.k8s.io/v1/leases': [('Name', _name, 0),
+                                      ('Holder', lambda lease: (lease.get('spec') or {}).get('holderIdentity', ''), 0),
                                       ('Age', _created, 0)],
 }
 DEFAULT = [('Name', _name, 0), ('Created At', lambda o: o['metadata'].get('creationTimestamp'), 0)]

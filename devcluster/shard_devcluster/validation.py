@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Iterator
+from typing import Any
 
 import celpy
 from celpy import celtypes
@@ -113,7 +114,8 @@ def _schema_errors(schema: dict[str, Any], value: Any, path: str, old: Any) -> I
             yield FieldError("TypeInvalid", path, "null", f'{path} in body must be of type {wanted}: "null"')
         return
     if not _has_type(schema, value):
-        yield FieldError("TypeInvalid", path, type_of(value), f'{path} in body must be of type {wanted}: "{type_of(value)}"')
+        yield FieldError("TypeInvalid", path, type_of(value),
+                         f'{path} in body must be of type {wanted}: "{type_of(value)}"')
         return
     yield from _value_errors(schema, value, path)
     yield from _composition_errors(schema, value, path)
@@ -151,7 +153,8 @@ def _value_errors(schema: dict[str, Any], value: Any, path: str) -> Iterator[Fie
         if "maxLength" in schema and len(value) > schema["maxLength"]:
             yield FieldError("TooLong", path, value, f"may not be more than {schema['maxLength']} bytes")
         if "minLength" in schema and len(value) < schema["minLength"]:
-            yield FieldError("Invalid", path, value, f"{path} in body should be at least {schema['minLength']} chars long")
+            yield FieldError("Invalid", path, value,
+                             f"{path} in body should be at least {schema['minLength']} chars long")
         if "pattern" in schema and not _pattern(schema["pattern"]).search(value):
             yield FieldError("Invalid", path, value, f"{path} in body should match '{schema['pattern']}'")
     if isinstance(value, list):
@@ -247,7 +250,8 @@ def to_cel(schema: dict[str, Any], value: Any) -> Any:
         value = float(value)
     if isinstance(value, dict):
         properties, extra = schema.get("properties") or {}, schema.get("additionalProperties")
-        return celtypes.MapType({celtypes.StringType(k): to_cel(properties.get(k, extra if isinstance(extra, dict) else {}), v)
+        default = extra if isinstance(extra, dict) else {}
+        return celtypes.MapType({celtypes.StringType(k): to_cel(properties.get(k, default), v)
                                  for k, v in value.items()})
     if isinstance(value, list):
         return celtypes.ListType([to_cel(schema.get("items") or {}, v) for v in value])
@@ -286,7 +290,8 @@ def _rule_errors(schema: dict[str, Any], value: Any, path: str, old: Any, unchan
             yield from _rule_errors(schema["items"], item, f"{path}[{i}]", MISSING, unchanged, warnings)
 
 
-def _evaluate(rule: Rule, activation: dict[str, Any], schema: dict[str, Any], value: Any, path: str) -> FieldError | None:
+def _evaluate(rule: Rule, activation: dict[str, Any], schema: dict[str, Any], value: Any,
+              path: str) -> FieldError | None:
     shown = OMIT if schema.get("type") in ("object", "array") else value
     what = rule.spec.get("message", "").strip() or rule.rule.strip()
     try:

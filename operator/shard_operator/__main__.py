@@ -30,7 +30,8 @@ def main() -> int:
     kopf.run(registry=build_registry(controller), settings=kopf_settings(settings),
              standalone=settings.standalone, clusterwide=not settings.namespaces,
              namespaces=list(settings.namespaces),
-             liveness_endpoint=f"http://{settings.bind_address}:{settings.health_port}/healthz" if settings.health_port else None)
+             liveness_endpoint=(f"http://{settings.bind_address}:{settings.health_port}/healthz"
+                                if settings.health_port else None))
     return 0
 
 

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from shard_contract.units import parse_bytes
@@ -88,7 +87,7 @@ class ModelVolume(ApiModel):
     image: ImageSource | None = None
 
     @model_validator(mode="after")
-    def _exactly_one(self) -> "ModelVolume":
+    def _exactly_one(self) -> ModelVolume:
         given = [name for name in ("pvc", "hostPath", "image")
                  if getattr(self, to_snake(name)) is not None]
         if len(given) != 1:
@@ -132,7 +131,7 @@ class Parallelism(ApiModel):
         "Decoder layers per pipeline stage, first to last. Checked against memory, not trusted."))
 
     @model_validator(mode="after")
-    def _partition_matches_pipeline(self) -> "Parallelism":
+    def _partition_matches_pipeline(self) -> Parallelism:
         if self.layer_partition is not None and isinstance(self.pipeline, int) \
                 and len(self.layer_partition) != self.pipeline:
             raise ValueError(f"layerPartition has {len(self.layer_partition)} stages but "
@@ -162,7 +161,8 @@ class Offload(ApiModel):
     host_memory: str | None = Field(None, description=(
         "Host memory per rank for the streamed weights of GPU ranks (pinned copies), a quantity "
         "such as 64Gi; unset: as much as they need (the pods request it). What does not fit is read "
-        "from the files, when fromFiles allows."), json_schema_extra={"pattern": r"^[0-9]*[.]?[0-9]+([kKmMgGtT][iI]?)?[bB]?$"})
+        "from the files, when fromFiles allows."),
+        json_schema_extra={"pattern": r"^[0-9]*[.]?[0-9]+([kKmMgGtT][iI]?)?[bB]?$"})
     from_files: bool = Field(True, description=(
         "The checkpoint files may serve as the slowest tier, read on demand through the page cache "
         "(the only tier of CPU ranks, whose device memory is host memory)."))
@@ -338,7 +338,7 @@ class ShardedModelSpec(ApiModel):
     worker: WorkerSpec = Field(default_factory=WorkerSpec)
 
     @model_validator(mode="after")
-    def _offload_streams_checkpoint_weights(self) -> "ShardedModelSpec":
+    def _offload_streams_checkpoint_weights(self) -> ShardedModelSpec:
         if self.placement.offload.policy == "always" and self.model.quantization == "int8":
             raise ValueError(OFFLOAD_INT8)
         return self

@@ -10,7 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from typing import Any, Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 from .inventory import Inventory
 from .rollout import pod_node
@@ -32,7 +33,8 @@ def extended_requests(pod: dict[str, Any]) -> dict[str, int]:
         names = set(res.get("requests") or {}) | set(res.get("limits") or {})
         for name in names:
             if "/" in name:
-                values = [int(str(v)) for v in ((res.get("requests") or {}).get(name), (res.get("limits") or {}).get(name))
+                values = [int(str(v)) for v in ((res.get("requests") or {}).get(name),
+                                                (res.get("limits") or {}).get(name))
                           if v is not None and str(v).isdigit()]
                 out[name] += max(values, default=0)
     return dict(out)

@@ -20,8 +20,8 @@ import yaml
 
 from shard_contract.checkpoint import CheckpointError
 from shard_contract.env import ENV_NAMES
-from shard_contract.wire import GenerateRequest, GenerateTask
 from shard_contract.units import human
+from shard_contract.wire import GenerateRequest, GenerateTask
 
 from . import picture
 from .advice import patched
@@ -388,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="worker image when spec.worker.image is unset (default: the operator's, "
                         "SHARD_OPERATOR_WORKER_IMAGE or its built-in one)")
     p.add_argument("--no-network-policy", action="store_true",
-                   help="leave out the model's NetworkPolicy (as an operator installed with networkPolicy.enabled=false)")
+                   help="leave out the model's NetworkPolicy "
+                        "(as an operator installed with networkPolicy.enabled=false)")
     _add_pool_args(p)
     p.set_defaults(func=cmd_manifests)
 
@@ -488,8 +489,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, metavar="N", default=defaults.kv_heads, help="key/value heads")
     p.add_argument("--vocab", type=int, metavar="N", default=defaults.vocab,
                    help="most tokens of the trained tokenizer")
-    p.add_argument("--max-positions", type=int, metavar="N", default=defaults.max_positions, help="max_position_embeddings")
-    p.add_argument("--files", type=int, metavar="N", default=defaults.files, help="safetensors files to split the weights into")
+    p.add_argument("--max-positions", type=int, metavar="N", default=defaults.max_positions,
+                   help="max_position_embeddings")
+    p.add_argument("--files", type=int, metavar="N", default=defaults.files,
+                   help="safetensors files to split the weights into")
     p.add_argument("--seed", type=int, metavar="N", default=defaults.seed, help="seed of the random weights")
     p.add_argument("--force", action="store_true", help="replace what the directory holds")
     p.set_defaults(func=cmd_demo_model)

@@ -37,7 +37,8 @@ def event_body(model: dict[str, Any], type_: str, reason: str, message: str, now
         "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": meta["name"],
                            "namespace": meta["namespace"], "uid": meta.get("uid"),
                            "resourceVersion": meta.get("resourceVersion")},
-        "type": type_, "reason": reason, "message": one_line(message)[:1000], "action": ACTIONS.get(reason, "Reconcile"),
+        "type": type_, "reason": reason, "message": one_line(message)[:1000],
+        "action": ACTIONS.get(reason, "Reconcile"),
         "reportingComponent": REPORTING_CONTROLLER, "reportingInstance": reporter,
         "source": {"component": REPORTING_CONTROLLER},  # the From of `kubectl describe`
         "firstTimestamp": now[:19] + "Z", "lastTimestamp": now[:19] + "Z", "eventTime": now, "count": 1,

@@ -68,5 +68,5 @@ def render_result(result: GenerateResult) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines.append("")
     lines.append("weights + KV cache per rank, predicted by the plan and measured resident:")
-    lines.extend("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+    lines.extend("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip() for row in rows)
     return "\n".join(lines)

@@ -16,8 +16,9 @@ import dataclasses
 import datetime
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import kopf
 from prometheus_client import Histogram
@@ -42,7 +43,7 @@ Recorder = Callable[[dict[str, Any], Event], None]  # (the model's body, the Eve
 
 def stamp() -> str:
     """Now, as a condition's lastTransitionTime."""
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
@@ -78,10 +79,10 @@ class Controller:
         the reporting controller), and a log line. One that cannot be posted is logged, never fatal."""
         meta = body["metadata"]
         log.info("%s/%s %s: %s", meta.get("namespace"), meta["name"], event.reason, event.message)
-        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         try:
             self.kube.event(event_body(body, event.type, event.reason, event.message, now, self.reporter))
-        except Exception as err:  # events are for people: a lost one must not fail the reconcile
+        except Exception as err:  # noqa: BLE001 -- events are for people: a lost one must not fail the reconcile
             log.warning("event %s about %s not posted: %s", event.reason, meta["name"], err)
 
     def statuses(self) -> dict[tuple[str, str], dict[str, Any]]:

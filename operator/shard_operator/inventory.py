@@ -19,8 +19,9 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, model_validator
@@ -382,7 +383,7 @@ def _cuda_devices(node: str) -> list[Device]:
     except (subprocess.SubprocessError, OSError):
         return []
     devices = []
-    for index, line in enumerate(l for l in out.splitlines() if l.strip()):
+    for index, line in enumerate(s for s in out.splitlines() if s.strip()):
         memory, capability, name = (part.strip() for part in line.split(",", 2))
         devices.append(Device(node=node, index=index, kind="gpu", product=name, compute_capability=capability,
                               memory_bytes=int(float(memory)) * MiB, speed=bandwidth_of(name)))

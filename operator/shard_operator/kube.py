@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import threading
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import kubernetes
 from kubernetes.client import ApiException

@@ -24,10 +24,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping
 
 from shard_contract.env import EXIT_CONFIG, RESULT_ENV, TASK_ENV, WorkerEnv, new_group_key
 from shard_contract.plan import Plan
@@ -52,7 +52,8 @@ class LaunchError(RuntimeError):
 
 
 def plan_local(model_dir: str | os.PathLike[str], tp: int, pp: int, *, dtype: str = "auto",
-               quantization: str = "none", max_model_len: int | None = None, max_batch_size: int = 1, devices: str | None = None,
+               quantization: str = "none", max_model_len: int | None = None, max_batch_size: int = 1,
+               devices: str | None = None,
                device_kind: str = "cpu", layer_partition: list[int] | None = None) -> Plan:
     """Plan `model_dir` over TP x PP ranks of this machine (or the `devices` spec)."""
     profile = profile_model(model_dir)
@@ -158,7 +159,7 @@ class LocalGroup:
                 out.write(new_group_key())
         return self._secret_dir / "key"
 
-    def __enter__(self) -> "LocalGroup":
+    def __enter__(self) -> LocalGroup:
         self.start()
         return self
 
@@ -225,7 +226,7 @@ class LocalGroup:
             if all(code == 0 for code in codes):
                 return
             if time.monotonic() > deadline:
-                running = [r.rank for r, code in zip(self.ranks, codes) if code is None]
+                running = [r.rank for r, code in zip(self.ranks, codes, strict=True) if code is None]
                 raise LaunchError(f"ranks {running} still running after {timeout:.0f}s; "
                                   f"rank {running[0]}'s log ends:\n{self.ranks[running[0]].tail()}")
             time.sleep(POLL_SECONDS)

@@ -21,11 +21,20 @@ import base64
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from shard_contract.env import (API_KEY_MOUNT, ENV_NAMES, MODEL_MOUNT, PLAN_MOUNT, SECRET_KEY, SECRET_MOUNT, WorkerEnv,
-                                new_group_key)
+from shard_contract.env import (
+    API_KEY_MOUNT,
+    ENV_NAMES,
+    MODEL_MOUNT,
+    PLAN_MOUNT,
+    SECRET_KEY,
+    SECRET_MOUNT,
+    WorkerEnv,
+    new_group_key,
+)
 from shard_contract.plan import Plan
 
 from . import podtemplate, resources
@@ -121,7 +130,7 @@ class Owner:
     uid: str = ""
 
     @classmethod
-    def of(cls, body: Any) -> "Owner":
+    def of(cls, body: Any) -> Owner:
         meta = body["metadata"]
         return cls(name=meta["name"], namespace=meta.get("namespace") or "default", uid=meta.get("uid") or "")
 
@@ -461,7 +470,7 @@ def _covers(actual: Any, desired: Any) -> bool:
         return all(_covers(actual.get(k), v) if k not in EXACT else actual.get(k) == v for k, v in desired.items())
     if isinstance(desired, list):
         return isinstance(actual, list) and len(actual) == len(desired) and \
-            all(_covers(a, d) for a, d in zip(actual, desired))
+            all(_covers(a, d) for a, d in zip(actual, desired, strict=False))
     return actual == desired
 
 

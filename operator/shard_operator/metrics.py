@@ -8,7 +8,8 @@ counters and its last status per model, and nothing is counted twice.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, get_args
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, get_args
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
@@ -26,7 +27,7 @@ disable_created_metrics()
 
 
 class ControllerCollector(Collector):
-    def __init__(self, controller: "Controller"):
+    def __init__(self, controller: Controller):
         self.controller = controller
 
     def collect(self) -> Iterator[Metric]:
@@ -56,7 +57,8 @@ class ControllerCollector(Collector):
                                      "Times the operator recreated a group after a rank failed.",
                                      labels=["namespace", "model", "group"])
         degraded = GaugeMetricFamily("shard_operator_degraded",
-                                     "1 while a ShardedModel's Degraded condition is True, else 0; with the condition's reason.",
+                                     "1 while a ShardedModel's Degraded condition is True, else 0; "
+                                     "with the condition's reason.",
                                      labels=["namespace", "model", "reason"])
         for (namespace, model), status in sorted(statuses.items()):
             wanted.add_metric([namespace, model], status.get("replicas") or 0)
@@ -73,7 +75,7 @@ class ControllerCollector(Collector):
         yield from (wanted, serving, restarts, degraded)
 
 
-def serve(controller: "Controller", port: int, addr: str = "0.0.0.0") -> WSGIServer:
+def serve(controller: Controller, port: int, addr: str = "0.0.0.0") -> WSGIServer:
     """Expose the controller's metrics on http://<addr>:<port>/metrics (a daemon thread); returns
     the server, to `shutdown()`."""
     registry = CollectorRegistry()

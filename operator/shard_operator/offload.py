@@ -171,7 +171,8 @@ def rank_offload(stage: OffloadStage, layers: tuple[int, int], streamed_bytes: l
     return OffloadPlan(layers=streamed, file_layers=files, prefetch=stage.slots(at.streamed),
                        streamed_bytes=sum(streamed_bytes[j] for j in streamed),
                        copied_bytes=sum(copied_bytes[j] for j in streamed), read_bytes=read,
-                       host_bytes=host_bytes + read + bounce, host_bandwidth=stage.host_rate if stage.kind == "gpu" else 0.0,
+                       host_bytes=host_bytes + read + bounce,
+                       host_bandwidth=stage.host_rate if stage.kind == "gpu" else 0.0,
                        file_bandwidth=stage.file_rate if files else 0.0,
                        compute_seconds=at.compute, stream_seconds=at.stream)
 

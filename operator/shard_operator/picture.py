@@ -40,7 +40,7 @@ def stack(pictures: list[str]) -> str:
         return pictures[0]
     sizes = [(float(root.get("width")), float(root.get("height"))) for root in map(ElementTree.fromstring, pictures)]
     y, parts = 0.0, []
-    for picture, (_, height) in zip(pictures, sizes):
+    for picture, (_, height) in zip(pictures, sizes, strict=False):
         parts.append(picture.replace("<svg ", f'<svg y="{y:.0f}" ', 1))
         y += height
     width = max(w for w, _ in sizes)
@@ -78,7 +78,7 @@ def shortfall_bars(svg: Svg, short: Shortfall, y: float) -> float:
     y += BAR_H + 34
     svg.text(PAD, y + 17, "the pool", size=12, weight="bold")
     x = left
-    for i, (device, usable) in enumerate(zip(short.devices, short.usable)):
+    for i, (device, usable) in enumerate(zip(short.devices, short.usable, strict=False)):
         name = f"{device.node} {device.kind}:{device.index}"
         svg.rect(x, y, usable * scale, BAR_H, POOL_SHADES[i % 2], f"{name}: {human(usable)} usable of "
                  f"{human(device.memory_bytes)}", stroke="#6b8fb3", cls="device")

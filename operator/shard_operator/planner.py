@@ -31,11 +31,12 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
-import math
 import json
+import math
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -104,7 +105,7 @@ class PlannerOptions:
     transport: Transport = field(default_factory=Transport)  # seconds per collective and hop
 
     @classmethod
-    def from_json(cls, text: str) -> "PlannerOptions":
+    def from_json(cls, text: str) -> PlannerOptions:
         """The defaults with what a JSON object changes, key by key, e.g.
         {"runtime_overhead": {"gpu": 3221225472}, "transport": {"collective_across_pods": {"gpu": 2e-4}}}."""
         def merged(default: Any, given: Any, where: str) -> Any:
@@ -138,7 +139,7 @@ class Block:
     file_gbps: float = 0.0
 
     @classmethod
-    def of(cls, node: str, devices: tuple[Device, ...]) -> "Block":
+    def of(cls, node: str, devices: tuple[Device, ...]) -> Block:
         return cls(node=node, devices=devices, memory=min(d.memory_bytes for d in devices),
                    speed=min(d.speed for d in devices), kind=devices[0].kind, order=(node, devices[0].index),
                    host_gbps=min(d.host_gbps for d in devices), file_gbps=min(d.file_gbps for d in devices))
@@ -376,7 +377,7 @@ def _running(inventory: Inventory, dtype: str) -> Inventory:
                      skipped=inventory.skipped + [SkippedNode(node=n, reason=r) for n, r in sorted(reasons.items())])
 
 
-def _fallback_dtype(request: Request, spec: ShardedModelSpec, best: "Candidate") -> tuple[Request, str]:
+def _fallback_dtype(request: Request, spec: ShardedModelSpec, best: Candidate) -> tuple[Request, str]:
     """`dtype: auto` keeps the checkpoint's dtype, except bfloat16 on a GPU without it: float16
     (same bytes, so the layout stands). Returns the request to plan with and what to add to the reason."""
     fallback = AUTO_FALLBACK.get(request.dtype) if spec.model.dtype == "auto" else None
@@ -500,12 +501,12 @@ class Costs:
             if self.streaming:
                 streamed = [self.offload_stage(shape, tp, i == 0, i == last) for i, shape in enumerate(shapes)]
                 if given is not None:
-                    fits = all(n >= 1 and s.at(n) is not None for n, s in zip(given, streamed))
+                    fits = all(n >= 1 and s.at(n) is not None for n, s in zip(given, streamed, strict=False))
                     self._partitions[key] = list(given) if fits else None
                 else:
                     self._partitions[key] = offload.partition(streamed, self.profile.num_layers)
             elif given is not None:
-                fits = all(1 <= n <= s.capacity() for n, s in zip(given, stages))
+                fits = all(1 <= n <= s.capacity() for n, s in zip(given, stages, strict=False))
                 self._partitions[key] = list(given) if fits else None
             else:
                 self._partitions[key] = partition_layers(stages, self.profile.num_layers)
@@ -556,7 +557,8 @@ class Costs:
                  + activation_bytes(profile, empty, request.max_len, request.batch, request.dtype)
                  + self.overhead(kind, tp, not (embeds and has_lm_head)))
         bandwidth = speed * 1e12
-        collective = self.options.transport.collective(kind, pod_layout(request.pod_layout, kind, tp)) if tp > 1 else 0.0
+        collective = self.options.transport.collective(kind,
+                                                       pod_layout(request.pod_layout, kind, tp)) if tp > 1 else 0.0
         return StageModel(
             fixed_bytes=fixed,
             layer_bytes=layer_bytes + kv_cache_bytes(profile, one, request.max_len, request.batch, request.dtype),
@@ -592,8 +594,8 @@ def _layout(costs: Costs, blocks: list[Block], tp: int, partition: list[int] | N
     if counts is None:
         return None
     last = len(blocks) - 1
-    seconds = [costs.seconds(b, tp, i == 0, i == last, n) for i, (b, n) in enumerate(zip(blocks, counts))]
-    hops = sum(costs.options.transport.hop(a.kind, a.node == b.node) for a, b in zip(blocks, blocks[1:]))
+    seconds = [costs.seconds(b, tp, i == 0, i == last, n) for i, (b, n) in enumerate(zip(blocks, counts, strict=False))]
+    hops = sum(costs.options.transport.hop(a.kind, a.node == b.node) for a, b in itertools.pairwise(blocks))
     return GroupLayout(blocks=blocks, counts=counts, stage_seconds=seconds, critical_path=sum(seconds) + hops)
 
 
@@ -666,7 +668,8 @@ def _place_replicas(costs: Costs, blocks: list[Block], tp: int, pp: int, replica
         for chosen in pool.selections(pp, used_nodes if costs.request.spread_replicas else set()):
             for arranged in _arrangements(chosen):
                 layout = _layout(costs, arranged, tp, partition)
-                if layout and (best is None or (layout.critical_path, layout.bottleneck) < (best.critical_path, best.bottleneck)):
+                if layout and (best is None
+                               or (layout.critical_path, layout.bottleneck) < (best.critical_path, best.bottleneck)):
                     best = layout
         if best is None:
             break  # the replicas placed so far are as many as fit this way
@@ -739,7 +742,8 @@ def _reason(spec: ShardedModelSpec, best: Candidate, found: list[Candidate]) -> 
             f"est. {ms:.2f} ms per decode step, the fastest of {count(len(found), 'layout')} that fit")
     if fastest is not best:
         text = (f"tensor={best.tp} x pipeline={best.pp} on {count(best.tp * best.pp, 'device')} per replica: "
-                f"est. {ms:.2f} ms per decode step, within {round((best.critical_path / fastest.critical_path - 1) * 100)}% "
+                f"est. {ms:.2f} ms per decode step, "
+                f"within {round((best.critical_path / fastest.critical_path - 1) * 100)}% "
                 f"of the fastest ({fastest.tp}x{fastest.pp}, {fastest.critical_path * 1e3:.2f} ms) with fewer devices")
     if best.pp > 1:
         smaller = [c for c in found if c.tp == best.tp and c.pp < best.pp]
@@ -793,7 +797,7 @@ class _Question:
 
     @classmethod
     def of(cls, profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
-           options: PlannerOptions) -> "_Question":
+           options: PlannerOptions) -> _Question:
         key = "\n".join((profile.name, profile.digest, spec.model_dump_json(), inventory.model_dump_json(),
                          repr(options)))
         return cls(key, profile, spec, inventory, options)
@@ -805,7 +809,8 @@ def _suggest(q: _Question, at_least: int, fitting: int = 0) -> tuple[Suggestion,
     whole = Shard(tp=1, layers=(0, q.profile.num_layers), embeds=True, has_lm_head=True)
     asked = Asked(dtype=request.dtype, quantization=request.quantization, max_len=request.max_len,
                   batch=request.batch, weights={(d, k): weight_bytes(q.profile, whole, d, k)
-                                                for d in ("bfloat16", request.dtype) for k in ("int8", request.quantization)})
+                                                for d in ("bfloat16", request.dtype) for k in ("int8",
+                                                                                               request.quantization)})
     fits = _memoised(lambda spec, inventory, groups: places(q.profile, spec, inventory, groups, q.options))
     return tuple(suggestions(q.spec, q.inventory, asked, fits, at_least, fitting))
 
@@ -872,7 +877,7 @@ def _rank_minimum(profile: ModelProfile, request: Request, options: PlannerOptio
     shape = (2**62, largest.speed, largest.kind)
     stages = [costs._stage_of(shape, tp, i == 0, i == pp - 1) for i in range(pp)]
     counts = partition or partition_layers(stages, profile.num_layers) or [profile.num_layers]
-    return max(s.fixed_bytes + n * s.layer_bytes for s, n in zip(stages, counts))
+    return max(s.fixed_bytes + n * s.layer_bytes for s, n in zip(stages, counts, strict=False))
 
 
 def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: Request, inventory: Inventory,

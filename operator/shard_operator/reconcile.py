@@ -18,8 +18,9 @@ import dataclasses
 import json
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from shard_contract.checkpoint import CheckpointError
 from shard_contract.plan import Plan
@@ -88,7 +89,8 @@ class Memory:
 
     pool: Pool = Pool()
     last_poll: float = -math.inf
-    measured: dict[tuple[str, int], Measured] = field(default_factory=dict)  # (pod, rank) -> what it measured, as last polled
+    # (pod, rank) -> what it measured, as last polled
+    measured: dict[tuple[str, int], Measured] = field(default_factory=dict)
     # The status this loop last wrote: kopf's copy of the object may not show it yet, and a stale
     # status would undo restart counts and transition times.
     status: dict[str, Any] | None = None

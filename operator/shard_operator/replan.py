@@ -21,8 +21,8 @@ flapping node causes no churn.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, replace
-from typing import Callable, Hashable, Mapping
 
 from shard_contract.plan import Plan
 from shard_contract.units import gib
@@ -117,7 +117,7 @@ def _subset(current: Plan, keep: list[int], replicas: int) -> Plan:
 
 def _merge(base: Plan, extra: Plan, slots: list[int], replicas: int) -> Plan:
     """`base` plus the groups of `extra`, renumbered into the free replica `slots`."""
-    renumber = {g.replica: slot for g, slot in zip(extra.groups, slots)}
+    renumber = {g.replica: slot for g, slot in zip(extra.groups, slots, strict=False)}
     groups = base.groups + [g.model_copy(update={"replica": renumber[g.replica]}) for g in extra.groups]
     ranks = base.ranks + [r.model_copy(update={"replica": renumber[r.replica]}) for r in extra.ranks]
     return base.model_copy(update={"replicas": replicas, "groups": sorted(groups, key=lambda g: g.replica),

@@ -44,7 +44,8 @@ def render_plan(plan: Plan, profile: ModelProfile | None = None, inventory: Inve
     width = max((len(describe_layers(r.layers)) for r in plan.ranks), default=6)
     staging = f" {'stg':>6}" if plan.streams else ""  # offload's staging slots
     header = (f"{'rank':>4}  {'node':<14} {'device':<7} {'stage':>5} {'tp':>3} {'layers':<{width}} "
-              f"{'weights':>8} {'kv':>7} {'act':>7} {'ovh':>6}{staging} {'total':>8} {'capacity':>8} {'use':>5}  {unit}")
+              f"{'weights':>8} {'kv':>7} {'act':>7} {'ovh':>6}{staging} {'total':>8} {'capacity':>8} {'use':>5}"
+              f"  {unit}")
     for group in plan.groups:
         lines.append("")
         lines.append(f"group {group.replica}: critical path est. {group.critical_path_seconds * 1e3:.2f} ms per "

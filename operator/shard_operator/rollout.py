@@ -21,8 +21,9 @@ be deleted first. When neither allows progress the decision says so instead of c
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable
+from typing import Any
 
 from shard_contract.env import EXIT_CONFIG
 
@@ -158,7 +159,8 @@ def _world_size(pod: dict[str, Any]) -> int | None:
 
 
 def observe_groups(pods: Iterable[dict[str, Any]], other_objects: Iterable[dict[str, Any]] = (),
-                   healthy_nodes: set[str] | None = None, existing_nodes: set[str] | None = None) -> list[ObservedGroup]:
+                   healthy_nodes: set[str] | None = None,
+                   existing_nodes: set[str] | None = None) -> list[ObservedGroup]:
     """Groups from rank pods, plus groups of which only a Service or ConfigMap is left. A pod of
     several ranks (a tensor-parallel group) counts as each of them, in its state."""
     ranks: dict[GroupKey, list[RankState]] = defaultdict(list)

@@ -20,8 +20,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from shard_contract.env import ENV_NAMES, read_api_key
 from shard_contract.plan import Plan, describe_layers
@@ -171,7 +172,7 @@ def render_shards(shards: dict[str, Any]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["weights + KV cache per rank (with offload's staging slots), predicted by the plan and measured resident "
              "after load (total held: everything the rank holds above a bare `import torch`):"]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip() for row in rows]
     return "\n".join(lines)
 
 

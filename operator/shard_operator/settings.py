@@ -7,8 +7,8 @@ production operator polls gently.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Mapping
 
 from .planner import PlannerOptions
 
@@ -74,7 +74,7 @@ class Settings:
     planner_options: PlannerOptions = field(default_factory=PlannerOptions)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """SHARD_OPERATOR_<FIELD> for every field, e.g. SHARD_OPERATOR_NAMESPACES=a,b."""
         environ = os.environ if environ is None else environ
         values: dict[str, object] = {}

@@ -13,8 +13,16 @@ from typing import Any
 from shard_contract.plan import Plan, RankPlan
 from shard_contract.wire import Measured
 
-from .api import (Condition, GroupStatus, PlanSummary, ShardedModelSpec, ShardedModelStatus, ShardOffload, ShardStatus,
-                  StageStatus)
+from .api import (
+    Condition,
+    GroupStatus,
+    PlanSummary,
+    ShardedModelSpec,
+    ShardedModelStatus,
+    ShardOffload,
+    ShardStatus,
+    StageStatus,
+)
 from .manifests import MODEL_LABEL, ROLE_LABEL, endpoint_name, model_label
 from .rollout import Decision, GroupKey, ObservedGroup, Want, group_state
 
@@ -110,7 +118,8 @@ def _shards(obs: Observation, previous: dict[str, Any]) -> list[ShardStatus]:
                 device=rp.device if rp else "", stage=rp.stage if rp else 0, tp_rank=rp.tp_rank if rp else 0,
                 layers=list(rp.layers) if rp else [], predicted_bytes=rp.predicted_bytes.total if rp else 0,
                 quantization=plan.quantization if plan else "none",
-                resident_bytes=_stable(before.get((pod, rank)), measured.resident if measured else None) if pod else None,
+                resident_bytes=_stable(before.get((pod, rank)),
+                                       measured.resident if measured else None) if pod else None,
                 offload=_offload(rp, measured, (shown.get((pod, rank)) or {}).get("offload") or {}),
                 state=rs.state if rs else "Missing"))
     return shards
@@ -162,7 +171,8 @@ def build_status(obs: Observation, previous: dict[str, Any] | None, now: str) ->
     if obs.problem is not None:
         degraded = (True, obs.problem.reason, obs.problem.message)
     elif decision.exhausted:
-        reason = "RankFailedForGood" if decision.unrecoverable >= decision.exhausted.keys() else "RestartBudgetExhausted"
+        reason = ("RankFailedForGood" if decision.unrecoverable >= decision.exhausted.keys()
+                  else "RestartBudgetExhausted")
         degraded = (True, reason, " ".join(decision.exhausted[r] for r in sorted(decision.exhausted)))
     elif broken:
         lost = any(states.get(wanted[r].key) == "Lost" or r in decision.lost for r in broken)

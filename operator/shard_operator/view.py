@@ -14,9 +14,10 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any, Callable
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -239,7 +240,7 @@ def render(view: GroupView) -> str:
     right = {0, 1, 2, 3, 7, 8, 9, 10, 11, 12}
     lines = [view.title]
     lines += ["  ".join(cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in
-                        enumerate(zip(row, widths))).rstrip() for row in rows]
+                        enumerate(zip(row, widths, strict=False))).rstrip() for row in rows]
     predicted = f"{view.predicted_step * 1e3:.2f} ms" if view.predicted_step else "-"
     measured = f"{view.measured_step * 1e3:.2f} ms" if view.measured_step else "- (no batch yet)"
     lines.append(f"decode step: predicted {predicted} (the plan's critical path), measured {measured} "

@@ -8,14 +8,23 @@ is left to end it, and the pod GC would wait 40 s). Pure but for the random grou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from shard_contract.env import new_group_key
 from shard_contract.plan import Plan
 
-from .manifests import GROUP_LABEL, REVISION_LABEL, Context, drift_patch, group_name, group_objects, group_secret, \
-    model_objects
+from .manifests import (
+    GROUP_LABEL,
+    REVISION_LABEL,
+    Context,
+    drift_patch,
+    group_name,
+    group_objects,
+    group_secret,
+    model_objects,
+)
 from .rollout import Decision, GroupKey, deletion_grace
 
 
@@ -29,7 +38,7 @@ class Write:
     grace: int | None = None            # a deletion's grace period (None: the object's own)
 
     @classmethod
-    def create(cls, obj: dict[str, Any]) -> "Write":
+    def create(cls, obj: dict[str, Any]) -> Write:
         return cls("create", obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"], obj)
 
     def __str__(self) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -64,7 +65,8 @@ def test_a_hugging_face_cache_snapshot_is_refused_with_the_reason(tmp_path):
     for path in sorted(good.iterdir()):
         (repo / "blobs" / path.name).write_bytes(path.read_bytes())
         (snapshot / path.name).symlink_to(Path("../../blobs") / path.name)
-    with pytest.raises(CheckpointError, match=r"'config\.json' leads outside the model directory \(through a symlink\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"'config\.json' leads outside the model directory \(through a symlink\)"):
         read_checkpoint(snapshot)
 
 
@@ -142,7 +144,7 @@ def test_a_header_is_refused_with_a_checkpoint_error_or_every_range_is_sound(tmp
     for info in infos.values():
         assert all(type(d) is int and d >= 0 for d in info.shape)
         assert start <= info.offset and info.offset + info.nbytes <= start + data_len
-    assert all(a_stop <= b_start for (_, a_stop), (b_start, _) in zip(spans, spans[1:]))
+    assert all(a_stop <= b_start for (_, a_stop), (b_start, _) in pairwise(spans))
 
 
 @settings(max_examples=200, deadline=None, **TMP)

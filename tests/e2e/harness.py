@@ -7,9 +7,10 @@ import json
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
@@ -76,12 +77,12 @@ class Harness:
         lines = []
         for obj in self.call(self.cluster.emu.k8s_list, SM):
             status = obj.get("status") or {}
-            lines.append(f"{obj['metadata']['name']}: {status.get('phase')} "
-                         f"{[(c.get('type'), c.get('reason'), c.get('message')) for c in status.get('conditions') or []]}")
+            conditions = [(c.get('type'), c.get('reason'), c.get('message')) for c in status.get('conditions') or []]
+            lines.append(f"{obj['metadata']['name']}: {status.get('phase')} {conditions}")
         log = self.cluster.operator_log.read_text(errors="replace") if self.cluster.operator_log.exists() else ""
-        lines.append("operator log: " + "\n".join(l for l in log.splitlines() if "Handler '" not in l)[-3000:])
+        lines.append("operator log: " + "\n".join(s for s in log.splitlines() if "Handler '" not in s)[-3000:])
         assert self.cluster.kubelet is not None
-        for (ns, pod), sandbox in list(self.cluster.kubelet.sandboxes.items())[-8:]:
+        for (_, pod), sandbox in list(self.cluster.kubelet.sandboxes.items())[-8:]:
             lines.append(f"{pod}: {bytes(sandbox.logs.data[-800:]).decode(errors='replace')}")
         return "\n".join(lines)
 
@@ -143,7 +144,7 @@ class Traffic:
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
 
-    def __enter__(self) -> "Traffic":
+    def __enter__(self) -> Traffic:
         for i in range(self.clients):
             thread = threading.Thread(target=self._client, name=f"client-{i}", daemon=True)
             thread.start()

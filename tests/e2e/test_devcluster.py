@@ -26,9 +26,11 @@ SIM = {"sharding.dev/device-kind": "cpu"}
 # A stand-in container: prints what it was given, then serves the files of its /data mount on the
 # address it is told to bind (SHARD_HOST), port 8000: /ready and /alive answer while those files exist.
 SERVE = ("import os, sys, functools, http.server as h\n"
-         "print('|'.join(os.environ.get(k, '-') for k in ('POD_IP', 'MASTER_ADDR', 'MASTER_PORT', 'SHARD_MEMORY_BUDGET', 'PLAN', 'SHARD_SHM_DIR', 'SHARD_OPERATOR_BIND_ADDRESS')), flush=True)\n"
+         "print('|'.join(os.environ.get(k, '-') for k in ('POD_IP', 'MASTER_ADDR', 'MASTER_PORT', "
+         "'SHARD_MEMORY_BUDGET', 'PLAN', 'SHARD_SHM_DIR', 'SHARD_OPERATOR_BIND_ADDRESS')), flush=True)\n"
          "print('plan:', open(os.environ['PLAN']).read() if 'PLAN' in os.environ else '-', flush=True)\n"
-         "h.ThreadingHTTPServer((os.environ['SHARD_HOST'], 8000), functools.partial(h.SimpleHTTPRequestHandler, directory=sys.argv[1])).serve_forever()\n")
+         "h.ThreadingHTTPServer((os.environ['SHARD_HOST'], 8000), "
+         "functools.partial(h.SimpleHTTPRequestHandler, directory=sys.argv[1])).serve_forever()\n")
 
 
 def pod(name: str, node: str, *, labels=None, env=(), probes=None, subdomain="grp", gpu=True, volumes=(),
@@ -84,9 +86,10 @@ def test_network_maps_cluster_addresses_onto_loopback_and_answers_dns():
     assert a != b and ipaddress.ip_address(a) in ipaddress.ip_network("10.200.0.0/16")
     assert net.local(a) == "127." + a.split(".", 1)[1] and net.local("127.0.0.1") == "127.0.0.1"
     assert net.local("10.96.3.4") == "127.96.3.4"
-    with pytest.raises(ValueError, match="both map to 127.96.3.4"):
+    with pytest.raises(ValueError, match=r"both map to 127\.96\.3\.4"):
         net.local("172.96.3.4")
-    assert ipaddress.ip_address(net.pod_address("10.1.2.0/24")) in ipaddress.ip_network("10.1.2.0/24")  # a node's podCIDR
+    # a node's podCIDR
+    assert ipaddress.ip_address(net.pod_address("10.1.2.0/24")) in ipaddress.ip_network("10.1.2.0/24")
     net.set_records("default/g", {"x.g.default.svc": a, "x.g.default.svc.cluster.local": a})
     assert net.resolve("X.g.default.svc.") == a and net.resolve("x.g.default.svc.cluster.local") == a
     assert net.resolve("10.1.2.3") == "10.1.2.3" and net.resolve("nope.default.svc") is None
@@ -100,11 +103,13 @@ def test_command_references_expand_like_kubernetes():
 
 
 async def test_pods_get_own_addresses_a_resolved_rendezvous_volumes_and_the_device_budget(cluster):
-    await cluster.emu.k8s_create("v1/configmaps", "default", {"metadata": {"name": "plan"}, "data": {"plan.json": '{"x": 1}'}})
+    await cluster.emu.k8s_create("v1/configmaps", "default",
+                                 {"metadata": {"name": "plan"}, "data": {"plan.json": '{"x": 1}'}})
     leader_name = "r0.grp.default.svc"
     common = dict(env=[{"name": "MASTER_ADDR", "value": leader_name}, {"name": "MASTER_PORT", "value": "29500"},
                        {"name": "PLAN", "value": "/etc/plan/plan.json"}],
-                  volumes=[{"name": "plan", "configMap": {"name": "plan", "items": [{"key": "plan.json", "path": "plan.json"}]}},
+                  volumes=[{"name": "plan",
+                            "configMap": {"name": "plan", "items": [{"key": "plan.json", "path": "plan.json"}]}},
                            {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
                   mounts=[{"name": "plan", "mountPath": "/etc/plan"}, {"name": "dshm", "mountPath": "/dev/shm"}])
     # The follower first: it waits for the leader's name to resolve, as a resolver would retry.
@@ -144,7 +149,8 @@ async def test_secret_volumes_hold_the_decoded_keys_with_the_volume_mode(cluster
 
 
 async def test_probes_set_readiness_and_a_failed_liveness_probe_kills_the_container(cluster):
-    probes = {"readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
+    probes = {"readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5,
+                                 "failureThreshold": 2},
               "livenessProbe": {"httpGet": {"path": "/alive", "port": 8000}, "periodSeconds": 1, "failureThreshold": 2},
               "terminationMessagePolicy": "FallbackToLogsOnError"}
     await cluster.emu.k8s_create("v1/pods", "default", pod("p", "a", probes=probes))
@@ -159,7 +165,8 @@ async def test_probes_set_readiness_and_a_failed_liveness_probe_kills_the_contai
     await eventually(lambda: _is(cluster, "p", True), timeout=10)
     became = await status(cluster, "p")
     since = {c["type"]: c["lastTransitionTime"] for c in became["conditions"]}
-    assert since["Ready"] > since["Initialized"] == {c["type"]: c["lastTransitionTime"] for c in running["conditions"]}["Initialized"]
+    transitions = {c["type"]: c["lastTransitionTime"] for c in running["conditions"]}
+    assert since["Ready"] > since["Initialized"] == transitions["Initialized"]
     # The process started when it started, whenever it turned Ready.
     assert became["containerStatuses"][0]["state"] == running["containerStatuses"][0]["state"]
     (data / "ready").unlink()
@@ -359,12 +366,12 @@ async def test_a_service_never_replays_a_post_that_reached_an_endpoint(cluster):
 def _children(pid: int) -> set[int]:
     """Every descendant process of `pid` (from /proc)."""
     parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        parents[int(stat.parent.name)] = int(fields[1])
+        parents[int(stat_file.parent.name)] = int(fields[1])
     found, frontier = set(), {pid}
     while frontier:
         frontier = {child for child, parent in parents.items() if parent in frontier} - found
@@ -388,7 +395,8 @@ async def test_shardctl_dev_cluster_starts_a_cluster_kubectl_can_use_and_stops_e
         return await output_line(proc, seen, text)
 
     async def kubectl(*args: str) -> str:
-        run = await asyncio.create_subprocess_exec(str(binary("kubectl")), *args, env={**os.environ, "KUBECONFIG": kubeconfig},
+        run = await asyncio.create_subprocess_exec(str(binary("kubectl")), *args,
+                                                   env={**os.environ, "KUBECONFIG": kubeconfig},
                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         out = (await run.communicate())[0].decode()
         assert run.returncode == 0, out
@@ -409,7 +417,8 @@ async def test_shardctl_dev_cluster_starts_a_cluster_kubectl_can_use_and_stops_e
         pods = rows(await kubectl("get", "pods", "-o", "wide"))
         assert list(pods[0]) == ["NAME", "READY", "STATUS", "RESTARTS", "AGE", "IP", "NODE", "NOMINATED NODE",
                                  "READINESS GATES"]
-        assert len(pods) == 4 and all(ipaddress.ip_address(p["IP"]) in ipaddress.ip_network("10.128.0.0/9") for p in pods)
+        assert len(pods) == 4
+        assert all(ipaddress.ip_address(p["IP"]) in ipaddress.ip_network("10.128.0.0/9") for p in pods)
         assert sorted(p["NODE"] for p in pods) == ["sim-a", "sim-a", "sim-b", "sim-b"]
 
         async def logged():  # kubectl logs: the API server asks the kubelet's endpoint
@@ -417,7 +426,8 @@ async def test_shardctl_dev_cluster_starts_a_cluster_kubectl_can_use_and_stops_e
         await eventually(logged, timeout=60)
 
         # A node added and removed while it runs.
-        add = await asyncio.create_subprocess_exec(sys.executable, "-m", "shard_operator.cli", "dev-cluster", "add-node",
+        add = await asyncio.create_subprocess_exec(sys.executable, "-m", "shard_operator.cli", "dev-cluster",
+                                                   "add-node",
                                                    "sim-c", "--dir", str(tmp_path), stdout=asyncio.subprocess.PIPE)
         assert (await add.communicate())[0].decode().strip() == "node/sim-c created" and add.returncode == 0
 
@@ -491,7 +501,6 @@ async def test_the_kubelet_and_proxies_attach_to_another_api_server_without_the_
     cluster runs (none here): a pod is scheduled by that control plane, run, served through its
     Service, logged through the API server, and deleted gracefully; the CRD it finds (Helm's) is left
     as it was."""
-    import os
     import sys
 
     import yaml

@@ -5,8 +5,9 @@ The real chain runs: kubectl -> the emulated API server and its control plane (t
 pods, graceful deletion waits for the kubelet, the pod GC keeps a deleted node's pods for the real
 40 s) -> the operator process (`python -m shard_operator`) -> pods -> the process kubelet ->
 `python -m shard_worker` ranks (gloo on CPU) -> Ready -> completions through the model's Service
-(the dev cluster's proxy, which routes to the ready endpoints of its EndpointSlices). The model is the demo model (196 MiB of float32 weights); every node has two simulated
-GPUs of 200 MiB, which the workers enforce.
+(the dev cluster's proxy, which routes to the ready endpoints of its EndpointSlices). The model is
+the demo model (196 MiB of float32 weights); every node has two simulated GPUs of 200 MiB, which
+the workers enforce.
 
 The scenarios share one cluster and run in order; each uses its own ShardedModel and node pool:
 demo (the example, pool dev: scenarios 1 and 4), twin (pool twin: 5 then 2), grow (pool grow: 3),
@@ -91,7 +92,8 @@ def uids(pods: list[dict]) -> set[str]:
 
 
 def pod_ready(pod: dict) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in (pod.get("status") or {}).get("conditions") or [])
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
 
 def nodes_of(pods: list[dict]) -> set[str]:
@@ -100,7 +102,8 @@ def nodes_of(pods: list[dict]) -> set[str]:
 
 def events(h: Harness, name: str) -> list[tuple[str, str]]:
     items = h.call(h.cluster.emu.k8s_list, "v1/events", "default")
-    return [(e.get("reason"), e.get("message", "")) for e in items if (e.get("involvedObject") or {}).get("name") == name]
+    return [(e.get("reason"),
+             e.get("message", "")) for e in items if (e.get("involvedObject") or {}).get("name") == name]
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +164,7 @@ def test_1_kubectl_apply_the_example_serves_the_tokens_of_shardctl_generate(h, d
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
     header = re.split(r"\s{2,}", lines[1].strip())
-    ranks = [dict(zip(header, re.split(r"\s{2,}", line.strip()))) for line in lines[2:6]]
+    ranks = [dict(zip(header, re.split(r"\s{2,}", line.strip()), strict=False)) for line in lines[2:6]]
     assert [r["rank"] for r in ranks] == ["0", "1", "2", "3"]
     for r in ranks:
         assert all(r[k].endswith("%") for k in ("compute", "comm", "idle")) and r["capacity MiB"] == "200.00", r

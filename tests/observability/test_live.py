@@ -59,7 +59,7 @@ class Traffic(threading.Thread):
             self.group.complete(1)
             self.done += 1
 
-    def __enter__(self) -> "Traffic":
+    def __enter__(self) -> Traffic:
         self.start()
         return self
 
@@ -75,7 +75,8 @@ def test_the_dashboard_shows_every_rank_as_v1_shards_does(group, browser, tmp_pa
         browser.wait_for("document.querySelectorAll('#layout g.rank').length === 4", timeout=20)
         # Rates need two polls with work between them: tokens/s and every rank's shares appear.
         browser.wait_for("parseFloat(document.querySelector('#chart-tokens .now').textContent) > 0", timeout=30)
-        browser.wait_for("[...document.querySelectorAll('#ranks tbody tr')].every(tr => tr.cells[6].textContent.endsWith('%'))",
+        browser.wait_for("[...document.querySelectorAll('#ranks tbody tr')]"
+                         ".every(tr => tr.cells[6].textContent.endsWith('%'))",
                          timeout=30)
         browser.wait_for("parseFloat(document.querySelector('#chart-latency .now').textContent) > 0", timeout=30)
     assert traffic.done > 0
@@ -135,7 +136,8 @@ def scrape_configs(group, operator_port: int) -> list[dict]:
                                                               "pod": f"{MODEL}-0-abc-{r.rank}"}}
              for r in group.launcher.ranks]
     return [{"job_name": WORKERS_JOB, "static_configs": ranks},
-            {"job_name": RELEASE_JOB, "honor_labels": True, "static_configs": [{"targets": [f"127.0.0.1:{operator_port}"]}]}]
+            {"job_name": RELEASE_JOB, "honor_labels": True,
+             "static_configs": [{"targets": [f"127.0.0.1:{operator_port}"]}]}]
 
 
 def evaluate_everything(group, operator_port: int, tmp_path) -> None:

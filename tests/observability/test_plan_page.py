@@ -28,14 +28,15 @@ def test_a_plan_that_fits_shows_every_rank_with_its_numbers(spec, tmp_path, brow
     drawn = browser.evaluate("""[...document.querySelectorAll('g.rank')].map(g => ({...g.dataset,
         memory: g.querySelector('.memory').textContent, where: g.querySelector('.where').textContent}))""")
     assert len(drawn) == len(plan["ranks"]) == 4
-    for rank, page_rank in zip(plan["ranks"], sorted(drawn, key=lambda d: int(d["rank"]))):
+    for rank, page_rank in zip(plan["ranks"], sorted(drawn, key=lambda d: int(d["rank"])), strict=False):
         p = rank["predicted_bytes"]
         assert (int(page_rank["rank"]), int(page_rank["stage"]), int(page_rank["tpRank"])) == \
             (rank["rank"], rank["stage"], rank["tp_rank"])
         assert (int(page_rank["predicted"]), int(page_rank["capacity"]), int(page_rank["usable"])) == \
             (p["total"], rank["capacity_bytes"], rank["usable_bytes"])
         assert page_rank["state"] == "planned" and page_rank["resident"] == ""
-        assert page_rank["memory"] == f"predicted {human(p['total'])}, {p['total'] / rank['capacity_bytes']:.0%} of the device"
+        share = p['total'] / rank['capacity_bytes']
+        assert page_rank["memory"] == f"predicted {human(p['total'])}, {share:.0%} of the device"
         assert page_rank["where"] == f"{rank['node']} · {rank['device']}"
     text = browser.evaluate("document.getElementById('text').textContent")
     assert plan["hash"] in text and "critical path" in text  # the text table beside the picture

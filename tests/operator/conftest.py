@@ -48,7 +48,8 @@ def leader_report() -> ShardsResponse:
     predicted = PredictedBytes(weights=1, kv_cache=1, activations=1, overhead=1)
     return ShardsResponse(model="m", replica=0, ready=True, ranks=[
         ShardEntry(rank=r, stage=0, tp_rank=r, layers=(0, 4), predicted_bytes=predicted, capacity_bytes=2**30,
-                   usable_bytes=2**29, state="ready", resident_bytes=ResidentBytes(weights=1, kv_cache=1, rss_anon=1, total=RESIDENT + r * 2**20),
+                   usable_bytes=2**29, state="ready",
+                   resident_bytes=ResidentBytes(weights=1, kv_cache=1, rss_anon=1, total=RESIDENT + r * 2**20),
                    compute_seconds=3.0, comm_seconds=1.0, idle_seconds=0.0,
                    **({"last_generate": {"decode_seconds": 0.5, "decode_steps": 25}} if r == 0 else {}))
         for r in range(8)])

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 
@@ -38,7 +39,8 @@ CUSTOM_VALUES: dict[str, Any] = {
                 "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
                 "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}, "communicationShare": 0.6}},
     "networkPolicy": {"servingPorts": [8000, 8080],
-                      "servingFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}]},
+                      "servingFrom": [
+                          {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}]},
     "dashboard": {"namespace": "monitoring", "labels": {"grafana_dashboard": "1", "team": "ml"},
                   "annotations": {"grafana_folder": "LLM"}},
 }

@@ -12,8 +12,20 @@ import yaml
 
 from shard_operator.settings import PREFIX, Settings
 
-from .chart import (CHART, CUSTOM_VALUES, MONITORING_API, NAMESPACE, REPO, find, helm, one, operator_objects,
-                    render, selects, template_args)
+from .chart import (
+    CHART,
+    CUSTOM_VALUES,
+    MONITORING_API,
+    NAMESPACE,
+    REPO,
+    find,
+    helm,
+    one,
+    operator_objects,
+    render,
+    selects,
+    template_args,
+)
 
 # The chart's kubeVersion floor and the newest schemas kubernetes-validate ships.
 K8S_VERSIONS = ["1.28", kubernetes_validate.latest_version()]
@@ -106,7 +118,8 @@ def test_the_metrics_service_and_service_monitor_reach_the_operator_metrics_port
     service = one(objects, "Service")
     assert selects({"matchLabels": service["spec"]["selector"]}, pod["metadata"]["labels"])
     (port,) = service["spec"]["ports"]
-    assert port["targetPort"] == "metrics" and ports["metrics"] == port["port"] == int(env["SHARD_OPERATOR_METRICS_PORT"])
+    assert port["targetPort"] == "metrics"
+    assert ports["metrics"] == port["port"] == int(env["SHARD_OPERATOR_METRICS_PORT"])
     assert ports["metrics"] == (8081 if which == "default" else CUSTOM_VALUES["metrics"]["port"])
     if which == "custom":
         monitor = one(objects, "ServiceMonitor")
@@ -173,7 +186,8 @@ def test_values_reach_the_operator_settings(default_objects, custom_objects):
     assert custom.worker_image == "registry.example/ml/shard-operator-worker:0.1.0-cu128"
     assert (custom.status_poll_seconds, custom.restart_budget, custom.settle_seconds) == (15.0, 5, 0.5)
     assert custom.host_path_prefix == "/host" and custom.health_port == CUSTOM_VALUES["healthPort"]
-    assert custom.planner_options.runtime_overhead["gpu"] == 3 * 2**30 != default.planner_options.runtime_overhead["gpu"]
+    overhead = custom.planner_options.runtime_overhead["gpu"]
+    assert overhead == 3 * 2**30 != default.planner_options.runtime_overhead["gpu"]
     assert (default.log_level, custom.log_level) == ("INFO", "DEBUG")
     assert (default.metrics_port, custom.metrics_port) == (8081, CUSTOM_VALUES["metrics"]["port"])
     assert default.network_policies is True

@@ -43,7 +43,8 @@ class StubController:
     def statuses():
         return {("ns", "m"): {"phase": "Degraded", "replicas": 1, "readyReplicas": 1,
                               "groups": [{"replica": 0, "restarts": 3}],
-                              "conditions": [{"type": "Degraded", "status": "True", "reason": "RestartBudgetExhausted"}]}}
+                              "conditions": [{"type": "Degraded", "status": "True",
+                                              "reason": "RestartBudgetExhausted"}]}}
 
     def __init__(self):
         self.reconcile_seconds = Histogram("shard_operator_reconcile_seconds", "t", registry=None)
@@ -157,7 +158,8 @@ def test_every_query_names_only_exported_metrics():
         assert labels <= KNOWN_LABELS, f"{expr!r} uses labels {sorted(labels - KNOWN_LABELS)} no series has"
         used |= names
     # Every family is on the dashboard somewhere (histograms through any of their series).
-    families = {n.removesuffix(s) for n in used for s in ("_bucket", "_sum", "_count", "_total") if n.endswith(s)} | used
+    families = {n.removesuffix(s) for n in used for s in ("_bucket", "_sum", "_count", "_total")
+                if n.endswith(s)} | used
     assert set(FAMILIES) <= families, f"not on the dashboard: {sorted(set(FAMILIES) - families)}"
     assert operator <= used | {n for n in operator if n.endswith(("_sum", "_count"))}, \
         f"operator metrics not on the dashboard: {sorted(operator - used)}"
@@ -186,7 +188,8 @@ def test_the_panels_operators_need():
 
 def test_every_panel_uses_the_datasource_variable():
     dash = dashboard()
-    assert dash["templating"]["list"][0] == {**dash["templating"]["list"][0], "type": "datasource", "name": "datasource"}
+    assert dash["templating"]["list"][0] == {**dash["templating"]["list"][0], "type": "datasource",
+                                             "name": "datasource"}
     for panel in panels(dash):
         if panel["type"] != "row":
             assert panel["datasource"]["uid"] == "${datasource}", panel["title"]

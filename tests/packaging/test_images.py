@@ -103,7 +103,8 @@ def test_each_image_imports_what_it_runs_without_the_other_images_packages(image
               f"for name in {absent!r}: sys.modules[name] = None  # import raises ImportError\n"
               f"for package in {packages!r}:\n"
               f"    root = importlib.import_module(package)\n"
-              f"    for info in pkgutil.iter_modules(root.__path__): importlib.import_module(package + '.' + info.name)\n")
+              f"    for info in pkgutil.iter_modules(root.__path__):\n"
+              f"        importlib.import_module(package + '.' + info.name)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
 

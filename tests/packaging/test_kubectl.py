@@ -80,7 +80,7 @@ async def test_helm_template_applies_with_dry_run(cluster, custom_values_file, r
     text, count = manifest(custom_values_file if rendered == "custom" else None)
     out = await kubectl("apply", f"--dry-run={dry_run}", "-f", "-", stdin=text)
     lines = out.strip().splitlines()
-    assert len(lines) == count and all(line.endswith("(dry run)") or line.endswith("(server dry run)")
+    assert len(lines) == count and all(line.endswith(("(dry run)", "(server dry run)"))
                                        for line in lines), out
 
 
@@ -241,7 +241,8 @@ async def test_the_notes_shardctl_commands_work_with_shardctl_installed_without_
     pods = [o for o in yaml.safe_load_all(manifests) if o and o["kind"] == "Pod"]
     assert len(pods) == 2 and {p["spec"]["containers"][0]["image"] for p in pods} == {"shard-operator-worker:0.1.0"}
     # Nothing but the base install was there: no torch, no kopf, no Kubernetes client.
-    probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import importlib.util as u; print("
-                            "[m for m in ('torch', 'kopf', 'kubernetes', 'numpy', 'fastapi') if u.find_spec(m)])"],
-                           capture_output=True, text=True, check=True)
+    probe = await asyncio.to_thread(
+        subprocess.run, [str(venv / "bin" / "python"), "-c", "import importlib.util as u; print("
+                         "[m for m in ('torch', 'kopf', 'kubernetes', 'numpy', 'fastapi') if u.find_spec(m)])"],
+        capture_output=True, text=True, check=True)
     assert probe.stdout.strip() == "[]"

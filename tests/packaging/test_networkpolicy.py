@@ -116,7 +116,8 @@ def test_rank_pods_the_operator_builds_get_exactly_the_intended_access(default_o
         ports = {p["name"]: p["containerPort"] for p in dst["spec"]["containers"][0]["ports"]}
         target = Pod(dst["metadata"]["namespace"], dst["metadata"]["labels"], ports=ports)
         serving = [n for n in ports if n != "rendezvous"]
-        assert serving == ["http", *(f"http-{i}" for i in range(1, int(dst["metadata"]["labels"]["sharding.dev/ranks"])))]
+        assert serving == ["http",
+                           *(f"http-{i}" for i in range(1, int(dst["metadata"]["labels"]["sharding.dev/ranks"])))]
         for src in rank_pods:
             source = Pod(src["metadata"]["namespace"], src["metadata"]["labels"])
             assert all(allowed(pols, source, target, port) for port in [*ports.values(), NCCL_EPHEMERAL])

@@ -17,7 +17,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shard_worker.metrics import FAMILIES
 from shard_worker.rankmetrics import LEADER_FAMILIES
-
 from tests.support.processes import alive, rank_port
 
 from .conftest import KILLERS, check_killer, get, shardctl_run, sharded_model_yaml, wait_for

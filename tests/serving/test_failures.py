@@ -16,7 +16,6 @@ import httpx
 import pytest
 
 from shard_operator.local import LocalGroup, free_port, plan_local
-
 from shard_worker.sequences import FAILED_ELSEWHERE
 from tests.support.checkpoints import break_embedding
 
@@ -137,4 +136,5 @@ def test_a_request_whose_token_cannot_be_chosen_fails_alone(tiny_model, tmp_path
         stream.join(120)
         assert len(stream.token_ids()) == 100  # the request beside it ran to its end
         assert status(url + "/health") == 200 and all(r.process.poll() is None for r in group.ranks)
-        assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                          timeout=60).status_code == 200

@@ -16,8 +16,7 @@ import torch.distributed as dist
 from shard_contract.plan import PredictedBytes, RankPlan
 from shard_contract.wire import Completion, GenerateRequest, ResidentBytes
 from shard_operator.local import free_port
-from shard_worker.batcher import (Done, EngineLoop, Failed, Pending, Sink, Step, Unavailable, take_batch,
-                                  take_joiners)
+from shard_worker.batcher import Done, EngineLoop, Failed, Pending, Sink, Step, Unavailable, take_batch, take_joiners
 from shard_worker.engine import RequestError
 from shard_worker.health import (
     ForgedRecord,
@@ -77,7 +76,8 @@ def test_a_rank_whose_collective_failed_is_named_only_until_the_cause_shows():
     broken = record(0, 2, "broken", error="a collective failed: RuntimeError: Connection closed by peer")
     m.observe({0: broken, 1: record(1, 1)}, now=1.0)  # rank 1 was killed at t=0+: its socket closed
     v = m.verdict(1.0)
-    assert not v.alive and v.reason == "rank 0 lost its group: a collective failed: RuntimeError: Connection closed by peer"
+    assert not v.alive
+    assert v.reason == "rank 0 lost its group: a collective failed: RuntimeError: Connection closed by peer"
     m.observe({0: record(0, 7, "broken", error=broken.error), 1: record(1, 1)}, now=6.5)
     assert m.verdict(6.5).reason == "rank 1 has sent no heartbeat for 6.5 s (dead or hung)"
 
@@ -102,7 +102,8 @@ def resident(weights: int, kv: int, total: int) -> ResidentBytes:
 @pytest.mark.parametrize("measured,total,budget,problems", [
     ((100, 20), 150, None, []),
     ((110, 20), 150, None, []),  # within 10%
-    ((200, 20), 250, None, ["rank 1 holds 220.0 MiB of weights, KV cache and staging, more than the plan's 120.0 MiB (+10%)"]),
+    ((200, 20), 250, None,
+     ["rank 1 holds 220.0 MiB of weights, KV cache and staging, more than the plan's 120.0 MiB (+10%)"]),
     ((100, 20), 300, None, ["rank 1 holds 300.0 MiB in all, more than its device's capacity (cpu:1 on n): 256.0 MiB"]),
     ((100, 20), 200, 160, ["rank 1 holds 200.0 MiB in all, more than its memory budget (SHARD_MEMORY_BUDGET): "
                            "160.0 MiB"]),
@@ -127,7 +128,7 @@ def test_a_sealed_record_opens_only_with_its_key_and_under_its_rank():
         "an edited body": mac + b" " + body.replace(b"boom", b"bam!"),
         "an empty value": b"",
     }
-    for what, value in forgeries.items():
+    for value in forgeries.values():
         with pytest.raises(ForgedRecord, match="does not carry the group key's seal"):
             Record.open(value, KEY, 1)
     with pytest.raises(ForgedRecord, match="rank 1's record was written under rank 0's key"):
@@ -425,13 +426,18 @@ async def test_a_client_that_leaves_is_dropped_from_the_queue_or_stopped_at_the_
     assert counted.m.get("shard_requests", outcome="completed")._value.get() == 0
 
 
+def _raises_runtime_error(run) -> None:
+    with pytest.raises(RuntimeError):
+        run()
+
+
 async def test_a_lost_group_fails_running_and_waiting_requests_and_refuses_new_ones():
     engine = ScriptedEngine(["block"])
     loop = EngineLoop(engine, max_batch=1, max_len=64, metrics=metrics(), idle_seconds=5)
     aio = asyncio.get_running_loop()
     running, waiting = Sink(aio, stream=True), Sink(aio, stream=False)
     loop.submit(Pending(req(3, 4), running, "cmpl-test"))
-    thread = threading.Thread(target=lambda: pytest.raises(RuntimeError, loop.run))
+    thread = threading.Thread(target=_raises_runtime_error, args=(loop.run,))
     thread.start()
     while not engine.batches:
         await asyncio.sleep(0.01)
@@ -452,7 +458,7 @@ async def test_a_failing_collective_fails_the_batch_with_its_error():
     loop = EngineLoop(engine, max_batch=4, max_len=64, metrics=metrics(), idle_seconds=5)
     sink = Sink(asyncio.get_running_loop(), stream=False)
     loop.submit(Pending(req(3, 4), sink, "cmpl-test"))
-    thread = threading.Thread(target=lambda: pytest.raises(RuntimeError, loop.run))
+    thread = threading.Thread(target=_raises_runtime_error, args=(loop.run,))
     thread.start()
     assert await result(sink) == Failed(503, "the group failed: RuntimeError: [gloo] Connection closed by peer "
                                              "[127.0.0.1]:1234")

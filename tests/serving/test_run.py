@@ -12,14 +12,13 @@ import socket
 from pathlib import Path
 
 import httpx
-import torch
 import pytest
+import torch
 
 from shard_operator.cli import main
 from shard_operator.demo_model import DemoShape, write_demo_model
 from shard_operator.local import free_port, plan_local
 from shard_operator.run import run_local
-
 from tests.support.malicious import ATTACKS, write_attack, write_good
 from tests.support.offload import streaming_plan
 from tests.support.processes import alive, rank_port, shardctl, worker_ranks
@@ -38,8 +37,8 @@ def test_a_crashed_rank_restarts_the_group_then_exhausts_the_budget(tiny_model, 
     seen: list[int] = []
     try:
         for attempt in range(2):
-            wait_for("/ready", lambda: proc.poll() is not None or (r := get(url + "/ready")) is not None
-                     and r.status_code == 200, timeout=180)
+            wait_for("/ready", lambda: proc.poll() is not None or ((r := get(url + "/ready")) is not None
+                     and r.status_code == 200), timeout=180)
             assert proc.poll() is None
             answer = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "model": "crashy"},
                                 timeout=60)
@@ -114,7 +113,8 @@ def test_a_rank_refuses_a_malicious_checkpoint_and_the_run_exits_with_its_messag
     assert code == 3
     assert re.search(r"shardctl: rank 0 exited with status 78 \(a restart would fail the same way\); its log ends:\n"
                      r"(?s:.*)CheckpointError: \S+" + attack.error, text), text
-    assert "not restarting the group: a restart would fail the same way" in text and "restarting the group (" not in text
+    assert "not restarting the group: a restart would fail the same way" in text
+    assert "restarting the group (" not in text
     assert logs_named("\n".join(lines)) == [tmp_path / "logs" / "attempt-0"]
 
 

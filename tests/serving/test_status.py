@@ -12,7 +12,7 @@ import pytest
 
 from shard_contract.wire import ShardsResponse
 from shard_operator.api import load_sharded_models
-from shard_operator.inventory import parse_devices, local_kind
+from shard_operator.inventory import local_kind, parse_devices
 from shard_operator.local import free_port
 from shard_operator.planner import plan
 from shard_operator.profile import profile_model
@@ -34,8 +34,8 @@ def group(tiny_model, tmp_path_factory):
     expected = plan(profile_model(tiny_model), load_sharded_models(yaml_file)[0].spec,
                     parse_devices(DEVICES, kind=local_kind()))
     try:
-        wait_for("/ready", lambda: proc.poll() is not None or (r := get(f"http://127.0.0.1:{port}/ready")) is not None
-                 and r.status_code == 200, timeout=180)
+        wait_for("/ready", lambda: proc.poll() is not None or ((r := get(f"http://127.0.0.1:{port}/ready")) is not None
+                 and r.status_code == 200), timeout=180)
         assert proc.poll() is None, proc.communicate()[1]
         yield proc, port, expected
     finally:
@@ -52,19 +52,20 @@ def status(port: int, *args: str) -> str:
 def table(out: str) -> list[dict[str, str]]:
     lines = out.splitlines()
     header = re.split(r"\s{2,}", lines[1].strip())
-    return [dict(zip(header, re.split(r"\s{2,}", line.strip()))) for line in lines[2:] if line.strip()[:1].isdigit()]
+    return [dict(zip(header, re.split(r"\s{2,}", line.strip()), strict=False))
+            for line in lines[2:] if line.strip()[:1].isdigit()]
 
 
 pytestmark = pytest.mark.slow
 
 
 def test_status_shows_each_rank_and_the_predicted_step_beside_the_measured_one(group):
-    proc, port, expected = group
+    _, port, expected = group
     before = table(status(port))
     assert [(r["rank"], r["stage"], r["layers"], r["state"]) for r in before] == \
         [("0", "0", "0-1 (2 layers)", "ready"), ("1", "1", "2-3 (2 layers)", "ready")]
     unit_size = 2**30 if expected.ranks[0].capacity_bytes >= 2**30 else 2**20
-    for row, rank in zip(before, expected.ranks):
+    for row, rank in zip(before, expected.ranks, strict=True):
         assert float(row[next(k for k in row if k.startswith("predicted"))]) == \
             round(rank.predicted_bytes.total / unit_size, 2)
         assert row[next(k for k in row if k.startswith("measured"))] != "-"

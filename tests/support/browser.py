@@ -35,7 +35,7 @@ class Browser:
         self.errors: list[str] = []
         self._ids = itertools.count(1)
 
-    def __enter__(self) -> "Browser":
+    def __enter__(self) -> Browser:
         binary = shutil.which(CHROMIUM)
         assert binary, "chromium is not installed: `make system-tools` installs it (apt-get install chromium)"
         # Chromium's helper processes may still write into the profile as they die: never fail on it.
@@ -120,7 +120,9 @@ class Browser:
         """A PNG of the page (all of it when `full_page`)."""
         params: dict[str, Any] = {"format": "png"}
         if full_page:
-            width, height = self.evaluate("[document.documentElement.scrollWidth, document.documentElement.scrollHeight]")
-            params.update(captureBeyondViewport=True, clip={"x": 0, "y": 0, "width": width, "height": height, "scale": 1})
+            width, height = self.evaluate("[document.documentElement.scrollWidth, "
+                                          "document.documentElement.scrollHeight]")
+            params.update(captureBeyondViewport=True,
+                          clip={"x": 0, "y": 0, "width": width, "height": height, "scale": 1})
         path.write_bytes(base64.b64decode(self.send("Page.captureScreenshot", **params)["data"]))
         return path

@@ -26,8 +26,8 @@ import os
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from shard_devcluster.emulator import ApiError
 from shard_devcluster.kubeletserver import KubeletServer, LogBuffer
@@ -36,16 +36,16 @@ PODS, NODES, LEASES = "v1/pods", "v1/nodes", "coordination.k8s.io/v1/leases"
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _micro() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def _ready(obj: dict) -> str | None:
-    return next((c.get("status") for c in (obj.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"),
-                None)
+    conditions = (obj.get("status") or {}).get("conditions") or []
+    return next((c.get("status") for c in conditions if c.get("type") == "Ready"), None)
 
 
 class FakeKubelet:
@@ -63,7 +63,7 @@ class FakeKubelet:
         self.server = KubeletServer(lambda ns, name, container: self.logs.get((ns, name)), Path(self._pki.name))
         self._tasks: set[asyncio.Task] = set()
 
-    async def __aenter__(self) -> "FakeKubelet":
+    async def __aenter__(self) -> FakeKubelet:
         await self.server.start()
         for coro in (self._pods(), self._nodes(), self._leases()):
             self._spawn(coro)
@@ -124,8 +124,10 @@ class FakeKubelet:
                 await self._renew(name)
             elif event["type"] == "MODIFIED" and _ready(node) == "True" and _ready(event.get("_old") or {}) != "True":
                 for pod in await self.emu.k8s_list(PODS, field_selector=f"spec.nodeName={name}"):
-                    if (pod.get("status") or {}).get("phase") == "Running" and not pod["metadata"].get("deletionTimestamp"):
-                        await self.set_ready(pod["metadata"]["namespace"], pod["metadata"]["name"], bool(self.ready(pod)))
+                    running = (pod.get("status") or {}).get("phase") == "Running"
+                    if running and not pod["metadata"].get("deletionTimestamp"):
+                        await self.set_ready(pod["metadata"]["namespace"], pod["metadata"]["name"],
+                                             bool(self.ready(pod)))
 
     async def _renew(self, name: str) -> None:
         try:
@@ -196,12 +198,14 @@ class FakeKubelet:
         argv = [self._local(a) for a in list(c.get("command") or []) + list(c.get("args") or [])]
         if argv and argv[0] == "python":
             argv[0] = sys.executable
-        env = {**os.environ, **{e["name"]: self._local(str(e.get("value", ""))) for e in c.get("env") or [] if "name" in e},
+        env = {**os.environ,
+               **{e["name"]: self._local(str(e.get("value", ""))) for e in c.get("env") or [] if "name" in e},
                "HOSTNAME": name, "POD_NAME": name, "POD_NAMESPACE": ns}
         logs = self.logs[(ns, name)] = LogBuffer()
         try:
             proc = await asyncio.create_subprocess_exec(*argv, env=env, cwd=c.get("workingDir") or None,
-                                                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+                                                        stdout=asyncio.subprocess.PIPE,
+                                                        stderr=asyncio.subprocess.STDOUT)
         except (OSError, ValueError) as e:
             await self._set_status(ns, name, {**base, "phase": "Failed", "reason": "StartError", "message": str(e)})
             return

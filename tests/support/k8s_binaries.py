@@ -57,7 +57,7 @@ def rows(table: str) -> list[dict[str, str]]:
     be empty, or hold spaces; kubectl puts at least three spaces between columns)."""
     header, *lines = table.splitlines()
     starts = [i for i, ch in enumerate(header) if ch != " " and (i == 0 or header[max(0, i - 2):i] == "  ")]
-    bounds = list(zip(starts, starts[1:] + [None]))
+    bounds = list(zip(starts, starts[1:] + [None], strict=False))
     return [{header[a:b].strip(): line[a:b].strip() for a, b in bounds} for line in lines if line.strip()]
 
 

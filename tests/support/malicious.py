@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from shard_contract.checkpoint import expected_tensors
 from tests.support.cluster import TINY_LLAMA
@@ -144,9 +145,11 @@ class Attack:
 
 F2, IX = SECOND.replace(".", r"\."), INDEX.replace(".", r"\.")
 CORPUS = [
-    Attack("index-parent-escape", rf"{IX}: tensor model\.norm\.weight: '\.\./outside/x\.safetensors' has a '\.\.' segment",
+    Attack("index-parent-escape",
+           rf"{IX}: tensor model\.norm\.weight: '\.\./outside/x\.safetensors' has a '\.\.' segment",
            _index_points_at("../outside/x.safetensors")),
-    Attack("index-absolute-path", rf"{IX}: tensor model\.norm\.weight: '/\S+/outside/x\.safetensors' is an absolute path",
+    Attack("index-absolute-path",
+           rf"{IX}: tensor model\.norm\.weight: '/\S+/outside/x\.safetensors' is an absolute path",
            _index_points_at("{outside}/x.safetensors")),
     Attack("symlink-out-of-dir", rf"{IX}: tensor \S+: '{F2}' leads outside the model directory",
            _symlink(SECOND, "x.safetensors")),
@@ -154,11 +157,14 @@ CORPUS = [
            _symlink("config.json", "config.json")),
     Attack("negative-offsets", rf"{F2}: tensor model\.norm\.weight: data_offsets \[-64, 192\] must satisfy 0 <= start",
            lambda m, _: _second(m, _entry(VICTIM, data_offsets=[-64, 192]))),
-    Attack("overlapping-offsets", rf"{F2}: tensor {TWINS[1]}: data_offsets \[\d+, \d+\] overlap those of tensor {TWINS[0]}",
+    Attack("overlapping-offsets",
+           rf"{F2}: tensor {TWINS[1]}: data_offsets \[\d+, \d+\] overlap those of tensor {TWINS[0]}",
            lambda m, _: _second(m, _overlap)),
-    Attack("float-offsets", rf"{F2}: tensor model\.norm\.weight: data_offsets \[0\.0, 256\.0\] is not a pair of integers",
+    Attack("float-offsets",
+           rf"{F2}: tensor model\.norm\.weight: data_offsets \[0\.0, 256\.0\] is not a pair of integers",
            lambda m, _: _second(m, _entry(VICTIM, data_offsets=[0.0, 256.0]))),
-    Attack("string-offsets", rf"{F2}: tensor model\.norm\.weight: data_offsets \['0', '256'\] is not a pair of integers",
+    Attack("string-offsets",
+           rf"{F2}: tensor model\.norm\.weight: data_offsets \['0', '256'\] is not a pair of integers",
            lambda m, _: _second(m, _entry(VICTIM, data_offsets=["0", "256"]))),
     Attack("offsets-past-data", rf"{F2}: tensor model\.norm\.weight: truncated file \(tensor ends at byte \d+",
            lambda m, _: _second(m, _past_data)),

@@ -10,7 +10,8 @@ import asyncio
 import contextlib
 import dataclasses
 import threading
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import kopf
 import kubernetes
@@ -54,7 +55,7 @@ async def running_operator(api_url: str, settings: Settings = FAST,
         try:
             asyncio.run(kopf.operator(registry=registry, settings=ks, standalone=True, clusterwide=True,
                                       stop_flag=stop, ready_flag=ready))
-        except BaseException as err:  # surfaced when the block ends
+        except BaseException as err:  # noqa: BLE001 -- surfaced when the block ends
             errors.append(err)
 
     thread = threading.Thread(target=main, daemon=True, name="kopf")

@@ -23,7 +23,7 @@ class Prometheus:
         """`jobs`: scrape_configs entries (job_name, static_configs, ...)."""
         self.jobs, self.rule_files = jobs, list(rule_files)
 
-    def __enter__(self) -> "Prometheus":
+    def __enter__(self) -> Prometheus:
         binary = shutil.which("prometheus")
         assert binary, "prometheus is not installed: `make system-tools` installs it (apt-get install prometheus)"
         self.dir = tempfile.TemporaryDirectory(prefix="prometheus-")

@@ -63,5 +63,25 @@ def make_plan(model_dir: Path, tp: int, pp: int, *, max_len: int = 64, batch: in
               partition: list[int] | None = None, dtype: str = "auto", quantization: str = "none"):
     from shard_operator.local import plan_local
 
-    return plan_local(model_dir, tp, pp, dtype=dtype, quantization=quantization, max_model_len=max_len, max_batch_size=batch,
+    return plan_local(model_dir, tp, pp, dtype=dtype, quantization=quantization, max_model_len=max_len,
+                      max_batch_size=batch,
                       devices="local:4GiB*8", device_kind="cpu", layer_partition=partition)
+
+
+# 24 layers: 25% streamed is 6 layers on one stage, 3 on each of two.
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_layers=24, num_heads=4, num_kv_heads=2, vocab_size=250,
+             max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("deep"), "llama", seed=7, **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def by_dtype(tmp_path_factory):
+    """One random model (40M parameters) stored as float32, bfloat16 and float16."""
+    shape = dict(hidden_size=512, intermediate_size=2048, num_layers=8, num_heads=8, num_kv_heads=4,
+                 vocab_size=8000, max_position_embeddings=512)
+    return {dtype: write_checkpoint(tmp_path_factory.mktemp(dtype), "llama", dtype=dtype, **shape)
+            for dtype in ("float32", "bfloat16", "float16")}

@@ -58,7 +58,7 @@ def _serve(inbox: mp.Queue, outbox: mp.Queue) -> None:
         env_json, plan_json, job = item
         try:
             outbox.put(("ok", _run(env_json, plan_json, job)))
-        except BaseException as err:  # report everything; the parent decides
+        except BaseException as err:  # noqa: BLE001 -- report everything; the parent decides
             outbox.put(("error", (type(err).__name__, str(err), traceback.format_exc())))
 
 

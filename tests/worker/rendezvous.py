@@ -58,7 +58,7 @@ class Fabric:
     posted: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     mail: dict[tuple, deque] = field(default_factory=lambda: defaultdict(deque))
 
-    def connect(self, env, topo: Topology, device, acct) -> "RendezvousComm":
+    def connect(self, env, topo: Topology, device, acct) -> RendezvousComm:
         """`Worker.start`'s `connect`: this rank's communicator."""
         return RendezvousComm(self, topo, acct)
 

@@ -76,7 +76,7 @@ def test_fused_layers_compute_what_python_layers_do(model, dtype, quantization):
     python, python_cache, none = _run(model, dtype, quantization, False, pads)
     ours, our_cache, ran = _run(model, dtype, quantization, True, pads)
     assert none == 0 and ran == 6 * SHAPE["num_layers"]  # every decode step's every layer, fused
-    for step, (a, b) in enumerate(zip(python, ours)):
+    for step, (a, b) in enumerate(zip(python, ours, strict=True)):
         assert torch.equal(a, b), f"step {step}: hidden states differ (max {(a.float() - b.float()).abs().max()})"
     assert torch.equal(python_cache.k, our_cache.k) and torch.equal(python_cache.v, our_cache.v)
 
@@ -86,7 +86,7 @@ def test_fused_layers_take_rows_from_any_row_of_the_cache(model):
     python, python_cache, _ = _run(model, torch.bfloat16, "none", False, [2, 0, 1], units=units)
     ours, our_cache, ran = _run(model, torch.bfloat16, "none", True, [2, 0, 1], units=units)
     assert ran == 2 * 6 * SHAPE["num_layers"]
-    assert all(torch.equal(a, b) for a, b in zip(python, ours))
+    assert all(torch.equal(a, b) for a, b in zip(python, ours, strict=True))
     assert torch.equal(python_cache.k, our_cache.k) and torch.equal(python_cache.v, our_cache.v)
 
 
@@ -98,7 +98,7 @@ def test_fused_layers_with_two_threads_compute_the_same(model):
         ours, _, ran = _run(model, torch.bfloat16, "none", True, [0, 2])
     finally:
         torch.set_num_threads(before)
-    assert ran > 0 and all(torch.equal(a, b) for a, b in zip(python, ours))
+    assert ran > 0 and all(torch.equal(a, b) for a, b in zip(python, ours, strict=True))
 
 
 def test_a_layer_plan_with_a_wrong_size_or_bad_shapes_is_refused():

@@ -102,6 +102,6 @@ def test_any_accepted_sampling_parameters_never_fail_the_group(pool, checkpoint,
     completions = results[0]["output"].completions
     assert len(completions) == 1 + len(joiners)
     assert all(c.finish_reason in ("stop", "length") and c.error is None for c in completions), completions
-    for c, request in zip(completions, [first, *joiners]):
+    for c, request in zip(completions, [first, *joiners], strict=True):
         assert 1 <= len(c.token_ids) <= request["max_new_tokens"]
     assert torch.tensor([t for c in completions for t in c.token_ids]).lt(250).all()

@@ -70,7 +70,8 @@ def test_column_slices_read_only_their_columns_into_place(good):
 
 def test_missing_tensor(copy):
     rewrite(copy, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight is missing .*model\.safetensors"):
+    with pytest.raises(CheckpointError,
+                       match=r"model\.layers\.1\.mlp\.up_proj\.weight is missing .*model\.safetensors"):
         load_stage(stage_for(copy), copy)
 
 

@@ -78,7 +78,8 @@ def test_sigterm_reaches_every_rank_and_a_clean_stop_is_a_success(tmp_path):
     script = (f"signal.signal(signal.SIGTERM, lambda *_: (open({str(tmp_path)!r} + '/stopped' + "
               "os.environ['LOCAL_RANK'], 'w').close(), sys.exit(0)))\n"
               f"open({str(tmp_path)!r} + '/up' + os.environ['LOCAL_RANK'], 'w').close()\ntime.sleep(60)")
-    driver = f"import sys; from shard_worker.launch import supervise; sys.exit(supervise(2, {json.dumps(child(script))}))"
+    driver = ("import sys; from shard_worker.launch import supervise; "
+              f"sys.exit(supervise(2, {json.dumps(child(script))}))")
     launcher = subprocess.Popen([sys.executable, "-c", driver], env={**os.environ, **POD, "RANK": "0"})
     try:
         deadline = time.monotonic() + 30

@@ -4,6 +4,8 @@ resident memory while loading weights and allocating its KV cache, and its peak.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from shard_contract.wire import GenerateRequest, GenerateTask
@@ -50,7 +52,8 @@ from shard_worker.model import Layout, Stage
 model_dir, dtype, quantization, tp, tp_rank = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 config = ModelConfig.from_dir(model_dir)
 layout = Layout(config, tp=tp, tp_rank=tp_rank, layers=(0, config.num_layers), embeds=True, has_lm_head=True)
-ctypes.CDLL("libc.so.6").malloc_trim(0)  # free heap is not counted in the baseline (it could be returned during the load)
+# free heap is not counted in the baseline (it could be returned during the load)
+ctypes.CDLL("libc.so.6").malloc_trim(0)
 before = MemorySample.take()
 stage = Stage(layout, Comm(Topology(rank=tp_rank, tp=tp, pp=1), Accounting()), getattr(torch, dtype),
               torch.device("cpu"), quantization)
@@ -59,15 +62,6 @@ after = MemorySample.take()
 print(json.dumps({"resident": after.rss_anon - before.rss_anon, "peak": after.peak_rss - before.rss,
                   "allocated": sum(t.numel() * t.element_size() for t in stage.tensors().values())}))
 """
-
-
-@pytest.fixture(scope="module")
-def by_dtype(tmp_path_factory):
-    """One random model (40M parameters) stored as float32, bfloat16 and float16."""
-    shape = dict(hidden_size=512, intermediate_size=2048, num_layers=8, num_heads=8, num_kv_heads=4,
-                 vocab_size=8000, max_position_embeddings=512)
-    return {dtype: write_checkpoint(tmp_path_factory.mktemp(dtype), "llama", dtype=dtype, **shape)
-            for dtype in ("float32", "bfloat16", "float16")}
 
 
 @pytest.mark.parametrize("target", ["float32", "bfloat16", "int8"])
@@ -85,10 +79,10 @@ def test_conversions_leave_nothing_behind(by_dtype, stored, target):
     plan = make_plan(by_dtype[stored], 2, 1, max_len=64, dtype=dtype, quantization=quantization)
     predicted = plan.rank_plan(0, 1).predicted_bytes
     for _ in range(3):
-        out = subprocess.run([sys.executable, "-c", LOAD_ONE_RANK, str(by_dtype[stored]), dtype, quantization, "2", "1"],
-                             capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
-                                                                               "OMP_NUM_THREADS": "1",
-                                                                               "THP_MEM_ALLOC_ENABLE": "1"})  # as a rank
+        out = subprocess.run([sys.executable, "-c", LOAD_ONE_RANK, str(by_dtype[stored]), dtype, quantization,
+                              "2", "1"],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "1"})  # as a rank
         assert out.returncode == 0, out.stderr
         measured = json.loads(out.stdout)
         assert measured["allocated"] == predicted.weights

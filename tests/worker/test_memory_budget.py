@@ -39,11 +39,12 @@ def test_a_rank_refuses_a_plan_over_its_budget_and_a_measurement_over_it(checkpo
     predicted = plan.ranks[0].predicted_bytes.total
     assert run(plan, model, predicted).completions[0].token_ids  # exactly the budget: serves
 
-    with pytest.raises(LaunchError, match="the plan's predicted bytes of this rank .* exceed this device's memory budget"):
+    with pytest.raises(LaunchError,
+                       match=r"the plan's predicted bytes of this rank .* exceed this device's memory budget"):
         run(plan, model, predicted - 1)
 
     # A plan that predicts (almost) nothing passes the first check; the measurement catches it.
     tiny = PredictedBytes(weights=1, kv_cache=1, activations=0, overhead=0)
     lying = plan.model_copy(update={"ranks": [plan.ranks[0].model_copy(update={"predicted_bytes": tiny})]})
-    with pytest.raises(LaunchError, match="measured resident bytes after loading .* exceed"):
+    with pytest.raises(LaunchError, match=r"measured resident bytes after loading .* exceed"):
         run(lying, model, tiny.total)

@@ -17,20 +17,10 @@ from shard_operator.local import run_generate
 from tests.support.checkpoints import write_checkpoint
 from tests.support.offload import streaming_plan
 
-from .pool import GenerateJob
+from .conftest import SHAPE
 from .test_parallel import PROMPT, assert_matches_hf, run_greedy
 
 pytestmark = pytest.mark.slow
-
-# 24 layers: 25% streamed is 6 layers on one stage, 3 on each of two.
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_layers=24, num_heads=4, num_kv_heads=2, vocab_size=250,
-             max_position_embeddings=256)
-
-
-@pytest.fixture(scope="module")
-def deep(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("deep"), "llama", seed=7, **SHAPE)
-
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_streamed_layers_compute_what_resident_ones_do(pool, deep, hf_model, tp, pp):

@@ -34,10 +34,9 @@ from shard_operator.local import plan_local
 from tests.support.offload import streaming_plan
 from tests.support.processes import shardctl
 
+from .conftest import SHAPE
 from .pool import GenerateJob, JobFailed
 from .test_int8 import LOGITS_TOLERANCE, int8_reference
-from .test_memory import by_dtype  # noqa: F401 -- a fixture: one 40M model stored in each dtype
-from .test_offload import SHAPE, deep  # noqa: F401 -- a fixture: 24 layers
 from .test_parallel import PROMPT, assert_matches_hf, hf_logits
 
 WANTED = os.environ.get("SHARD_TEST_DEVICES", "cpu,cuda").split(",")

@@ -5,6 +5,8 @@ CUDA runtime records what would be registered."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -41,7 +43,7 @@ def test_views_are_aligned_disjoint_and_fill_the_registered_range():
     assert (what, size, flags) == ("register", nbytes, 0) and base % 4096 == 0  # a page-aligned map
     spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * 4) for v in views)
     assert all(a % ALIGN == 0 for a, _ in spans)
-    assert all(b <= c for (_, b), (c, _) in zip(spans, spans[1:]))  # disjoint
+    assert all(b <= c for (_, b), (c, _) in pairwise(spans))  # disjoint
     assert spans[0][0] == base and spans[-1][1] <= base + nbytes
     for i, v in enumerate(views):
         v.fill_(i)

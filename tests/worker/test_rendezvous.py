@@ -137,5 +137,5 @@ def test_joiners_run_under_rendezvous_semantics(checkpoint, hf_model, pp):
     assert [step for _, step, _, _ in joins] == [1, 1, 3]
     model = hf_model(model_dir)
     completions = outputs[0].completions
-    for request, completion in zip([LONG, short, other, late], completions):
+    for request, completion in zip([LONG, short, other, late], completions, strict=True):
         assert completion.token_ids == hf_greedy(model, request["prompt_ids"], request["max_new_tokens"])

@@ -34,7 +34,7 @@ def rank_main(path: str, size: int, rank: int, native: bool, timeout: float, res
             group.all_reduce(t)
             out.append(t)
         result = [t.float().numpy().tobytes() + str(t.dtype).encode() for t in out]
-    except Exception as err:  # reported to the test
+    except Exception as err:  # noqa: BLE001 -- reported to the test
         result = f"{type(err).__name__}: {err}"
     results.put((rank, result))
 
@@ -66,7 +66,7 @@ def run_ranks(size: int, native: bool, timeout: float = 30.0, absent: int | None
 def test_every_rank_gets_the_sum_in_rank_order_by_either_path(size):
     native, fallback = run_ranks(size, native=True), run_ranks(size, native=False)
     assert all(r == native[0] for r in native) and native == fallback  # same bits everywhere
-    for i, expected_parts in enumerate(zip(*(tensors(r) for r in range(size)))):
+    for i, expected_parts in enumerate(zip(*(tensors(r) for r in range(size)), strict=False)):
         expected = expected_parts[0].float()
         for part in expected_parts[1:]:
             expected = expected + part.float()  # in rank order, in float32, rounded once

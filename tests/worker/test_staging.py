@@ -21,12 +21,12 @@ class Events:
         self.log: list[tuple[str, int]] = []
         self.made = 0
 
-    def __call__(self) -> "Events._Event":
+    def __call__(self) -> Events._Event:
         self.made += 1
         return Events._Event(self, self.made)
 
     class _Event:
-        def __init__(self, log: "Events", number: int):
+        def __init__(self, log: Events, number: int):
             self.events, self.number = log, number
 
         def record(self) -> None:

@@ -17,9 +17,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 COMM_OPS = ("all_reduce", "all_gather", "send", "recv", "broadcast", "gather")
 
@@ -41,11 +42,11 @@ class Counters:
     def comm_total(self) -> float:
         return sum(self.comm_seconds.values())
 
-    def copy(self) -> "Counters":
+    def copy(self) -> Counters:
         return Counters(dict(self.comm_bytes), dict(self.comm_seconds), self.compute_seconds, self.idle_seconds,
                         self.streamed_bytes, self.stream_seconds, self.stall_seconds, self.device_stall_seconds)
 
-    def minus(self, earlier: "Counters") -> "Counters":
+    def minus(self, earlier: Counters) -> Counters:
         return Counters({k: v - earlier.comm_bytes[k] for k, v in self.comm_bytes.items()},
                         {k: v - earlier.comm_seconds[k] for k, v in self.comm_seconds.items()},
                         self.compute_seconds - earlier.compute_seconds,
@@ -125,7 +126,7 @@ class _Span:
     op: str = ""
     end: Any = None
     inner: float = 0.0  # comm and idle seconds of the spans inside a compute span
-    parent: "_Span | None" = None
+    parent: _Span | None = None
 
 
 class Accounting:
@@ -285,7 +286,7 @@ class MemorySample:
     cuda_used: int = 0  # the whole device's memory in use (mem_get_info): contexts, NCCL, every allocator
 
     @classmethod
-    def take(cls, device=None) -> "MemorySample":
+    def take(cls, device=None) -> MemorySample:
         status = proc_status()
         allocated = reserved = used = 0
         if device is not None and getattr(device, "type", None) == "cuda":

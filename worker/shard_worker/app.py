@@ -5,7 +5,8 @@ SHARD_PORT from the moment it starts (before it has joined its group or loaded a
 probes see the truth throughout: alive while loading, ready only once every rank has loaded and
 passed its memory check. These stay open whatever the API key: the kubelet, Prometheus and the
 operator read them. The leader also serves the OpenAI routes (`routes.py`), their OpenAPI
-document at `GET /openapi.json`, and `GET /dashboard`, the group's live page (`dashboard.py`). A request's own failure is its answer alone: an OpenAI error body.
+document at `GET /openapi.json`, and `GET /dashboard`, the group's live page (`dashboard.py`). A
+request's own failure is its answer alone: an OpenAI error body.
 """
 
 from __future__ import annotations

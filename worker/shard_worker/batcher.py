@@ -30,8 +30,8 @@ import asyncio
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from shard_contract.wire import Completion, GenerateRequest
 

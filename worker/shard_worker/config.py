@@ -29,7 +29,7 @@ class ModelConfig(ModelShape):
     tensor_shapes: dict[str, list[int]]  # every checkpoint tensor name -> shape
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         model_dir = Path(model_dir)
         config = read_config(model_dir)
         generation = model_file(model_dir, "generation_config.json")
@@ -38,7 +38,7 @@ class ModelConfig(ModelShape):
         return cls.from_hf(config, source=str(model_dir / "config.json"), extra_eos=extra_eos)
 
     @classmethod
-    def from_hf(cls, config: dict[str, Any], source: str = "config.json", extra_eos: Any = None) -> "ModelConfig":
+    def from_hf(cls, config: dict[str, Any], source: str = "config.json", extra_eos: Any = None) -> ModelConfig:
         """From a config that `read_config` accepted."""
         act = config.get("hidden_act", "silu")
         if act != "silu":

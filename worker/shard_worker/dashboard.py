@@ -10,8 +10,8 @@ and the page costs it four small GETs per viewer every 2 s.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib.resources import files
-from typing import Callable
 
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, Response

@@ -115,7 +115,7 @@ class Comm:
     """The collectives of one rank, timed. `tp_group` None means the whole world (PP = 1)."""
 
     def __init__(self, topo: Topology, acct: Accounting, tp_group: Any = None, control_group: Any = None,
-                 backend: str = "gloo", shm_group: "shm.ShmGroup | None" = None, stage_control_group: Any = None):
+                 backend: str = "gloo", shm_group: shm.ShmGroup | None = None, stage_control_group: Any = None):
         self.topo, self.acct = topo, acct
         self.tp_group, self.control_group = tp_group, control_group
         # this stage's TP ranks for small CPU messages: the TP group itself on gloo
@@ -169,7 +169,7 @@ class Comm:
             return torch.cat(parts, dim=-1)
 
     # ------------------------------------------------------------ pipeline
-    def isend(self, t: torch.Tensor, dst: int, tag: int) -> "Pending":
+    def isend(self, t: torch.Tensor, dst: int, tag: int) -> Pending:
         with self.acct.communicating("send", t.numel() * t.element_size()):
             work = dist.isend(t, dst, tag=tag)
         return Pending(self, work, t)
@@ -182,7 +182,7 @@ class Comm:
         return t
 
     # ------------------------------------------------------------ control (gloo, CPU tensors)
-    def isend_control(self, t: torch.Tensor, dst: int) -> "Pending":
+    def isend_control(self, t: torch.Tensor, dst: int) -> Pending:
         """Send a small tensor to `dst` over the control group (gloo, on the CPU, whatever the
         tensor backend), as one contiguous CPU copy."""
         t = t.detach().to("cpu").contiguous()  # gloo sends CPU memory; a sliced view is not one buffer
@@ -253,7 +253,7 @@ class Comm:
         self.acct.comm("gather", longest, time.perf_counter() - start)
         if bufs is None:
             return None
-        return [json.loads(bytes(b[:int(s.item())].numpy())) for b, s in zip(bufs, sizes)]
+        return [json.loads(bytes(b[:int(s.item())].numpy())) for b, s in zip(bufs, sizes, strict=True)]
 
 
 class Pending:
@@ -341,7 +341,7 @@ def _stage_group(topo: Topology, backend: str | None = None) -> Any:
     return own
 
 
-def _shared_memory_group(topo: Topology, tp_group: Any, timeout: float) -> "shm.ShmGroup | None":
+def _shared_memory_group(topo: Topology, tp_group: Any, timeout: float) -> shm.ShmGroup | None:
     """Shared-memory collectives for this stage's TP ranks when they share a machine (local
     processes, not separate pods), else None. Every TP rank takes part and all agree."""
     if topo.tp == 1:

@@ -21,9 +21,10 @@ rank alike (`sampling.py`), and the first stage ends that sequence while the bat
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -31,8 +32,8 @@ from shard_contract.wire import Completion, GenerateRequest
 
 from .accounting import Accounting
 from .dist import Comm
-from .model import KVCache, Rotary, Stage, Step
 from .log import log
+from .model import KVCache, Rotary, Stage, Step
 from .pipeline import Join, Link, Unit, prefill_units
 from .sequences import Rows, Sequences, SequenceState
 
@@ -306,7 +307,7 @@ class Engine:
         if not newcomers:
             return [], []
         work, joined = [], seqs.free_rows()[:len(newcomers)]
-        for row, request in zip(joined, newcomers):
+        for row, request in zip(joined, newcomers, strict=False):
             pad = col - len(request.prompt_ids)
             self._take_row(rows, Join(row, pad, request))
             seqs.start(row, request)

@@ -89,7 +89,7 @@ class FusedDecode:
         projections = (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)
         weights = tuple(p.weight for p in projections)
         known = self._plans.get(slot)
-        if known is not None and all(a is b for a, b in zip(known[1], weights)):
+        if known is not None and all(a is b for a, b in zip(known[1], weights, strict=False)):
             return known[0]
         plan = None if layer.streamed else self._pack(layer, slot, projections, dtype)
         self._plans[slot] = (plan, weights)
@@ -110,7 +110,7 @@ class FusedDecode:
                   "inter": layer.mlp.gate_up.shape[0] // 2, "eps_bits": _bits(layer.input_norm.eps),
                   "in_norm": layer.input_norm.weight.data_ptr(),
                   "post_norm": layer.post_norm.weight.data_ptr()}
-        for name, p in zip(("qkv", "o", "gate_up", "down"), projections):
+        for name, p in zip(("qkv", "o", "gate_up", "down"), projections, strict=False):
             fields.update({f"{name}_w": p.weight.data_ptr(), f"{name}_ldw": p.weight.stride(0),
                            f"{name}_scale": p.scale.data_ptr() if p.scale is not None else 0,
                            f"{name}_bias": p.bias.data_ptr() if p.bias is not None else 0})

@@ -25,10 +25,11 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from shard_contract.plan import RankPlan
 from shard_contract.units import human
@@ -84,7 +85,7 @@ class Record:
         return hmac.new(key, body, hashlib.sha256).hexdigest().encode() + b" " + body
 
     @classmethod
-    def open(cls, data: bytes, key: bytes, rank: int) -> "Record":
+    def open(cls, data: bytes, key: bytes, rank: int) -> Record:
         """The record rank `rank`'s key held, if its seal verifies; else `ForgedRecord`."""
         mac, _, body = data.partition(b" ")
         if not hmac.compare_digest(mac, hmac.new(key, body, hashlib.sha256).hexdigest().encode()):
@@ -251,7 +252,7 @@ class Heartbeat:
                 store.set(keys[self.rank], self.record(seq).seal(self.key))
                 present += [r for r in keys if r not in present and store.check([keys[r]])]
                 values = store.multi_get([keys[r] for r in present]) if present else []
-                records = {r: rec for r, v in zip(present, values) if (rec := self._open(r, bytes(v)))}
+                records = {r: rec for r, v in zip(present, values, strict=False) if (rec := self._open(r, bytes(v)))}
             except (RuntimeError, OSError) as err:  # DistStoreError is a RuntimeError
                 error = (f"cannot reach the group's store at {self.host}:{self.port} (rank 0's process): "
                          f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}")

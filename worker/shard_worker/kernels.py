@@ -109,7 +109,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, ...], sca
     # row of W can depend on how many rows it is given, so this keeps them equal bit for bit.
     ends = list(itertools.accumulate(w.shape[0] for w in parts))
     return torch.cat([F.linear(x, w, None if bias is None else bias[b - w.shape[0]:b])
-                      for w, b in zip(parts, ends)], dim=-1)
+                      for w, b in zip(parts, ends, strict=False)], dim=-1)
 
 
 def _adjacent_merged(blocks: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
@@ -190,7 +190,8 @@ def silu_mul(gate_up: torch.Tensor, level: str | None = "default") -> torch.Tens
 
 
 def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           first: torch.Tensor, col: int, heads: int, kv_heads: int, level: str | None = "default") -> torch.Tensor | None:
+           first: torch.Tensor, col: int, heads: int, kv_heads: int,
+           level: str | None = "default") -> torch.Tensor | None:
     """One decode step's attention for rows [n] of one layer: rope (HF's, `cos` / `sin` [n, ...,
     head_dim] in qkv's dtype) on q and k; k and v written into the caches (this layer's [rows,
     kv_heads, max_len, head_dim], from the step's first row) at column `col`; then each query

@@ -20,7 +20,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from shard_contract.env import ENV_NAMES, WorkerEnv, WorkerEnvError
 
@@ -32,7 +32,8 @@ def rank_environ(environ: Mapping[str, str], local: int, count: int) -> dict[str
     """The environment of the pod's `local`-th rank of `count`, from the pod's (its first rank's)."""
     first = WorkerEnv.from_env(environ)
     if first.rank + count > first.world_size:
-        raise WorkerEnvError(f"RANK={first.rank} with --local-ranks {count} runs ranks past WORLD_SIZE={first.world_size}")
+        raise WorkerEnvError(f"RANK={first.rank} with --local-ranks {count} runs ranks past "
+                             f"WORLD_SIZE={first.world_size}")
     return {**environ, ENV_NAMES["rank"]: str(first.rank + local), ENV_NAMES["local_rank"]: str(local),
             ENV_NAMES["port"]: str(first.port + local if first.port else 0)}
 
@@ -78,7 +79,8 @@ def supervise(count: int, command: Sequence[str] = RANK_COMMAND, environ: Mappin
             procs[local].returncode = code = os.waitstatus_to_exitcode(status)
             if code != 0:
                 how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-                _log(f"rank {envs[local][ENV_NAMES['rank']]} (local rank {local}) {how}: stopping the pod's other ranks")
+                _log(f"rank {envs[local][ENV_NAMES['rank']]} (local rank {local}) {how}: "
+                     "stopping the pod's other ranks")
                 return code if code > 0 else 128 - code
         return 0
     finally:

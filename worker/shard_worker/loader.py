@@ -31,9 +31,10 @@ import math
 import mmap
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -124,7 +125,8 @@ def load_stage(stage: Stage, model_dir: str | Path,
                 covered = max(covered, reader.read(entries[piece.tensor], piece, dst, scales.get(name)))
             if covered < dst.shape[0]:
                 dst[covered:].zero_()  # vocabulary padding of the last rank
-            loaded += sum(t.numel() * t.element_size() for t in (dst, scales.get(name)) if t is not None)  # its scales too
+            # its scales too
+            loaded += sum(t.numel() * t.element_size() for t in (dst, scales.get(name)) if t is not None)
             if progress is not None:
                 progress(loaded, total)
     stats.seconds = time.perf_counter() - start
@@ -223,7 +225,7 @@ class SliceReader:
         # a chunk of rows fits each staging buffer, the mapped ones and the pinned ones
         self._chunk_bytes = min(STAGING_BYTES, pinned.nbytes) if pinned else STAGING_BYTES
 
-    def __enter__(self) -> "SliceReader":
+    def __enter__(self) -> SliceReader:
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -302,7 +304,8 @@ class SliceReader:
             b = min(region.shape[0], a + chunk)
             raw = self._staging.get("raw", b - a, cols, src_dtype)
             self._read_rows(fd, entry, whole_rows, a, b, cols, item, raw)
-            work = raw if src_dtype == torch.float32 else self._staging.get("work", b - a, cols, torch.float32).copy_(raw)
+            work = raw if src_dtype == torch.float32 else self._staging.get("work", b - a, cols,
+                                                                            torch.float32).copy_(raw)
             self._deliver(scale[a:b], quantize_rows_(work))
             self._deliver(region[a:b], work[:, c0:c1])
         self.stats.scratch_bytes += region.shape[0] * (cols - (c1 - c0)) * item

@@ -69,7 +69,7 @@ class WorkerMetrics:
     labels: dict[str, str]
 
     @classmethod
-    def create(cls, model: str, group: int, rank: int, stage: int, tp_rank: int) -> "WorkerMetrics":
+    def create(cls, model: str, group: int, rank: int, stage: int, tp_rank: int) -> WorkerMetrics:
         registry = CollectorRegistry()
         metrics = cls(registry=registry, labels={"model": model, "group": str(group), "rank": str(rank),
                                                   "stage": str(stage), "tp_rank": str(tp_rank)})

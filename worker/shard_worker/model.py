@@ -16,9 +16,10 @@ checkpoint, or copied into a staging slot).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -186,7 +187,7 @@ class Step:
 
     @classmethod
     def build(cls, r0: int, r1: int, c0: int, c1: int, pads: torch.Tensor, rotary: Rotary,
-              windows: set[int | None], dtype: torch.dtype, device: torch.device) -> "Step":
+              windows: set[int | None], dtype: torch.dtype, device: torch.device) -> Step:
         rows = pads[r0:r1]
         positions = (torch.arange(c0, c1).unsqueeze(0) - rows.unsqueeze(1)).clamp(min=0)
         cos, sin = rotary.at(positions.to(device), dtype)
@@ -297,7 +298,7 @@ class DecoderLayer:
         self.mlp = MLP(layout, comm, dtype, device, quantized, streamed)
         self._placeholders = {name: p.weight for name, p in self.projections().items()}
 
-    def projections(self) -> dict[str, "ColumnParallelLinear | RowParallelLinear"]:
+    def projections(self) -> dict[str, ColumnParallelLinear | RowParallelLinear]:
         return {"qkv": self.attn.qkv, "o": self.attn.o, "gate_up": self.mlp.gate_up, "down": self.mlp.down}
 
     def borrow(self, weights: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] | None) -> None:

@@ -47,10 +47,11 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -265,7 +266,7 @@ class Streamer:
         return {n: self.arena.take(s, self.stage.dtype) for n, s in shapes.items()}
 
     # ------------------------------------------------------------ lifecycle
-    def start(self) -> "Streamer":
+    def start(self) -> Streamer:
         self._thread.start()
         return self
 
@@ -349,7 +350,7 @@ class Streamer:
                 with self._cond:
                     slot.state = READY
                     self._cond.notify_all()
-        except BaseException as err:  # the forward pass that needs it raises it
+        except BaseException as err:  # noqa: BLE001 -- the forward pass that needs it raises it
             with self._cond:
                 self._error = err
                 self._cond.notify_all()

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 import mmap
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

@@ -21,8 +21,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, NoReturn
 
 import uvicorn
 from fastapi import FastAPI
@@ -175,7 +176,8 @@ class Rank:
             self.exit_code = int(err.code or 1)
         if self.loop is not None:
             self.loop.close()  # the engine thread finishes its batch, then tells the followers
-        self.engine_thread.join(JOIN_SECONDS if self.loop is not None else 0.5)  # only a leader's batch is worth waiting for
+        # only a leader's batch is worth waiting for
+        self.engine_thread.join(JOIN_SECONDS if self.loop is not None else 0.5)
         self.heartbeat.stop()
         # A thread still running is blocked in a collective with a lost group (or this is a
         # follower stopped while its leader lives): nothing to tear down cleanly.

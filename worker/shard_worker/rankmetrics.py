@@ -85,7 +85,7 @@ class RankMetrics:
         else:
             self.m.get(name, **labels)  # exposed at zero
 
-    def exposition(self, worker: "Worker | None", ready: bool) -> bytes:
+    def exposition(self, worker: Worker | None, ready: bool) -> bytes:
         """The text format of every family, brought up to date with `worker`'s measurements."""
         with self._lock:
             self.m.get("shard_group_ready").set(1 if ready else 0)

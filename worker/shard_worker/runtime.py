@@ -6,8 +6,8 @@ from __future__ import annotations
 import gc
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -66,10 +66,11 @@ def resident_bytes(baseline: MemorySample, started: MemorySample, before: Memory
                    cached: MemorySample, staged: MemorySample, on_cuda: bool) -> ResidentBytes:
     """What a rank measured while it loaded (`before`, `loaded`: around the weights; `cached`: after
     the KV cache; `staged`: after offload's staging slots, if any). Weights, KV cache and staging are
-    the growth of what holds them: what CUDA's caching allocator reserved, or anonymous memory. The total is, on a GPU, the device memory in use above what it held when
-    CUDA `started` in this process (so NCCL's buffers, cuBLAS workspaces, lazily loaded kernels and
-    the allocator's reserve count, not only torch's allocator; the primary context created at that
-    moment, and other processes, do not); on a CPU, anonymous memory above the bare process."""
+    the growth of what holds them: what CUDA's caching allocator reserved, or anonymous memory. The
+    total is, on a GPU, the device memory in use above what it held when CUDA `started` in this process
+    (so NCCL's buffers, cuBLAS workspaces, lazily loaded kernels and the allocator's reserve count,
+    not only torch's allocator; the primary context created at that moment, and other processes, do
+    not); on a CPU, anonymous memory above the bare process."""
     return ResidentBytes(
         weights=loaded.held(on_cuda) - before.held(on_cuda),
         kv_cache=cached.held(on_cuda) - loaded.held(on_cuda),
@@ -136,7 +137,7 @@ class Worker:
     @classmethod
     def start(cls, env: WorkerEnv, plan: Plan, baseline: MemorySample | None = None,
               connect: Callable[[WorkerEnv, Topology, torch.device, Accounting], Comm] = dist_mod.init_comm,
-              progress: Callable[[int, int], None] | None = None) -> "Worker":
+              progress: Callable[[int, int], None] | None = None) -> Worker:
         """Join the group and load this rank's slices. `baseline`: memory of the bare process;
         `connect`: how the rank joins its group (tests pass communicators of their own);
         `progress(loaded, total)`: bytes of its tensors filled, as the load goes."""

@@ -14,7 +14,7 @@ compared in float64 (1e-300 is 0 in float32), the most likely token always kept.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -56,7 +56,7 @@ def choose(logits: torch.Tensor, requests: Sequence[GenerateRequest | None],
     failed: dict[int, str] = {}
     if all(g is None for g in gens):
         return tokens, failed
-    for i, (request, gen) in enumerate(zip(requests, gens)):
+    for i, (request, gen) in enumerate(zip(requests, gens, strict=False)):
         if gen is None or request is None:
             continue
         try:

@@ -10,7 +10,8 @@ masked values are still multiplied by 0, and a failed sequence's may be NaN).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -158,7 +159,7 @@ class Sequences:
         """Give each row's sequence its token; the sequences that were still running took one (a
         FAILED token fails its sequence, with why from `failures` when this rank sampled it)."""
         took = []
-        for row, token in zip(rows, tokens):
+        for row, token in zip(rows, tokens, strict=False):
             seq = self.by_row[row]
             if seq is not None and not seq.finished:
                 if token == FAILED:

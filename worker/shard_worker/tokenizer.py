@@ -39,7 +39,7 @@ class TextCodec:
         self._template: Any = None
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> "TextCodec | None":
+    def load(cls, model_dir: str | Path) -> TextCodec | None:
         """The model's codec, or None when it has no tokenizer.json (token ids only)."""
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"

@@ -57,7 +57,7 @@ async def test_status_of_a_model_on_the_cluster_shows_every_group_rank_by_rank(t
     # A GPU rank's prediction holds its 1 GiB of runtime: the table is in GiB.
     assert header == ["group", "rank", "stage", "tp", "where", "layers", "state", "predicted GiB", "measured GiB",
                       "capacity GiB", "compute", "comm", "idle"]
-    rows = [dict(zip(header, re.split(r"\s{2,}", line.strip()))) for line in lines[2:6]]
+    rows = [dict(zip(header, re.split(r"\s{2,}", line.strip()), strict=False)) for line in lines[2:6]]
     by_pod = {s["pod"]: s for s in status["shards"]}
     assert [(r["group"], r["rank"], r["layers"], r["state"]) for r in rows] == \
         [(g, k, "0-3 (4 layers)", "Ready") for g in ("0", "1") for k in ("0", "1")]

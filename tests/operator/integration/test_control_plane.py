@@ -21,7 +21,7 @@ EVENTS, ENDPOINTS, SLICES = "v1/events", "v1/endpoints", "discovery.k8s.io/v1/en
 async def cluster(request):
     """(emulator, control plane): a node lives 40 s without a heartbeat, or as long as a test asks."""
     grace = getattr(request, "param", 40.0)
-    async with serve(control_plane=False) as (emu, url):
+    async with serve(control_plane=False) as (emu, _):
         async with ControlPlane(emu, node_monitor_grace=grace, pod_gc_quarantine=0.5) as plane:
             yield emu, plane
 
@@ -71,11 +71,11 @@ async def test_the_scheduler_binds_within_affinity_selectors_taints_and_extended
 
     # No room to surge: a third GPU on node a, and a pod no node tolerates.
     await emu.k8s_create(PODS, "default", pod("surge", affinity=pinned("a")))
+    not_a = {"nodeSelectorTerms": [{"matchExpressions": [
+        {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["a"]}]}]}
     await emu.k8s_create(PODS, "default", pod("nowhere", gpus=0, nodeSelector={"pool": "x"},
-                                              affinity={"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                                                  "nodeSelectorTerms": [{"matchExpressions": [
-                                                      {"key": "kubernetes.io/hostname", "operator": "NotIn",
-                                                       "values": ["a"]}]}]}}}))
+                                              affinity={"nodeAffinity": {
+                                                  "requiredDuringSchedulingIgnoredDuringExecution": not_a}}))
     surge = await eventually(lambda: _unschedulable(emu, "surge"))
     assert surge["message"] == ("0/3 nodes are available: 1 Insufficient nvidia.com/gpu, "
                                 "2 node(s) didn't match Pod's node affinity/selector.")  # (pinned by name: a PreFilter)
@@ -138,7 +138,8 @@ async def test_a_node_without_lease_renewals_turns_unknown_tainted_and_its_pods_
         node = await emu.k8s_get(NODES, None, "a")
         return node if _ready(node)["status"] == "Unknown" else None
     node = await eventually(unknown, timeout=5)
-    assert (_ready(node)["reason"], _ready(node)["message"]) == ("NodeStatusUnknown", "Kubelet stopped posting node status.")
+    assert (_ready(node)["reason"], _ready(node)["message"]) == ("NodeStatusUnknown",
+                                                                 "Kubelet stopped posting node status.")
     assert {(t["key"], t["effect"]) for t in node["spec"]["taints"]} == {
         ("node.kubernetes.io/unreachable", "NoSchedule"), ("node.kubernetes.io/unreachable", "NoExecute")}
     assert _ready(await eventually(lambda: _not_ready_pod(emu, "p")))["status"] == "False"
@@ -178,7 +179,7 @@ async def _renew(emu, node: str, seconds: float) -> None:
 
 def _micro() -> str:
     import datetime
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 async def test_the_pod_gc_force_deletes_pods_of_a_deleted_node_after_a_quarantine(cluster):

@@ -55,14 +55,14 @@ class Api:
                     if line.strip():
                         e = json.loads(line)
                         events.append((e["type"], e["object"].get("metadata", {}).get("name"), e["object"]))
-        except (asyncio.TimeoutError, aiohttp.ClientPayloadError):
+        except (TimeoutError, aiohttp.ClientPayloadError):
             pass
         return events
 
 
 @pytest.fixture
 async def api():
-    async with serve(control_plane=False, bookmark_interval=0.1, check_namespaces=True) as (emu, url):
+    async with serve(control_plane=False, bookmark_interval=0.1, check_namespaces=True) as (_, url):
         async with aiohttp.ClientSession(base_url=url) as session:
             yield Api(session)
 
@@ -86,9 +86,9 @@ async def test_label_and_field_selectors_on_list_and_watch(api):
         await api("POST", PODS, json=pod(name, labels))
     for sel, expected in [("app=a", ["p1", "p3"]), ("app!=a", ["p2"]), ("app in (a,b),tier=x", ["p1"]),
                           ("tier", ["p1", "p3"]), ("!tier", ["p2"])]:
-        st, b = await api("GET", PODS, params={"labelSelector": sel})
+        _, b = await api("GET", PODS, params={"labelSelector": sel})
         assert names(b["items"]) == expected, sel
-    st, b = await api("GET", PODS, params={"fieldSelector": "metadata.name=p2"})
+    _, b = await api("GET", PODS, params={"fieldSelector": "metadata.name=p2"})
     assert names(b["items"]) == ["p2"]
     events = await api.watch(f"{PODS}?watch=true&labelSelector=app%3Db")
     assert {n for _, n, _ in events} == {"p2"}
@@ -97,11 +97,11 @@ async def test_label_and_field_selectors_on_list_and_watch(api):
 async def test_lists_carry_kind_version_and_pages(api):
     for name in ("p1", "p2"):
         await api("POST", PODS, json=pod(name))
-    st, b = await api("GET", PODS)
+    _, b = await api("GET", PODS)
     assert b["kind"] == "PodList" and b["metadata"]["resourceVersion"]
-    st, b = await api("GET", PODS, params={"limit": "1"})
+    _, b = await api("GET", PODS, params={"limit": "1"})
     assert len(b["items"]) == 1 and b["metadata"]["continue"]
-    st, b2 = await api("GET", PODS, params={"limit": "1", "continue": b["metadata"]["continue"]})
+    _, b2 = await api("GET", PODS, params={"limit": "1", "continue": b["metadata"]["continue"]})
     assert names(b["items"] + b2["items"]) == ["p1", "p2"]
 
 
@@ -230,7 +230,7 @@ async def test_owner_references_are_garbage_collected(api):
 
 
 async def test_watch_resumes_bookmarks_times_out_and_follows_selectors(api):
-    st, b = await api("GET", PODS)
+    _, b = await api("GET", PODS)
     events = await api.watch(f"{PODS}?watch=true&resourceVersion={b['metadata']['resourceVersion']}"
                              f"&allowWatchBookmarks=true", 0.3)
     assert [t for t, _, _ in events if t != "BOOKMARK"] == [] and any(t == "BOOKMARK" for t, _, _ in events)
@@ -251,7 +251,7 @@ async def test_watch_resumes_bookmarks_times_out_and_follows_selectors(api):
     assert [t for t, n, _ in events if n == "w1"] == ["ADDED", "MODIFIED", "DELETED"]
     assert all(o["metadata"]["resourceVersion"] for _, n, o in events if n == "w1")
 
-    st, b = await api("GET", PODS)
+    _, b = await api("GET", PODS)
     await api("POST", PODS, json=pod("missed"))
     events = await api.watch(f"{PODS}?watch=true&resourceVersion={b['metadata']['resourceVersion']}", 0.3)
     assert [(t, n) for t, n, _ in events] == [("ADDED", "missed")]
@@ -296,7 +296,7 @@ async def test_server_side_tables_for_every_kind_in_lists_gets_and_watches(api):
     makes `kubectl get -w` print whole rows."""
     await api("POST", SMS, json=sm())
     await api("PATCH", f"{SMS}/m1/status", json={"status": {"phase": "Ready", "ready": "2/2"}}, headers=MERGE)
-    st, b = await api("GET", SMS, headers=TABLE)
+    _, b = await api("GET", SMS, headers=TABLE)
     assert b["kind"] == "Table"
     assert [(c["name"], c["priority"]) for c in b["columnDefinitions"]] == [
         ("Name", 0), ("Phase", 0), ("TP", 0), ("PP", 0), ("Ready", 0), ("URL", 0), ("Reason", 0), ("Replicas", 1),
@@ -304,18 +304,18 @@ async def test_server_side_tables_for_every_kind_in_lists_gets_and_watches(api):
     assert b["rows"][0]["cells"][:8] == ["m1", "Ready", None, None, "2/2", "", "", 2]
     await api("POST", f"/api/v1/namespaces/{NS}/services", json={"metadata": {"name": "web"}, "spec": {
         "selector": {"app": "web"}, "ports": [{"port": 80, "protocol": "TCP"}]}})
-    st, b = await api("GET", f"/api/v1/namespaces/{NS}/services/web", headers=TABLE)
-    cells = dict(zip([c["name"] for c in b["columnDefinitions"]], b["rows"][0]["cells"]))
+    _, b = await api("GET", f"/api/v1/namespaces/{NS}/services/web", headers=TABLE)
+    cells = dict(zip([c["name"] for c in b["columnDefinitions"]], b["rows"][0]["cells"], strict=False))
     assert cells["Type"] == "ClusterIP" and cells["Cluster-IP"].startswith("10.") and cells["Port(s)"] == "80/TCP"
     assert cells["Selector"] == "app=web"
     await api("POST", f"/api/v1/namespaces/{NS}/events", json={"metadata": {"name": "e1"}, "type": "Warning",
                                                               "reason": "Boom", "message": "it broke",
                                                               "involvedObject": {"kind": "Pod", "name": "p1"}})
-    st, b = await api("GET", f"/api/v1/namespaces/{NS}/events", headers=TABLE)
+    _, b = await api("GET", f"/api/v1/namespaces/{NS}/events", headers=TABLE)
     columns = [c["name"] for c in b["columnDefinitions"] if c["priority"] == 0]
     assert columns == ["Last Seen", "Type", "Reason", "Object", "Message"]
     assert b["rows"][0]["cells"][1:4] == ["Warning", "Boom", "pod/p1"]
-    st, b = await api("GET", "/apis/rbac.authorization.k8s.io/v1/clusterroles", headers=TABLE)
+    _, b = await api("GET", "/apis/rbac.authorization.k8s.io/v1/clusterroles", headers=TABLE)
     assert [c["name"] for c in b["columnDefinitions"]] == ["Name", "Created At"]
 
     task = asyncio.create_task(api.watch(f"{PODS}?watch=true&includeObject=Object", 0.8, headers=TABLE))
@@ -334,17 +334,18 @@ async def test_version_and_openapi_for_kubectl(api):
     /openapi/v3 lists a document per group-version, in which a CRD's kind has its schema (what
     `kubectl explain` reads) and every write declares fieldValidation (so kubectl lets the server
     validate); /openapi/v2 answers in protobuf, as kubectl asks it to."""
-    st, b = await api("GET", "/version")
+    _, b = await api("GET", "/version")
     assert (b["major"], b["minor"], b["gitVersion"]) == ("1", "33", "v1.33.0")
-    st, b = await api("GET", "/openapi/v3")
+    _, b = await api("GET", "/openapi/v3")
     url = b["paths"]["apis/sharding.dev/v1alpha1"]["serverRelativeURL"]
-    st, doc = await api("GET", url)
+    _, doc = await api("GET", url)
     schema = doc["components"]["schemas"]["dev.sharding.v1alpha1.ShardedModel"]
     assert schema["x-kubernetes-group-version-kind"] == [{"group": "sharding.dev", "version": "v1alpha1",
                                                           "kind": "ShardedModel"}]
     assert "tensor" in schema["properties"]["spec"]["properties"]["parallelism"]["properties"]
     post = doc["paths"]["/apis/sharding.dev/v1alpha1/namespaces/{namespace}/shardedmodels"]["post"]
-    assert {"name": "fieldValidation", "in": "query", "schema": {"type": "string", "uniqueItems": True}} in post["parameters"]
+    assert {"name": "fieldValidation", "in": "query",
+            "schema": {"type": "string", "uniqueItems": True}} in post["parameters"]
     async with api.s.get("/openapi/v2") as r:
         assert r.status == 200 and "protobuf" in r.headers["Content-Type"] and (await r.read()).startswith(b"\n\x032.0")
 
@@ -389,7 +390,8 @@ async def test_graceful_deletion_holds_a_running_pod_until_its_kubelet_deletes_i
     await api("POST", PODS, json=pod("unbound"))
     await api("DELETE", f"{PODS}/unbound")
     assert (await api("GET", f"{PODS}/unbound"))[0] == 404
-    await api("POST", PODS, json={**pod("done"), "spec": {"nodeName": "n1", "containers": [{"name": "c", "image": "x"}]}})
+    await api("POST", PODS,
+              json={**pod("done"), "spec": {"nodeName": "n1", "containers": [{"name": "c", "image": "x"}]}})
     await api("PATCH", f"{PODS}/done/status", json={"status": {"phase": "Succeeded"}}, headers=MERGE)
     await api("DELETE", f"{PODS}/done")
     assert (await api("GET", f"{PODS}/done"))[0] == 404
@@ -402,7 +404,8 @@ async def test_a_pod_is_bound_through_pods_binding_and_its_spec_is_not_updated(a
     await api("POST", PODS, json=pod("p1"))
     st, b = await api("PATCH", f"{PODS}/p1", json={"spec": {"nodeName": "n1"}}, headers=MERGE)
     assert st == 422 and "pod updates may not change fields" in b["message"]
-    binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": "p1"}, "target": {"kind": "Node", "name": "n1"}}
+    binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": "p1"},
+               "target": {"kind": "Node", "name": "n1"}}
     st, b = await api("POST", f"{PODS}/p1/binding", json=binding)
     assert (st, b["status"]) == (201, "Success")
     st, b = await api("GET", f"{PODS}/p1")
@@ -428,7 +431,8 @@ async def test_pod_logs_come_from_the_kubelet_of_the_pods_node(api, tmp_path):
         await api("POST", "/api/v1/nodes", json={"metadata": {"name": "n1"}, "status": {
             "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
             "daemonEndpoints": {"kubeletEndpoint": {"Port": kubelet.port}}}})
-        await api("POST", PODS, json={**pod("p1"), "spec": {"nodeName": "n1", "containers": [{"name": "c", "image": "x"}]}})
+        await api("POST", PODS,
+                  json={**pod("p1"), "spec": {"nodeName": "n1", "containers": [{"name": "c", "image": "x"}]}})
         assert await api("GET", f"{PODS}/p1/log") == (200, "one\ntwo\nthree\n")
         assert await api("GET", f"{PODS}/p1/log?tailLines=1") == (200, "three\n")
         assert await api("GET", f"{PODS}/p1/log?container=c&limitBytes=3") == (200, "one")
@@ -457,7 +461,7 @@ async def test_pod_proxy_forwards_a_get_to_the_pods_ip_and_port_and_returns_its_
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     # The pod's IP is a pod network's; this machine reaches it on loopback (as the dev cluster maps it).
-    async with serve(control_plane=False, pod_address=lambda ip: "127.0.0.1") as (emu, url), \
+    async with serve(control_plane=False, pod_address=lambda ip: "127.0.0.1") as (_, url), \
             aiohttp.ClientSession(base_url=url) as session:
         api = Api(session)
         try:

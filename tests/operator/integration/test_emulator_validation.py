@@ -65,9 +65,11 @@ async def test_an_invalid_spec_is_422_with_a_cause_per_field_and_nothing_is_stor
     field (reason FieldValue*, the field's path, the message without it)."""
     emu, api = cluster
     st, b, _ = await api("POST", SMS, json=sm(parallelism={"tensor": 0}, replicas=-1))
-    assert (st, b["reason"], b["details"]["kind"], b["details"]["group"]) == (422, "Invalid", "ShardedModel", "sharding.dev")
+    assert (st, b["reason"], b["details"]["kind"], b["details"]["group"]) == \
+        (422, "Invalid", "ShardedModel", "sharding.dev")
     assert causes(b) == {
-        "spec.replicas": ("FieldValueInvalid", "Invalid value: -1: spec.replicas in body should be greater than or equal to 0"),
+        "spec.replicas": ("FieldValueInvalid",
+                          "Invalid value: -1: spec.replicas in body should be greater than or equal to 0"),
         "spec.parallelism.tensor": ("FieldValueInvalid", 'Invalid value: 0: must be a positive integer or "auto"')}
     assert b["message"].startswith('ShardedModel.sharding.dev "m" is invalid: [spec.replicas: Invalid value: -1: ')
     assert await emu.k8s_get(SM, "default", "m") is None
@@ -135,7 +137,7 @@ async def test_field_validation_strict_warn_and_ignore(cluster):
     """fieldValidation=Strict (kubectl's default) refuses unknown fields with 400 BadRequest naming
     each ("strict decoding error: unknown field"); Warn (the server's default) prunes them and says
     so in a Warning header each; Ignore prunes them quietly. Defaults apply in every case."""
-    emu, api = cluster
+    _, api = cluster
     body = sm(replica=2)
     body["spec"]["model"]["sharding"] = "yes"
     st, b, _ = await api("POST", SMS, json=body, params={"fieldValidation": "Strict"})
@@ -167,7 +169,8 @@ async def test_updates_and_patches_are_validated_and_unchanged_values_ratchet(cl
     assert st == 422 and "spec.replicas" in causes(b)
     st, b, _ = await api("PUT", f"{SMS}/m", json={**created, "spec": {**created["spec"], "replicas": -2}})
     assert st == 422
-    assert (await emu.k8s_get(SM, "default", "m"))["metadata"]["resourceVersion"] == created["metadata"]["resourceVersion"]
+    unchanged = await emu.k8s_get(SM, "default", "m")
+    assert unchanged["metadata"]["resourceVersion"] == created["metadata"]["resourceVersion"]
 
     await emu.k8s_create(SM, "default", sm("old", replicas=-1))  # stored as it was (the in-process API)
     st, b, _ = await api("PATCH", f"{SMS}/old", json={"metadata": {"labels": {"team": "a"}}, "spec": {"parallelism": {
@@ -214,7 +217,8 @@ async def test_rules_with_old_self_message_expressions_reasons_and_field_paths(c
     st, b, _ = await api("PATCH", f"{WIDGETS}/w", json={"spec": {"size": 6, "name": "admin"}}, headers=MERGE)
     assert causes(b) == {"spec.name": ("FieldValueInvalid", 'Invalid value: "admin": the name admin is reserved')}
     st, b, _ = await api("PATCH", f"{WIDGETS}/w", json={"spec": {"name": "a-long-name"}}, headers=MERGE)
-    assert causes(b) == {"spec.name": ("FieldValueInvalid", 'Invalid value: "a-long-name": failed rule: self.size() <= 8')}
+    assert causes(b) == {"spec.name": ("FieldValueInvalid",
+                                       'Invalid value: "a-long-name": failed rule: self.size() <= 8')}
     st, b, _ = await api("PATCH", f"{WIDGETS}/w", json={"spec": {"name": "root"}}, headers=MERGE)
     assert causes(b) == {"spec.name": ("FieldValueForbidden", "Forbidden: root is not a widget")}
     st, b, _ = await api("PATCH", f"{WIDGETS}/w", json={"spec": {"limits": {"gpu": -1}}}, headers=MERGE)
@@ -226,7 +230,8 @@ async def test_a_rule_that_errors_is_a_cause_and_a_rule_that_does_not_compile_re
     RULE"; a CRD with a rule that does not compile is refused when it is created."""
     emu, api = cluster
     emu.add_crd(widget_crd({"spec": [{"rule": "self.name.size() > 0"}]}))
-    st, b, _ = await api("POST", WIDGETS, json={"apiVersion": "test.dev/v1", "kind": "Widget", "metadata": {"name": "w"},
+    st, b, _ = await api("POST", WIDGETS,
+                         json={"apiVersion": "test.dev/v1", "kind": "Widget", "metadata": {"name": "w"},
                                                 "spec": {"size": 1}})
     assert st == 422 and causes(b)["spec"][1].endswith("evaluating rule: self.name.size() > 0")
     with pytest.raises(ApiError, match="compilation failed"):
@@ -240,7 +245,8 @@ async def test_the_kubernetes_cel_libraries_are_a_gap(cluster):
     ShardedModel CRD uses none of them (a test keeps it so)."""
     emu, api = cluster
     emu.add_crd(widget_crd({"name": [{"rule": "self.lowerAscii() == self"}]}))
-    st, b, _ = await api("POST", WIDGETS, json={"apiVersion": "test.dev/v1", "kind": "Widget", "metadata": {"name": "w"},
+    st, b, _ = await api("POST", WIDGETS,
+                         json={"apiVersion": "test.dev/v1", "kind": "Widget", "metadata": {"name": "w"},
                                                 "spec": {"name": "Abc"}})
     assert st == 422 and "evaluating rule: self.lowerAscii() == self" in causes(b)["spec.name"][1]
     from shard_operator.crd import build_crd

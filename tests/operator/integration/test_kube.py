@@ -27,7 +27,8 @@ def writes_and_reads(kube: Kube, rounds: int) -> int:
         assert created["metadata"]["uid"] and created["metadata"]["resourceVersion"]
         assert kube.create(configmap(f"c{i}")) is None  # 409: it exists
         patched = kube.patch("ConfigMap", "default", f"c{i}", {"data": {"k": "w"}})
-        assert patched["data"] == {"k": "w"} and patched["metadata"]["resourceVersion"] != created["metadata"]["resourceVersion"]
+        assert patched["data"] == {"k": "w"}
+        assert patched["metadata"]["resourceVersion"] != created["metadata"]["resourceVersion"]
         assert [c["metadata"]["name"] for c in kube.list("ConfigMap", "default", "")] == [f"c{i}"]
         assert kube.pod_log("default", "p") == "hello\n"
         model = kube.patch_status("default", "m", {"reason": f"round {i}"})

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from shard_devcluster.apiserver import serve, write_kubeconfig
-from tests.support.fakekubelet import FakeKubelet
 from tests.support.cluster import gpu_node, write_model
+from tests.support.fakekubelet import FakeKubelet
 from tests.support.k8s_binaries import binary, rows
 from tests.support.operator import eventually, fast_settings, running_operator
 
@@ -67,7 +67,7 @@ class Watch:
         self.args = [str(binary("kubectl")), "--kubeconfig", str(kubeconfig), "get", *args, "-w"]
         self.lines: list[str] = []
 
-    async def __aenter__(self) -> "Watch":
+    async def __aenter__(self) -> Watch:
         self.proc = await asyncio.create_subprocess_exec(*self.args, stdout=asyncio.subprocess.PIPE,
                                                          stderr=asyncio.subprocess.STDOUT)
         self.reader = asyncio.create_task(self._read())
@@ -93,7 +93,7 @@ async def test_kubectls_everyday_verbs_behave_as_on_a_cluster(tmp_path):
 
     from shard_devcluster.kubeletserver import LogBuffer
 
-    model = write_model(tmp_path / "host" / "var/lib/shard-operator/models/demo-llama")
+    write_model(tmp_path / "host" / "var/lib/shard-operator/models/demo-llama")
     async with serve() as (emu, url), FakeKubelet(emu) as kubelet:
         config = write_kubeconfig(tmp_path / "kubeconfig", url)
         proc = await asyncio.create_subprocess_exec(str(binary("kubectl")), "--kubeconfig", str(config), "version",
@@ -123,14 +123,16 @@ async def test_kubectls_everyday_verbs_behave_as_on_a_cluster(tmp_path):
         updates = [line for line in models.lines[1:] if line not in before]
         assert before and all(line.split()[0] == "demo" for line in before), "\n".join(models.lines)
         assert [line.split()[1] for line in updates][-2:] == ["Loading", "Ready"], "\n".join(models.lines)
-        assert all(re.search(r" [0-9]+/1 +http://demo.default.svc:8000 ", line) for line in updates), "\n".join(models.lines)
+        assert all(re.search(r" [0-9]+/1 +http://demo.default.svc:8000 ", line) for line in updates), \
+            "\n".join(models.lines)
         assert pods.lines[0].split() == ["NAME", "READY", "STATUS", "RESTARTS", "AGE"]
         assert all(len(line.split()) == 5 for line in pods.lines[1:]) and \
             {"Pending", "Running"} <= {line.split()[2] for line in pods.lines[1:]}, pods.lines
 
         services = {r["NAME"]: r for r in rows(await kubectl(config, "get", "svc", "-o", "wide"))}
         assert services["demo"]["TYPE"] == "ClusterIP" and services["demo"]["PORT(S)"] == "8000/TCP"
-        assert services["demo"]["CLUSTER-IP"].startswith("10.") and "sharding.dev/role=leader" in services["demo"]["SELECTOR"]
+        assert services["demo"]["CLUSTER-IP"].startswith("10.")
+        assert "sharding.dev/role=leader" in services["demo"]["SELECTOR"]
         events = rows(await kubectl(config, "get", "events"))
         assert list(events[0]) == ["LAST SEEN", "TYPE", "REASON", "OBJECT", "MESSAGE"]
         assert {("Normal", "GroupReady", "shardedmodel/demo"), ("Normal", "Planned", "shardedmodel/demo")} <= \
@@ -141,7 +143,8 @@ async def test_kubectls_everyday_verbs_behave_as_on_a_cluster(tmp_path):
         assert ours and all(e["action"] != "Action?" and e["reportingComponent"] == "sharding.dev/shard-operator"
                             for e in ours)
         endpoints = {r["NAME"]: r for r in rows(await kubectl(config, "get", "endpoints"))}
-        leader = json.loads(await kubectl(config, "get", "pods", "-l", "sharding.dev/role=leader", "-o", "json"))["items"]
+        leaders = await kubectl(config, "get", "pods", "-l", "sharding.dev/role=leader", "-o", "json")
+        leader = json.loads(leaders)["items"]
         assert endpoints["demo"]["ENDPOINTS"] == f"{leader[0]['status']['podIP']}:8000"  # the ready leader's
 
         rank = next(r["NAME"] for r in rows(await kubectl(config, "get", "pods")) if r["NAME"].startswith("demo-0-"))

@@ -15,7 +15,8 @@ def test_measured_by_rank_skips_ranks_that_have_not_measured():
     report = ShardsResponse(model="m", replica=0, ready=False, ranks=[
         ShardEntry(rank=0, stage=0, tp_rank=0, layers=(0, 1), capacity_bytes=2**30, usable_bytes=2**29,
                    predicted_bytes=predicted, resident_bytes=measured, streamed_bytes=5, stall_seconds=0.5),
-        ShardEntry(rank=1, stage=0, tp_rank=1, layers=(0, 1), capacity_bytes=2**30, usable_bytes=2**29, predicted_bytes=predicted)])
+        ShardEntry(rank=1, stage=0, tp_rank=1, layers=(0, 1), capacity_bytes=2**30, usable_bytes=2**29,
+                   predicted_bytes=predicted)])
     expected = {0: Measured(resident=10, streamed_bytes=5, stall_seconds=0.5)}
     assert report.measured_by_rank() == expected
     assert ShardsResponse.model_validate_json(report.model_dump_json()).measured_by_rank() == expected

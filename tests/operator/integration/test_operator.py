@@ -90,7 +90,8 @@ async def test_create_wires_every_rank_and_reports_ready(world, layout, ranks_pe
 
     assert (status["replicas"], status["readyReplicas"]) == (2, 2)
     assert (status["plan"]["tensorParallel"], status["plan"]["pipelineParallel"]) == (2, 1)
-    assert {(s["group"], s["rank"], s["state"]) for s in status["shards"]} == {(g, r, "Ready") for g in (0, 1) for r in (0, 1)}
+    assert {(s["group"], s["rank"], s["state"]) for s in status["shards"]} == \
+        {(g, r, "Ready") for g in (0, 1) for r in (0, 1)}
     assert {s["residentBytes"] for s in status["shards"]} == {RESIDENT, RESIDENT + 2**20}
     assert all(s["predictedBytes"] > 0 for s in status["shards"])
     conditions = {c["type"]: c for c in status["conditions"]}
@@ -126,7 +127,8 @@ async def test_scaling_adds_and_removes_whole_groups(world):
         scale = await world.emu.k8s_get(SM, "default", "m1")
         assert scale["spec"]["replicas"] == 2
     for kind in ("v1/services", "v1/secrets"):  # the group's key went with it
-        assert not [o for o in await world.objects(kind, "m1") if o["metadata"]["labels"].get("sharding.dev/group") == "2"]
+        assert not [o for o in await world.objects(kind, "m1")
+                    if o["metadata"]["labels"].get("sharding.dev/group") == "2"]
     assert len(await world.objects("v1/secrets", "m1")) == 2
 
 
@@ -144,8 +146,9 @@ async def test_replicas_that_do_not_all_fit_run_as_many_as_fit_whatever_the_hist
         status = await eventually(lambda: _degraded_serving(world, "m1", wanted=2, ready=1))
         assert status["replicas"] == 1 and groups_of(await world.pods("m1")) == {0: {"a"}}
     conditions = {c["type"]: c for c in status["conditions"]}
-    assert conditions["Degraded"]["message"].startswith("2 replicas wanted, 1 fits: tensor=2 x pipeline=1 x 2 replicas "
-                                                        "needs 4 devices, tensor-parallel ranks on one node; the pool has 2")
+    assert conditions["Degraded"]["message"].startswith(
+        "2 replicas wanted, 1 fits: tensor=2 x pipeline=1 x 2 replicas needs 4 devices, tensor-parallel ranks on one "
+        "node; the pool has 2")
     assert "add 2 more devices of 24.0 GiB (NVIDIA-L4) to node a" in conditions["Degraded"]["message"]
     assert conditions["Available"]["message"] == "1 of 2 groups ready, 2 needed; only 1 fits the pool"
     warnings = [e[2] for e in await world.events("m1") if e[0] == "Warning"]
@@ -569,7 +572,8 @@ async def test_the_rbac_table_is_exactly_what_the_operator_uses(world):
         created = await world.create(body)  # a profiling pod (pods/log), then groups
         await world.wait_phase("m1", "Ready")
         await world.emu.k8s_patch("v1/services", "default", "m1", {"spec": {"selector": {"x": "y"}}})
-        await world.emu.k8s_patch(NETPOL, "default", "m1-ranks", {"spec": {"podSelector": {"matchLabels": {"sharding.dev/model": "x"}}}})
+        await world.emu.k8s_patch(NETPOL, "default", "m1-ranks",
+                                  {"spec": {"podSelector": {"matchLabels": {"sharding.dev/model": "x"}}}})
         await world.emu.k8s_patch(SM, "default", "m1", {"spec": {"replicas": 1}})  # deletes a group
         await eventually(lambda: _pod_count(world, "m1", 2))
         await eventually(lambda: _selector_restored(world))
@@ -618,7 +622,8 @@ async def test_a_failed_profiling_pod_is_reported_and_kept(world):
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
     assert degraded["reason"] == "InvalidModel" and "profiling pod m1-profile failed" in degraded["message"]
     assert "config.json: missing" in degraded["message"]
-    profilers = [p for p in await world.objects("v1/pods", "m1") if p["metadata"]["labels"]["sharding.dev/component"] == "profiler"]
+    profilers = [p for p in await world.objects("v1/pods", "m1")
+                 if p["metadata"]["labels"]["sharding.dev/component"] == "profiler"]
     assert len(profilers) == 1  # kept for `kubectl logs`, not recreated in a loop
     assert not await world.pods("m1")
 
@@ -644,8 +649,10 @@ async def test_the_operator_metrics_say_what_it_did_and_what_it_sees(world):
     assert samples[("shard_operator_replicas", (("model", "good"), ("namespace", "default")))] == 1
     assert samples[("shard_operator_ready_replicas", (("model", "good"), ("namespace", "default")))] == 1
     assert samples[("shard_operator_ready_replicas", (("model", "bad"), ("namespace", "default")))] == 0
-    assert samples[("shard_operator_group_restarts", (("group", "0"), ("model", "good"), ("namespace", "default")))] == 0
-    assert samples[("shard_operator_degraded", (("model", "good"), ("namespace", "default"), ("reason", "AsExpected")))] == 0
+    assert samples[("shard_operator_group_restarts",
+                    (("group", "0"), ("model", "good"), ("namespace", "default")))] == 0
+    assert samples[("shard_operator_degraded",
+                    (("model", "good"), ("namespace", "default"), ("reason", "AsExpected")))] == 0
     assert samples[("shard_operator_degraded", (("model", "bad"), ("namespace", "default"),
                                                 ("reason", "InvalidParallelism")))] == 1
     assert 0 < samples[("shard_operator_reconciles_total", ())] <= reconciles
@@ -788,14 +795,16 @@ async def _as_planned(world, name, settings, replicas):
     desired = {(o["kind"], o["metadata"]["name"]): o for o in desired_objects(ctx, plan)}
     actual = {(o["kind"], o["metadata"]["name"]): o for kind in KINDS for o in await world.objects(kind, name)}
     assert len(plan.groups) == replicas, ("groups planned", len(plan.groups))
-    assert actual.keys() == desired.keys(), ("missing", desired.keys() - actual.keys(), "extra", actual.keys() - desired.keys())
+    assert actual.keys() == desired.keys(), ("missing", desired.keys() - actual.keys(), "extra",
+                                             actual.keys() - desired.keys())
     for key, obj in actual.items():
         want = {**desired[key], "data": obj["data"]} if key[0] == "Secret" else desired[key]  # a random key
         assert obj["metadata"]["ownerReferences"] == want["metadata"]["ownerReferences"], key
         assert drift_patch(want, obj) is None, key  # labels, annotations, spec, data
     pods = [o for (kind, _), o in actual.items() if kind == "Pod"]
     groups = {(g["replica"], g["revision"], g["state"]) for g in status.get("groups", [])}
-    pod_groups = {(int(p["metadata"]["labels"]["sharding.dev/group"]), p["metadata"]["labels"]["sharding.dev/revision"], "Ready")
+    pod_groups = {(int(p["metadata"]["labels"]["sharding.dev/group"]),
+                   p["metadata"]["labels"]["sharding.dev/revision"], "Ready")
                   for p in pods}
     assert (status.get("phase"), status.get("readyReplicas")) == ("Ready", replicas), \
         (status.get("phase"), status.get("readyReplicas"), status.get("conditions"))

@@ -109,7 +109,8 @@ def test_crd_carries_defaults_bounds_and_enums():
     ({"model": {"path": "m"}, "parallelism": {"pipeline": "many"}},
      'spec.parallelism.pipeline: must be a positive integer or "auto" (got \'many\')'),
     ({"model": {"path": "m", "maxModeLen": 8}}, "spec.model.maxModeLen: unknown field (did you mean maxModelLen?)"),
-    ({"model": {"path": "m", "maxbatchsize": 8}}, "spec.model.maxbatchsize: unknown field (did you mean maxBatchSize?)"),
+    ({"model": {"path": "m", "maxbatchsize": 8}},
+     "spec.model.maxbatchsize: unknown field (did you mean maxBatchSize?)"),
     ({"model": {"path": "m"}, "replica": 2}, "spec.replica: unknown field (did you mean replicas?)"),
     ({"model": {"path": "m"}, "placement": {"tolerations": [{"kee": "a"}]}},
      "spec.placement.tolerations.0.kee: unknown field (did you mean key?)"),
@@ -123,7 +124,8 @@ def test_crd_carries_defaults_bounds_and_enums():
     ({"model": {"path": "m"}, "placement": {"memoryHeadroom": 1.5}},
      "spec.placement.memoryHeadroom: should be less than 1 (got 1.5)"),
     ({"model": {"path": "m"}, "replicas": -1}, "spec.replicas: should be greater than or equal to 0 (got -1)"),
-    ({"model": {"path": "m", "dtype": "int4"}}, "spec.model.dtype: should be 'auto', 'float32', 'bfloat16' or 'float16' (got 'int4')"),
+    ({"model": {"path": "m", "dtype": "int4"}},
+     "spec.model.dtype: should be 'auto', 'float32', 'bfloat16' or 'float16' (got 'int4')"),
     ({"model": {"path": "m"}, "parallelism": {"pipeline": 2, "layerPartition": [1, 2, 3]}},
      "spec.parallelism: layerPartition has 3 stages but pipeline is 2"),
     ({"model": {"path": "m"}, "worker": {"port": 70000}}, "spec.worker.port: should be less than or equal to 65535"),
@@ -207,7 +209,8 @@ def test_shardctl_follows_a_hostpath_model_only_inside_its_volume(tmp_path):
     (volume / "real").mkdir(parents=True)
     (volume / "inside").symlink_to("real")
     (volume / "out").symlink_to(tmp_path / "elsewhere")  # the target need not exist: nothing is probed
-    spec = lambda path: api.parse_spec({"model": {"path": path, "volume": {"hostPath": {"path": str(volume)}}}})
+    def spec(path):
+        return api.parse_spec({"model": {"path": path, "volume": {"hostPath": {"path": str(volume)}}}})
     assert api.resolve_model_dir(spec("inside").model) == (volume / "real").resolve()
     with pytest.raises(api.SpecError, match=r"^spec\.model\.path must stay inside the volume$"):
         api.resolve_model_dir(spec("out/llama").model)

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from shard_operator.capacity import (extended_requests, fingerprint, free_gpus, gpu_use, healthy_nodes,
-                                     slim_node, used_per_node)
+from shard_operator.capacity import (
+    extended_requests,
+    fingerprint,
+    free_gpus,
+    gpu_use,
+    healthy_nodes,
+    slim_node,
+    used_per_node,
+)
 from shard_operator.inventory import parse_devices
 from shard_operator.settings import Settings
-
 from tests.support.cluster import gpu_node
 
 

@@ -29,7 +29,8 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def test_plan_table_for_a_node_pool(capsys):
-    code, out, err = run(capsys, "plan", "-f", str(EXAMPLES / "llama-70b.yaml"), "--nodes", str(EXAMPLES / "nodes.yaml"))
+    code, out, err = run(capsys, "plan", "-f", str(EXAMPLES / "llama-70b.yaml"), "--nodes",
+                         str(EXAMPLES / "nodes.yaml"))
     assert code == 0, err
     assert "decision tensor=8 x pipeline=1" in out
     assert "skipped gpu-l40s-b: cordoned" in out
@@ -40,12 +41,15 @@ def test_plan_table_for_a_node_pool(capsys):
 
 def test_plan_json_has_the_documented_fields(capsys):
     code, out, _ = run(capsys, "plan", "-f", str(EXAMPLES / "pipeline-explicit.yaml"),
-                       "--model-dir", str(EXAMPLES / "models" / "llama-3-8b"), "--devices", "n1:24GiB*2,n2:24GiB*2", "--json")
+                       "--model-dir", str(EXAMPLES / "models" / "llama-3-8b"), "--devices", "n1:24GiB*2,n2:24GiB*2",
+                       "--json")
     assert code == 0
     data = json.loads(out)
     assert (data["tensor_parallel"], data["pipeline_parallel"], data["replicas"]) == (2, 2, 1)
-    assert data["stages"] == [{"stage": 0, "layers": [0, 18], "seconds_per_token": data["stages"][0]["seconds_per_token"]},
-                              {"stage": 1, "layers": [18, 32], "seconds_per_token": data["stages"][1]["seconds_per_token"]}]
+    assert data["stages"] == [{"stage": 0, "layers": [0, 18],
+                               "seconds_per_token": data["stages"][0]["seconds_per_token"]},
+                              {"stage": 1, "layers": [18, 32],
+                               "seconds_per_token": data["stages"][1]["seconds_per_token"]}]
     assert data["imbalance"] > 0  # 18 vs 14 layers on equal devices
     rank = data["ranks"][3]
     for key in ("replica", "rank", "stage", "tp_rank", "node", "device", "layers", "capacity_bytes", "predicted_bytes"):

@@ -22,7 +22,8 @@ def gpu_node(name: str, product: str, gpus: int = 4, compute_labels: bool = True
     if compute_labels:
         labels |= {"nvidia.com/gpu.compute.major": major, "nvidia.com/gpu.compute.minor": minor}
     return {"kind": "Node", "metadata": {"name": name, "labels": labels},
-            "status": {"allocatable": {"nvidia.com/gpu": str(gpus)}, "conditions": [{"type": "Ready", "status": "True"}]}}
+            "status": {"allocatable": {"nvidia.com/gpu": str(gpus)},
+                       "conditions": [{"type": "Ready", "status": "True"}]}}
 
 
 @pytest.mark.parametrize("product, capability, native", [

@@ -216,7 +216,8 @@ def test_device_kind_label_makes_cpu_backed_devices():
                 "nvidia.com/gpu.memory": "160", "sharding.dev/device-kind": "cpu"}},
             "status": {"allocatable": {"nvidia.com/gpu": "2"}, "conditions": [{"type": "Ready", "status": "True"}]}}
     devices = inventory_from_nodes([node]).devices
-    assert [(d.kind, d.name, d.memory_bytes) for d in devices] == [("cpu", "cpu:0", 160 * MiB), ("cpu", "cpu:1", 160 * MiB)]
+    assert [(d.kind, d.name, d.memory_bytes) for d in devices] == [("cpu", "cpu:0", 160 * MiB),
+                                                                   ("cpu", "cpu:1", 160 * MiB)]
     del node["metadata"]["labels"]["sharding.dev/device-kind"]
     assert {d.kind for d in inventory_from_nodes([node]).devices} == {"gpu"}
     node["metadata"]["labels"]["sharding.dev/device-kind"] = "tpu"

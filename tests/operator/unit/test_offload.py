@@ -26,8 +26,8 @@ from shard_operator.planner import Costs, PlanError, _resolve_request, plan
 from shard_operator.profile import profile_from_config
 from shard_operator.replan import choose_plan
 from shard_operator.sizing import layer_copied_bytes, layer_read_bytes, layer_streamed_bytes, layer_weight_bytes
-from tests.support.cluster import gpu_node
 from tests.operator.unit.test_planner import LLAMA_8B, OPTIONS, _rank_total
+from tests.support.cluster import gpu_node
 
 EIGHT_B = profile_from_config(LLAMA_8B, "llama-3-8b")
 
@@ -168,9 +168,9 @@ def test_one_slot_cannot_hide_a_load_behind_its_own_layer():
 
 
 def test_int8_is_not_streamed():
-    with pytest.raises(SpecError, match="spec: placement.offload.policy always cannot stream int8 weights"):
+    with pytest.raises(SpecError, match=r"spec: placement\.offload\.policy always cannot stream int8 weights"):
         spec("always", model={"quantization": "int8"})
-    with pytest.raises(PlanError, match="placement.offload.policy auto cannot stream int8 weights"):
+    with pytest.raises(PlanError, match=r"placement\.offload\.policy auto cannot stream int8 weights"):
         plan(EIGHT_B, spec("auto", model={"quantization": "int8"}), parse_devices("a:4GiB:L4"))
 
 
@@ -223,7 +223,8 @@ def cases(draw):
     heads = draw(st.sampled_from([2, 4]))
     profile = profile_from_config({
         "architectures": ["LlamaForCausalLM"], "hidden_size": heads * 16, "num_attention_heads": heads,
-        "num_key_value_heads": draw(st.sampled_from([1, heads])), "intermediate_size": draw(st.sampled_from([128, 256])),
+        "num_key_value_heads": draw(st.sampled_from([1, heads])),
+        "intermediate_size": draw(st.sampled_from([128, 256])),
         "num_hidden_layers": draw(st.integers(3, 12)), "vocab_size": 40, "max_position_embeddings": 64,
         "torch_dtype": "float32"})
     whole = _rank_total(profile, 1, (0, profile.num_layers), True, True, 16)
@@ -301,7 +302,7 @@ def test_no_split_of_the_layers_over_the_same_stages_streams_fewer_bytes(case):
     stages = [costs.offload_stage(shape, result.tensor_parallel, i == 0, i == last) for i, shape in enumerate(shapes)]
     planned = sum(len(r.offload.layers) if r.offload else 0 for r in ranks)
     for counts in _splits(profile.num_layers, len(ranks)):
-        at = [stage.at(n) for stage, n in zip(stages, counts)]
+        at = [stage.at(n) for stage, n in zip(stages, counts, strict=True)]
         if all(a is not None for a in at):
             assert planned <= sum(a.streamed for a in at), (counts, [r.layers for r in ranks])
 
@@ -315,7 +316,7 @@ def _block_shape(result, rank, devices) -> tuple:
 
 def _splits(total: int, parts: int):
     for cuts in itertools.combinations(range(1, total), parts - 1):
-        yield [b - a for a, b in zip((0, *cuts), (*cuts, total))]
+        yield [b - a for a, b in zip((0, *cuts), (*cuts, total), strict=False)]
 
 
 def test_the_picture_shows_what_a_rank_streams_and_its_staging():

@@ -67,7 +67,8 @@ def test_stages_go_left_to_right_and_tp_ranks_top_to_bottom(tp2_pp2):
 
 
 @settings(max_examples=40, deadline=None)
-@given(resident=st.integers(0, 2**40), alive=st.booleans(), state=st.sampled_from(["loading", "ready", "failed", "broken"]))
+@given(resident=st.integers(0, 2**40), alive=st.booleans(),
+       state=st.sampled_from(["loading", "ready", "failed", "broken"]))
 def test_a_live_rank_shows_its_measured_memory_and_is_red_exactly_when_dead(resident, alive, state):
     rp = make_plan().ranks[1]
     entry = ShardEntry.planned(rp, alive=alive, state=state,
@@ -102,7 +103,8 @@ def test_what_is_missing_is_drawn_to_scale():
     short = err.shortfall
     assert short is not None and short.need > sum(short.usable)
     root = ElementTree.fromstring(infeasible_svg(err, "tiny does not fit"))
-    rects = {cls: [r for r in root.iter(SVG + "rect") if r.get("class") == cls] for cls in ("need", "device", "missing")}
+    rects = {cls: [r for r in root.iter(SVG + "rect") if r.get("class") == cls]
+             for cls in ("need", "device", "missing")}
     width = {cls: sum(float(r.get("width")) for r in rs) for cls, rs in rects.items()}
     assert len(rects["device"]) == 2 and len(rects["missing"]) == 1
     assert width["missing"] / width["need"] == pytest.approx((short.need - sum(short.usable)) / short.need, abs=0.01)

@@ -11,7 +11,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shard_contract.sharding import valid_tensor_degrees
-from shard_contract.units import GiB
 from shard_operator.api import parse_spec
 from shard_operator.inventory import Device, Inventory, parse_devices
 from shard_operator.planner import PlanError, PlannerOptions, places, plan, shortfall
@@ -146,8 +145,10 @@ TWELVE_HEADS = {**LLAMA_8B, "hidden_size": 768, "intermediate_size": 3072, "num_
 
 @pytest.mark.parametrize("pool", ["", "a:80GiB*8"])  # "": every GPU held by another model
 @pytest.mark.parametrize("parallelism, message", [
-    ({"tensor": 5}, "spec.parallelism.tensor: tensor=5 does not divide the 12 attention heads; valid: 1, 2, 3, 4, 6, 12"),
-    ({"tensor": 8}, "spec.parallelism.tensor: tensor=8 does not divide the 12 attention heads; valid: 1, 2, 3, 4, 6, 12"),
+    ({"tensor": 5},
+     "spec.parallelism.tensor: tensor=5 does not divide the 12 attention heads; valid: 1, 2, 3, 4, 6, 12"),
+    ({"tensor": 8},
+     "spec.parallelism.tensor: tensor=8 does not divide the 12 attention heads; valid: 1, 2, 3, 4, 6, 12"),
     ({"pipeline": 100}, "spec.parallelism.pipeline=100 exceeds the 8 decoder layers; valid: 1 to 8"),
     ({"layerPartition": [4, 5]}, "spec.parallelism.layerPartition [4, 5] places 9 layers; the model has 8"),
 ])
@@ -266,7 +267,7 @@ def small_spec(tensor="auto", pipeline="auto", replicas=1):
 
 def _compositions(total: int, parts: int):
     for cuts in itertools.combinations(range(1, total), parts - 1):
-        yield [b - a for a, b in zip((0, *cuts), (*cuts, total))]
+        yield [b - a for a, b in zip((0, *cuts), (*cuts, total), strict=False)]
 
 
 def exhaustive_fits(profile: ModelProfile, inventory: Inventory, tensor="auto", pipeline="auto") -> bool:
@@ -329,7 +330,8 @@ def test_every_plan_places_each_layer_once_in_order_and_fits(data):
     for group in result.groups:
         ranges = [s.layers for s in group.stages]
         assert ranges[0][0] == 0 and ranges[-1][1] == profile.num_layers
-        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(ranges, ranges[1:] + [(ranges[-1][1], None)]))
+        assert all(a[1] == b[0] and a[0] < a[1]
+                   for a, b in zip(ranges, ranges[1:] + [(ranges[-1][1], None)], strict=True))
         ranks = result.group(group.replica)
         assert sorted(r.rank for r in ranks) == list(range(tp * pp))
         for r in ranks:

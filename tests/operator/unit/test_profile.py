@@ -113,7 +113,7 @@ def test_unknown_architecture(tmp_path):
 
 
 def test_missing_config(tmp_path):
-    with pytest.raises(CheckpointError, match="config.json: missing"):
+    with pytest.raises(CheckpointError, match=r"config\.json: missing"):
         profile_model(tmp_path)
 
 

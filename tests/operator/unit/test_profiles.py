@@ -50,7 +50,8 @@ def test_a_model_path_that_leads_out_of_its_volume_is_refused_with_one_message(t
     (volume / "absent").symlink_to(tmp_path / "nothing")
     (volume / "up").symlink_to("../..")  # the node's root: inside the node, outside the volume
     settings = Settings(host_path_prefix=str(node))
-    spec = lambda path: make_spec(model={"path": path, "volume": {"hostPath": {"path": "/data/models"}}})
+    def spec(path):
+        return make_spec(model={"path": path, "volume": {"hostPath": {"path": "/data/models"}}})
     assert local_model_dir(spec("inside"), settings) == (volume / "tiny").resolve()
     for path in ("exists", "absent", "exists/sub", "up/data"):
         with pytest.raises(SpecError, match=r"^spec\.model\.path must stay inside the volume$"):
@@ -66,6 +67,7 @@ def test_a_hostpath_volume_that_leads_out_of_the_node_is_refused(tmp_path):
     node = tmp_path / "node"
     node.mkdir()
     (node / "data").symlink_to(tmp_path)  # absolute on the node: here it would be the operator's own
-    with pytest.raises(SpecError, match=r"^spec\.model\.volume\.hostPath\.path must stay inside the node's filesystem$"):
+    with pytest.raises(SpecError,
+                       match=r"^spec\.model\.volume\.hostPath\.path must stay inside the node's filesystem$"):
         local_model_dir(make_spec(model={"path": "tiny", "volume": {"hostPath": {"path": "/data/models"}}}),
                         Settings(host_path_prefix=str(node)))

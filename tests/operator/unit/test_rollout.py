@@ -12,8 +12,16 @@ from shard_operator.api import Rollout, load_sharded_models
 from shard_operator.inventory import inventory_from_nodes
 from shard_operator.profile import profile_from_config
 from shard_operator.replan import choose_plan, make_room
-from shard_operator.rollout import (ObservedGroup, RankState, Want, decide, deletion_grace, group_state,
-                                    observe_groups, rank_state)
+from shard_operator.rollout import (
+    ObservedGroup,
+    RankState,
+    Want,
+    decide,
+    deletion_grace,
+    group_state,
+    observe_groups,
+    rank_state,
+)
 from tests.support.cluster import gpu_node
 
 
@@ -38,7 +46,8 @@ def pod(name="m-0-r1-0", rank=0, phase="Running", ready=True, node="a", **extra)
     (pod(phase="Failed", containerStatuses=[{"state": {"terminated": {
         "reason": "Error", "exitCode": 1,
         "message": "loading slices\nshard_worker: model.safetensors: tensor lm_head.weight: truncated file\n"}}}]),
-     None, "Failed", "Failed: Error (exit code 1): shard_worker: model.safetensors: tensor lm_head.weight: truncated file"),
+     None, "Failed",
+     "Failed: Error (exit code 1): shard_worker: model.safetensors: tensor lm_head.weight: truncated file"),
     (pod(phase="Succeeded"), None, "Failed", "Succeeded"),
     (pod(containerStatuses=[{"restartCount": 2, "state": {"waiting": {"reason": "CrashLoopBackOff"}}}]),
      None, "Failed", "restarted 2 times (CrashLoopBackOff)"),
@@ -67,7 +76,8 @@ def bound(node, **extra):
     # Deleted already, but no kubelet will ever confirm it: lost, and deleted again with grace 0.
     (bound("gone", metadata={"deletionTimestamp": "2026-01-01T00:00:00Z"}), "Lost", "no longer exists", 0),
     (bound("a", metadata={"deletionTimestamp": "2026-01-01T00:00:00Z"}), "Terminating", "", None),
-    (pod(node="gone", phase="Pending", ready=False), "Pending", "", None),  # pinned by the plan, never bound: no grace to cut short
+    (pod(node="gone", phase="Pending", ready=False), "Pending", "", None),
+    # pinned by the plan, never bound: no grace to cut short
 ])
 def test_pods_bound_to_a_node_that_no_longer_exists_are_lost_and_deleted_at_once(p, state, message, grace):
     rs = rank_state(p, healthy_nodes={"a"} if state != "Pending" else None, existing_nodes={"a"})

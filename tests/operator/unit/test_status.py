@@ -7,10 +7,9 @@ from dataclasses import replace
 import pytest
 
 from shard_contract.wire import Measured
-from shard_operator.rollout import Decision, ObservedGroup, RankState, Want
 from shard_operator.events import event_body
+from shard_operator.rollout import Decision, ObservedGroup, RankState, Want
 from shard_operator.status import Observation, Problem, build_status, newly_ready, status_patch
-
 from tests.operator.conftest import make_plan, make_spec
 
 NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
@@ -40,7 +39,8 @@ def conditions(status):
      ("True", "MinimumGroupsReady"), ("False", "Complete"), ("False", "AsExpected")),
     ([group(0, "new", ["Ready"] * 2), group(1, "old", ["Ready"] * 2), group(1, "new", ["Running"] * 2)], {},
      "Rebalancing", ("True", "MinimumGroupsReady"), ("True", "Rebalancing"), ("False", "AsExpected")),
-    ([group(0, "new", ["Ready"] * 2), group(1, "new", ["Ready", "Failed"])], {"decision": Decision(restart=[(1, "new")])},
+    ([group(0, "new", ["Ready"] * 2), group(1, "new", ["Ready", "Failed"])],
+     {"decision": Decision(restart=[(1, "new")])},
      "Degraded", ("False", "TooFewGroupsReady"), ("True", "Recreating"), ("True", "GroupFailed")),
     ([group(0, "new", ["Ready"] * 2), group(1, "new", ["Ready", "Lost"])], {}, "Degraded",
      ("False", "TooFewGroupsReady"), ("True", "Creating"), ("True", "NodeLost")),
@@ -88,7 +88,8 @@ def test_a_model_that_cannot_be_planned_says_why_it_is_not_available(valid_spec,
     # The message is written once, in Degraded (Progressing and Available point to it).
     assert [c["type"] for c in status["conditions"] if "what is wrong" in c["message"]] == ["Degraded"]
     # Groups of an earlier spec that still serve are counted, and said to be there.
-    serving = Observation(name="m", generation=2, spec=obs.spec, problem=problem, groups=[group(0, "old", ["Ready"] * 2)])
+    serving = Observation(name="m", generation=2, spec=obs.spec, problem=problem,
+                          groups=[group(0, "old", ["Ready"] * 2)])
     status = build_status(serving, None, NOW)
     available = next(c for c in status["conditions"] if c["type"] == "Available")
     assert (available["status"], available["reason"]) == ("True", reason)
@@ -220,10 +221,11 @@ def test_events_say_what_the_operator_did_and_who_it_is():
     assert event["involvedObject"] == {"apiVersion": "sharding.dev/v1alpha1", "kind": "ShardedModel", "name": "m",
                                        "namespace": "team", "uid": "u1", "resourceVersion": "7"}
     assert (event["eventTime"], event["lastTimestamp"]) == ("2026-01-01T00:00:00.123456Z", "2026-01-01T00:00:00Z")
-    assert event_body(model, "Warning", "InvalidSpec", "x", "2026-01-01T00:00:00.000000Z", "op-1")["action"] == "Reconcile"
+    invalid = event_body(model, "Warning", "InvalidSpec", "x", "2026-01-01T00:00:00.000000Z", "op-1")
+    assert invalid["action"] == "Reconcile"
     for reason in ("Offloading", "FullyResident"):  # they come with the plan that streams (or stops)
         assert event_body(model, "Normal", reason, "x", "2026-01-01T00:00:00.000000Z", "op-1")["action"] == "Plan"
     # kubectl describe prints the message as its Events table's last cell: one line, or the table breaks.
     paragraphs = "needs 0.18 GiB a rank.\n\n  2 x 0.17 GiB usable:\n  offload cannot stream int8 weights\n"
-    assert event_body(model, "Warning", "InsufficientCapacity", paragraphs, "2026-01-01T00:00:00.000000Z",
-                      "op-1")["message"] == "needs 0.18 GiB a rank. 2 x 0.17 GiB usable: offload cannot stream int8 weights"
+    event = event_body(model, "Warning", "InsufficientCapacity", paragraphs, "2026-01-01T00:00:00.000000Z", "op-1")
+    assert event["message"] == "needs 0.18 GiB a rank. 2 x 0.17 GiB usable: offload cannot stream int8 weights"

@@ -12,7 +12,6 @@ from shard_operator.planner import PlannerOptions, plan
 from shard_operator.profile import profile_from_config
 from shard_operator.sizing import Shard, weight_bytes
 from shard_operator.transport import PER_RANK, PER_TENSOR_GROUP, Transport, pod_layout
-
 from tests.operator.unit.test_planner import LLAMA_8B, spec
 
 
@@ -99,7 +98,8 @@ def test_the_operators_planner_options_change_only_what_they_name():
 
 @pytest.mark.parametrize("text, message", [
     ('{"transprot": {}}', "the options takes an object with keys runtime_overhead, tolerance, transport"),
-    ('{"transport": {"collective_in_pod": {"tpu": 1}}}', "transport.collective_in_pod takes an object with keys cpu, gpu"),
+    ('{"transport": {"collective_in_pod": {"tpu": 1}}}',
+     "transport.collective_in_pod takes an object with keys cpu, gpu"),
     ('{"tolerance": "lots"}', "tolerance"),
     ('{"runtime_overhead": {"gpu": "2GiB"}}', "runtime_overhead"),
     ("{", "planner options"),
@@ -108,6 +108,6 @@ def test_bad_planner_options_are_named(text, message):
     """At the operator's start, with the variable that holds them."""
     from shard_operator.settings import Settings
 
-    with pytest.raises(ValueError, match="^SHARD_OPERATOR_PLANNER_OPTIONS: planner options") as err:
+    with pytest.raises(ValueError, match=r"^SHARD_OPERATOR_PLANNER_OPTIONS: planner options") as err:
         Settings.from_env({"SHARD_OPERATOR_PLANNER_OPTIONS": text})
     assert message in str(err.value)

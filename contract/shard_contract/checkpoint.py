@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, TypeGuard
 
 from pydantic import BaseModel, Field
 
@@ -105,9 +105,10 @@ def _open(path: Path) -> Any:
 
 def _read(fh: Any, path: Path, count: int) -> bytes:
     try:
-        return fh.read(count)
+        data: bytes = fh.read(count)
     except OSError as err:
         raise CheckpointError(f"{path}: cannot be read ({err.strerror})") from None
+    return data
 
 
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
@@ -182,7 +183,7 @@ def check_config(config: Any, source: str) -> dict[str, Any]:
     return config
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return type(value) is int  # JSON's true and false are bools, which Python counts as ints
 
 
@@ -379,7 +380,8 @@ def _weight_map(index: Path) -> dict[str, str]:
     for name, file in data["weight_map"].items():
         if not isinstance(file, str):
             raise CheckpointError(f"{index}: tensor {name}: the file name {_show(file)} is not a string")
-    return data["weight_map"]
+    weight_map: dict[str, str] = data["weight_map"]
+    return weight_map
 
 
 class CheckpointFacts(BaseModel):

@@ -141,7 +141,8 @@ def group_svg(ranks: Sequence[ShardEntry], title: str = "", reason: str = "") ->
     stages = sorted({r.stage for r in ranks})
     tp = max((r.tp_rank for r in ranks), default=0) + 1
     width = PAD * 2 + len(stages) * BOX_W + (len(stages) - 1) * GAP_X
-    svg, y = Svg(), PAD + 4
+    svg = Svg()
+    y: float = PAD + 4
     if title:
         svg.text(PAD, y + 12, title, size=15, weight="bold", cls="title")
         y += 24

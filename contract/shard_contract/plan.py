@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -188,7 +188,7 @@ class Plan(BaseModel):
     def hash(self) -> str:
         return hashlib.sha256("".join(self.group_hash(g.replica) for g in self.groups).encode()).hexdigest()[:10]
 
-    def to_json_dict(self) -> dict:
+    def to_json_dict(self) -> dict[str, Any]:
         """The documented JSON form (docs/planner.md)."""
         data = self.model_dump(mode="json")
         data["stages"] = [s.model_dump(mode="json") for s in self.stages]

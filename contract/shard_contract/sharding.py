@@ -21,12 +21,17 @@ PREFILL_CHUNK = 512
 
 
 class Heads(Protocol):
-    """What the rules read of a model (a `checkpoint.ModelShape`, a profile, a worker config)."""
+    """What the rules read of a model (a `checkpoint.ModelShape`, a profile, a worker config);
+    read-only, so frozen dataclasses and models satisfy it."""
 
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    vocab_size: int
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
 
 
 def ceil_div(a: int, b: int) -> int:

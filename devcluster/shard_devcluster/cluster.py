@@ -29,7 +29,7 @@ import shutil
 import signal
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
@@ -257,7 +257,7 @@ class BackgroundCluster:
             raise
         return self.cluster
 
-    def call(self, fn: Callable[..., Awaitable[T]], *args: Any, timeout: float | None = None) -> T:
+    def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, timeout: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(fn(*args), self._loop).result(timeout)
 
     def stop(self) -> None:

@@ -147,16 +147,17 @@ class Scheduler:
                          key=lambda p: (p["metadata"].get("creationTimestamp") or "", p["metadata"]["name"]))
         for pod in waiting:
             key = key_of(pod)
-            node, why = place(pod, nodes, used)
-            if node is not None:
+            target, why = place(pod, nodes, used)
+            if target is not None:
                 try:
-                    await self.emu.k8s_bind(key[0], key[1], node)
+                    await self.emu.k8s_bind(key[0], key[1], target)
                 except ApiError:
                     continue  # deleted or bound meanwhile: the watch will tell
-                self.assumed[key] = node
+                self.assumed[key] = target
                 self.said.pop(key, None)
-                used.setdefault(node, Counter()).update(requests(pod))
-                await record(self.emu, pod, "Normal", "Scheduled", f"Successfully assigned {key[0]}/{key[1]} to {node}",
+                used.setdefault(target, Counter()).update(requests(pod))
+                await record(self.emu, pod, "Normal", "Scheduled",
+                             f"Successfully assigned {key[0]}/{key[1]} to {target}",
                              "default-scheduler", "Binding")
             elif self.said.get(key) != why:
                 self.said[key] = why
@@ -189,7 +190,7 @@ class NodeLifecycle:
         self.period = min(5.0, grace / 4)
         self.nodes = Cache(emu, NODES)
         self.leases = Cache(emu, LEASES)
-        self.ready_before: dict[str, str] = {}
+        self.ready_before: dict[str, str | None] = {}
 
     def tasks(self) -> list:
         return [self.nodes.run(), self.leases.run(), self._loop()]
@@ -217,7 +218,7 @@ class NodeLifecycle:
     async def monitor(self, node: dict[str, Any]) -> None:
         name = node["metadata"]["name"]
         ready = ready_condition(node)
-        status = ready.get("status")
+        status: str | None = ready.get("status")
         if ready and status != "Unknown" and time.time() - self.heartbeat(node) > self.grace:
             stamp = now()
             conditions = [{**c, "status": "Unknown", "reason": "NodeStatusUnknown",
@@ -292,7 +293,7 @@ class PodGC:
 def _target_port(pod: dict[str, Any], port: dict[str, Any]) -> int | None:
     target = port.get("targetPort", port.get("port"))
     if isinstance(target, int) or str(target).isdigit():
-        return int(target)
+        return int(str(target))
     for container in (pod.get("spec") or {}).get("containers") or []:
         for p in container.get("ports") or []:
             if p.get("name") == target:
@@ -330,10 +331,12 @@ def service_endpoints(service: dict[str, Any],
         if not terminating or publish:
             group = subsets.setdefault(ports, {"addresses": [], "notReadyAddresses": []})
             group["addresses" if ready or publish else "notReadyAddresses"].append(address)
-        endpoint = {"addresses": [ip], "conditions": {"ready": (ready or publish) and not terminating, "serving": ready,
-                                                      "terminating": terminating},
-                    "targetRef": address["targetRef"],
-                    **{k: address[k] for k in ("nodeName", "hostname") if k in address}}
+        endpoint: dict[str, Any] = {
+            "addresses": [ip],
+            "conditions": {"ready": (ready or publish) and not terminating, "serving": ready,
+                           "terminating": terminating},
+            "targetRef": address["targetRef"],
+            **{k: address[k] for k in ("nodeName", "hostname") if k in address}}
         slices.setdefault(ports, []).append(endpoint)
     out_subsets = [{**{k: v for k, v in group.items() if v},
                     **({"ports": [{"name": n, "port": port,
@@ -393,7 +396,7 @@ class EndpointsController:
 
     def _slice_event(self, type_: str, endpoint_slice: dict, old: dict | None) -> None:
         meta = endpoint_slice["metadata"]
-        owner = (meta["namespace"], (meta.get("labels") or {}).get(SERVICE_NAME_LABEL))
+        owner = (meta["namespace"], (meta.get("labels") or {}).get(SERVICE_NAME_LABEL) or "")
         if type_ == "DELETED":
             self.slices_of.get(owner, {}).pop(meta["name"], None)
         else:
@@ -411,7 +414,7 @@ class EndpointsController:
                     self.dirty.add(key)  # a write raced with another: again
                     self.wake.set()
 
-    async def sync(self, ns: str, name: str) -> None:
+    async def sync(self, ns: str | None, name: str) -> None:
         service = self.services.objects.get((ns, name))
         if service is None or not (service.get("spec") or {}).get("selector"):
             if service is None and await self.emu.k8s_get(ENDPOINTS, ns, name) is not None:

@@ -63,8 +63,8 @@ import random
 import re
 import string
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, cast
 
 import aiohttp.web
 import attrs
@@ -215,7 +215,7 @@ def _split_top(s: str) -> list[str]:
 def parse_label_selector(sel: str | None):
     if not sel:
         return lambda labels: True
-    reqs = []
+    reqs: list[tuple[str, str, Any]] = []
     for term in _split_top(sel):
         if m := re.fullmatch(r'([\w./-]+)\s+(in|notin)\s+\(([^)]*)\)', term):
             key, op, vals = m.group(1), m.group(2), {v.strip() for v in m.group(3).split(',') if v.strip()}
@@ -376,10 +376,10 @@ class Faults:
             if name not in names:
                 raise ValueError(f'unknown fault {name!r}: expected one of {", ".join(names)}')
             try:
-                values[name] = int(value) if name == 'seed' else float(value)
+                values[name] = int(value) if name == 'seed' else float(value)  # (their fields' types)
             except ValueError:
                 raise ValueError(f'{name}={value!r}: expected a number') from None
-        return cls(**values)
+        return cls(**values)  # type: ignore[arg-type]
 
     def _count(self, fault: str) -> str:
         self.injected[fault] = self.injected.get(fault, 0) + 1
@@ -452,7 +452,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
     # ---- registration helpers ---------------------------------------------------------
     def add_custom_resource(self, key: str, *, kind: str, namespaced: bool = True, singular: str | None = None,
                             shortnames=(), status: bool = True, scale: bool = False,
-                            printer_columns: list[dict] = (), schema: dict | None = None,
+                            printer_columns: Sequence[dict] = (), schema: dict | None = None,
                             scale_paths=('.spec.replicas', '.status.replicas', '.status.selector')) -> None:
         """Serve a custom resource; `printer_columns` and `schema` as a CRD version has them."""
         res = Res(key)
@@ -508,11 +508,11 @@ class FidelityEmulator(kmock.KubernetesEmulator):
 
     def _kind(self, res: Res) -> str:
         info = self._info(res)
-        return (info.kind if info and info.kind else res.plural.capitalize())
+        return (info.kind if info and info.kind else (res.plural or '').capitalize())
 
     @staticmethod
     def _api_version(res: Res) -> str:
-        return f'{res.group}/{res.version}' if res.group else res.version
+        return f'{res.group}/{res.version}' if res.group else (res.version or '')
 
     def _next_rv(self) -> str:
         self._rv += 1
@@ -651,20 +651,23 @@ class FidelityEmulator(kmock.KubernetesEmulator):
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         res = request.resource
-        if not self._known(res):
+        if res is None or not self._known(res):
             return await kmock.RawHandler._handle(self, request)  # discovery, 404s, user reactions
         method = request.method.value if hasattr(request.method, 'value') else str(request.method)
         watch = method == 'GET' and request.action == enums.action.WATCH
-        fault = self.faults.draw(method, request.url.path, watch) if self.faults is not None else None
+        faults = self.faults
+        fault = faults.draw(method, request.url.path, watch) if faults is not None else None
         if fault == 'error':
-            e = ApiError(500, 'InternalError', 'Internal error occurred: etcdserver: request timed out (injected)')
-            return aiohttp.web.json_response(e.status(), status=e.code)
+            injected = ApiError(500, 'InternalError',
+                                'Internal error occurred: etcdserver: request timed out (injected)')
+            return aiohttp.web.json_response(injected.status(), status=injected.code)
         if fault == 'conflict':
-            e = ApiError(409, 'Conflict', f'Operation cannot be fulfilled on {res.plural} "{request.name}": the object '
-                         'has been modified; please apply your changes to the latest version and try again (injected)')
-            return aiohttp.web.json_response(e.status(), status=e.code)
-        if fault in ('slow', 'timeout') and method == 'GET':
-            await asyncio.sleep(self.faults.delay)  # (a read: nothing to apply first)
+            injected = ApiError(409, 'Conflict', f'Operation cannot be fulfilled on {res.plural} "{request.name}": '
+                                'the object has been modified; please apply your changes to the latest version and '
+                                'try again (injected)')
+            return aiohttp.web.json_response(injected.status(), status=injected.code)
+        if faults is not None and fault in ('slow', 'timeout') and method == 'GET':
+            await asyncio.sleep(faults.delay)  # (a read: nothing to apply first)
         try:
             ns, name, sub = request.namespace, request.name, request.subresource
             if res == PODS and sub in STREAMS:
@@ -718,11 +721,12 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                 self._check_scope(res, ns, writing_named=name is not None)
         except ApiError as e:
             return aiohttp.web.json_response(e.status(), status=e.code)
-        if fault in ('slow', 'timeout') and method != 'GET':
-            await asyncio.sleep(self.faults.delay)  # after the work: the write has landed
+        if faults is not None and fault in ('slow', 'timeout') and method != 'GET':
+            await asyncio.sleep(faults.delay)  # after the work: the write has landed
         if fault == 'timeout':
-            e = ApiError(504, 'Timeout', 'Timeout: request did not complete within the allotted timeout (injected)')
-            return aiohttp.web.json_response(e.status(), status=e.code)
+            injected = ApiError(504, 'Timeout', 'Timeout: request did not complete within the allotted timeout '
+                                '(injected)')
+            return aiohttp.web.json_response(injected.status(), status=injected.code)
         # Known resources are served directly: kmock's reaction matching costs ~0.1 s a request
         # with thousands of objects. (So kmock DSL reactions apply to unknown paths only.)
         if result is not None:
@@ -732,7 +736,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             return response
         if method == 'GET':
             serve = {enums.action.WATCH: self._serve_watch, enums.action.LIST: self._serve_list,
-                     enums.action.FETCH: self._serve_fetch}.get(request.action)
+                     enums.action.FETCH: self._serve_fetch}.get(request.action) if request.action else None
             if serve is not None:
                 return await (await serve(request))(request)
         return await kmock.RawHandler._handle(self, request)
@@ -1111,6 +1115,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         async with self._lock:
             for (r, ns, n) in self._dependents(uid):
                 obj = self._current((r, ns, n))
+                if obj is None:
+                    continue
                 others = [ref for ref in obj['metadata'].get('ownerReferences', []) if ref.get('uid') != uid]
                 if others and any(self._find_uid(ref.get('uid')) for ref in others):
                     continue  # still owned by someone alive
@@ -1124,6 +1130,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         async with self._lock:
             for (r, dns, n) in self._dependents(uid):
                 obj = self._current((r, dns, n))
+                if obj is None:
+                    continue
                 if orphan:
                     refs = [ref for ref in obj['metadata'].get('ownerReferences', []) if ref.get('uid') != uid]
                     orphaned = merge_patch(obj, {'metadata': {'ownerReferences': refs or None}})
@@ -1302,7 +1310,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             'kind': f'{self._kind(res)}List', 'apiVersion': self._api_version(res),
             'metadata': {'resourceVersion': rv, **({'continue': cont} if cont else {})}, 'items': page})
 
-    async def _serve_watch(self, request):
+    async def _serve_watch(self, request):  # type: ignore[override]  # a Response, not kmock's stream
         if not self._known(request.resource):
             return self._unknown_response(request.resource)
         try:
@@ -1419,7 +1427,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
 
     # ---- discovery fixes ---------------------------------------------------------------------
     async def _serve_version(self, request):
-        result = await super()._serve_version(request)
+        result = cast(dict[str, Any], await super()._serve_version(request))
         if result.get('groupVersion', '').startswith('/'):  # /api/v1 must say "v1", not "/v1"
             result['groupVersion'] = result['groupVersion'].lstrip('/')
         for r in result.get('resources', []):

@@ -59,7 +59,7 @@ class KubeletServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=context)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = self._runner.addresses[0][1]
         return self.port
 
     async def stop(self) -> None:

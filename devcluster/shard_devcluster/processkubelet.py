@@ -198,9 +198,9 @@ class ProcessKubelet:
         for task in [*self._tasks, *self._writes]:
             task.cancel()
         for sandbox in list(self.sandboxes.values()):
-            for task in [*sandbox.tasks, sandbox.main, sandbox.stopper]:
-                if task is not None:
-                    task.cancel()
+            for left in [*sandbox.tasks, sandbox.main, sandbox.stopper]:
+                if left is not None:
+                    left.cancel()
             await self._kill(sandbox, signal.SIGKILL)
         await self.server.stop()
         if self._session:
@@ -249,7 +249,8 @@ class ProcessKubelet:
     async def _post_node(self, node: dict) -> None:
         """The node's status as its kubelet reports it: Ready, its address and endpoint."""
         name = node["metadata"]["name"]
-        ready = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
+        conditions = (node.get("status") or {}).get("conditions") or []
+        ready: dict[str, Any] = next((c for c in conditions if c.get("type") == "Ready"), {})
         now = timestamp()
         since = ready.get("lastTransitionTime") if ready.get("status") == "True" else None  # (registered Ready: now)
         status = {"conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
@@ -500,7 +501,8 @@ class ProcessKubelet:
                                      sandbox.condition("ContainersReady", running and sandbox.ready),
                                      sandbox.condition("Ready", running and sandbox.ready)],
                       "containerStatuses": [self._container_status(sandbox.container, running and sandbox.ready,
-                                                                   sandbox.state, sandbox.proc and sandbox.proc.pid)],
+                                                                   sandbox.state,
+                                                                   sandbox.proc.pid if sandbox.proc else None)],
                       **sandbox.reason}
             for _ in range(20):
                 if sandbox.lost:
@@ -660,7 +662,7 @@ class ProcessKubelet:
         while self._alive(sandbox) and not sandbox.deleting:
             ok = probe is None or await self._get(sandbox, probe)
             failures = 0 if ok else failures + 1
-            ready = ok or (sandbox.ready and failures < int(probe.get("failureThreshold", 3)))
+            ready = ok or (sandbox.ready and failures < int((probe or {}).get("failureThreshold", 3)))
             if ready != sandbox.ready and self._alive(sandbox) and not sandbox.deleting:
                 sandbox.ready = ready
                 await self._report(sandbox)

@@ -92,8 +92,8 @@ class ServiceProxy:
     async def _service(self, kind: str, service: dict[str, Any], old: dict[str, Any] | None) -> None:
         spec, meta = service.get("spec") or {}, service["metadata"]
         key = (meta["namespace"], meta["name"])
-        ip = spec.get("clusterIP")
-        served = kind != "DELETED" and spec.get("selector") and ip and ip != "None"  # (headless: DNS names only)
+        ip = spec.get("clusterIP") or "None"
+        served = kind != "DELETED" and spec.get("selector") and ip != "None"  # (headless: DNS names only)
         wanted = {(self.network.local(ip), int(p["port"])): dict(p) for p in spec.get("ports") or []} if served else {}
         for address, (server, owner) in list(self.listeners.items()):
             if owner == key and address not in wanted:

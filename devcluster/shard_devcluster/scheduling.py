@@ -134,7 +134,8 @@ def named_nodes(pod: dict[str, Any]) -> set[str] | None:
 
 def place(pod: dict[str, Any], nodes: list[dict[str, Any]], used: dict[str, Counter]) -> tuple[str | None, str]:
     """(the node to bind `pod` to, "") or (None, the scheduler's message why none fits)."""
-    feasible, reasons = [], Counter()
+    feasible: list[dict[str, Any]] = []
+    reasons: Counter[str] = Counter()
     named = named_nodes(pod)
     for node in nodes:
         name = node["metadata"]["name"]

@@ -7,6 +7,7 @@ AT for the rest. Priority 1 columns show with `-o wide`. Pure.
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -78,8 +79,10 @@ def _restarts(pod: dict) -> int:
 
 # ---------------------------------------------------------------- nodes
 def _node_status(node: dict) -> str:
-    ready = next((c for c in (node.get('status') or {}).get('conditions') or [] if c.get('type') == 'Ready'), {})
-    text = {'True': 'Ready', 'False': 'NotReady'}.get(ready.get('status'), 'NotReady' if not ready else 'Unknown')
+    conditions = (node.get('status') or {}).get('conditions') or []
+    ready: dict[str, Any] = next((c for c in conditions if c.get('type') == 'Ready'), {})
+    text = {'True': 'Ready', 'False': 'NotReady'}.get(ready.get('status') or '',
+                                                     'NotReady' if not ready else 'Unknown')
     return text + (',SchedulingDisabled' if (node.get('spec') or {}).get('unschedulable') else '')
 
 
@@ -201,20 +204,21 @@ BUILTIN: dict[str, list[tuple[str, Cell, int]]] = {
                                       ('Holder', lambda lease: (lease.get('spec') or {}).get('holderIdentity', ''), 0),
                                       ('Age', _created, 0)],
 }
-DEFAULT = [('Name', _name, 0), ('Created At', lambda o: o['metadata'].get('creationTimestamp'), 0)]
+DEFAULT: list[tuple[str, Cell, int]] = [('Name', _name, 0),
+                                        ('Created At', lambda o: o['metadata'].get('creationTimestamp'), 0)]
 
 
 def custom_columns(printer_columns: list[dict]) -> list[tuple[str, Cell, int]]:
     """A custom resource's columns: NAME, then its additionalPrinterColumns (AGE when it has none)."""
     if not printer_columns:
         return [('Name', _name, 0), ('Age', _created, 0)]
-    cells = []
+    cells: list[tuple[str, Cell, int]] = []
     for column in printer_columns:
         path = column['jsonPath']
         if path == '.metadata.creationTimestamp':
             cells.append((column['name'], _created, column.get('priority', 0)))
         else:
-            cells.append((column['name'], lambda o, path=path: dig(o, path), column.get('priority', 0)))
+            cells.append((column['name'], functools.partial(dig, path=path), column.get('priority', 0)))
     return [('Name', _name, 0), *cells]
 
 

@@ -9,6 +9,7 @@ what fits.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -203,13 +204,13 @@ def device_suggestions(spec: ShardedModelSpec, inventory: Inventory, fits: Fits,
     ways = [("", {}), *([relax] if relax and not placed(relax[1], 0, wanted) else [])]
     for words, patch in ways if lo <= MAX_ADDED_DEVICES else []:
         near = min(max(2 * lo, lo + 16), MAX_ADDED_DEVICES)  # the bytes' estimate is often close
-        n = _fewest(lo, near, lambda k, patch=patch: placed(patch, k, wanted)) \
-            or _fewest(near + 1, MAX_ADDED_DEVICES, lambda k, patch=patch: placed(patch, k, wanted))
+        every = functools.partial(placed, patch, groups=wanted)
+        n = _fewest(lo, near, every) or _fewest(near + 1, MAX_ADDED_DEVICES, every)
         if n is None:
             continue
         added, amount, what = more_devices(inventory, n)
         text = f"add {amount} {what}"
-        one = _fewest(1, n, lambda k, patch=patch: placed(patch, k, 1)) if wanted > 1 and not fitting else None
+        one = _fewest(1, n, functools.partial(placed, patch, groups=1)) if wanted > 1 and not fitting else None
         if one is not None and one < n:
             text += f" ({more_devices(inventory, one)[1]} would run 1 of the {wanted} replicas)"
         return [Suggestion(f"{words}, and {text}" if words else text, patch, added)]

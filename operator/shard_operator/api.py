@@ -13,7 +13,7 @@ import re
 import posixpath
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -23,8 +23,8 @@ from shard_contract.units import parse_bytes
 
 GROUP = "sharding.dev"
 VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "ShardedModel"
+API_VERSION: Final = "sharding.dev/v1alpha1"  # f"{GROUP}/{VERSION}", spelled out for its type
+KIND: Final = "ShardedModel"
 PLURAL = "shardedmodels"
 SINGULAR = "shardedmodel"
 SHORT_NAMES = ["sm"]
@@ -479,9 +479,10 @@ def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
             return []
         inner = [a for a in (typing.get_args(info.annotation) or (info.annotation,))
                  for a in (typing.get_args(a) or (a,))]
-        model = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
-        if model is None:
+        nested = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if nested is None:
             return []
+        model = nested
     return [f.alias or name for name, f in model.model_fields.items()]
 
 

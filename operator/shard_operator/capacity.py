@@ -95,7 +95,8 @@ def healthy_nodes(nodes: Iterable[dict[str, Any]]) -> set[str]:
     """Nodes that exist and are Ready: pods elsewhere are lost."""
     out = set()
     for node in nodes:
-        ready = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
+        conditions = (node.get("status") or {}).get("conditions") or []
+        ready: dict[str, Any] = next((c for c in conditions if c.get("type") == "Ready"), {})
         if ready.get("status") == "True":
             out.add(node["metadata"]["name"])
     return out

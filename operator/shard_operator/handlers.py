@@ -108,7 +108,9 @@ class Controller:
 
     async def run(self, body: kopf.Body, stopped: kopf.DaemonStopped, world: Callable[[], World]) -> None:
         """A model's loop: reconcile, then sleep until woken or due."""
-        key = (body.metadata.namespace, model_label(body.metadata.name))
+        namespace = body.metadata.namespace
+        assert namespace is not None, "a ShardedModel is namespaced"
+        key = (namespace, model_label(body.metadata.name))
         loop = self.loops[key] = Loop(body.metadata.name)
         try:
             while not stopped:
@@ -200,14 +202,18 @@ def build_registry(controller: Controller, login: Callable[..., Any] | None = No
         controller.wake_all()
 
     @kopf.on.event("", "v1", "pods", labels={MODEL_LABEL: kopf.PRESENT}, registry=registry)
-    def pod_changed(namespace: str, labels: kopf.Labels, **_: Any) -> None:
-        controller.wake(namespace, labels[MODEL_LABEL])
+    def pod_changed(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
+        if namespace is not None:  # pods are namespaced; kopf's types allow cluster-scoped objects
+            controller.wake(namespace, labels[MODEL_LABEL])
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
-    def model_changed(namespace: str, name: str, meta: kopf.Meta, **_: Any) -> None:
-        controller.wake_for_spec(namespace, name, meta.get("generation"))
+    def model_changed(namespace: str | None, name: str, meta: kopf.Meta, **_: Any) -> None:
+        if namespace is not None:
+            controller.wake_for_spec(namespace, name, meta.get("generation"))
 
-    @kopf.daemon(GROUP, VERSION, PLURAL, id="model_loop", registry=registry, cancellation_timeout=10.0)
+    # kopf passes the indexes by their names, which its DaemonFn protocol does not list.
+    @kopf.daemon(GROUP, VERSION, PLURAL, id="model_loop", registry=registry,  # type: ignore[arg-type]
+                 cancellation_timeout=10.0)
     async def model_loop(body: kopf.Body, stopped: kopf.DaemonStopped, nodes_index: kopf.Index,
                          gpu_index: kopf.Index, **_: Any) -> None:
         def world() -> World:  # index values are replaced, never changed in place: no copies

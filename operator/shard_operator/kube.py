@@ -60,7 +60,7 @@ class Kube:
         self.core = kubernetes.client.CoreV1Api(api_client)
         self.networking = kubernetes.client.NetworkingV1Api(api_client)
         self.custom = kubernetes.client.CustomObjectsApi(api_client)
-        self.raw = {"_preload_content": False, "_request_timeout": timeout}
+        self.raw: dict[str, Any] = {"_preload_content": False, "_request_timeout": timeout}
         self.calls: Counter = Counter()  # verb -> requests made (benchmarks, tests)
         self._lock = threading.Lock()
 
@@ -85,7 +85,9 @@ class Kube:
 
     def event(self, body: dict[str, Any]) -> None:
         self._count("create")
-        _body(self.core.create_namespaced_event(body["metadata"]["namespace"], body, **self.raw))
+        # The client sends a dict as it would its CoreV1Event model.
+        _body(self.core.create_namespaced_event(body["metadata"]["namespace"], body,  # type: ignore[arg-type]
+                                                **self.raw))
 
     def pod_log(self, namespace: str, name: str, tail_lines: int = 200) -> str:
         self._count("get")

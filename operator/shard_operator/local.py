@@ -34,7 +34,7 @@ from shard_contract.plan import Plan
 from shard_contract.wire import GenerateResult, GenerateTask
 
 from .api import ModelSpec, Parallelism, ShardedModelSpec
-from .inventory import local_inventory, parse_devices
+from .inventory import DeviceKind, local_inventory, parse_devices
 from .planner import plan as make_plan
 from .profile import profile_model
 
@@ -54,7 +54,7 @@ class LaunchError(RuntimeError):
 def plan_local(model_dir: str | os.PathLike[str], tp: int, pp: int, *, dtype: str = "auto",
                quantization: str = "none", max_model_len: int | None = None, max_batch_size: int = 1,
                devices: str | None = None,
-               device_kind: str = "cpu", layer_partition: list[int] | None = None) -> Plan:
+               device_kind: DeviceKind = "cpu", layer_partition: list[int] | None = None) -> Plan:
     """Plan `model_dir` over TP x PP ranks of this machine (or the `devices` spec)."""
     profile = profile_model(model_dir)
     spec = ShardedModelSpec(

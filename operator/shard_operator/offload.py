@@ -179,20 +179,20 @@ def rank_offload(stage: OffloadStage, layers: tuple[int, int], streamed_bytes: l
 
 def summary(ranks: list[RankPlan], policy: str) -> str:
     """One phrase for the plan's reason and the Events: which ranks stream how much, from where."""
-    streaming = [r for r in ranks if r.offload is not None]
+    streaming = [(r, r.offload) for r in ranks if r.offload is not None]
     if not streaming:
         return ""
     alike: dict[tuple[int, int], list[int]] = {}
-    for r in streaming:
-        alike.setdefault((len(r.offload.layers), r.num_layers), []).append(r.rank)
+    for r, o in streaming:
+        alike.setdefault((len(o.layers), r.num_layers), []).append(r.rank)
     who = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} stream{'' if len(rs) > 1 else 's'} "
                     f"{k} of {'their' if len(rs) > 1 else 'its'} {n} layers" for (k, n), rs in alike.items())
-    tiers = " and ".join(sorted({TIER_WORDS[t] for r in streaming for t in r.offload.tier.split("+")}))
-    slowest = max(streaming, key=lambda r: max(r.offload.compute_seconds, r.offload.stream_seconds))
+    tiers = " and ".join(sorted({TIER_WORDS[t] for _, o in streaming for t in o.tier.split("+")}))
+    slowest = max((o for _, o in streaming), key=lambda o: max(o.compute_seconds, o.stream_seconds))
     why = "offload always" if policy == "always" else "offload auto: the devices cannot hold every layer"
-    return (f"{why}: {who}; {human(sum(r.offload.streamed_bytes for r in streaming))} per decode step from "
-            f"{tiers}, est. {slowest.offload.stream_seconds * 1e3:.2f} ms of streaming against "
-            f"{slowest.offload.compute_seconds * 1e3:.2f} ms of compute on the slowest rank")
+    return (f"{why}: {who}; {human(sum(o.streamed_bytes for _, o in streaming))} per decode step from "
+            f"{tiers}, est. {slowest.stream_seconds * 1e3:.2f} ms of streaming against "
+            f"{slowest.compute_seconds * 1e3:.2f} ms of compute on the slowest rank")
 
 
 def event(previous: Plan | None, plan: Plan) -> tuple[str, str] | None:

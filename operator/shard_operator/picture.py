@@ -38,7 +38,8 @@ def stack(pictures: list[str]) -> str:
     """SVG documents one under the other, in one document."""
     if len(pictures) == 1:
         return pictures[0]
-    sizes = [(float(root.get("width")), float(root.get("height"))) for root in map(ElementTree.fromstring, pictures)]
+    sizes = [(float(root.get("width", 0)), float(root.get("height", 0)))
+             for root in map(ElementTree.fromstring, pictures)]
     y, parts = 0.0, []
     for picture, (_, height) in zip(pictures, sizes, strict=False):
         parts.append(picture.replace("<svg ", f'<svg y="{y:.0f}" ', 1))
@@ -50,7 +51,8 @@ def stack(pictures: list[str]) -> str:
 
 def infeasible_svg(err: PlanError, title: str) -> str:
     """What is missing, drawn: the need against the pool (when the planner measured it), then why."""
-    svg, y = Svg(), PAD + 16
+    svg = Svg()
+    y: float = PAD + 16
     svg.text(PAD, y, title, size=15, weight="bold", cls="title")
     svg.text(PAD, y + 18, err.reason, size=12, fill=DEAD, weight="bold", cls="reason")
     y += 40
@@ -69,7 +71,7 @@ def shortfall_bars(svg: Svg, short: Shortfall, y: float) -> float:
               (len(short.usable) * short.per_device, KINDS[3][2],
                f"runtime and activations, {human(short.per_device)} x {len(short.usable)} devices")]
     svg.text(PAD, y + 17, "needed", size=12, weight="bold")
-    x = left
+    x: float = left
     for n, color, label in needed:
         svg.rect(x, y, n * scale, BAR_H, color, f"{label}: {human(n)}", cls="need")
         x += n * scale

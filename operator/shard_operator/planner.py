@@ -516,7 +516,9 @@ class Costs:
     def seconds(self, block: Block, tp: int, embeds: bool, has_lm_head: bool, n: int) -> float:
         """Decode time of a stage of `n` layers on `block` (streaming ones included)."""
         if self.streaming:
-            return self.offload_stage(block.shape, tp, embeds, has_lm_head).at(n).seconds
+            stage = self.offload_stage(block.shape, tp, embeds, has_lm_head).at(n)
+            assert stage is not None, f"{n} layers do not fit this block"
+            return stage.seconds
         return self._stage_of(block.shape, tp, embeds, has_lm_head).seconds(n)
 
     def offload_stage(self, shape: tuple, tp: int, embeds: bool, has_lm_head: bool) -> OffloadStage:
@@ -894,7 +896,8 @@ def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: R
         facts.append(f"spec.parallelism.tensor={par.tensor} needs {par.tensor} devices on one node; the largest "
                      f"node in the pool has {widest}.")
     if par.tensor != "auto" and (par.pipeline != "auto" or par.layer_partition is not None):
-        tp, pp = par.tensor, len(par.layer_partition) if par.layer_partition else par.pipeline
+        tp = par.tensor
+        pp = len(par.layer_partition) if par.layer_partition else int(par.pipeline)
         replicas = max(request.replicas, 1)
         if tp * pp * replicas > len(usable):
             facts.append(f"{_layout_words(tp, pp, replicas)} needs {count(tp * pp * replicas, 'device')}"

@@ -50,6 +50,7 @@ def local_model_dir(spec: ShardedModelSpec, settings: Settings) -> Path | None:
         node = Path(settings.host_path_prefix or "/")  # the node's filesystem, as mounted here
         if volume is None:
             return inside(node, model.path.lstrip("/"), within="the node's filesystem")
+        assert volume.host_path is not None
         root = inside(node, volume.host_path.path.lstrip("/"), "spec.model.volume.hostPath.path",
                       within="the node's filesystem")
         return inside(root, model.path)
@@ -60,7 +61,7 @@ def local_model_dir(spec: ShardedModelSpec, settings: Settings) -> Path | None:
 
 def _signature(model_dir: Path) -> tuple:
     """Changes whenever config.json or a checkpoint file is replaced or rewritten."""
-    entries = []
+    entries: list[tuple[str, int | None, int | None]] = []
     for path in sorted(model_dir.iterdir()):
         if path.name == "config.json" or path.suffix == ".safetensors" or path.name.endswith(".index.json"):
             try:

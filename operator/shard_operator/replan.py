@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from shard_contract.plan import Plan
 from shard_contract.units import gib
@@ -46,7 +47,7 @@ def critical_path(p: Plan) -> float:
     return max((g.critical_path_seconds for g in p.groups), default=0.0)
 
 
-def without_devices(inventory: Inventory, taken: Mapping[Hashable, int],
+def without_devices(inventory: Inventory, taken: Mapping[Any, int],
                     key: Callable[[Device], Hashable] = lambda d: d.node) -> Inventory:
     """The pool minus `taken[key(device)]` devices of each key (highest indices first): per node
     for GPUs other workloads hold, per (node, memory) for the devices of groups that stay."""
@@ -80,7 +81,7 @@ def incompatibility(current: Plan, profile: ModelProfile, spec: ShardedModelSpec
                            ("maxBatchSize", current.max_batch_size, request.batch),
                            ("memoryHeadroom", current.memory_headroom, request.headroom),
                            ("nccl.nvls", current.nvls, request.nvls)):
-        fell_back = what == "dtype" and spec.model.dtype == "auto" and AUTO_FALLBACK.get(new) == old
+        fell_back = what == "dtype" and spec.model.dtype == "auto" and AUTO_FALLBACK.get(str(new)) == old
         if old != new and not fell_back:
             return f"{what} changed from {old} to {new}"
     if current.offload != request.offload:
@@ -141,12 +142,12 @@ def choose_plan(current: Plan | None, profile: ModelProfile, spec: ShardedModelS
 def _choose(current: Plan | None, profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
             settled: bool, reconsider: bool, improvement: float, options: PlannerOptions | None) -> PlanChoice:
     if current is None:
-        fresh = plan(profile, spec, inventory, options)
-        return PlanChoice(fresh, "initial", f"planned {_shape(fresh)}: {fresh.reason}")
+        first = plan(profile, spec, inventory, options)
+        return PlanChoice(first, "initial", f"planned {_shape(first)}: {first.reason}")
     why = incompatibility(current, profile, spec)
     if why is not None:
-        fresh = plan(profile, spec, inventory, options)
-        return PlanChoice(fresh, "respec", f"re-planned because {why}: {_shape(fresh)}")
+        respec = plan(profile, spec, inventory, options)
+        return PlanChoice(respec, "respec", f"re-planned because {why}: {_shape(respec)}")
 
     replicas = spec.replicas
     used: Counter = Counter()
@@ -169,6 +170,7 @@ def _choose(current: Plan | None, profile: ModelProfile, spec: ShardedModelSpec,
 
     if not missing:
         if reconsider and settled:
+            fresh: Plan | None
             try:
                 fresh = plan(profile, spec, inventory, options)
             except PlanError:

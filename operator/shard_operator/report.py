@@ -82,6 +82,7 @@ def _offload_lines(plan: Plan, replica: int) -> list[str]:
              f"{'GB/s':>9} {'compute':>8} {'stream':>8} {'step':>8}"]
     for r in ranks:
         o = r.offload
+        assert o is not None
         rate = "+".join(f"{x / 1e9:.1f}" for x in (o.host_bandwidth, o.file_bandwidth) if x)
         lines.append(f"{r.rank:>4}  {_layer_list(o.layers):<24} {o.prefetch:>5} {human(o.streamed_bytes):>10} "
                      f"{human(o.copied_bytes):>10} {o.tier:<10} {rate:>9} {o.compute_seconds * 1e3:>8.2f} "
@@ -97,11 +98,10 @@ def _layer_list(layers: list[int]) -> str:
 def render_considered(considered: list[Considered], chosen: Plan | None,
                       tolerance: float = PlannerOptions().tolerance) -> str:
     """`shardctl plan --explain`: every layout the planner tried, and why each lost (or won)."""
-    fitting = [c for c in considered if c.candidate is not None]
-    most = max((len(c.candidate.groups) for c in fitting), default=0)
-    best = [c for c in fitting if len(c.candidate.groups) == most]
-    fastest = min((c.candidate.critical_path for c in best), default=0.0)
-    winner = next((c for c in considered if chosen is not None and c.candidate is not None
+    fitting = [c.candidate for c in considered if c.candidate is not None]
+    most = max((len(c.groups) for c in fitting), default=0)
+    fastest = min((c.critical_path for c in fitting if len(c.groups) == most), default=0.0)
+    winner = next((c.candidate for c in considered if chosen is not None and c.candidate is not None
                    and (c.tp, c.pp) == (chosen.tensor_parallel, chosen.pipeline_parallel)), None)
     lines = [f"{count(len(considered), 'layout')} compared (the most replicas first, then the shortest decode "
              f"step; within {tolerance:.0%} of the fastest, fewer devices win):"]
@@ -113,13 +113,13 @@ def render_considered(considered: list[Considered], chosen: Plan | None,
         cand = c.candidate
         ms, groups = cand.critical_path * 1e3, len(cand.groups)
         what = f"{groups} group{'s' if groups != 1 else ''} on {count(cand.devices, 'device')}, est. {ms:.2f} ms"
-        if c is winner:
+        if cand is winner:
             verdict = "chosen"
         elif groups < most:
             verdict = f"fits fewer replicas ({groups} of {most})"
         elif cand.critical_path > fastest * (1 + tolerance):
             verdict = f"slower than {fastest * 1e3:.2f} ms by more than {tolerance:.0%}"
-        elif winner is not None and cand.devices > winner.candidate.devices:
+        elif winner is not None and cand.devices > winner.devices:
             verdict = f"as fast within {tolerance:.0%}, on more devices than the chosen"
         else:
             verdict = "as fast within the tolerance and as few devices, but the chosen is faster"

@@ -231,7 +231,7 @@ def run_local(plan: Plan, model_dir: str | os.PathLike[str], *, port: int, host:
 
 def _serve(plan: Plan, model_dir: str | os.PathLike[str], logs: Path, failures: list[str], *, port: int, host: str,
            model_name: str, prompt: str | None, max_tokens: int, restarts: int, threads_per_rank: int | None,
-           ready_timeout: float, rendezvous_port: int | None, api_key: tuple[str | None, str | None],
+           ready_timeout: float, rendezvous_port: int | None, api_key: tuple[str | None, bytes | None],
            out: Callable[[str], None], err: Callable[[str], None], tty: bool) -> int:
     """`run_local`'s groups, one after another; each failure's reason is added to `failures`.
     `api_key` is the key's file and the key, or (None, None)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 from .planner import PlannerOptions
 
@@ -82,12 +82,13 @@ class Settings:
             raw = environ.get(PREFIX + f.name.upper())
             if raw is None:
                 continue
-            values[f.name] = _convert(f.name, raw, f.default_factory() if f.default is MISSING else f.default)
+            default = f.default_factory() if callable(f.default_factory) else f.default
+            values[f.name] = _convert(f.name, raw, default)
         level = str(values.get("log_level", cls.log_level)).upper()
         if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"{PREFIX}LOG_LEVEL={level!r}: expected DEBUG, INFO, WARNING or ERROR")
         values["log_level"] = level
-        return cls(**values)
+        return cls(**values)  # type: ignore[arg-type]  # each value converted to its field's type
 
 
 def _convert(name: str, raw: str, default: object) -> object:

@@ -17,7 +17,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from pydantic import ValidationError
 
@@ -81,7 +81,8 @@ def measured_step(response: ShardsResponse) -> float | None:
 
 def view_of_shards(response: ShardsResponse, source: str) -> GroupView:
     rows = [RankRow(group=response.replica, rank=r.rank, stage=r.stage, tp_rank=r.tp_rank,
-                    where=f"{r.node}/{r.device}", layers=tuple(r.layers), state=r.state if r.alive else "dead",
+                    where=f"{r.node}/{r.device}", layers=(r.layers[0], r.layers[1]),
+                    state=r.state if r.alive else "dead",
                     predicted=r.predicted_bytes.total,
                     measured=r.resident_bytes.total if r.resident_bytes is not None else None,
                     capacity=r.capacity_bytes, shares=shares(r),
@@ -203,8 +204,8 @@ def cluster_status(name: str, namespace: str | None) -> GroupView:
             _, current = kubernetes.config.list_kube_config_contexts()
             namespace = (current.get("context") or {}).get("namespace") or "default"
         with kubernetes.client.ApiClient(config) as client:
-            obj = kubernetes.client.CustomObjectsApi(client).get_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL, name, _request_timeout=10)
+            obj = cast(dict[str, Any], kubernetes.client.CustomObjectsApi(client).get_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, name, _request_timeout=10))
             reports, unread = read_leaders(kubernetes.client.CoreV1Api(client), namespace, obj)
     except kubernetes.config.ConfigException as err:
         raise StatusError(f"no cluster to read: {err}") from None
@@ -228,7 +229,7 @@ def render(view: GroupView) -> str:
     unit, size = table_unit(largest)
     header = ("group", "rank", "stage", "tp", "where", "layers", "state", f"predicted {unit}",
               f"measured {unit}", f"capacity {unit}", "compute", "comm", "idle")
-    rows = [header]
+    rows: list[tuple[str, ...]] = [header]
     for r in view.rows:
         share = [f"{s:.0%}" for s in r.shares] if r.shares else ["-"] * 3
         state = r.state if r.load is None or r.state != "loading" else \

@@ -261,7 +261,8 @@ class Pending:
     whose wait the host clock times."""
 
     def __init__(self, comm: Comm, work: Any, tensor: torch.Tensor, host: bool = False):
-        self.comm, self.work, self.tensor, self.host = comm, work, tensor, host
+        self.comm, self.work, self.host = comm, work, host
+        self.tensor: torch.Tensor | None = tensor
 
     def wait(self) -> None:
         if self.work is None:

@@ -270,7 +270,7 @@ class SliceReader:
         # dtype), or in the staging area to be converted.
         direct = (self.pinned is None and region.device.type == "cpu" and region.dtype == src_dtype
                   and region.is_contiguous())
-        into_pinned = self.pinned is not None and region.dtype == src_dtype
+        pinned = self.pinned if region.dtype == src_dtype else None
         limit = DIRECT_CHUNK_BYTES if direct else self._chunk_bytes // max(item, region.element_size())
         chunk = max(1, limit // max(1, width * (item if direct else 1)))
         if piece.dim == 1:
@@ -280,13 +280,13 @@ class SliceReader:
             b = min(out_rows, a + chunk)
             if direct:
                 target = region[a:b]
-            elif into_pinned:
-                target = self.pinned.buffer((b - a, width), src_dtype)
+            elif pinned is not None:
+                target = pinned.buffer((b - a, width), src_dtype)
             else:
                 target = self._staging.get("raw", b - a, width, src_dtype)
             self._read_rows(fd, entry, piece, a, b, cols, item, target)
-            if into_pinned:
-                self.pinned.copy(target, region[a:b])
+            if pinned is not None:
+                pinned.copy(target, region[a:b])
             elif not direct:
                 self._deliver(region[a:b], target)
         return piece.offset + out_rows

@@ -75,6 +75,7 @@ class WorkerMetrics:
                                                   "stage": str(stage), "tp_rank": str(tp_rank)})
         for name, (kind, help_text, extra) in FAMILIES.items():
             labelnames = (*LABELS, *extra)
+            metric: Gauge | Counter | Histogram
             if kind == "gauge":
                 metric = Gauge(name, help_text, labelnames, registry=registry)
             elif kind == "counter":

@@ -47,7 +47,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -251,7 +251,8 @@ class Streamer:
 
     def _cuda_slot(self, shapes: dict[str, tuple[int, int]]) -> Slot:
         # zeros: resident from the start, so what the rank measures after load is what it holds
-        weights = {n: torch.zeros(s, dtype=self.stage.dtype, device=self.device) for n, s in shapes.items()}
+        weights: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] = {
+            n: torch.zeros(s, dtype=self.stage.dtype, device=self.device) for n, s in shapes.items()}
         pinned = self._pinned(shapes) if self.plan.file_layers else None
         slot = Slot(weights, pinned, ready=torch.cuda.Event(enable_timing=True), free=torch.cuda.Event())
         slot.ready.record(torch.cuda.current_stream(self.device))  # nothing to wait for yet
@@ -361,6 +362,7 @@ class Streamer:
             return
         source = self.host.get(j)
         if source is None:  # files: into this slot's pinned buffer, once its last copy is done
+            assert slot.pinned is not None, "a GPU slot of a rank that reads files has its pinned buffer"
             slot.ready.synchronize()
             start = time.perf_counter()
             self.read(j, slot.pinned)
@@ -371,6 +373,7 @@ class Streamer:
             self.side.wait_event(slot.free)
             started.record(self.side)
             for name, dst in slot.weights.items():
+                assert isinstance(dst, torch.Tensor)  # a GPU slot holds whole tensors
                 dst.copy_(source[name], non_blocking=True)
             ready.record(self.side)
         slot.ready = ready  # read by the forward pass once the slot is READY (under the lock)
@@ -391,6 +394,7 @@ class Streamer:
             for part in parts:
                 block = part.view
                 if block is None:
+                    assert slot.staging is not None, "a CPU slot has staging for the parts it copies"
                     block = slot.staging[at:at + part.nbytes].view(self.stage.dtype).view(part.shape)
                     self.reader.read(part.entry, replace(part.piece, offset=0), block)
                     at += part.nbytes
@@ -421,8 +425,9 @@ class Streamer:
             self.arena.close()
 
     @staticmethod
-    def _bytes(tensors: dict[str, torch.Tensor]) -> int:
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+    def _bytes(tensors: Mapping[str, torch.Tensor | tuple[torch.Tensor, ...]]) -> int:
+        return sum(p.numel() * p.element_size()
+                   for t in tensors.values() for p in (t if isinstance(t, tuple) else (t,)))
 
 
 def pinned_layers(plan: OffloadPlan) -> int:

@@ -94,20 +94,20 @@ def _integral(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def integer(**constraints: Any) -> Any:
-    """An integer field's type, with `Field` constraints. JSON has numbers only: 16.0 is the
-    integer 16 (as JSON Schema says), "16" is none."""
-    return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
+# An integer field's validator: JSON has numbers only, so 16.0 is the integer 16 (as JSON Schema
+# says), "16" is none.
+Integral = BeforeValidator(_integral)
 
 
 # What only the group knows (its model's name, its vocabulary, its context length) is marked here
 # and filled in when its document is served (`request_schemas`).
 LIMIT = "x-group-limit"
 ServedModel = Annotated[str, Field(json_schema_extra={LIMIT: "model"})]
-TokenId = integer(ge=0, json_schema_extra={LIMIT: "token"})
-NewTokens = integer(ge=1, json_schema_extra={LIMIT: "context"})
-Seed = integer(ge=SEED_MIN, le=SEED_MAX)
-Zero, One = integer(ge=0, le=0), integer(ge=1, le=1)
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={LIMIT: "token"}), Integral]
+NewTokens = Annotated[int, Field(ge=1, json_schema_extra={LIMIT: "context"}), Integral]
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), Integral]
+Zero = Annotated[int, Field(ge=0, le=0), Integral]
+One = Annotated[int, Field(ge=1, le=1), Integral]
 Text = Annotated[str, Field(min_length=1)]
 Ids = Annotated[list[TokenId], Field(min_length=1)]
 
@@ -188,7 +188,8 @@ SCHEMAS = "#/components/schemas/"  # where an OpenAPI document keeps its schemas
 def request_schemas(model: str, vocab_size: int, max_len: int) -> dict[str, Any]:
     """The JSON schemas of the request models and of what they refer to, for an OpenAPI
     document's components, with the limits of a group that serves `model`."""
-    limits = {"model": {"enum": [model]}, "token": {"maximum": vocab_size - 1}, "context": {"maximum": max_len}}
+    limits: dict[str, dict[str, Any]] = {"model": {"enum": [model]}, "token": {"maximum": vocab_size - 1},
+                                         "context": {"maximum": max_len}}
 
     def fill(node: Any) -> None:
         if isinstance(node, dict):

@@ -76,7 +76,7 @@ class PinnedArena:
 
     def close(self) -> None:
         """Unpin and unmap. Every copy from or into the arena must be done (the caller waits)."""
-        if self._registered:
+        if self._registered and self._cudart is not None:
             self._registered = False
             self._check(self._cudart.cudaHostUnregister(self._bytes.data_ptr()), "cudaHostUnregister")
         self._bytes = torch.empty(0, dtype=torch.uint8)
@@ -89,6 +89,6 @@ class PinnedArena:
 
     def _check(self, error: Any, call: str) -> None:
         code = int(error)
-        if code != 0:
+        if code != 0 and self._cudart is not None:
             raise RuntimeError(f"{call} of {self.nbytes} bytes of host memory failed: CUDA error {code} "
                                f"({self._cudart.cudaGetErrorString(error)})")

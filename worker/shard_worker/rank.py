@@ -41,7 +41,7 @@ from .rankmetrics import RankMetrics
 from .runtime import Worker, freeze_loaded_objects
 
 HOST_ENV = "SHARD_HOST"
-GRACEFUL_SECONDS = 10.0  # in-flight requests get this long to finish on SIGTERM
+GRACEFUL_SECONDS = 10  # in-flight requests get this long to finish on SIGTERM
 JOIN_SECONDS = 15.0
 
 
@@ -58,7 +58,8 @@ class Rank:
         self.metrics = RankMetrics(env.model_name, env.replica, self.rank_plan, self.leader,
                                    max_batch=plan.max_batch_size, max_len=plan.max_model_len)
         self.worker: Worker | None = None
-        self.state, self.error, self.problems = "loading", "", []
+        self.state, self.error = "loading", ""
+        self.problems: list[str] = []
         self.progress: tuple[int, int] | None = None  # set by the engine thread as it loads
         self.loop: EngineLoop | None = None
         self.heartbeat = Heartbeat(env.master_addr, env.master_port, env.rank, env.world_size, self._record,

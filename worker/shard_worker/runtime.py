@@ -162,7 +162,7 @@ class Worker:
                                   else None, comm)
         if why:
             print(f"[shard_worker rank {env.rank}] warning: {why}", file=sys.stderr, flush=True)
-        layout = Layout(config, tp=topo.tp, tp_rank=topo.tp_rank, layers=tuple(rank_plan.layers),
+        layout = Layout(config, tp=topo.tp, tp_rank=topo.tp_rank, layers=(rank_plan.layers[0], rank_plan.layers[1]),
                         embeds=rank_plan.embeds, has_lm_head=rank_plan.has_lm_head)
         on_cuda = device.type == "cuda"
 

@@ -25,7 +25,7 @@ import torch
 try:  # the decode kernels' extension runs an all-reduce round in one call (same protocol, same bits)
     from . import _gemv
 except ImportError:
-    _gemv = None
+    _gemv = None  # type: ignore[assignment]  # built without a compiler: torch's path
 
 SLOT_BYTES = 64 * 1024  # the largest message handled here (a decode step's hidden state and logits)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # what _gemv.shm_all_reduce sums

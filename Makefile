@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast system-tools test-tools crd bench images push-images clean
+.PHONY: demo test test-fast lint system-tools test-tools crd bench images push-images clean
 
 # Each step says what it does first: a first install is quiet for minutes otherwise.
 $(STAMP): pyproject.toml worker/shard_worker/_gemv.c  # the C kernel is built by the install
@@ -53,8 +53,14 @@ test-tools: $(STAMP)
 	$(PY) -m tests.support.k8s_binaries
 	$(PY) -m tests.packaging.scanner
 
-test: $(STAMP) system-tools test-tools
-	$(PY) -m pytest -q -x
+# ruff and mypy (configured in pyproject.toml) before any test: a finding fails `make test`.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+# Every tier, without -x: a failure does not hide the rest of the run, and -ra lists every one at the end.
+test: $(STAMP) lint system-tools test-tools
+	$(PY) -m pytest -q
 
 # The pure and unit tiers, in under a minute: the contract, the operator's unit tests with the
 # reconcile's table tier, and the worker's tests not marked slow.

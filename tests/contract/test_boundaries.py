@@ -4,6 +4,8 @@ contract imports neither plane, and the product never imports the dev cluster.""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,3 +61,18 @@ def test_the_checker_sees_a_forbidden_import(tmp_path):
     sample = tmp_path / "m.py"
     sample.write_text("def f():\n    from shard_operator.plan import Plan\n    import torch.nn\n")
     assert imported_roots(sample) == {"shard_operator", "torch"}
+
+
+def test_the_fast_tier_does_not_load_the_dev_cluster():
+    """`make test-fast` stays fast and light: collecting its tests (which imports every module they
+    import) loads none of the emulated API server; the in-memory store patches with
+    `shard_devcluster.patches` alone. (kmock itself is loaded by pytest, as a plugin.)"""
+    script = ("import sys, pytest\n"
+              "code = pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', 'tests/contract', "
+              "'tests/operator/unit'])\n"
+              "print(sorted(m for m in sys.modules if m.startswith(('shard_devcluster.emulator', "
+              "'shard_devcluster.apiserver', 'shard_devcluster.controlplane'))))\n"
+              "sys.exit(code)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]

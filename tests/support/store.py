@@ -17,7 +17,7 @@ from typing import Any
 
 from kubernetes.client import ApiException
 
-from shard_devcluster.emulator import merge_patch
+from shard_devcluster.patches import merge_patch
 from shard_operator.manifests import NODE_ANNOTATION
 
 MODEL = "ShardedModel"

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from shard_contract.checkpoint import read_checkpoint
-from shard_devcluster.emulator import merge_patch
+from shard_devcluster.patches import merge_patch
 from shard_operator.capacity import gpu_use, slim_node
 from shard_operator.handlers import Controller, Loop
 from shard_operator.manifests import MODEL_LABEL

@@ -9,9 +9,12 @@ pods, graceful deletion waits for the kubelet, the pod GC keeps a deleted node's
 the demo model (196 MiB of float32 weights); every node has two simulated GPUs of 200 MiB, which
 the workers enforce.
 
-The scenarios share one cluster and run in order; each uses its own ShardedModel and node pool:
-demo (the example, pool dev: scenarios 1 and 4), twin (pool twin: 5 then 2), grow (pool grow: 3),
-block (the example's plan in a pod per tensor-parallel group, pool block: 1b).
+The scenarios share one cluster, each with its own ShardedModel and node pool: demo (the example,
+pool dev: scenarios 1, 1b and 4), twin (pool twin: 5 and 2), grow (pool grow: 3), block (the
+example's plan in a pod per tensor-parallel group, pool block: 1b). They pass in any order (`make
+test` runs them in file order; `-p random_order --random-order-bucket=module` shuffles them): each
+applies the model it needs unless it exists, and one that deletes a model or a node leaves what
+the others need (the twin pool has a spare node for scenario 2 in either order).
 Timings go to the report (SHARD_E2E_REPORT=FILE writes them; docs/benchmarks.md "End to end").
 """
 
@@ -106,7 +109,7 @@ def events(h: Harness, name: str) -> list[tuple[str, str]]:
              e.get("message", "")) for e in items if (e.get("involvedObject") or {}).get("name") == name]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def demo(h, report) -> float:
     seconds = applied(h, "demo", EXAMPLE)
     if seconds:
@@ -241,13 +244,16 @@ def test_4_a_killed_rank_process_gets_its_group_recreated(h, demo, report):
 
 
 # ---------------------------------------------------------------- 5
-@pytest.fixture(scope="module")
+@pytest.fixture
 def twin(h) -> str:
     applied(h, "twin", model_yaml("twin", "twin"))
     return "twin"
 
 
 def test_5_kubectl_scale_adds_a_second_group_that_serves(h, twin, report):
+    if h.model("twin")["spec"]["replicas"] != 1:
+        h.kubectl("scale", "shardedmodel/twin", "--replicas=1")
+        h.wait("one group of twin", lambda: h.ready("twin", 1) and len(h.pods("twin")) == 2, timeout=120)
     url = h.service_url("twin")
     body = completion_body(PROMPT, model="twin")
     expected = tokens_of(complete(url, body))
@@ -342,3 +348,5 @@ def test_3_an_added_node_surges_a_better_plan_moves_traffic_and_drains_the_old_g
     served_by = {r.pod for r in traffic.results}
     assert {old_leader, new_leader} <= served_by  # traffic moved from the old group to the new one
     assert all(r.pod == new_leader for r in traffic.results if r.start > moved)
+    h.kubectl("delete", "shardedmodel", "grow")  # the other scenarios need the CPU
+    h.wait("grow's pods gone", lambda: not h.pods("grow"), timeout=60)

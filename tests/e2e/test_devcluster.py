@@ -441,8 +441,9 @@ async def test_shardctl_dev_cluster_starts_a_cluster_kubectl_can_use_and_stops_e
         proc.send_signal(signal.SIGTERM)
         await asyncio.wait_for(proc.wait(), 60)
     assert proc.returncode == 0, "".join(seen)
-    await asyncio.sleep(0.5)
-    assert not [pid for pid in started if Path(f"/proc/{pid}").exists()], "processes left behind"
+    def no_process_left_behind() -> bool:
+        return not [pid for pid in started if Path(f"/proc/{pid}").exists()]
+    await eventually(no_process_left_behind, timeout=60)
 
 
 async def test_each_nodes_lease_is_owned_by_it_and_its_ready_condition_says_since_when(cluster):

@@ -9,7 +9,6 @@ import os
 import re
 import signal
 import threading
-import time
 
 import httpx
 import pytest
@@ -148,18 +147,20 @@ def evaluate_everything(group, operator_port: int, tmp_path) -> None:
     with Prometheus(scrape_configs(group, operator_port), [rules]) as prom:
         prom.wait(lambda: len(prom.targets_up()) == 5 and set(prom.targets_up().values()) == {"up"}, 60,
                   "scraping every target")
-        with Traffic(group) as traffic:
-            time.sleep(8)
-        assert traffic.done > 0
-        time.sleep(3)  # the last requests' counters scraped
-        for title, expr, legend in grafana_queries():
-            series = prom.query(expr)
-            assert series, f"{title}: {expr} returned nothing"
-            for s in series:
-                assert legend <= set(s["metric"]), f"{title}: {expr} lacks {legend - set(s['metric'])}: {s}"
+        def answering() -> bool:
+            tokens = prom.query(f'sum(rate(shard_tokens_generated_total{{model="{MODEL}"}}[20s]))')
+            return bool(tokens) and float(tokens[0]["value"][1]) > 0 and \
+                all(prom.query(expr) for _, expr, _ in grafana_queries())
+
+        with Traffic(group) as traffic:  # requests run until every query has answered
+            prom.wait(lambda: traffic.done > 0 and answering(), 180, "answering every dashboard query, tokens flowing")
+            for title, expr, legend in grafana_queries():
+                series = prom.query(expr)
+                assert series, f"{title}: {expr} returned nothing"
+                for s in series:
+                    assert legend <= set(s["metric"]), f"{title}: {expr} lacks {legend - set(s['metric'])}: {s}"
         # A few of the values, against what the group is.
         assert float(prom.query(f'sum(shard_group_ready{{model="{MODEL}"}})')[0]["value"][1]) == 4
-        assert float(prom.query(f'sum(rate(shard_tokens_generated_total{{model="{MODEL}"}}[20s]))')[0]["value"][1]) > 0
         assert len(prom.query('shard_resident_bytes{kind="total"}')) == 4
         assert not prom.query('{__name__=~".+_created"}')  # neither the ranks nor the operator expose them
         assert prom.query(f'shard_operator_replicas{{namespace="default", model="{MODEL}"}}')[0]["value"][1] == "1"

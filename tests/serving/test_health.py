@@ -179,10 +179,10 @@ def test_forged_and_replayed_records_in_a_real_store_are_ignored_and_counted():
         del store
 
 
-def wait_until(check, timeout: float = 10) -> None:
+def wait_until(check, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not check():
-        assert time.monotonic() < deadline, "not within 10 s"
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s"
         time.sleep(0.02)
 
 
@@ -196,7 +196,7 @@ def test_heartbeats_through_a_real_store():
     try:
         for b in beats:
             b.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while not all(b.verdict().ready for b in beats):  # every rank knows the whole group
             assert time.monotonic() < deadline, [b.verdict() for b in beats]
             time.sleep(0.05)
@@ -309,7 +309,7 @@ def metrics() -> RankMetrics:
 
 
 async def result(sink: Sink):
-    return await asyncio.wait_for(sink.queue.get(), 10)
+    return await asyncio.wait_for(sink.queue.get(), 60)
 
 
 async def test_requests_waiting_together_run_as_one_batch_and_all_end():
@@ -329,10 +329,9 @@ async def test_requests_waiting_together_run_as_one_batch_and_all_end():
     later = Sink(aio, stream=False)
     loop.submit(Pending(req(3, 4), later, "cmpl-test"))
     assert isinstance(await result(later), Done)
-    await asyncio.sleep(0.2)
-    assert engine.heartbeats > 0  # idle: the followers are kept from timing out
+    await until("an idle heartbeat: the followers are kept from timing out", lambda: engine.heartbeats > 0)
     loop.close()
-    thread.join(5)
+    thread.join(60)
     assert engine.shut and not thread.is_alive()
 
 
@@ -353,7 +352,7 @@ async def test_a_sequence_that_fails_alone_fails_its_request_only():
     assert isinstance(await result(later), Done) and not loop.lost  # the group serves on
     assert counted.m.get("shard_requests", outcome="failed")._value.get() == 1
     loop.close()
-    thread.join(5)
+    thread.join(60)
     assert engine.shut
 
 
@@ -392,7 +391,7 @@ async def test_waiting_requests_join_the_running_batch_when_they_fit_and_are_ans
         pass
     assert isinstance(event, Done)
     loop.close()
-    thread.join(5)
+    thread.join(60)
     assert not thread.is_alive()
 
 
@@ -420,7 +419,7 @@ async def test_a_client_that_leaves_is_dropped_from_the_queue_or_stopped_at_the_
     engine.finish.set()
     engine.tick.release()
     loop.close()
-    thread.join(5)
+    thread.join(60)
     assert delivered(running.sink) == [] and delivered(waiting.sink) == []  # nothing after they left
     assert counted.m.get("shard_requests", outcome="cancelled")._value.get() == 2
     assert counted.m.get("shard_requests", outcome="completed")._value.get() == 0
@@ -449,7 +448,7 @@ async def test_a_lost_group_fails_running_and_waiting_requests_and_refuses_new_o
     with pytest.raises(Unavailable, match="no heartbeat"):
         loop.submit(Pending(req(3, 4), Sink(aio, stream=False), "cmpl-test"))
     engine.release.set()  # the stuck collective finally errors: nothing more to tell anyone
-    thread.join(5)
+    thread.join(60)
     assert not engine.shut  # never talk to a broken group
 
 
@@ -462,7 +461,7 @@ async def test_a_failing_collective_fails_the_batch_with_its_error():
     thread.start()
     assert await result(sink) == Failed(503, "the group failed: RuntimeError: [gloo] Connection closed by peer "
                                              "[127.0.0.1]:1234")
-    thread.join(5)
+    thread.join(60)
 
 
 async def test_a_full_queue_says_try_later_and_a_closing_server_says_so():
@@ -481,7 +480,7 @@ def value(metrics: RankMetrics, name: str, **labels: str) -> float:
     return metrics.m.get(name, **labels)._value.get()
 
 
-async def until(what: str, check, timeout: float = 10) -> None:
+async def until(what: str, check, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, what
@@ -525,7 +524,7 @@ async def test_running_requests_and_the_kv_cache_use_are_gauged_at_every_step():
     assert [line.rsplit(" ", 1)[1] for line in text.splitlines()
             if line.startswith("shard_time_per_output_token_seconds_count")] == ["2.0"]
     loop.close()
-    thread.join(5)
+    thread.join(60)
 
 
 REQUEST_LINE = re.compile(r"\[shard_worker rank 0\] request (\S+): prompt (\d+) tokens, generated (\d+), "
@@ -555,7 +554,7 @@ async def test_every_queued_request_is_logged_once_when_it_ends_and_throughput_w
     engine.tick.release()
     await until("the batch ended", lambda: not loop.running)
     loop.close()
-    thread.join(5)
+    thread.join(60)
     err = capsys.readouterr().err
     ends = {m[1]: (int(m[2]), int(m[3]), m[4] != "-", m[5]) for m in REQUEST_LINE.finditer(err)}
     assert len(REQUEST_LINE.findall(err)) == len(ends) == 5  # one line each

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-import time
+import threading
 
 import httpx
 import pytest
@@ -94,13 +94,25 @@ def test_status_shows_each_rank_and_the_predicted_step_beside_the_measured_one(g
 def test_status_watch_refreshes_until_stopped(group):
     _, port, _ = group
     watcher = shardctl("status", "--port", str(port), "--watch", "0.3")
+    lines: list[str] = []
+
+    def read() -> None:  # each block is flushed as it is printed
+        assert watcher.stdout is not None
+        for line in watcher.stdout:
+            lines.append(line)
+
+    def blocks() -> list[str]:  # not a terminal: one block after another, no screen control
+        return re.findall(r"^--- \d\d:\d\d:\d\d\nwatched, group 0", "".join(lines), re.M)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        time.sleep(3)
+        wait_for("two refreshes", lambda: len(blocks()) >= 2, timeout=120, period=0.1)
     finally:
         watcher.terminate()
-        out, _ = watcher.communicate(timeout=30)
-    blocks = re.findall(r"^--- \d\d:\d\d:\d\d\nwatched, group 0", out, re.M)
-    assert len(blocks) >= 2, out  # not a terminal: one block after another, no screen control
+        watcher.wait(30)
+        reader.join(30)
+    assert watcher.returncode is not None and len(blocks()) >= 2, "".join(lines)
 
 
 def test_run_prints_each_ranks_load_progress_before_ready(tiny_model, tmp_path):

@@ -22,7 +22,8 @@ async def cluster(request):
     """(emulator, control plane): a node lives 40 s without a heartbeat, or as long as a test asks."""
     grace = getattr(request, "param", 40.0)
     async with serve(control_plane=False) as (emu, _):
-        async with ControlPlane(emu, node_monitor_grace=grace, pod_gc_quarantine=0.5) as plane:
+        # A quarantine long enough that a busy machine still sees the pods it keeps.
+        async with ControlPlane(emu, node_monitor_grace=grace, pod_gc_quarantine=2.0) as plane:
             yield emu, plane
 
 
@@ -116,7 +117,7 @@ async def _unschedulable(emu, name):
     return condition if condition.get("reason") == "Unschedulable" else None
 
 
-@pytest.mark.parametrize("cluster", [0.6], indirect=True)
+@pytest.mark.parametrize("cluster", [2.0], indirect=True)
 async def test_a_node_without_lease_renewals_turns_unknown_tainted_and_its_pods_not_ready(cluster):
     """The node lifecycle controller: a Node whose Lease (kube-node-lease/<node>) has not been
     renewed for the node monitor grace period gets Ready=Unknown (NodeStatusUnknown, "Kubelet
@@ -128,23 +129,24 @@ async def test_a_node_without_lease_renewals_turns_unknown_tainted_and_its_pods_
     await emu.k8s_create(PODS, "default", {**pod("p"), "spec": {**pod("p")["spec"], "nodeName": "a"}})
     await emu.k8s_patch(PODS, "default", "p", {"status": {"phase": "Running", "conditions": [
         {"type": "Ready", "status": "True"}]}}, subresource="status")
-    renewed = asyncio.create_task(_renew(emu, "a", seconds=1.5))
-    await asyncio.sleep(1.0)
+    renewed = asyncio.create_task(_renew(emu, "a"))
+    await asyncio.sleep(3.0)  # longer than the grace: only the renewals keep it Ready
     node = await emu.k8s_get(NODES, None, "a")
     assert _ready(node)["status"] == "True" and not node["spec"].get("taints")  # the lease kept it alive
-    await renewed
+    renewed.cancel()
+    await asyncio.gather(renewed, return_exceptions=True)
 
     async def unknown():
         node = await emu.k8s_get(NODES, None, "a")
         return node if _ready(node)["status"] == "Unknown" else None
-    node = await eventually(unknown, timeout=5)
+    node = await eventually(unknown, timeout=60)
     assert (_ready(node)["reason"], _ready(node)["message"]) == ("NodeStatusUnknown",
                                                                  "Kubelet stopped posting node status.")
     assert {(t["key"], t["effect"]) for t in node["spec"]["taints"]} == {
         ("node.kubernetes.io/unreachable", "NoSchedule"), ("node.kubernetes.io/unreachable", "NoExecute")}
     assert _ready(await eventually(lambda: _not_ready_pod(emu, "p")))["status"] == "False"
 
-    renewed = asyncio.create_task(_renew(emu, "a", seconds=3))  # the kubelet is back, and says so
+    renewed = asyncio.create_task(_renew(emu, "a"))  # the kubelet is back, and says so
     await emu.k8s_patch(NODES, None, "a", {"status": {"conditions": [{"type": "Ready", "status": "True"}]}},
                         subresource="status")
     await emu.k8s_patch(NODES, None, "a", {"spec": {"unschedulable": True}})
@@ -152,8 +154,9 @@ async def test_a_node_without_lease_renewals_turns_unknown_tainted_and_its_pods_
     async def cordoned():
         taints = (await emu.k8s_get(NODES, None, "a"))["spec"].get("taints") or []
         return [(t["key"], t["effect"]) for t in taints] == [("node.kubernetes.io/unschedulable", "NoSchedule")]
-    await eventually(cordoned, timeout=5)
-    await renewed
+    await eventually(cordoned, timeout=60)
+    renewed.cancel()
+    await asyncio.gather(renewed, return_exceptions=True)
 
 
 def _ready(obj):
@@ -165,14 +168,12 @@ async def _not_ready_pod(emu, name):
     return p if _ready(p)["status"] == "False" else None
 
 
-async def _renew(emu, node: str, seconds: float) -> None:
-    """A kubelet's heartbeat, for a while."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + seconds
+async def _renew(emu, node: str) -> None:
+    """A kubelet's heartbeat, until cancelled."""
     if await emu.k8s_get(LEASES, "kube-node-lease", node) is None:
         await emu.k8s_create(LEASES, "kube-node-lease", {"metadata": {"name": node}, "spec": {
             "holderIdentity": node, "leaseDurationSeconds": 40, "renewTime": _micro()}})
-    while loop.time() < end:
+    while True:
         await emu.k8s_patch(LEASES, "kube-node-lease", node, {"spec": {"renewTime": _micro()}})
         await asyncio.sleep(0.1)
 
@@ -197,7 +198,7 @@ async def test_the_pod_gc_force_deletes_pods_of_a_deleted_node_after_a_quarantin
 
     async def gone():
         return await emu.k8s_get(PODS, "default", "p") is None
-    await eventually(gone, timeout=5)
+    await eventually(gone, timeout=60)
     assert plane.pod_gc.deleted == 1
 
 

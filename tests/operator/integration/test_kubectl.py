@@ -115,7 +115,11 @@ async def test_kubectls_everyday_verbs_behave_as_on_a_cluster(tmp_path):
                 (row,) = rows(await kubectl(config, "get", "sm", "demo"))
                 return row if row["PHASE"] == "Ready" else None
             row = await eventually(ready, timeout=60)
-            await asyncio.sleep(0.5)  # (the watches print the last update)
+
+            def printed() -> bool:  # the watches print the last updates: demo Ready, its pods Running
+                return any(line.split()[:2] == ["demo", "Ready"] for line in models.lines[1:]) and \
+                    any(len(line.split()) == 5 and line.split()[2] == "Running" for line in pods.lines[1:])
+            await eventually(printed, timeout=60)
         assert (row["READY"], row["URL"], row["REASON"]) == ("1/1", "http://demo.default.svc:8000", "")
         # Every update is a whole row: the phase changes are seen (before: NAME and AGE only).
         assert models.lines[0].split() == ["NAME", "PHASE", "TP", "PP", "READY", "URL", "REASON", "AGE"]

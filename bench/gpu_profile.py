@@ -50,7 +50,7 @@ def linear_table() -> None:
             try:
                 torch.backends.cuda.preferred_blas_library("cublaslt")
                 tl = per_call_us(lambda: F.linear(x1, w))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 -- a library without cuBLASLt: the column says nan
                 tl = float("nan")
                 print("cublaslt:", e)
             finally:
@@ -116,7 +116,7 @@ def main() -> None:
         kind, dtype = what.split(":")
         try:
             (profile_ours if kind == "ours" else profile_hf)(str(model_dir), dtype)
-        except Exception as e:  # noqa: BLE001  (a diagnosis goes on)
+        except Exception as e:  # noqa: BLE001 -- a diagnosis goes on
             print(f"{what} failed: {e!r}", flush=True)
 
 

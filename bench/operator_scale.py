@@ -50,7 +50,8 @@ async def api_server(models: int) -> None:
         while await emu.k8s_count("v1/pods", None, "sharding.dev/component=rank") < models * RANKS:
             await asyncio.sleep(0.1)
         print("pods", time.monotonic() - start, flush=True)
-        ready = lambda o: (o.get("status") or {}).get("phase") == "Ready"  # noqa: E731
+        def ready(o):
+            return (o.get("status") or {}).get("phase") == "Ready"
         while await emu.k8s_count(SM, where=ready) < models:
             await asyncio.sleep(0.1)
         print("ready", time.monotonic() - start, flush=True)

@@ -180,7 +180,7 @@ def evaluate_everything(group, operator_port: int, tmp_path) -> None:
                                         "ShardRestartBudgetExhausted", "ShardRankFailedForGood"], "inactive"), states
 
 
-async def test_prometheus_evaluates_every_grafana_query_and_alert_rule(group, world, tmp_path):  # noqa: F811
+async def test_prometheus_evaluates_every_grafana_query_and_alert_rule(group, world, tmp_path):  # noqa: F811 -- the fixture above
     await world.add_node(gpu_node("a"))
     model_dir = write_model(world.tmp / "models" / MODEL)
     async with world.operator() as op:

@@ -13,8 +13,9 @@ The scenarios share one cluster, each with its own ShardedModel and node pool: d
 pool dev: scenarios 1, 1b and 4), twin (pool twin: 5 and 2), grow (pool grow: 3), block (the
 example's plan in a pod per tensor-parallel group, pool block: 1b). They pass in any order (`make
 test` runs them in file order; `-p random_order --random-order-bucket=module` shuffles them): each
-applies the model it needs unless it exists, and one that deletes a model or a node leaves what
-the others need (the twin pool has a spare node for scenario 2 in either order).
+applies the models it needs and deletes them when it ends (the two cores are shared), and one that
+deletes a node leaves what the others need (the twin pool has a spare node for scenario 2 in
+either order).
 Timings go to the report (SHARD_E2E_REPORT=FILE writes them; docs/benchmarks.md "End to end").
 """
 
@@ -77,9 +78,10 @@ def h(harness_for) -> Harness:
 
 
 def applied(h: Harness, name: str, manifest: str | Path, replicas: int = 1) -> float:
-    """Apply a ShardedModel unless it exists; seconds from `kubectl apply` to Ready (0 if it existed)."""
-    if h.model(name):
-        h.wait_ready(name, replicas)
+    """Apply a ShardedModel unless it exists; seconds from `kubectl apply` to Ready (0 if it existed:
+    then Ready with the replicas it has, which another scenario may have scaled)."""
+    if existing := h.model(name):
+        h.wait_ready(name, existing["spec"]["replicas"])
         return 0.0
     start = time.monotonic()
     if isinstance(manifest, Path):
@@ -109,12 +111,21 @@ def events(h: Harness, name: str) -> list[tuple[str, str]]:
              e.get("message", "")) for e in items if (e.get("involvedObject") or {}).get("name") == name]
 
 
+def removed(h: Harness, name: str) -> None:
+    """Delete a ShardedModel (if it is there) and wait for its pods to go: the two cores are shared,
+    so each scenario leaves the next one the machine it found."""
+    if h.model(name):
+        h.kubectl("delete", "shardedmodel", name)
+    h.wait(f"{name}'s pods gone", lambda: not h.pods(name), timeout=120)
+
+
 @pytest.fixture
-def demo(h, report) -> float:
+def demo(h, report):
     seconds = applied(h, "demo", EXAMPLE)
     if seconds:
         report.add("apply_to_ready", model="demo (tensor=2 x pipeline=2, 4 ranks)", seconds=round(seconds, 1))
-    return seconds
+    yield seconds
+    removed(h, "demo")
 
 
 # ---------------------------------------------------------------- 1
@@ -206,8 +217,7 @@ def test_1b_a_pod_per_tensor_parallel_group_serves_the_tokens_of_a_pod_per_rank(
     per_rank = complete(h.service_url("demo"), completion_body(PROMPT, max_tokens=8))
     assert per_group.status_code == per_rank.status_code == 200, (per_group.text, per_rank.text)
     assert tokens_of(per_group) == tokens_of(per_rank)
-    h.kubectl("delete", "shardedmodel", "block")  # the next scenarios need the CPU
-    h.wait("block's pods gone", lambda: not h.pods("block"), timeout=60)
+    removed(h, "block")
 
 
 # ---------------------------------------------------------------- 4
@@ -239,21 +249,17 @@ def test_4_a_killed_rank_process_gets_its_group_recreated(h, demo, report):
                seconds_to_served=round(served_again - killed, 1), traffic=traffic.summary(window),
                proxy_retries=h.cluster.proxy.stats.retried)
     assert traffic.results[-1].ok
-    h.kubectl("delete", "shardedmodel", "demo")  # the next scenarios need the CPU
-    h.wait("demo's pods gone", lambda: not h.pods("demo"), timeout=60)
 
 
 # ---------------------------------------------------------------- 5
 @pytest.fixture
-def twin(h) -> str:
+def twin(h):
     applied(h, "twin", model_yaml("twin", "twin"))
-    return "twin"
+    yield "twin"
+    removed(h, "twin")
 
 
 def test_5_kubectl_scale_adds_a_second_group_that_serves(h, twin, report):
-    if h.model("twin")["spec"]["replicas"] != 1:
-        h.kubectl("scale", "shardedmodel/twin", "--replicas=1")
-        h.wait("one group of twin", lambda: h.ready("twin", 1) and len(h.pods("twin")) == 2, timeout=120)
     url = h.service_url("twin")
     body = completion_body(PROMPT, model="twin")
     expected = tokens_of(complete(url, body))
@@ -312,8 +318,6 @@ def test_2_a_removed_node_replans_its_group_while_the_other_keeps_serving(h, twi
                traffic=traffic.summary(window), proxy_retries=h.cluster.proxy.stats.retried - retries)
     assert traffic.failures() == [], traffic.summary()
     assert window and served  # requests ran throughout, and after it
-    h.kubectl("delete", "shardedmodel", "twin")
-    h.wait("twin's pods gone", lambda: not h.pods("twin"), timeout=60)
 
 
 # ---------------------------------------------------------------- 3
@@ -348,5 +352,4 @@ def test_3_an_added_node_surges_a_better_plan_moves_traffic_and_drains_the_old_g
     served_by = {r.pod for r in traffic.results}
     assert {old_leader, new_leader} <= served_by  # traffic moved from the old group to the new one
     assert all(r.pod == new_leader for r in traffic.results if r.start > moved)
-    h.kubectl("delete", "shardedmodel", "grow")  # the other scenarios need the CPU
-    h.wait("grow's pods gone", lambda: not h.pods("grow"), timeout=60)
+    removed(h, "grow")

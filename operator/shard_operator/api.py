@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 import posixpath
+import re
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
@@ -236,11 +236,13 @@ class SecretKeyRef(ApiModel):
 
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 # A label or annotation key: an optional DNS-subdomain prefix and "/", then a name of at most 63.
-QUALIFIED_NAME = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+QUALIFIED_NAME = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                  r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 OURS = ("sharding.dev/", "app.kubernetes.io/managed-by")  # the operator's own labels and annotations
-_NOT_OURS = {"rule": "self.all(k, !k.startsWith('sharding.dev/') && k != 'app.kubernetes.io/managed-by')",
-             "message": "sharding.dev/ keys and app.kubernetes.io/managed-by are the operator's"}
+_NOT_OURS: dict[str, Any] = {  # Any: json_schema_extra's JSON values (a dict[str, str] is not one to mypy)
+    "rule": "self.all(k, !k.startsWith('sharding.dev/') && k != 'app.kubernetes.io/managed-by')",
+    "message": "sharding.dev/ keys and app.kubernetes.io/managed-by are the operator's"}
 # An interface list as NCCL reads NCCL_SOCKET_IFNAME and NCCL_IB_HCA: "^" excludes, "=" matches exactly.
 NCCL_LIST = r"^[=^]?[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*$"
 

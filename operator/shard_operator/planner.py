@@ -42,7 +42,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from shard_contract.plan import DEFAULT_PREFETCH, GroupPlan, OffloadSettings, Plan, PredictedBytes, RankPlan, StagePlan
 from shard_contract.sharding import tp_problem, valid_tensor_degrees
-from shard_contract.units import apart, count, exactly, gib, human
+from shard_contract.units import apart, count, exactly, human
 
 from . import offload
 from .advice import Asked, Fits, Suggestion, offer, suggestions
@@ -53,13 +53,13 @@ from .profile import ModelProfile
 from .sizing import (
     RUNTIME_OVERHEAD,
     Shard,
-    nvls_bytes,
     activation_bytes,
     kv_cache_bytes,
     layer_copied_bytes,
     layer_read_bytes,
     layer_streamed_bytes,
     layer_weight_bytes,
+    nvls_bytes,
     weight_bytes,
 )
 from .transport import Transport, pod_layout
@@ -690,7 +690,7 @@ def _choose(found: list[Candidate], tolerance: float) -> Candidate:
 # ---------------------------------------------------------------- the Plan
 def _to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, costs: Costs,
              best: Candidate, found: list[Candidate]) -> Plan:
-    tp, pp, options = best.tp, best.pp, costs.options
+    tp, pp = best.tp, best.pp
     streamed = [layer_streamed_bytes(profile, i, tp, request.dtype) for i in range(profile.num_layers)]
     read = [layer_read_bytes(profile, i, tp) for i in range(profile.num_layers)]
     copied = {kind: [layer_copied_bytes(profile, i, tp, request.dtype, kind) for i in range(profile.num_layers)]

@@ -5,6 +5,7 @@ and each rank's thread count, device order and NCCL policy. Pure.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from shard_contract.env import ENV_NAMES
@@ -14,7 +15,7 @@ from . import resources
 from .api import ShardedModelSpec, SpecError
 
 
-def security(add: list[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def security(add: Sequence[str] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
     # The image's own (numeric, non-root) user runs the worker; root is refused. `add`: capabilities
     # the spec asks for (IPC_LOCK for RDMA); for a non-root process Kubernetes puts them in the
     # bounding set only (kubernetes/kubernetes#56374): docs/operations.md, RDMA.

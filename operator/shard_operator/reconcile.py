@@ -29,7 +29,7 @@ from shard_contract.wire import Measured, ShardsResponse
 from . import offload
 from .api import ShardedModelSpec, SpecError, parse_spec
 from .capacity import GpuUse, fingerprint, free_gpus, healthy_nodes, node_names, used_per_node
-from .inventory import inventory_from_nodes
+from .inventory import Inventory, inventory_from_nodes
 from .kube import KINDS, NETWORK_POLICY
 from .manifests import (
     COMPONENT_LABEL,
@@ -46,7 +46,6 @@ from .manifests import (
     model_label,
     plan_record_name,
 )
-from .inventory import Inventory
 from .planner import PlanError
 from .profile import ModelProfile
 from .profiles import LocalProfiles, ModelNotFound, local_model_dir, remote_profile

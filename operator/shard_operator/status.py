@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shard_contract.plan import Plan, RankPlan
+from shard_contract.units import count
 from shard_contract.wire import Measured
 
 from .api import (
@@ -209,7 +210,7 @@ def build_status(obs: Observation, previous: dict[str, Any] | None, now: str) ->
     need = max(1, replicas - (spec.rollout.max_unavailable if spec else 0))
     fitting = len(obs.plan.groups) if obs.plan is not None else replicas
     if obs.problem is not None and obs.problem.fatal:  # no plan can be made: that is why
-        still = f"{ready} group{'s' if ready != 1 else ''} of an earlier plan still ready" if ready else "no group ready"
+        still = f"{count(ready, 'group')} of an earlier plan still ready" if ready else "no group ready"
         available = (ready > 0, obs.problem.reason, f"{still}; {SEE_DEGRADED}")
     elif replicas == 0:
         available = (False, "ScaledToZero", "spec.replicas is 0")

@@ -125,7 +125,8 @@ def test_explicit_partition_is_checked_not_trusted():
              parse_devices("a:32GiB*4,b:32GiB*4"))
     assert err.value.reason == "InsufficientCapacity"
     assert str(err.value).startswith("model does not fit: at tensor=4 x pipeline=2 (layerPartition [70, 10]) the "
-                                     "most loaded rank needs 31.24 GiB; the largest device offers 28.80 GiB usable (2.44 GiB short).")
+                                     "most loaded rank needs 31.24 GiB; the largest device offers 28.80 GiB usable "
+                                     "(2.44 GiB short).")
     assert "drop layerPartition" in str(err.value)
 
 

@@ -10,8 +10,7 @@ from hypothesis import strategies as st
 
 from shard_operator.inventory import Inventory, parse_devices
 from shard_operator.planner import PlanError
-from shard_operator.replan import (choose_plan, critical_path, incompatibility, make_room, without_devices,
-                                  without_held)
+from shard_operator.replan import choose_plan, critical_path, incompatibility, make_room, without_devices, without_held
 from tests.operator.conftest import make_spec, tiny_profile
 from tests.support.cluster import SEVEN_B
 
@@ -186,7 +185,8 @@ def test_a_full_pool_plans_each_replacement_on_its_own_groups_devices(profile):
     serving = choose_plan(None, profile, make_spec(replicas=2), pool).plan
     assert (nodes_of(serving, 0), nodes_of(serving, 1)) == ({"a"}, {"b"})
     # A fresh plan that swapped them would deadlock (each waits for the other's node): in place instead.
-    swapped = serving.model_copy(update={"ranks": [r.model_copy(update={"replica": 1 - r.replica}) for r in serving.ranks]})
+    swapped = serving.model_copy(update={"ranks": [r.model_copy(update={"replica": 1 - r.replica})
+                                                   for r in serving.ranks]})
     room = make_room(swapped, profile, make_spec(replicas=2), pool, free={"a": 0, "b": 0},
                      replacing={0: held_by(serving, 0), 1: held_by(serving, 1)}, started=set())
     assert (nodes_of(room.plan, 0), nodes_of(room.plan, 1)) == ({"a"}, {"b"})
@@ -231,7 +231,7 @@ def test_make_room_moves_a_group_only_where_it_fits(nodes, replicas, frees, star
                  if serving.group(r)}
     # Free: what the serving groups and other workloads (up to `frees`) leave of each node.
     held = Counter(r.node for r in serving.ranks)
-    free = {names[i]: max(0, n - held[names[i]] - f) for i, (f, n) in enumerate(zip(frees, nodes))}
+    free = {names[i]: max(0, n - held[names[i]] - f) for i, (f, n) in enumerate(zip(frees, nodes, strict=False))}
     room = make_room(current, profile, make_spec(replicas=replicas), pool, free, replacing, started)
     beside: dict[str, int] = {}
     assert (room.plan.tensor_parallel, room.plan.pipeline_parallel, len(room.plan.groups)) == \

@@ -13,7 +13,9 @@ clients that retry as OpenAI's SDKs do (harness.Traffic):
   why, and nothing fails.
 
 The model is the demo model at tensor=2 with `pipeline: auto` (one stage on these 200 MiB
-"GPUs"), one node of two simulated GPUs per group. Timings go to the report (SHARD_E2E_REPORT).
+"GPUs"), one node of two simulated GPUs per group. The scenarios pass in any order: each applies
+its model and deletes it when it ends, pass or fail (the two cores are shared). Timings go to the
+report (SHARD_E2E_REPORT).
 """
 
 from __future__ import annotations
@@ -75,20 +77,31 @@ def event_reasons(h: Harness, name: str) -> list[str]:
 
 
 def serve(h: Harness, name: str, replicas: int = 1) -> tuple[str, dict, tuple]:
-    """Apply the model, wait until it serves; its Service URL, a request and its tokens."""
+    """Wait until the applied model serves; its Service URL, a request and its tokens."""
     h.wait_ready(name, replicas)
     url = h.service_url(name)
     body = completion_body(PROMPT, model=name)
     return url, body, tokens_of(complete(url, body))
 
 
-def removed(h: Harness, name: str) -> None:
-    h.kubectl("delete", "shardedmodel", name)  # the next scenario needs the CPU
-    h.wait(f"{name}'s pods gone", lambda: not h.pods(name), timeout=90)
+@pytest.fixture
+def apply(h):
+    """apply(name, pool, ...) applies a model of `model_yaml`; each is deleted when the scenario
+    ends and its pods awaited, so the next scenario finds its pool and the CPU free."""
+    applied: list[str] = []
+
+    def apply_model(name: str, pool: str, **kwargs) -> None:
+        h.kubectl("apply", "-f", "-", stdin=model_yaml(name, pool, **kwargs))
+        applied.append(name)
+    yield apply_model
+    for name in applied:
+        if h.model(name):
+            h.kubectl("delete", "shardedmodel", name)
+        h.wait(f"{name}'s pods gone", lambda: not h.pods(name), timeout=120)
 
 
-def test_a_new_revision_surges_onto_the_free_node_and_no_request_fails(h, report):
-    h.kubectl("apply", "-f", "-", stdin=model_yaml("surge", "surge"))
+def test_a_new_revision_surges_onto_the_free_node_and_no_request_fails(h, apply, report):
+    apply("surge", "surge")
     url, body, expected = serve(h, "surge")
     old = h.pods("surge")
     (serving_node,) = nodes_of(old)
@@ -111,11 +124,10 @@ def test_a_new_revision_surges_onto_the_free_node_and_no_request_fails(h, report
     assert "Blocked" not in event_reasons(h, "surge")  # it never waited for room
     assert traffic.failures() == [], traffic.summary()
     assert window
-    removed(h, "surge")
 
 
-def test_a_full_pool_replaces_one_group_at_a_time_while_the_other_serves(h, report):
-    h.kubectl("apply", "-f", "-", stdin=model_yaml("full", "full", replicas=2, max_unavailable=1))
+def test_a_full_pool_replaces_one_group_at_a_time_while_the_other_serves(h, apply, report):
+    apply("full", "full", replicas=2, max_unavailable=1)
     url, body, expected = serve(h, "full", replicas=2)
     old = {g: uids(h.pods("full", group=str(g))) for g in (0, 1)}
     assert nodes_of(h.pods("full")) == {"full-a", "full-b"}  # no node spare
@@ -140,11 +152,10 @@ def test_a_full_pool_replaces_one_group_at_a_time_while_the_other_serves(h, repo
     assert min(ready_groups_seen) >= 1  # one group served throughout
     assert nodes_of(h.pods("full")) == {"full-a", "full-b"}
     assert traffic.failures() == [], traffic.summary()
-    removed(h, "full")
 
 
-def test_a_single_group_on_a_full_pool_says_it_must_go_down_and_does_only_when_allowed(h, report):
-    h.kubectl("apply", "-f", "-", stdin=model_yaml("solo", "solo"))
+def test_a_single_group_on_a_full_pool_says_it_must_go_down_and_does_only_when_allowed(h, apply, report):
+    apply("solo", "solo")
     url, body, expected = serve(h, "solo")
     before = uids(h.pods("solo"))
     patch(h, "solo", {"model": {"maxModelLen": 200}})
@@ -174,8 +185,9 @@ def group_events(h: Harness, name: str) -> list[str]:
             and e.get("reason") in ("CreatingGroup", "DeletingGroup", "RecreatingGroup")]
 
 
-def test_a_spec_the_planner_refuses_leaves_every_serving_pod_as_it_was(h, report):
-    url, body, expected = serve(h, "solo")  # after the scenario above
+def test_a_spec_the_planner_refuses_leaves_every_serving_pod_as_it_was(h, apply, report):
+    apply("solo", "solo")
+    url, body, expected = serve(h, "solo")
     before, events_before = uids(h.pods("solo")), group_events(h, "solo")
     with Traffic(url, body, expected, clients=1) as traffic:
         traffic.wait_for(2)
@@ -190,4 +202,3 @@ def test_a_spec_the_planner_refuses_leaves_every_serving_pod_as_it_was(h, report
     assert group_events(h, "solo") == events_before  # no group created, deleted or recreated
     report.add("refused_spec_touches_nothing", model="solo", traffic=traffic.summary())
     assert traffic.failures() == [], traffic.summary()
-    removed(h, "solo")

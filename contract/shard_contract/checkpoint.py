@@ -6,10 +6,14 @@ byte ranges of its own slices). A model directory holds `config.json` and either
 
 Everything read here is checked before it is used, because a checkpoint is input from whoever
 wrote the volume: every file it names resolves, symlinks followed, inside the model directory; a
-JSON file is at most `MAX_HEADER_BYTES` long and nested at most `MAX_JSON_DEPTH` levels; a
-header's data offsets are integers inside the file's data section, one range per tensor, none
-overlapping another and each as long as its dtype x shape. Every violation is a `CheckpointError`
-that names the file (and the tensor), never a raw OSError, RecursionError or TypeError.
+JSON file is at most `MAX_JSON_BYTES` long (a safetensors header `MAX_HEADER_BYTES`) and nested at
+most `MAX_JSON_DEPTH` levels; a header holds at most `MAX_TENSORS` tensors, whose data offsets are
+integers inside the file's data section, one range per tensor, none overlapping another and each as
+long as its dtype x shape; config.json's sizes lie within `LIMITS` (a 600-byte config must not ask
+for ten million layers). So reading costs time and memory linear in the input's size with small
+constants (the C JSON parser, one pass over its result; no regex over a whole document), and every
+violation is a one-line `CheckpointError` that names the file (and the tensor or field), never a
+raw OSError, RecursionError, MemoryError or TypeError.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import stat
 import struct
 import sys
@@ -39,8 +42,18 @@ TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 SAFETENSORS_DTYPE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
 CONFIG, INDEX, SINGLE = "config.json", "model.safetensors.index.json", "model.safetensors"
-MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit (MAX_HEADER_SIZE); bounds every JSON file here
+# Real headers take kilobytes (a Llama-3-8B file ~30 KB); safetensors itself allows 100 MB, which
+# the JSON parser turns into gigabytes of objects. These caps leave two orders of magnitude of room.
+MAX_HEADER_BYTES = 16 * 2**20
+MAX_JSON_BYTES = 16 * 2**20  # config.json, the index, generation_config.json
 MAX_JSON_DEPTH = 32  # a header nests 3 levels, an HF config.json about 4
+MAX_JSON_CONTAINERS = 2**20  # lists and objects in one file (a header: 3 a tensor); ~70 bytes each parsed
+MAX_TENSORS = 2**17  # in one header and in an index: 1024 layers of a biased Llama take ~15k
+# config.json's sizes: far above every released model (Llama-3.1-405B: 126 layers, vocab 128k,
+# hidden 16k), far below what would make building the expected tensor table costly.
+LIMITS = {"num_hidden_layers": 1024, "hidden_size": 2**17, "intermediate_size": 2**20,
+          "num_attention_heads": 2**12, "num_key_value_heads": 2**12, "head_dim": 2**12,
+          "vocab_size": 2**21, "max_position_embeddings": 2**24}
 
 
 class CheckpointError(ValueError):
@@ -85,7 +98,8 @@ def model_file(model_dir: str | os.PathLike[str], name: str, where: str = "") ->
             why = "leads outside the model directory (through a symlink)"
         else:
             return real
-    raise CheckpointError(f"{where or root}: {name!r} {why}; every file must lie inside the model directory")
+    raise CheckpointError(f"{where or root}: {show_value(name, 300)} {why}; every file must lie inside the model "
+                          "directory")
 
 
 def _open(path: Path) -> Any:
@@ -111,41 +125,53 @@ def _read(fh: Any, path: Path, count: int) -> bytes:
     return data
 
 
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
-_SQUARE = bytes.maketrans(b"{}", b"[]")
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-
-
-def _too_deep(raw: bytes, limit: int) -> bool:
-    """Whether JSON text nests more than `limit` levels, found before parsing it (Python's parser
-    recurses once per level): the innermost bracket pairs are removed, one level a pass."""
-    brackets = _JSON_STRING.sub(b"", raw).translate(_SQUARE, _NOT_BRACKETS)
-    for _ in range(limit):
-        fewer = brackets.replace(b"[]", b"")
-        if len(fewer) == len(brackets):
-            break
-        brackets = fewer
-    # A pair left after `limit` levels nests deeper; an unbalanced rest ("]]..[[") nests by its openings.
-    return b"[]" in brackets or brackets.count(b"[") > limit
+def json_depth(value: Any) -> int:
+    """How many levels of lists and objects `value` nests (0 for a scalar), walked without recursion."""
+    depth, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, dict | list):
+            depth = max(depth, level)
+            stack.extend((child, level + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return depth
 
 
 def parse_json(raw: bytes, path: Path, what: str) -> Any:
-    """`raw` as JSON, refusing text nested deeper than `MAX_JSON_DEPTH`."""
-    if _too_deep(raw, MAX_JSON_DEPTH):
-        raise CheckpointError(f"{path}: {what} nests deeper than {MAX_JSON_DEPTH} levels")
+    """`raw` as JSON, refusing text nested deeper than `MAX_JSON_DEPTH`. The C parser takes time
+    and memory linear in `raw` and guards its own recursion (RecursionError past Python's limit);
+    the depth is then checked on the result in one pass, so later code may recurse over it."""
+    # Brackets inside strings count too: an over-estimate, cheap (C) and before any object exists.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_CONTAINERS:
+        raise CheckpointError(f"{path}: {what} holds more than {MAX_JSON_CONTAINERS} lists and objects")
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
+    except RecursionError:
+        raise CheckpointError(f"{path}: {what} nests deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({err})") from None
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({_first_line(err)})") from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise CheckpointError(f"{path}: {what} nests deeper than {MAX_JSON_DEPTH} levels")
+    return value
 
 
-def read_json(path: Path, what: str) -> Any:
-    """A JSON file of the checkpoint (config.json, the index, generation_config.json)."""
+def _first_line(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return _clip(text[0]) if text else type(err).__name__
+
+
+def read_json(path: Path, what: str, limit: int = MAX_JSON_BYTES) -> Any:
+    """A JSON file of the checkpoint (config.json, the index, generation_config.json), at most
+    `limit` bytes."""
+    return parse_json(read_bounded(path, what, limit), path, what)
+
+
+def read_bounded(path: Path, what: str, limit: int) -> bytes:
+    """A regular file's bytes, refused when it is longer than `limit` (read no further)."""
     with _open(path) as fh:
-        raw = _read(fh, path, MAX_HEADER_BYTES + 1)
-    if len(raw) > MAX_HEADER_BYTES:
-        raise CheckpointError(f"{path}: {what} is larger than {MAX_HEADER_BYTES} bytes")
-    return parse_json(raw, path, what)
+        raw = _read(fh, path, limit + 1)
+    if len(raw) > limit:
+        raise CheckpointError(f"{path}: {what} is larger than {limit} bytes")
+    return raw
 
 
 # ---------------------------------------------------------------- config.json
@@ -168,18 +194,20 @@ def check_config(config: Any, source: str) -> dict[str, Any]:
         raise CheckpointError(f"{source}: not a JSON object")
     architectures = config.get("architectures") or []
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
-        raise CheckpointError(f"{source}: architectures must be a list of class names (got {_show(architectures)})")
+        raise CheckpointError(f"{source}: architectures must be a list of class names "
+                              f"(got {show_value(architectures)})")
     if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
         raise CheckpointError(f"{source}: architecture {architectures or 'unset'} is not supported; "
                               f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     for key in _REQUIRED_INTS + _OPTIONAL_INTS:
         value = config.get(key)
-        if not (_is_int(value) and value >= 1) and (key in _REQUIRED_INTS or value is not None):
-            raise CheckpointError(f"{source}: {key} must be a positive integer (got {_show(value)})")
+        if not (_is_int(value) and 1 <= value <= LIMITS[key]) and (key in _REQUIRED_INTS or value is not None):
+            raise CheckpointError(f"{source}: {key} must be an integer from 1 to {LIMITS[key]} "
+                                  f"(got {show_value(value)})")
     for keys, kind, want in ((_OPTIONAL_BOOLS, bool, "true or false"), (_OPTIONAL_STRINGS, str, "a string")):
         for key in keys:
             if config.get(key) is not None and not isinstance(config[key], kind):
-                raise CheckpointError(f"{source}: {key} must be {want} (got {_show(config[key])})")
+                raise CheckpointError(f"{source}: {key} must be {want} (got {show_value(config[key])})")
     return config
 
 
@@ -187,9 +215,18 @@ def _is_int(value: Any) -> TypeGuard[int]:
     return type(value) is int  # JSON's true and false are bools, which Python counts as ints
 
 
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+def show_value(value: Any, limit: int = 80) -> str:
+    """A value for a one-line message, in bounded time: a huge string or list is not repr'd whole."""
+    if isinstance(value, str):
+        return _clip(repr(value[:limit]), limit)
+    if isinstance(value, dict | list) and len(value) > 8:
+        return f"a {'list' if isinstance(value, list) else 'JSON object'} of {len(value)} items"
+    return _clip(repr(value)) if json_depth(value) <= 2 else f"a nested {type(value).__name__}"
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    text = text.replace("\n", " ")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -283,14 +320,18 @@ def read_safetensors_header(path: str | os.PathLike[str], file: str | None = Non
         (header_len,) = struct.unpack("<Q", prefix)
         if header_len > MAX_HEADER_BYTES:
             raise CheckpointError(f"{path}: not a safetensors file (header length {header_len} is over "
-                                  f"safetensors' limit of {MAX_HEADER_BYTES} bytes)")
+                                  f"the limit of {MAX_HEADER_BYTES} bytes)")
         if 8 + header_len > size:
             raise CheckpointError(f"{path}: not a safetensors file (header length {header_len} does not fit "
                                   f"in a file of {size} bytes)")
         raw = _read(fh, path, header_len)
+    if raw.count(b"data_offsets") > MAX_TENSORS + 1:  # a cheap bound before the parser builds objects
+        raise CheckpointError(f"{path}: the safetensors header lists more than {MAX_TENSORS} tensors")
     header = parse_json(raw, path, "the safetensors header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: not a safetensors file (header is not a JSON object)")
+    if len(header) > MAX_TENSORS + 1:
+        raise CheckpointError(f"{path}: the safetensors header lists more than {MAX_TENSORS} tensors")
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CheckpointError(f"{path}: __metadata__ must map strings to strings")
@@ -300,24 +341,24 @@ def read_safetensors_header(path: str | os.PathLike[str], file: str | None = Non
     spans = sorted((info.offset, info.offset + info.nbytes, name) for name, info in infos.items())
     for (_, end, first), (start, stop, second) in pairwise(spans):
         if start < end:
-            raise CheckpointError(f"{path}: tensor {second}: data_offsets [{start - data_start}, "
-                                  f"{stop - data_start}] overlap those of tensor {first}")
+            raise CheckpointError(f"{path}: tensor {_clip(second, 200)}: data_offsets [{start - data_start}, "
+                                  f"{stop - data_start}] overlap those of tensor {_clip(first, 200)}")
     return infos
 
 
 def _tensor(path: Path, file: str, name: str, entry: Any, data_start: int, data_bytes: int) -> TensorInfo:
     """One header entry, checked: a dtype, a shape of non-negative ints, and a byte range
     [start, stop) of the data section exactly as long as dtype x shape."""
-    where = f"{path}: tensor {name}"
+    where = f"{path}: tensor {_clip(name, 200)}"
     if not isinstance(entry, dict):
-        raise CheckpointError(f"{where}: malformed header entry {_show(entry)}")
+        raise CheckpointError(f"{where}: malformed header entry {show_value(entry)}")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
-        raise CheckpointError(f"{where}: dtype {_show(dtype)} is not a safetensors dtype")
+        raise CheckpointError(f"{where}: dtype {show_value(dtype)} is not a safetensors dtype")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise CheckpointError(f"{where}: shape {_show(shape)} is not a list of non-negative integers")
+        raise CheckpointError(f"{where}: shape {show_value(shape)} is not a list of non-negative integers")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
-        raise CheckpointError(f"{where}: data_offsets {_show(offsets)} is not a pair of integers")
+        raise CheckpointError(f"{where}: data_offsets {show_value(offsets)} is not a pair of integers")
     start, stop = offsets
     if not 0 <= start <= stop:
         raise CheckpointError(f"{where}: data_offsets {offsets} must satisfy 0 <= start <= stop")
@@ -353,14 +394,15 @@ def read_weights(model_dir: str | os.PathLike[str]) -> Weights | None:
         files: dict[str, Path] = {}
         for name, file in sorted(weight_map.items()):
             if file not in files:
-                path = files[file] = model_file(root, file, where=f"{index}: tensor {name}")
+                path = files[file] = model_file(root, file, where=f"{index}: tensor {_clip(name, 200)}")
                 if not path.exists():
-                    raise CheckpointError(f"{path}: missing (the index maps tensor {name} to it)")
+                    raise CheckpointError(f"{path}: missing (the index maps tensor {_clip(name, 200)} to it)")
         headers = {file: read_safetensors_header(path, file) for file, path in files.items()}
         tensors = {}
         for name, file in sorted(weight_map.items()):
             if name not in headers[file]:
-                raise CheckpointError(f"{files[file]}: tensor {name} is listed in the index but absent from the file")
+                raise CheckpointError(f"{files[file]}: tensor {_clip(name, 200)} is listed in the index but "
+                                      "absent from the file")
             tensors[name] = headers[file][name]
         return Weights(files=files, tensors=tensors)
     single = model_file(root, SINGLE)
@@ -377,9 +419,12 @@ def _weight_map(index: Path) -> dict[str, str]:
     data = read_json(index, "the safetensors index")
     if not isinstance(data, dict) or not isinstance(data.get("weight_map"), dict):
         raise CheckpointError(f"{index}: not a safetensors index (a JSON object with a weight_map object)")
+    if len(data["weight_map"]) > MAX_TENSORS:
+        raise CheckpointError(f"{index}: the weight_map lists more than {MAX_TENSORS} tensors")
     for name, file in data["weight_map"].items():
         if not isinstance(file, str):
-            raise CheckpointError(f"{index}: tensor {name}: the file name {_show(file)} is not a string")
+            raise CheckpointError(f"{index}: tensor {_clip(name, 200)}: the file name {show_value(file)} is not "
+                                  "a string")
     weight_map: dict[str, str] = data["weight_map"]
     return weight_map
 

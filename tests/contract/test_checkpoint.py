@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from itertools import pairwise
 from pathlib import Path
@@ -23,7 +24,8 @@ from shard_contract.checkpoint import (
     read_safetensors_header,
     read_weights,
 )
-from tests.support.malicious import CORPUS, SECOND, VICTIM, write_attack, write_good, write_raw
+from tests.support.capped import MiB, run_capped
+from tests.support.malicious import CORPUS, HUGE, SECOND, VICTIM, write_attack, write_good, write_raw
 
 TMP = {"suppress_health_check": [HealthCheck.function_scoped_fixture]}
 
@@ -70,8 +72,8 @@ def test_a_hugging_face_cache_snapshot_is_refused_with_the_reason(tmp_path):
         read_checkpoint(snapshot)
 
 
-@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH, MAX_JSON_DEPTH + 1])
-def test_json_nesting_is_bounded_before_parsing(depth):
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH, MAX_JSON_DEPTH + 1, 1500, 100_000])
+def test_json_nesting_is_bounded(depth):
     text = json.dumps({"a": "[[[{{ brackets inside strings do not count"}).encode()
     raw = b"[" * (depth - 1) + text + b"]" * (depth - 1)
     if depth <= MAX_JSON_DEPTH:
@@ -87,6 +89,57 @@ def test_no_bytes_make_the_json_reader_raise_anything_else(raw):
         parse_json(raw, Path("x.json"), "x")
     except CheckpointError:
         pass
+
+
+# A hostile checkpoint is read in a child process whose address space is capped: the old reader
+# took ~120 bytes a character of a JSON string, gigabytes for 10^7 layers or 1.2M tensors.
+CAPPED_READER = """
+import sys
+from shard_contract.checkpoint import CheckpointError, read_checkpoint
+for model in sys.argv[1:]:
+    try:
+        read_checkpoint(model)
+    except CheckpointError as err:
+        print(str(err).replace(chr(10), "<newline>"))
+    else:
+        print("accepted")
+"""
+
+
+def test_huge_hostile_checkpoints_are_refused_under_a_memory_cap(tmp_path):
+    models = [write_attack(attack, tmp_path / attack.name) for attack in HUGE]
+    done = run_capped(CAPPED_READER, [str(m) for m in models], limit_bytes=768 * MiB)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == len(HUGE)
+    for attack, line in zip(HUGE, lines, strict=True):
+        assert re.search(attack.error, line), (attack.name, line)
+        assert len(line) < 400, (attack.name, line)  # one short line, never the hostile value
+
+
+def test_the_memory_cap_catches_a_reader_that_takes_gigabytes(tmp_path):
+    """The cap itself works: a child that holds 2 GiB fails with MemoryError."""
+    done = run_capped("x = bytearray(2 * 2**30)", limit_bytes=768 * MiB)
+    assert done.returncode != 0 and "MemoryError" in done.stderr
+
+
+@pytest.mark.parametrize(("field", "value"), [("num_hidden_layers", 1025), ("hidden_size", 2**17 + 1),
+                                              ("vocab_size", 2**21 + 1), ("num_attention_heads", 0),
+                                              ("head_dim", True), ("max_position_embeddings", 2**24 + 1)])
+def test_config_sizes_are_capped_with_the_field_named(tmp_path, field, value):
+    model = write_good(tmp_path / "model")
+    (model / "config.json").write_text(json.dumps({**json.loads((model / "config.json").read_text()), field: value}))
+    with pytest.raises(CheckpointError, match=rf"config\.json: {field} must be an integer from 1 to \d+ "
+                                              rf"\(got {value!r}\)$"):
+        read_checkpoint(model)
+
+
+def test_a_huge_tensor_name_is_clipped_in_the_message(tmp_path):
+    path = tmp_path / "m.safetensors"
+    write_raw(path, json.dumps({"n" * 1_000_000: {"dtype": "F32", "shape": [1], "data_offsets": [0, 3]}}).encode(), 4)
+    with pytest.raises(CheckpointError, match=r"m\.safetensors: tensor n+\.\.\.: 3 bytes stored") as err:
+        read_safetensors_header(path)
+    assert len(str(err.value)) < 400
 
 
 # ---------------------------------------------------------------- properties of the header check

@@ -194,3 +194,57 @@ def write_attack(attack: Attack, base: Path) -> Path:
     (outside / SECOND).rename(outside / "x.safetensors")
     attack.apply(model, outside)
     return model
+
+
+# ---------------------------------------------------------------- huge inputs (run under a memory cap)
+def _config_with(model: Path, **fields: Any) -> None:
+    (model / "config.json").write_text(json.dumps({**TINY_LLAMA, **fields}))
+
+
+def _huge_string_config(model: Path, _: Path) -> None:
+    """A 15 MB string: under the byte cap, so it is parsed (the old regex took ~120 bytes a character)."""
+    _config_with(model, comment="x" * 15_000_000, num_hidden_layers="not a number")
+
+
+def _oversized_config(model: Path, _: Path) -> None:
+    _config_with(model, comment="x" * 60_000_000)
+
+
+def _huge_metadata(model: Path, _: Path) -> None:
+    """A header of ~15 MB of __metadata__: parsed, then its sizes and offsets checked as usual."""
+    _second(model, lambda header: header.update({"__metadata__": {"format": 7, "pad": "y" * 15_000_000}}))
+
+
+def _oversized_header(model: Path, _: Path) -> None:
+    _second(model, lambda header: header.update({"__metadata__": {"pad": "y" * 99_000_000}}))
+
+
+def _many_tensors(model: Path, _: Path) -> None:
+    def change(header: dict) -> None:
+        header.update({f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(200_000)})
+    _second(model, change)
+
+
+def _many_small_lists(model: Path, _: Path) -> None:
+    write_raw(model / SECOND, b'{"a":[' + b"[]," * 5_000_000 + b"[]]}", 0)
+
+
+def _deep_config(model: Path, _: Path) -> None:
+    config = json.dumps({**TINY_LLAMA, "rope_scaling": "HOLE"})
+    (model / "config.json").write_text(config.replace('"HOLE"', "[" * 5_000_000 + "]" * 5_000_000))
+
+
+HUGE = [
+    Attack("huge-string-in-config", r"config\.json: num_hidden_layers must be an integer", _huge_string_config),
+    Attack("oversized-config", r"config\.json: config\.json is larger than \d+ bytes", _oversized_config),
+    Attack("huge-metadata", rf"{F2}: __metadata__ must map strings to strings", _huge_metadata),
+    Attack("oversized-header", rf"{F2}: not a safetensors file \(header length \d+ is over", _oversized_header),
+    Attack("ten-million-layers", r"config\.json: num_hidden_layers must be an integer from 1 to 1024 "
+                                 r"\(got 10000000\)", lambda m, _: _config_with(m, num_hidden_layers=10_000_000)),
+    Attack("huge-vocabulary", r"config\.json: vocab_size must be an integer from 1 to \d+",
+           lambda m, _: _config_with(m, vocab_size=2**40)),
+    Attack("200k-tensors", rf"{F2}: the safetensors header lists more than \d+ tensors", _many_tensors),
+    Attack("millions-of-lists", rf"{F2}: the safetensors header holds more than \d+ lists and objects",
+           _many_small_lists),
+    Attack("deep-config", r"config\.json: config\.json holds more than \d+ lists and objects", _deep_config),
+]

@@ -322,8 +322,8 @@ def stream_now() -> dict:
 def decode_bytes(model_dir: str, dtype: str, quantization: str) -> int:
     """Bytes our decode step reads: every weight but the embedding table, as stored (the planner's
     sizing: the same numbers the plan predicts)."""
+    from shard_operator.planning.sizing import Shard, weight_bytes
     from shard_operator.profile import profile_model
-    from shard_operator.sizing import Shard, weight_bytes
 
     profile = profile_model(model_dir)
     return weight_bytes(profile, Shard(tp=1, layers=(0, profile.num_layers), embeds=False, has_lm_head=True),

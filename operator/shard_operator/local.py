@@ -35,7 +35,7 @@ from shard_contract.wire import GenerateResult, GenerateTask
 
 from .api import ModelSpec, Parallelism, ShardedModelSpec
 from .inventory import DeviceKind, local_inventory, parse_devices
-from .planner import plan as make_plan
+from .planning import plan as make_plan
 from .profile import profile_model
 
 POLL_SECONDS = 0.05

@@ -39,7 +39,7 @@ from shard_contract.plan import Plan
 
 from . import podtemplate, resources
 from .api import API_VERSION, KIND, ShardedModelSpec, SpecError
-from .transport import pod_layout, pod_ranks
+from .planning.transport import pod_layout, pod_ranks
 
 MODEL_LABEL = "sharding.dev/model"
 GROUP_LABEL = "sharding.dev/group"

@@ -26,7 +26,6 @@ from shard_contract.checkpoint import CheckpointError
 from shard_contract.plan import Plan
 from shard_contract.wire import Measured, ShardsResponse
 
-from . import offload
 from .api import ShardedModelSpec, SpecError, parse_spec
 from .capacity import GpuUse, fingerprint, free_gpus, healthy_nodes, node_names, used_per_node
 from .inventory import Inventory, inventory_from_nodes
@@ -46,7 +45,7 @@ from .manifests import (
     model_label,
     plan_record_name,
 )
-from .planner import PlanError
+from .planning import PlanError, offload
 from .profile import ModelProfile
 from .profiles import LocalProfiles, ModelNotFound, local_model_dir, remote_profile
 from .replan import PlanChoice, choose_plan, make_room, without_held

@@ -30,7 +30,7 @@ from shard_contract.units import gib
 
 from .api import Parallelism, ShardedModelSpec
 from .inventory import Device, Inventory, SkippedNode
-from .planner import AUTO_FALLBACK, PlanError, PlannerOptions, _resolve_request, places, plan, shortfall
+from .planning import AUTO_FALLBACK, PlanError, PlannerOptions, places, plan, resolve_request, shortfall
 from .profile import ModelProfile
 
 
@@ -74,7 +74,7 @@ def incompatibility(current: Plan, profile: ModelProfile, spec: ShardedModelSpec
     """Why the spec or checkpoint no longer allows the current plan (None: it still does)."""
     if current.profile_digest != profile.digest or current.model != profile.name:
         return "the checkpoint changed"
-    request = _resolve_request(profile, spec)
+    request = resolve_request(profile, spec)
     for what, old, new in (("dtype", current.dtype, request.dtype),
                            ("quantization", current.quantization, request.quantization),
                            ("maxModelLen", current.max_model_len, request.max_len),

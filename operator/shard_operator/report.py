@@ -6,7 +6,7 @@ from shard_contract.plan import Plan, describe_layers
 from shard_contract.units import count, human, table_unit
 
 from .inventory import Inventory
-from .planner import Considered, PlannerOptions
+from .planning import Considered, PlannerOptions
 from .profile import ModelProfile
 
 BAR_WIDTH = 20

@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-from .planner import PlannerOptions
+from .planning import PlannerOptions
 
 PREFIX = "SHARD_OPERATOR_"
 

@@ -10,7 +10,7 @@ from shard_contract.plan import PredictedBytes
 from shard_contract.wire import ResidentBytes, ShardEntry, ShardsResponse
 from shard_operator.api import parse_spec
 from shard_operator.inventory import parse_devices
-from shard_operator.planner import plan
+from shard_operator.planning import plan
 from shard_operator.profile import profile_from_config
 from tests.support.cluster import TINY_LLAMA
 

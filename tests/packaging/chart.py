@@ -109,7 +109,7 @@ def operator_objects(example: str = "pipeline-explicit.yaml", model: str = "llam
     from shard_operator.api import load_sharded_models
     from shard_operator.inventory import inventory_from_nodes, load_nodes
     from shard_operator.manifests import Context, Owner, desired_objects
-    from shard_operator.planner import plan
+    from shard_operator.planning import plan
     from shard_operator.profile import profile_model
 
     path = REPO / "examples" / example

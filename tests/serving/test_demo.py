@@ -15,7 +15,7 @@ from shard_contract.checkpoint import expected_tensors
 from shard_operator.api import load_sharded_models
 from shard_operator.demo_model import write_demo_model
 from shard_operator.inventory import parse_devices
-from shard_operator.planner import PlanError, plan
+from shard_operator.planning import PlanError, plan
 from shard_operator.profile import profile_model
 from shard_worker.tokenizer import TextCodec
 

@@ -14,7 +14,7 @@ from shard_contract.wire import ShardsResponse
 from shard_operator.api import load_sharded_models
 from shard_operator.inventory import local_kind, parse_devices
 from shard_operator.local import free_port
-from shard_operator.planner import plan
+from shard_operator.planning import plan
 from shard_operator.profile import profile_model
 from shard_operator.run import LoadProgress
 from tests.support.processes import shardctl

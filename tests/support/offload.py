@@ -8,7 +8,7 @@ from shard_contract.plan import Plan
 from shard_contract.units import GiB
 from shard_operator.api import ModelSpec, Offload, Parallelism, Placement, ShardedModelSpec
 from shard_operator.inventory import parse_devices
-from shard_operator.planner import PlanError, plan
+from shard_operator.planning import PlanError, plan
 from shard_operator.profile import profile_model
 
 

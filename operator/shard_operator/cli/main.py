@@ -17,7 +17,7 @@ import sys
 from shard_contract.checkpoint import CheckpointError
 
 from ..api import SpecError
-from ..planner import PlanError
+from ..planning import PlanError
 from . import planning, running, tools
 from .options import EXIT_BAD_INPUT, EXIT_INFEASIBLE, Parser
 

@@ -10,10 +10,10 @@ from typing import Any
 
 from shard_contract.units import human
 
-from ..advice import patched
 from ..api import ShardedModel, ShardedModelSpec, SpecError, load_sharded_models, resolve_model_dir
 from ..inventory import Inventory, inventory_from_nodes, load_nodes, local_inventory, local_kind, parse_devices
-from ..planner import PlanError, PlannerOptions, plan
+from ..planning import PlanError, PlannerOptions, plan
+from ..planning.advice import patched
 from ..profile import ModelProfile
 from ..settings import PREFIX
 

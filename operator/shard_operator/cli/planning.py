@@ -11,7 +11,7 @@ import yaml
 from .. import picture
 from ..crd import render as render_crd
 from ..manifests import Context, Owner, check, desired_objects
-from ..planner import PlanError, consider, plan, shortfall
+from ..planning import PlanError, consider, plan, shortfall
 from ..profile import profile_model
 from ..report import render_considered, render_plan
 from ..settings import Settings

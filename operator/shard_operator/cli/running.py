@@ -17,7 +17,7 @@ from ..api import SpecError
 from ..generate import parse_ids, render_result, result_json, tokenize
 from ..inventory import local_kind
 from ..local import LaunchError, check_port, free_port, plan_local, run_generate
-from ..planner import plan
+from ..planning import plan
 from ..profile import profile_model
 from ..report import render_plan
 from ..run import run_local

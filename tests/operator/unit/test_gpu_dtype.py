@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from shard_operator.inventory import inventory_from_nodes
-from shard_operator.planner import PlanError, plan
+from shard_operator.planning import PlanError, plan
 from shard_operator.profile import profile_from_config
 from shard_operator.replan import incompatibility
 from tests.operator.unit.test_planner import LLAMA_8B, spec

@@ -12,7 +12,7 @@ import pytest
 from shard_contract.env import API_KEY_MOUNT, MODEL_MOUNT, PLAN_MOUNT, SECRET_KEY, SECRET_MOUNT, WorkerEnv
 from shard_contract.plan import Plan
 from shard_contract.units import quantity
-from shard_operator import planner
+from shard_operator import planning as planner
 from shard_operator.api import SpecError
 from shard_operator.inventory import parse_devices
 from shard_operator.manifests import (

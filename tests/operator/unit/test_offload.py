@@ -21,11 +21,16 @@ from shard_operator.inventory import (
     inventory_from_nodes,
     parse_devices,
 )
-from shard_operator.offload import spread
-from shard_operator.planner import Costs, PlanError, _resolve_request, plan
+from shard_operator.planning import Costs, PlanError, plan, resolve_request
+from shard_operator.planning.offload import spread
+from shard_operator.planning.sizing import (
+    layer_copied_bytes,
+    layer_read_bytes,
+    layer_streamed_bytes,
+    layer_weight_bytes,
+)
 from shard_operator.profile import profile_from_config
 from shard_operator.replan import choose_plan
-from shard_operator.sizing import layer_copied_bytes, layer_read_bytes, layer_streamed_bytes, layer_weight_bytes
 from tests.operator.unit.test_planner import LLAMA_8B, OPTIONS, _rank_total
 from tests.support.cluster import gpu_node
 
@@ -295,7 +300,7 @@ def test_no_split_of_the_layers_over_the_same_stages_streams_fewer_bytes(case):
     if result is None or not result.streams or result.pipeline_parallel > 3:
         return
     ranks = [r for r in result.group(0) if r.tp_rank == 0]
-    costs = Costs(profile, _resolve_request(profile, s), OPTIONS, streaming=True)
+    costs = Costs(profile, resolve_request(profile, s), OPTIONS, streaming=True)
     devices = {(d.node, d.index): d for d in inventory.devices}
     shapes = [_block_shape(result, r, devices) for r in ranks]
     last = len(ranks) - 1

@@ -18,7 +18,7 @@ from shard_contract.wire import ResidentBytes, ShardEntry
 from shard_operator.cli import main
 from shard_operator.inventory import parse_devices
 from shard_operator.picture import infeasible_svg, plan_svg
-from shard_operator.planner import PlanError, plan
+from shard_operator.planning import PlanError, plan
 from tests.operator.conftest import make_plan, make_spec, tiny_profile
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from shard_contract.sharding import valid_tensor_degrees
 from shard_operator.api import parse_spec
 from shard_operator.inventory import Device, Inventory, parse_devices
-from shard_operator.planner import PlanError, PlannerOptions, places, plan, shortfall
+from shard_operator.planning import PlanError, PlannerOptions, places, plan, shortfall
+from shard_operator.planning.sizing import Shard, activation_bytes, kv_cache_bytes, weight_bytes
 from shard_operator.profile import ModelProfile, profile_from_config
 from shard_operator.replan import choose_plan
-from shard_operator.sizing import Shard, activation_bytes, kv_cache_bytes, weight_bytes
 
 LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
              "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,

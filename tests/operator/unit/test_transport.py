@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from shard_operator.inventory import parse_devices
-from shard_operator.planner import PlannerOptions, plan
+from shard_operator.planning import PlannerOptions, plan
+from shard_operator.planning.sizing import Shard, weight_bytes
+from shard_operator.planning.transport import PER_RANK, PER_TENSOR_GROUP, Transport, pod_layout
 from shard_operator.profile import profile_from_config
-from shard_operator.sizing import Shard, weight_bytes
-from shard_operator.transport import PER_RANK, PER_TENSOR_GROUP, Transport, pod_layout
 from tests.operator.unit.test_planner import LLAMA_8B, spec
 
 

@@ -1,4 +1,4 @@
-"""Generate the ShardedModel CustomResourceDefinition from the pydantic models in `api.py`.
+"""Generate the ShardedModel CustomResourceDefinition from the pydantic models in the `api/` package.
 
 `python -m shard_operator.crd > crds/shardedmodels.yaml` (or `make crd`); a test fails when the
 committed file differs. The schema is structural (every node typed, no $ref, no
@@ -161,7 +161,7 @@ def build_crd() -> dict[str, Any]:
 
 
 def render() -> str:
-    header = "# Generated from operator/shard_operator/api.py by `make crd`; do not edit.\n"
+    header = "# Generated from operator/shard_operator/api/ by `make crd`; do not edit.\n"
     return header + yaml.safe_dump(build_crd(), sort_keys=False, width=100)
 
 

@@ -154,8 +154,8 @@ def test_worker_torch_matches_the_tested_torch():
 def test_dockerignore_rules_follow_docker_semantics():
     ignore = rules("*\n!operator/\n**/__pycache__\n!keep/**/x.py\n")
     assert excluded("tests/test_a.py", ignore)
-    assert not excluded("operator/shard_operator/api.py", ignore)
-    assert excluded("operator/shard_operator/__pycache__/api.pyc", ignore)
+    assert not excluded("operator/shard_operator/api/spec.py", ignore)
+    assert excluded("operator/shard_operator/api/__pycache__/spec.pyc", ignore)
     assert not excluded("keep/a/b/x.py", ignore) and excluded("keep/a/b/y.py", ignore)
 
 

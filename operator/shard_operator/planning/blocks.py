@@ -51,7 +51,6 @@ def make_blocks(devices: Iterable[Device], tp: int) -> list[Block]:
     return blocks
 
 
-
 def arrangements(chosen: list[Block]) -> Iterable[list[Block]]:
     """Stage orders worth trying: every choice of block shape for the first and the last stage
     (they also hold the embeddings and the LM head), the rest fastest first."""

@@ -47,7 +47,6 @@ def offload_note(profile: ModelProfile, spec: ShardedModelSpec, request: Request
             f"est. {step * 1e3:.2f} ms per decode step ({1 / step:.1f} tokens/s per sequence).")
 
 
-
 def _memoised(fits: Fits) -> Fits:
     """`fits` answering each question once: the searches ask some twice (a count of devices, or
     one replica and all of them on the same pool)."""

@@ -94,7 +94,6 @@ class Request:
     nvls: bool = False  # spec.worker.nccl.nvls: NCCL's NVLS buffers are budgeted
 
 
-
 def resolve_request(profile: ModelProfile, spec: ShardedModelSpec) -> Request:
     """What the spec asks for in numbers: dtype `auto` and an unset maxModelLen resolved against
     the profile; a PlanError (InvalidSpec) for a length the model cannot take."""

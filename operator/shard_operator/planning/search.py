@@ -69,7 +69,6 @@ class Considered:
     onwards: bool = False
 
 
-
 class NothingFits(Exception):
     """No layout places even one group: what `plan` explains."""
 
@@ -116,7 +115,6 @@ def fitting(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
     """The layouts that place at least one group."""
     return [c.candidate for c in _tries(profile, spec, inventory, request, tps, options, streaming=streaming)
             if c.candidate is not None]
-
 
 
 def consider(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
@@ -216,8 +214,6 @@ def _fallback_dtype(request: Request, spec: ShardedModelSpec, best: Candidate) -
                                               f"{', '.join(lacking)} has no native {request.dtype}")
 
 
-
-
 def _tensor_candidates(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory) -> list[int]:
     per_node: dict[str, int] = {}
     for d in inventory.devices:
@@ -236,7 +232,6 @@ def _pipeline_candidates(profile: ModelProfile, spec: ShardedModelSpec) -> list[
     return [pipeline]
 
 
-
 def _layout(costs: Costs, blocks: list[Block], tp: int, partition: list[int] | None) -> GroupLayout | None:
     counts = costs.partition(tuple(b.shape for b in blocks), tp, partition)
     if counts is None:
@@ -246,7 +241,6 @@ def _layout(costs: Costs, blocks: list[Block], tp: int, partition: list[int] | N
                for i, (b, n) in enumerate(zip(blocks, counts, strict=False))]
     hops = sum(costs.options.transport.hop(a.kind, a.node == b.node) for a, b in itertools.pairwise(blocks))
     return GroupLayout(blocks=blocks, counts=counts, stage_seconds=seconds, critical_path=sum(seconds) + hops)
-
 
 
 def _place_replicas(costs: Costs, blocks: list[Block], tp: int, pp: int, replicas: int,

@@ -22,6 +22,11 @@ from .plan import OffloadPlan, PredictedBytes, RankPlan
 # request the engine runs share them, and the engine samples safely over all of them.
 TEMPERATURE_MAX = 2.0
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # a signed 64-bit integer
+PENALTY_MAX = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's
+REPETITION_MAX = 100.0  # repetition_penalty in (0, 100]: 1 is off (vLLM's and HF's meaning)
+BIAS_MAX = 100.0  # a logit_bias value lies in [-100, 100], as OpenAI's
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
+MAX_LOGPROBS = 20  # top logprobs per position, as OpenAI's
 
 
 class GenerateRequest(BaseModel):
@@ -35,6 +40,26 @@ class GenerateRequest(BaseModel):
     stop: list[str] = Field(default_factory=list, description="Stop strings (need tokenizer.json).")
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 keeps all.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens less likely than min_p times the most "
+                                                          "likely one (after the temperature).")
+    presence_penalty: float = Field(0.0, ge=-PENALTY_MAX, le=PENALTY_MAX)
+    frequency_penalty: float = Field(0.0, ge=-PENALTY_MAX, le=PENALTY_MAX)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=REPETITION_MAX)
+    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS,
+                                         description="Token id -> a value in [-100, 100] added to its logit.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+        "Return each generated token's log-probability and this many most likely alternatives' (None: none)."))
+    prompt_logprobs: bool = Field(False, description="Return the prompt tokens' log-probabilities (echo).")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, bias: dict[int, float]) -> dict[int, float]:
+        bad = [t for t, v in bias.items() if t < 0 or not -BIAS_MAX <= v <= BIAS_MAX]
+        if bad:
+            raise ValueError(f"logit_bias: token ids must be >= 0 and values in [-{BIAS_MAX:g}, {BIAS_MAX:g}] "
+                             f"(token {bad[0]})")
+        return bias
 
     @field_validator("stop")
     @classmethod
@@ -58,6 +83,12 @@ class Completion(BaseModel):
     # cancelled: the client left (never sent to it); error: this sequence failed, the others ran on
     finish_reason: Literal["stop", "length", "cancelled", "error"]
     error: str | None = Field(None, description="Why the sequence failed (finish_reason error).")
+    logprobs: list[float] | None = Field(None, description="Each generated token's log-probability (the "
+                                         "model's, before temperature, penalties and filters), when asked.")
+    top_logprobs: list[list[tuple[int, float]]] | None = Field(
+        None, description="Per generated token, the most likely (token id, log-probability) pairs, when asked.")
+    prompt_logprobs: list[float | None] | None = Field(
+        None, description="Per prompt token, its log-probability given those before it (None for the first).")
 
 
 class ResidentBytes(BaseModel):

@@ -1,6 +1,8 @@
-"""Sampling, pure: top-p as specified, repeatable with a seed, numerically safe for every value the
-API accepts (the requests that once killed a group among them), and a sequence whose token cannot
-be chosen or whose stop strings cannot be checked fails alone."""
+"""Sampling, pure: each parameter equal to a plain per-row reference (float64, a loop over the
+rows) on recorded logits, draws that follow the distribution, repeatable with a seed whatever the
+batch around a row, numerically safe for every value the API accepts (the requests that once killed
+a group among them), log-probabilities the model's own; and a sequence whose token cannot be chosen
+or whose stop strings cannot be checked fails alone."""
 
 from __future__ import annotations
 
@@ -13,25 +15,147 @@ from hypothesis import strategies as st
 
 from shard_contract.wire import SEED_MAX, SEED_MIN, TEMPERATURE_MAX, GenerateRequest
 from shard_worker import openai
-from shard_worker.sampling import FAILED, choose, generator, top_p_probs
+from shard_worker.sampling import FAILED, Sampler
 from shard_worker.sequences import FAILED_ELSEWHERE, Rows, Sequences, SequenceState
 
 
-def test_top_p_keeps_the_smallest_head_reaching_the_mass():
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    probs = top_p_probs(logits, 1.0, 0.7)
-    torch.testing.assert_close(probs, torch.tensor([0.5, 0.3, 0.0, 0.0], dtype=torch.float64) / 0.8)
-    assert top_p_probs(logits, 1.0, 0.01).tolist() == [1.0, 0.0, 0.0, 0.0]
+def reference(logits: torch.Tensor, request: GenerateRequest, generated: list[int]) -> torch.Tensor:
+    """What a row draws from, the obvious way: token by token in float64, as vLLM orders it
+    (bias, repetition over prompt and output, frequency and presence over the output; temperature;
+    min_p, top_k, top_p each on what the one before kept)."""
+    x = logits.double().clone()
+    for token, value in request.logit_bias.items():
+        x[token] += value
+    seen = set(request.prompt_ids) | set(generated)
+    for token in range(len(x)):
+        if token in seen:
+            x[token] = x[token] / request.repetition_penalty if x[token] > 0 else x[token] * request.repetition_penalty
+        count = generated.count(token)
+        x[token] -= request.frequency_penalty * count + request.presence_penalty * (count > 0)
+    temperature = request.temperature or 1.0
+    probs = ((x - x.max()) / temperature).exp()
+    probs /= probs.sum()
+    order = sorted(range(len(x)), key=lambda t: -float(probs[t]))
+    kept = [t for t in order if probs[t] >= request.min_p * probs[order[0]]]
+    kept = kept[:request.top_k] if request.top_k else kept
+    mass, total, chosen = 0.0, sum(float(probs[t]) for t in kept), []
+    for t in kept:
+        if request.top_p < 1.0 and mass >= request.top_p * total and chosen:
+            break
+        chosen.append(t)
+        mass += float(probs[t])
+    out = torch.zeros_like(probs)
+    out[chosen] = probs[chosen]
+    return out / out.sum()
 
 
-def test_seeded_sampling_repeats_and_greedy_ignores_seed():
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
-    reqs = [GenerateRequest(prompt_ids=[1], temperature=1.0, seed=s) for s in (1, 1, 2)]
-    draws = [choose(logits, reqs, [generator(r) for r in reqs])[0].tolist() for _ in range(2)]
-    assert draws[0] == draws[1]
-    greedy = [GenerateRequest(prompt_ids=[1])] * 3
-    tokens, failed = choose(logits, greedy, [generator(r) for r in greedy])
-    assert tokens.tolist() == logits.argmax(-1).tolist() and failed == {}
+def sampler_for(requests: list[GenerateRequest]) -> Sampler:
+    sampler = Sampler(len(requests))
+    for row, request in enumerate(requests):
+        sampler.place(row, request)
+    return sampler
+
+
+RECORDED = torch.randn(4, 64, generator=torch.Generator().manual_seed(7)) * 3  # logits as a model gives them
+
+
+@pytest.mark.parametrize("params", [
+    {}, {"temperature": 0.7}, {"top_p": 0.6}, {"top_k": 5}, {"min_p": 0.2}, {"top_k": 9, "top_p": 0.5, "min_p": 0.05},
+    {"presence_penalty": 1.5}, {"frequency_penalty": -0.7}, {"repetition_penalty": 1.8},
+    {"repetition_penalty": 0.5}, {"logit_bias": {3: 100.0, 5: -100.0, 60: 2.5}},
+    {"temperature": 1.3, "top_p": 0.9, "presence_penalty": 0.4, "frequency_penalty": 0.8, "repetition_penalty": 1.2,
+     "logit_bias": {1: -3.0}},
+])
+def test_the_distribution_equals_the_reference_on_recorded_logits(params):
+    """Four rows with different prompts; two steps, so the penalties see generated tokens."""
+    requests = [GenerateRequest(prompt_ids=[r, 10 + r, 10 + r], temperature=params.get("temperature", 1.0),
+                                **{k: v for k, v in params.items() if k != "temperature"}) for r in range(4)]
+    sampler = sampler_for(requests)
+    generated: list[list[int]] = [[] for _ in requests]
+    for step in range(3):
+        logits = RECORDED.roll(step, dims=1)
+        got = sampler.probabilities(logits)
+        for row, request in enumerate(requests):
+            torch.testing.assert_close(got[row], reference(logits[row], request, generated[row]), rtol=1e-9,
+                                       atol=1e-12)
+        tokens = sampler.sample(logits).to_host().tokens
+        for row, token in enumerate(tokens):
+            assert got[row, token] > 0, "drew a token the filters dropped"
+            generated[row].append(token)
+
+
+def test_greedy_takes_the_argmax_of_the_biased_and_penalised_logits():
+    logits = RECORDED[:1]
+    top = int(logits.argmax())
+    requests = [GenerateRequest(prompt_ids=[1]), GenerateRequest(prompt_ids=[1], logit_bias={top: -100.0}),
+                GenerateRequest(prompt_ids=[top], repetition_penalty=100.0)]
+    tokens = sampler_for(requests).sample(logits.expand(3, -1)).to_host().tokens
+    expected = [int(reference(logits[0], r, []).argmax()) for r in requests]
+    assert tokens == expected and tokens[0] == top and tokens[1] != top and tokens[2] != top
+
+
+def test_draws_follow_the_distribution():
+    """4000 rows, one seed each, in one batch: each token's share within 5 standard deviations
+    of its probability, and no token outside the kept set."""
+    rows = 4000
+    request = {"temperature": 0.8, "top_p": 0.9, "top_k": 6}
+    logits = RECORDED[0, :10].expand(rows, -1)
+    sampler = sampler_for([GenerateRequest(prompt_ids=[1], seed=s, **request) for s in range(rows)])
+    probs = sampler.probabilities(logits)[0]
+    counts = torch.bincount(sampler.sample(logits).tokens, minlength=10).double()
+    sigma = (rows * probs * (1 - probs)).sqrt()
+    assert bool(((counts - rows * probs).abs() <= 5 * sigma + 1).all()), (counts, rows * probs)
+    assert bool((counts[probs == 0] == 0).all())
+
+
+def test_successive_draws_of_one_row_follow_the_distribution():
+    """One seed, 3000 steps: the draws of one sequence are as random as those of many."""
+    logits = RECORDED[1:2, :6]
+    sampler = sampler_for([GenerateRequest(prompt_ids=[1], temperature=1.0, seed=12345)])
+    probs = sampler.probabilities(logits)[0]
+    draws = torch.tensor([sampler.sample(logits).tokens[0] for _ in range(3000)])
+    counts = torch.bincount(draws, minlength=6).double()
+    sigma = (3000 * probs * (1 - probs)).sqrt()
+    assert bool(((counts - 3000 * probs).abs() <= 5 * sigma + 1).all()), (counts, 3000 * probs)
+
+
+def test_a_seed_repeats_whatever_the_batch_around_it():
+    """The same request draws the same tokens alone, in row 3 of a batch of strangers, and
+    again: its draws depend on its seed and its step alone."""
+    request = GenerateRequest(prompt_ids=[1], temperature=1.0, seed=-42)
+    strangers = [GenerateRequest(prompt_ids=[2], temperature=0.5, seed=s, top_p=0.5) for s in range(3)]
+
+    def draws(requests: list[GenerateRequest], row: int) -> list[int]:
+        sampler = sampler_for(requests)
+        logits = RECORDED[:1, :32].expand(len(requests), -1)
+        return [sampler.sample(logits).to_host().tokens[row] for _ in range(20)]
+
+    alone = draws([request], 0)
+    assert alone == draws([*strangers, request], 3) == draws([request], 0)
+    other = draws([request.model_copy(update={"seed": -41})], 0)
+    assert alone != other
+
+
+def test_a_row_placed_again_starts_its_draws_over():
+    request = GenerateRequest(prompt_ids=[1], temperature=1.0, seed=5)
+    sampler = sampler_for([request])
+    logits = RECORDED[:1, :32]
+    first = [sampler.sample(logits).to_host().tokens[0] for _ in range(10)]
+    sampler.place(0, request)
+    assert [sampler.sample(logits).to_host().tokens[0] for _ in range(10)] == first
+
+
+def test_logprobs_are_the_models_log_softmax_with_the_top_alternatives():
+    requests = [GenerateRequest(prompt_ids=[1], temperature=1.0, seed=1, logprobs=3, presence_penalty=2.0),
+                GenerateRequest(prompt_ids=[1], logprobs=0)]
+    host = sampler_for(requests).sample(RECORDED[:2]).to_host()
+    expected = torch.log_softmax(RECORDED[:2].float(), dim=-1)
+    assert host.logprob is not None and host.top is not None
+    for row, token in enumerate(host.tokens):
+        assert math.isclose(host.logprob[row], float(expected[row, token]), abs_tol=1e-6)
+    top = expected[0].topk(3)
+    assert [t for t, _ in host.top[0]] == top.indices.tolist()
+    assert [lp for _, lp in host.top[0]] == pytest.approx(top.values.tolist(), abs=1e-6)
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1e-40, 1.0), (1.0, 1e-300), (5e-324, 5e-324)])
@@ -40,14 +164,21 @@ def test_the_values_that_once_failed_a_group_sample_the_most_likely_token(temper
     0 in float32 and dropped every token. Both mean: the most likely token."""
     logits = torch.tensor([[0.5, 3.0, -2.0, 2.9]])
     request = GenerateRequest(prompt_ids=[1], temperature=temperature, top_p=top_p, seed=3)
-    tokens, failed = choose(logits, [request], [generator(request)])
-    assert (tokens.tolist(), failed) == ([1], {})
+    assert sampler_for([request]).sample(logits).to_host().tokens == [1]
+
+
+def test_a_penalty_that_overflows_float64_still_gives_a_token():
+    """A float32-range logit divided by a repetition penalty near 0 passes float64's range."""
+    logits = torch.tensor([[3e38, 3e38, -3e38, 0.0]])
+    request = GenerateRequest(prompt_ids=[0, 1, 2], temperature=1.0, repetition_penalty=1e-300, top_p=0.5)
+    tokens = sampler_for([request]).sample(logits).to_host().tokens
+    assert tokens[0] in (0, 1)
 
 
 @pytest.mark.parametrize("seed", [SEED_MIN, -1, 0, SEED_MAX])
-def test_every_accepted_seed_seeds_a_generator(seed):
+def test_every_accepted_seed_samples(seed):
     request = GenerateRequest(prompt_ids=[1], temperature=1.0, seed=seed)
-    assert generator(request) is not None
+    assert 0 <= sampler_for([request]).sample(RECORDED[:1]).to_host().tokens[0] < 64
 
 
 @pytest.mark.parametrize("seed", [SEED_MAX + 1, 2**64, SEED_MIN - 1])
@@ -57,27 +188,34 @@ def test_a_seed_outside_64_bits_is_refused_by_the_contract(seed):
 
 
 float32_logits = st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=40)
+penalty = st.floats(-2.0, 2.0, allow_subnormal=True)
 
 
 @settings(max_examples=300, deadline=None)
 @given(logits=float32_logits,
        temperature=st.floats(0.0, TEMPERATURE_MAX, allow_subnormal=True),
        top_p=st.floats(0.0, 1.0, exclude_min=True, allow_subnormal=True),
+       min_p=st.floats(0.0, 1.0, allow_subnormal=True), top_k=st.integers(0, 50),
+       presence=penalty, frequency=penalty,
+       repetition=st.floats(0.0, 100.0, exclude_min=True, allow_subnormal=True),
+       bias=st.dictionaries(st.integers(0, 39), st.floats(-100.0, 100.0), max_size=3),
        seed=st.integers(SEED_MIN, SEED_MAX))
-def test_every_accepted_sampling_request_gets_a_token(logits, temperature, top_p, seed):
+def test_every_accepted_sampling_request_gets_a_token(logits, temperature, top_p, min_p, top_k, presence,
+                                                      frequency, repetition, bias, seed):
     """Over the whole accepted range, and logits anywhere in float32's: a distribution (finite,
-    summing to 1, keeping a most likely token) and a token, never a failure."""
-    row = torch.tensor(logits, dtype=torch.float32)
-    request = GenerateRequest(prompt_ids=[1], temperature=temperature, top_p=top_p, seed=seed)
-    if temperature > 0:
-        probs = top_p_probs(row, temperature, top_p)
+    summing to 1) and a token it gives a chance, never a failure, two steps running."""
+    row = torch.tensor(logits, dtype=torch.float32)[None, :]
+    request = GenerateRequest(prompt_ids=[0, 1], temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k,
+                              presence_penalty=presence, frequency_penalty=frequency,
+                              repetition_penalty=repetition, logit_bias=bias, seed=seed)
+    sampler = sampler_for([request])
+    for _ in range(2):
+        probs = sampler.probabilities(row)
         assert bool(torch.isfinite(probs).all()) and bool((probs >= 0).all())
         assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-9)
-        unfiltered = top_p_probs(row, temperature, 1.0)
-        # Of the most likely tokens (tied in float64 after the temperature), top_p may keep one only.
-        assert probs[unfiltered == unfiltered.max()].sum() > 0
-    tokens, failed = choose(row.view(1, -1), [request], [generator(request)])
-    assert failed == {} and 0 <= int(tokens[0]) < len(logits)
+        token = sampler.sample(row).to_host().tokens[0]
+        assert 0 <= token < len(logits)
+        assert temperature == 0 or probs[0, token] > 0
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -94,8 +232,7 @@ def test_what_the_api_accepts_the_engine_runs(temperature, top_p, seed, max_toke
     request = openai.to_generate(parsed, [1, 2], max_len=12, vocab_size=50, max_tokens=parsed.max_tokens,
                                  has_tokenizer=True)
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
-    tokens, failed = choose(logits, [request], [generator(request)])
-    assert failed == {} and 0 <= int(tokens[0]) < 50
+    assert 0 <= sampler_for([request]).sample(logits).to_host().tokens[0] < 50
 
 
 def openai_json(body: dict) -> bytes:
@@ -113,10 +250,10 @@ def test_a_row_whose_logits_are_not_finite_fails_alone_and_is_greedy_from_then_o
         rows.place(row, GenerateRequest(prompt_ids=[1], temperature=1.0, seed=row), pad=0)
     logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(0))
     logits[1, 4] = float("nan")
-    tokens, failed = rows.choose(0, logits)
+    tokens, failed, _ = rows.choose(0, logits)
     assert int(tokens[1]) == FAILED and 0 <= int(tokens[0]) < 20 and 0 <= int(tokens[2]) < 20
     assert list(failed) == [1] and "not finite" in failed[1] and rows.failures == failed
-    again, failed_again = rows.choose(1, logits[1:])  # its sequence has ended: no second failure
+    again, failed_again, _ = rows.choose(1, logits[1:])  # its sequence has ended: no second failure
     assert failed_again == {} and int(again[0]) == int(logits[1].argmax())
     rows.place(1, GenerateRequest(prompt_ids=[1]), pad=0)  # a newcomer takes the row
     assert rows.failures == {}

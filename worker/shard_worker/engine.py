@@ -30,6 +30,7 @@ import torch
 
 from shard_contract.wire import Completion, GenerateRequest
 
+from . import logprobs
 from .accounting import Accounting
 from .dist import Comm
 from .log import log
@@ -214,10 +215,17 @@ class Engine:
                 return_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         with self.acct.computing():
             logits = self.stage.logits(hidden[:, -1])
-            tokens, failed = rows.choose(unit.r0, logits)
+            tokens, failed, _ = rows.choose(unit.r0, logits)
         for row, why in failed.items():  # that request fails alone (every sampler meets the same)
             log(self.topo.rank, f"the sequence in row {row} failed: {why}")
         return tokens, (logits if return_logits else None)
+
+    def _prompt_logprobs(self, unit: Unit, hidden: torch.Tensor, rows: Rows) -> None:
+        """The last stage: the prompt log-probabilities (echo) the unit's rows asked for."""
+        requests = rows.requests[unit.r0:unit.r1]
+        if any(q is not None and q.prompt_logprobs for q in requests):
+            with self.acct.computing():
+                rows.extras.prompt(requests, rows.pads, unit.r0, unit.c0, hidden, self.stage.logits)
 
     def _pass(self, work: list[tuple[Unit, torch.Tensor]], rows: Rows,
               vocab: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -229,10 +237,17 @@ class Engine:
             hidden = self._forward(unit, ids.to(self.stage.device), rows.pads)
             if not last:
                 self.link.send_unit(unit, hidden)
-            elif unit.emits:
-                emitted.append((unit, *self._sample(unit, hidden, rows, vocab is not None)))
+            else:
+                self._prompt_logprobs(unit, hidden, rows)
+                if unit.emits:
+                    emitted.append((unit, *self._sample(unit, hidden, rows, vocab is not None)))
         if not last:
-            emitted = [(u, *self.link.recv_tokens(u.rows, vocab)) for u, _ in work if u.emits]
+            emitted = []
+            for u, _ in work:
+                if u.emits:
+                    emitted.append((u, *self.link.recv_tokens(u.rows, vocab)))
+                    if logprobs.wants(rows.requests[u.r0:u.r1]):
+                        rows.extras.merge(self.link.recv_extras())
         emitted.sort(key=lambda e: e[0].r0)
         tokens = torch.cat([t for _, t, _ in emitted])
         return tokens, (torch.cat([lg for _, _, lg in emitted]) if vocab is not None else None)
@@ -250,7 +265,7 @@ class Engine:
         out.logits += [logits.cpu()] if logits is not None else []
         out.prefill_seconds = time.perf_counter() - start
         seqs.feed(first, tokens)
-        self._report(seqs.add(first, tokens.tolist(), rows.failures), hooks)
+        self._report(seqs.add(first, tokens.tolist(), rows.failures, rows.extras), hooks)
 
         col = self._prompt_cols
         while seqs.live():
@@ -263,8 +278,8 @@ class Engine:
             unit = Unit(lo, hi, col, col + 1, emits=True)
             tokens, logits = self._pass([(unit, seqs.next_tokens[lo:hi].view(hi - lo, 1))], rows, vocab)
             out.logits += [logits.cpu()] if logits is not None else []
-            took = seqs.add(joined, join_tokens, rows.failures) + seqs.add(list(range(lo, hi)), tokens.tolist(),
-                                                                             rows.failures)
+            took = seqs.add(joined, join_tokens, rows.failures, rows.extras) + \
+                seqs.add(list(range(lo, hi)), tokens.tolist(), rows.failures, rows.extras)
             seqs.feed(slice(lo, hi), tokens)
             self._report(list(dict.fromkeys(took)), hooks)  # a joiner took two tokens: report it once
             col += 1
@@ -364,7 +379,11 @@ class Engine:
             hidden = self._forward(unit, hidden, rows.pads)
             if not last:
                 self.link.send_unit(unit, hidden)
-            elif unit.emits:
+                continue
+            self._prompt_logprobs(unit, hidden, rows)
+            if unit.emits:
                 self.link.send_tokens(*self._sample(unit, hidden, rows, return_logits))
+                if logprobs.wants(rows.requests[unit.r0:unit.r1]):
+                    self.link.send_extras(rows.extras.unit(unit.r0, unit.r1))
         if not last:
             self.link.send_stop()

@@ -30,7 +30,9 @@ communicator with exactly NCCL's rendezvous semantics.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -164,6 +166,18 @@ class Link:
     def send_tokens(self, tokens: torch.Tensor, logits: torch.Tensor | None) -> None:
         for t in (tokens, logits) if logits is not None else (tokens,):
             self._track(self.comm.isend_control(t, self.topo.first))
+
+    def send_extras(self, extras: dict[int, Any]) -> None:
+        """The log-probabilities the rows of an emitting unit asked for (`logprobs.py`), after its tokens."""
+        payload = torch.frombuffer(bytearray(json.dumps(extras).encode()), dtype=torch.uint8)
+        self._track(self.comm.isend_control(torch.tensor([payload.numel()], dtype=torch.int64), self.topo.first))
+        self._track(self.comm.isend_control(payload, self.topo.first))
+
+    def recv_extras(self) -> dict[str, Any]:
+        size = self.comm.recv_control(torch.zeros(1, dtype=torch.int64), self.topo.last)
+        payload = self.comm.recv_control(torch.empty(int(size[0]), dtype=torch.uint8), self.topo.last)
+        got: dict[str, Any] = json.loads(bytes(payload.numpy()))
+        return got
 
     def recv_tokens(self, rows: int, vocab: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The tokens (and logits) of an emitting unit, on the CPU."""

@@ -1,68 +1,277 @@
-"""Choosing the next token from logits: greedy, or temperature + top-p with a seeded generator
-per sequence.
+"""Choosing the next tokens of a batch on the logits' device: greedy, temperature, min_p, top_k,
+top_p, presence/frequency/repetition penalties and logit_bias, each row with its own parameters.
 
-Every TP rank of the last stage holds bit-identical gathered logits and a generator seeded the
-same way, so they all choose the same tokens without exchanging them, and a row whose sampling
-fails fails the same way on each of them: it gets the token FAILED, and the first stage ends
-that sequence alone (the group runs on).
+`Sampler` keeps per-row parameters as device tensors (uploaded once when a row changes, never per
+step) and, only when a row asks for penalties, per-row token counts on the device. `sample` never
+synchronises with the host: it returns device tensors, and `Sampled.to_host` is the step's one
+device-to-host copy (the tokens, and the log-probabilities when a row asked for them).
 
-Sampling is numerically safe over every accepted value (temperature in (0, 2], top_p in (0, 1]):
-it works in float64 on logits shifted so that the most likely token's is 0, so a temperature of
-1e-40 still gives a distribution (the most likely tokens alone, as its limit does), and top_p is
-compared in float64 (1e-300 is 0 in float32), the most likely token always kept.
+Randomness is counter-based: a row's draw at its t-th token is a hash of (seed, t, token id), an
+exponential race (`argmax(log p + Gumbel)`, the Gumbel-max trick) over the kept tokens. So a seed
+repeats on any device and any batch (the row's neighbours, its place in the batch and the batch's
+size change nothing), every TP rank of the last stage picks the same token without exchanging it,
+and one batched kernel chain serves every row (a torch.Generator per row would cost a launch a row).
+
+Order, as vLLM's: logit_bias and the penalties change the logits (repetition over the prompt and
+the generated tokens, presence and frequency over the generated ones); temperature; then min_p,
+top_k and top_p keep the most likely tokens (each on what the one before kept). Greedy rows take the
+argmax of the changed logits. Reported log-probabilities are the model's own (log-softmax of the
+raw logits, in float32), as OpenAI's and vLLM's are.
+
+Numerically safe over every accepted value: the work is in float64 on logits shifted so that the
+most likely token's is 0, so a temperature of 1e-40 still gives a distribution (its limit: the most
+likely tokens alone), top_p 1e-300 keeps the most likely token, and a penalty that overflows a
+logit clamps it to float64's range. A sampled row whose logits are not finite gets FAILED (and every
+sampling rank meets the same): the first stage ends that sequence alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from shard_contract.wire import GenerateRequest
 
-from .log import first_line
+FAILED = -1  # the token of a row whose sampling failed
+NOT_FINITE = "choosing its next token failed: the model's logits for this sequence are not finite"
 
-FAILED = -1  # the token of a row whose sampling raised
+_MASK = 0xFFFFFFFF
+_F64_MAX = torch.finfo(torch.float64).max
 
-
-def generator(request: GenerateRequest) -> torch.Generator | None:
-    """The seeded generator a sampling request draws from; None for a greedy one."""
-    return torch.Generator().manual_seed(request.seed) if request.temperature > 0 else None
-
-
-def top_p_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """Probabilities [V] (float64) of one row after temperature, restricted to the smallest set
-    of most likely tokens whose mass reaches `top_p` (renormalised)."""
-    if not bool(torch.isfinite(logits).all()):
-        raise ValueError("the model's logits for this sequence are not finite")
-    shifted = logits.double() - logits.max().double()  # <= 0; 0 for the most likely token
-    probs = (shifted / temperature).exp()  # exp(0) = 1: the sum is at least 1, never 0 or inf
-    probs /= probs.sum()
-    if top_p >= 1.0:
-        return probs
-    sorted_probs, order = probs.sort(descending=True)
-    before = sorted_probs.cumsum(0) - sorted_probs  # mass of the more likely tokens; 0 for the first
-    sorted_probs[before >= top_p] = 0.0
-    kept = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return kept / kept.sum()
+# Per-row float parameters, as the columns of one tensor (one upload for all).
+_TEMP, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(6)
+# Per-row integer parameters.
+_TOP_K, _SEED_LO, _SEED_HI = range(3)
 
 
-def choose(logits: torch.Tensor, requests: Sequence[GenerateRequest | None],
-           gens: Sequence[torch.Generator | None]) -> tuple[torch.Tensor, dict[int, str]]:
-    """Next token ids [rows] for logits [rows, V]; row i follows requests[i] and gens[i] (greedy
-    where gens[i] is None). A row whose sampling raises gets FAILED; returns the tokens and, by
-    row, why those rows failed."""
-    tokens = logits.argmax(dim=-1)
-    failed: dict[int, str] = {}
-    if all(g is None for g in gens):
-        return tokens, failed
-    for i, (request, gen) in enumerate(zip(requests, gens, strict=False)):
-        if gen is None or request is None:
-            continue
-        try:
-            probs = top_p_probs(logits[i].cpu(), request.temperature, request.top_p)
-            tokens[i] = int(torch.multinomial(probs, 1, generator=gen))
-        except Exception as err:  # noqa: BLE001 -- this row's request fails, not the group
-            tokens[i] = FAILED
-            failed[i] = f"choosing its next token failed: {first_line(err)}"
-    return tokens, failed
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32's shape) on int64 lanes holding [0, 2^32). The multipliers
+    are below 2^31, so no product overflows int64 (signed overflow is undefined in C++)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK
+    x = x ^ (x >> 15)
+    x = (x * 0x6B43A9B5) & _MASK
+    return x ^ (x >> 16)
+
+
+def gumbel(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel noise [rows, vocab] (float64): a pure function of each row's seed (two 32-bit halves)
+    and step, and of the token id."""
+    row = _mix(_mix(_mix(seed_lo) ^ seed_hi) ^ (step & _MASK))[:, None]
+    ids = _mix(torch.arange(vocab, device=step.device, dtype=torch.int64) * 0x9E3779B1 & _MASK)[None, :]
+    h = _mix(_mix(row ^ ids) ^ (row >> 7))
+    u = (h.double() + 0.5) * 2.0 ** -32  # in (0, 1), never 0 or 1
+    return -torch.log(-torch.log(u))
+
+
+@dataclass
+class Sampled:
+    """One sampling step's results, on the logits' device. tokens [rows] (FAILED where a row
+    failed); with logprobs, the chosen tokens' [rows] and the `top` most likely [rows, top]."""
+
+    tokens: torch.Tensor
+    logprob: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+    def to_host(self) -> HostSampled:
+        """Everything, in one device-to-host copy."""
+        if self.logprob is None:
+            return HostSampled(self.tokens.cpu().tolist())
+        assert self.top_ids is not None and self.top_logprobs is not None
+        top = self.top_ids.shape[1]
+        # float64 holds every token id exactly.
+        packed = torch.cat([self.tokens.double()[:, None], self.logprob.double()[:, None],
+                            self.top_ids.double(), self.top_logprobs.double()], dim=1).cpu()
+        return HostSampled([int(t) for t in packed[:, 0].tolist()], packed[:, 1].tolist(),
+                           [list(zip((int(i) for i in ids), lps, strict=True)) for ids, lps in
+                            zip(packed[:, 2:2 + top].tolist(), packed[:, 2 + top:].tolist(), strict=True)])
+
+
+@dataclass
+class HostSampled:
+    tokens: list[int]
+    logprob: list[float] | None = None
+    top: list[list[tuple[int, float]]] | None = None
+
+
+class Sampler:
+    """The sampling state of `capacity` rows: each row's parameters (set by `place`) and, for rows
+    with penalties, which tokens its prompt holds and how often it generated each token."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.requests: list[GenerateRequest | None] = [None] * capacity
+        self._floats = torch.zeros(capacity, 6, dtype=torch.float64)  # host copies, uploaded when changed
+        self._floats[:, _TOP_P] = self._floats[:, _REPETITION] = 1.0
+        self._ints = torch.zeros(capacity, 3, dtype=torch.int64)
+        self._bias: dict[int, dict[int, float]] = {}
+        self._dirty = True
+        self._device: torch.device | None = None
+        self._dev_floats = self._dev_ints = torch.empty(0)
+        self._dev_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.steps = torch.zeros(capacity, dtype=torch.int64)  # tokens each row has drawn
+        self.counts: torch.Tensor | None = None  # [capacity, V] int32, once a row has penalties
+        self.in_prompt: torch.Tensor | None = None  # [capacity, V] bool
+        self._pending_prompts: dict[int, list[int]] = {}
+
+    def place(self, row: int, request: GenerateRequest) -> None:
+        """Row `row` samples for `request` from its next token on."""
+        self.requests[row] = request
+        self._floats[row] = torch.tensor([request.temperature, request.top_p, request.min_p,
+                                          request.presence_penalty, request.frequency_penalty,
+                                          request.repetition_penalty], dtype=torch.float64)
+        seed = request.seed & 0xFFFFFFFFFFFFFFFF  # two's complement: every signed 64-bit seed
+        self._ints[row] = torch.tensor([request.top_k, seed & _MASK, seed >> 32], dtype=torch.int64)
+        self._bias.pop(row, None)
+        if request.logit_bias:
+            self._bias[row] = dict(request.logit_bias)
+        self._pending_prompts[row] = list(request.prompt_ids) if _penalised(request) else []
+        self._dirty = True
+
+    def greedy(self, row: int) -> None:
+        """Row `row` is greedy from now on (its sequence failed; what it gets goes unused)."""
+        self._floats[row, _TEMP] = 0.0
+        self._dirty = True
+
+    # ------------------------------------------------------------ device state
+    def _sync(self, device: torch.device, vocab: int) -> None:
+        if self._device != device:
+            self._device, self._dirty = device, True
+            self.steps = self.steps.to(device)
+            self.counts = self.in_prompt = None
+            self._pending_prompts = {r: list(q.prompt_ids) for r, q in enumerate(self.requests)
+                                     if q is not None and _penalised(q)}
+        if not self._dirty:
+            return
+        self._dev_floats = self._floats.to(device)
+        self._dev_ints = self._ints.to(device)
+        for row in self._pending_prompts:
+            self.steps[row] = 0
+        if any(self._pending_prompts.values()) and self.counts is None:
+            self.counts = torch.zeros(self.capacity, vocab, dtype=torch.int32, device=device)
+            self.in_prompt = torch.zeros(self.capacity, vocab, dtype=torch.bool, device=device)
+        if self.counts is not None and self.in_prompt is not None:
+            for row, prompt in self._pending_prompts.items():
+                self.counts[row].zero_()
+                self.in_prompt[row].zero_()
+                ids = torch.tensor([t for t in prompt if 0 <= t < vocab], dtype=torch.int64)
+                self.in_prompt[row, ids.to(device)] = True
+        self._pending_prompts = {}
+        entries = [(r, t, v) for r, bias in self._bias.items() for t, v in bias.items() if t < vocab]
+        self._dev_bias = None
+        if entries:
+            rows, toks, vals = zip(*entries, strict=True)
+            self._dev_bias = (torch.tensor(rows, device=device), torch.tensor(toks, device=device),
+                              torch.tensor(vals, dtype=torch.float64, device=device))
+        self._dirty = False
+
+    # ------------------------------------------------------------ a step
+    def sample(self, logits: torch.Tensor, r0: int = 0) -> Sampled:
+        """The next tokens of rows [r0, r0 + len(logits)) from their logits [rows, V]; no host sync."""
+        n, vocab = logits.shape
+        self._sync(logits.device, vocab)
+        reqs = self.requests[r0:r0 + n]
+        live = [q for q in reqs if q is not None]
+        top = max((q.logprobs for q in live if q.logprobs is not None), default=None)
+        sampled = any(q.temperature > 0 for q in live)
+        changed = any(_penalised(q) or q.logit_bias for q in live)
+        if not sampled and not changed:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._choose(logits, r0, n, sampled, changed)
+        self.steps[r0:r0 + n] += 1
+        if self.counts is not None:
+            self.counts[r0:r0 + n].scatter_add_(1, tokens.clamp(min=0)[:, None],
+                                                 torch.ones(n, 1, dtype=torch.int32, device=logits.device))
+        if top is None:
+            return Sampled(tokens)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logprobs.gather(1, tokens.clamp(min=0)[:, None])[:, 0]
+        top = min(top, vocab)
+        top_lp, top_ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], tokens[:, None][:, :0])
+        return Sampled(tokens, chosen, top_ids, top_lp)
+
+    def _choose(self, logits: torch.Tensor, r0: int, n: int, sampled: bool, changed: bool) -> torch.Tensor:
+        x, scaled, keep = self._prepare(logits, r0, n, changed, filtered=sampled)
+        greedy_tokens = x.argmax(dim=-1)
+        if not sampled:
+            return greedy_tokens
+        ints = self._dev_ints[r0:r0 + n]
+        noise = gumbel(ints[:, _SEED_LO], ints[:, _SEED_HI], self.steps[r0:r0 + n], x.shape[1])
+        drawn = torch.where(keep, scaled + noise, -torch.inf).argmax(dim=-1)
+        greedy = self._dev_floats[r0:r0 + n, _TEMP] <= 0
+        tokens = torch.where(greedy, greedy_tokens, drawn)
+        bad = ~torch.isfinite(logits).all(dim=-1) & ~greedy
+        return torch.where(bad, FAILED, tokens)
+
+    def _prepare(self, logits: torch.Tensor, r0: int, n: int, changed: bool,
+                 filtered: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The changed logits (float64), those shifted to a maximum of 0 and divided by the
+        temperature (1 for greedy rows), and which tokens a sampled row may draw."""
+        floats, ints = self._dev_floats[r0:r0 + n], self._dev_ints[r0:r0 + n]
+        x = logits.double()
+        if changed:
+            x = self._penalise(x, floats, r0, n)
+        temp = floats[:, _TEMP]
+        scaled = (x - x.max(dim=-1, keepdim=True).values) / torch.where(temp <= 0, 1.0, temp)[:, None]
+        keep = self._keep(scaled, floats, ints, r0, n) if filtered else torch.ones_like(scaled, dtype=torch.bool)
+        return x, scaled, keep
+
+    def probabilities(self, logits: torch.Tensor, r0: int = 0) -> torch.Tensor:
+        """The distribution [rows, V] (float64) that rows [r0, r0 + len(logits)) would draw their
+        next token from (for a greedy row: its temperature-1 distribution). Changes nothing."""
+        n, vocab = logits.shape
+        self._sync(logits.device, vocab)
+        _, scaled, keep = self._prepare(logits, r0, n, changed=True, filtered=True)
+        probs = torch.where(keep, scaled.exp(), 0.0)
+        return probs / probs.sum(dim=-1, keepdim=True)
+
+    def _penalise(self, x: torch.Tensor, floats: torch.Tensor, r0: int, n: int) -> torch.Tensor:
+        if self._dev_bias is not None:
+            rows, toks, vals = self._dev_bias
+            inside = (rows >= r0) & (rows < r0 + n)
+            # Rows outside this unit get a bias of 0 at row 0: no host sync to select them.
+            x = x.index_put((torch.where(inside, rows - r0, 0), toks), torch.where(inside, vals, 0.0),
+                            accumulate=True)
+        if self.counts is not None and self.in_prompt is not None:
+            counts = self.counts[r0:r0 + n].double()
+            seen = self.in_prompt[r0:r0 + n] | (counts > 0)
+            rep = floats[:, _REPETITION, None]
+            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+            x = x - floats[:, _FREQUENCY, None] * counts - floats[:, _PRESENCE, None] * (counts > 0)
+        # A penalty may push a float32-range logit past float64's (say 3e38 / 1e-300): clamp, so
+        # the row still has a most likely token and never inf - inf.
+        return x.clamp(-_F64_MAX, _F64_MAX) if self.counts is not None else x
+
+    def _keep(self, scaled: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor, r0: int,
+              n: int) -> torch.Tensor:
+        """Which tokens each row may draw: all, or what min_p, top_k and top_p keep (the most
+        likely token always)."""
+        live = [q for q in self.requests[r0:r0 + n] if q is not None]
+        if not any(q.top_p < 1.0 or q.top_k > 0 or q.min_p > 0 for q in live):
+            return torch.ones_like(scaled, dtype=torch.bool)
+        probs = scaled.exp()  # the most likely token's is exp(0) = 1: the sum is never 0 or inf
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        vocab = scaled.shape[1]
+        position = torch.arange(vocab, device=scaled.device)[None, :]
+        top_k = torch.where(ints[:, _TOP_K] > 0, ints[:, _TOP_K], vocab)[:, None]
+        kept = (sorted_probs >= floats[:, _MIN_P, None] * sorted_probs[:, :1]) & (position < top_k)
+        sorted_probs = torch.where(kept, sorted_probs, 0.0)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # the mass of the more likely kept tokens
+        top_p = floats[:, _TOP_P, None]
+        kept &= (before < top_p * sorted_probs.sum(dim=-1, keepdim=True)) | (top_p >= 1.0)
+        kept[:, 0] = True
+        return torch.zeros_like(kept).scatter_(1, order, kept)
+
+
+def _penalised(request: GenerateRequest) -> bool:
+    return request.presence_penalty != 0 or request.frequency_penalty != 0 or request.repetition_penalty != 1
+
+
+def failures(tokens: Sequence[int], r0: int = 0) -> dict[int, str]:
+    """The rows (from r0) whose token came back FAILED, with why."""
+    return {r0 + i: NOT_FINITE for i, t in enumerate(tokens) if t == FAILED}

@@ -18,7 +18,8 @@ import torch
 from shard_contract.wire import Completion, GenerateRequest
 
 from .log import first_line
-from .sampling import FAILED, choose, generator
+from .logprobs import Extras
+from .sampling import FAILED, HostSampled, Sampler, failures
 
 # Why a sequence failed when its token came back FAILED from another stage (that rank logged why).
 FAILED_ELSEWHERE = "choosing its next token failed on the last pipeline stage (that rank's log says why)"
@@ -34,6 +35,9 @@ class SequenceState:
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.prompt_logprobs: list[float | None] = []
 
     @property
     def finished(self) -> bool:
@@ -44,10 +48,15 @@ class SequenceState:
         alike: from the same token, or the same exception over the same state."""
         self.finish_reason, self.error = "error", why
 
-    def add(self, token: int, tokenizer: Any) -> None:
+    def add(self, token: int, tokenizer: Any, extra: Mapping[str, Any] | None = None) -> None:
         if self.finish_reason is not None:
             return
         self.tokens.append(token)
+        if extra is not None:
+            self.prompt_logprobs += extra["prompt"]
+            for lp, top in extra["sampled"]:
+                self.logprobs.append(lp)
+                self.top_logprobs.append(list(top))
         try:
             if token in self.stop_ids:
                 self.finish_reason = "stop"
@@ -72,7 +81,10 @@ class SequenceState:
                                   error=f"decoding its tokens failed: {first_line(err)}")
             cut = _find_stop(text, self.request.stop)
             text = text if cut is None else text[:cut]
-        return Completion(token_ids=self.tokens, text=text, finish_reason=self.finish_reason or "length")
+        asked = self.request.logprobs is not None
+        return Completion(token_ids=self.tokens, text=text, finish_reason=self.finish_reason or "length",
+                          logprobs=self.logprobs if asked else None, top_logprobs=self.top_logprobs if asked else None,
+                          prompt_logprobs=self.prompt_logprobs if self.request.prompt_logprobs else None)
 
 
 def _find_stop(text: str, stops: list[str]) -> int | None:
@@ -90,7 +102,8 @@ class Rows:
     def __init__(self, capacity: int, sampler: bool):
         self.pads = torch.zeros(capacity, dtype=torch.int64)
         self.requests: list[GenerateRequest | None] = [None] * capacity
-        self.gens: list[torch.Generator | None] = [None] * capacity
+        self.sampling = Sampler(capacity) if sampler else None
+        self.extras = Extras()  # log-probabilities asked for: computed on the last stage, taken on the first
         self.failures: dict[int, str] = {}
         self.sampler, self.used = sampler, 0
 
@@ -98,19 +111,24 @@ class Rows:
         self.pads[row] = pad
         self.requests[row] = request
         self.failures.pop(row, None)
-        if self.sampler:
-            self.gens[row] = generator(request)
+        self.extras.clear(row)
+        if self.sampling is not None:
+            self.sampling.place(row, request)
         self.used = max(self.used, row + 1)
 
-    def choose(self, r0: int, logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, str]]:
-        """The next tokens of rows [r0, r0 + len(logits)), and the rows whose sampling failed now
-        (FAILED), with why. Such a row is greedy from then on: its sequence has ended, and what
-        it gets until the row is reused goes unused."""
-        tokens, failed = choose(logits, self.requests[r0:r0 + len(logits)], self.gens[r0:r0 + len(logits)])
-        failed = {r0 + i: why for i, why in failed.items()}
+    def choose(self, r0: int, logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, str], HostSampled]:
+        """The next tokens (a host tensor) of rows [r0, r0 + len(logits)), the rows whose sampling
+        failed now (FAILED), with why, and all the step sampled (log-probabilities when asked), in
+        one copy from the device. A failed row is greedy from then on: its sequence has ended,
+        and what it gets until the row is reused goes unused."""
+        assert self.sampling is not None
+        host = self.sampling.sample(logits, r0).to_host()
+        self.extras.sampled(self.requests[r0:r0 + len(logits)], r0, host)
+        failed = failures(host.tokens, r0)
         for row, why in failed.items():
-            self.failures[row], self.gens[row] = why, None
-        return tokens, failed
+            self.failures[row] = why
+            self.sampling.greedy(row)
+        return torch.tensor(host.tokens, dtype=torch.int64), failed, host
 
 
 class Sequences:
@@ -155,16 +173,19 @@ class Sequences:
         rows) until it is reused: it is fed token 0."""
         self.next_tokens[rows] = tokens.cpu().clamp(min=0)
 
-    def add(self, rows: list[int], tokens: list[int], failures: Mapping[int, str]) -> list[SequenceState]:
-        """Give each row's sequence its token; the sequences that were still running took one (a
-        FAILED token fails its sequence, with why from `failures` when this rank sampled it)."""
+    def add(self, rows: list[int], tokens: list[int], failures: Mapping[int, str],
+            extras: Extras | None = None) -> list[SequenceState]:
+        """Give each row's sequence its token (and the log-probabilities it asked for, from
+        `extras`); the sequences that were still running took one (a FAILED token fails its
+        sequence, with why from `failures` when this rank sampled it)."""
         took = []
         for row, token in zip(rows, tokens, strict=False):
             seq = self.by_row[row]
+            extra = extras.take(row) if extras is not None else None
             if seq is not None and not seq.finished:
                 if token == FAILED:
                     seq.fail(failures.get(row, FAILED_ELSEWHERE))
                 else:
-                    seq.add(token, self.tokenizer() if seq.request.stop else None)
+                    seq.add(token, self.tokenizer() if seq.request.stop else None, extra)
                 took.append(seq)
         return took

@@ -43,6 +43,24 @@ SECRET_MOUNT = "/var/run/secrets/sharding.dev"  # where pods find their group's 
 SECRET_KEY = "group-key"  # the Secret's key, a file in SECRET_MOUNT
 GROUP_KEY_BYTES = 32  # the secret key of one group, which authenticates its ranks' heartbeat records
 
+# Settings of a rank's process beside WorkerEnv, read where they act (a default suits every group;
+# a pod's env or the dev cluster sets them): named here, so every side spells them alike.
+HOST_ENV = "SHARD_HOST"  # the address a rank's HTTP server listens on (default 0.0.0.0)
+# TP ranks of one machine sum small tensors through shared memory; "0" turns it off.
+SHM_ENV = "SHARD_SHM_COLLECTIVES"
+# Where that shared buffer lives: /dev/shm, which the ranks of one pod share and those of different
+# pods do not; the dev cluster, whose pods are processes of one machine, points each pod elsewhere.
+SHM_DIR_ENV = "SHARD_SHM_DIR"
+KERNEL_ENV = "SHARD_KERNEL"  # the CPU kernels: auto (the best this CPU runs), torch, or a level
+FUSED_LAYERS_ENV = "SHARD_FUSED_LAYERS"  # "0": CPU decoder layers in Python, not the fused C layer
+
+# The worker's commands: one rank (`python -m shard_worker`), or a pod's ranks, one process each
+# (`python -m shard_worker.launch --local-ranks N`).
+WORKER_MODULE = "shard_worker"
+LAUNCH_MODULE = "shard_worker.launch"
+WORKER_COMMAND = ("python", "-m", WORKER_MODULE)
+LAUNCH_COMMAND = ("python", "-m", LAUNCH_MODULE, "--local-ranks")  # + the pod's rank count
+
 # How a rank's process ends when it fails: EXIT_FAILED when a restart may succeed (a peer that never
 # joined, a lost collective, a crash), EXIT_CONFIG (sysexits.h's EX_CONFIG) when its plan, its
 # checkpoint or its environment is wrong and a restart would fail the same way: `shardctl run` and

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
+from shard_contract.env import HOST_ENV, SHM_DIR_ENV
 from shard_operator.inventory import COUNT_LABEL, KIND_LABEL, MEMORY_LABEL, PRODUCT_LABEL, SPEED_LABEL
 
 from .dns import ClusterDNS
@@ -66,11 +67,10 @@ RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": 
 # Pods share no /dev/shm (each mounts its own): the worker's shared-memory collectives go through
 # this directory, which the kubelet points at the pod's own /dev/shm volume. Tensor-parallel peers
 # in one pod share memory, as the processes of `shardctl run` do; peers in different pods use gloo.
-SHM_DIR_ENV = "SHARD_SHM_DIR"
 # What a pod's process binds instead of "every address", which here would take the port from every
 # other pod and the Service proxy: the worker's HTTP server and the operator's health and metrics
 # endpoints (the chart's operator Deployment, run by this kubelet).
-BIND_ENV = ("SHARD_HOST", "SHARD_OPERATOR_BIND_ADDRESS")
+BIND_ENV = (HOST_ENV, "SHARD_OPERATOR_BIND_ADDRESS")
 POOL_LABEL = "sharding.dev/pool"
 
 

@@ -59,6 +59,7 @@ from typing import Any
 
 import aiohttp
 
+from shard_contract.env import ENV_NAMES, HOST_ENV
 from shard_contract.units import MiB
 from shard_operator.inventory import MEMORY_LABEL
 
@@ -155,7 +156,7 @@ def _ready(obj: dict[str, Any]) -> str | None:
 class ProcessKubelet:
     def __init__(self, api: KubeApi, network: ClusterNetwork, workdir: str | os.PathLike[str], *, host_root: str = "/",
                  probe_period: float = 1.0, grace: float = 5.0, dns_wait: float = 120.0,
-                 extra_env: dict[str, str] | None = None, bind_env: tuple[str, ...] = ("SHARD_HOST",),
+                 extra_env: dict[str, str] | None = None, bind_env: tuple[str, ...] = (HOST_ENV,),
                  node_selector: str = "", renew_seconds: float = 10.0, lease_seconds: int = 40,
                  shm_env: str | None = None):
         self.api, self.network = api, network
@@ -599,9 +600,9 @@ class ProcessKubelet:
             env[self.shm_env] = mounts["/dev/shm"]
         labels = (node.get("metadata") or {}).get("labels") or {}
         if MEMORY_LABEL in labels and _requests_gpu(container):
-            env["SHARD_MEMORY_BUDGET"] = str(int(labels[MEMORY_LABEL]) * MiB)
-        if "MASTER_ADDR" in env:  # torch's rendezvous: a DNS name, resolved as the process would
-            env["MASTER_ADDR"] = await self._resolve(env["MASTER_ADDR"])
+            env[ENV_NAMES["memory_budget_bytes"]] = str(int(labels[MEMORY_LABEL]) * MiB)
+        if (master := ENV_NAMES["master_addr"]) in env:  # torch's rendezvous: a DNS name, resolved as the process would
+            env[master] = await self._resolve(env[master])
         return env
 
     async def _resolve(self, name: str) -> str:

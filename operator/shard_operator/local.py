@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from shard_contract.env import EXIT_CONFIG, RESULT_ENV, TASK_ENV, WorkerEnv, new_group_key
+from shard_contract.env import ENV_NAMES, EXIT_CONFIG, RESULT_ENV, TASK_ENV, WORKER_MODULE, WorkerEnv, new_group_key
 from shard_contract.plan import Plan
 from shard_contract.wire import GenerateResult, GenerateTask
 
@@ -191,10 +191,10 @@ class LocalGroup:
                 log = self.workdir / f"rank-{rank}.log"
                 env = self.rank_env(rank, master_port, plan_file)
                 with open(log, "wb") as out:
-                    proc = subprocess.Popen([self.python, "-m", "shard_worker"], env=env, stdout=out,
+                    proc = subprocess.Popen([self.python, "-m", WORKER_MODULE], env=env, stdout=out,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-                self.ranks.append(RankProcess(rank, proc, log, int(env["SHARD_PORT"])))
+                self.ranks.append(RankProcess(rank, proc, log, int(env[ENV_NAMES["port"]])))
         except BaseException:
             self.stop()
             raise

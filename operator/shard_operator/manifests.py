@@ -28,10 +28,12 @@ from typing import Any
 from shard_contract.env import (
     API_KEY_MOUNT,
     ENV_NAMES,
+    LAUNCH_COMMAND,
     MODEL_MOUNT,
     PLAN_MOUNT,
     SECRET_KEY,
     SECRET_MOUNT,
+    WORKER_COMMAND,
     WorkerEnv,
     new_group_key,
 )
@@ -57,8 +59,6 @@ MANAGED_BY = {"app.kubernetes.io/managed-by": "shard-operator"}
 PLAN_KEY = "plan.json"
 SPEC_KEY = "spec.json"  # in the plan record: the spec the plan was made for (the last one accepted)
 PROFILE_KEY = "profile.json"
-WORKER_COMMAND = ["python", "-m", "shard_worker"]
-LAUNCH_COMMAND = ["python", "-m", "shard_worker.launch", "--local-ranks"]  # + the pod's rank count
 PROFILER_COMMAND = ["python", "-m", "shard_contract.checkpoint"]
 CONTAINER = "worker"
 # A rank loads its weights only after the whole group has met; a 70B checkpoint can take many

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from shard_contract.env import EXIT_CONFIG
+from shard_contract.env import ENV_NAMES, EXIT_CONFIG
 
 from .api import Rollout
 from .manifests import GROUP_LABEL, NODE_ANNOTATION, PLAN_LABEL, RANK_LABEL, RANKS_LABEL, REVISION_LABEL
@@ -153,7 +153,7 @@ def rank_state(pod: dict[str, Any], healthy_nodes: set[str] | None = None,
 def _world_size(pod: dict[str, Any]) -> int | None:
     for c in (pod.get("spec") or {}).get("containers") or []:
         for e in c.get("env") or []:
-            if e.get("name") == "WORLD_SIZE":
+            if e.get("name") == ENV_NAMES["world_size"]:
                 return int(e["value"])
     return None
 

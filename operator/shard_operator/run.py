@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shard_contract.env import ENV_NAMES, read_api_key
+from shard_contract.env import ENV_NAMES, HOST_ENV, read_api_key
 from shard_contract.plan import Plan, describe_layers
 from shard_contract.units import count, human, table_unit
 from shard_contract.wire import ShardEntry
@@ -236,7 +236,7 @@ def _serve(plan: Plan, model_dir: str | os.PathLike[str], logs: Path, failures: 
     """`run_local`'s groups, one after another; each failure's reason is added to `failures`.
     `api_key` is the key's file and the key, or (None, None)."""
     base_url = f"http://{host}:{port}"
-    env = {"SHARD_HOST": host, "SHARD_MODEL_NAME": model_name}
+    env = {HOST_ENV: host, ENV_NAMES["model_name"]: model_name}
     key_file, key = api_key
     if key_file is not None:
         env[ENV_NAMES["api_key_file"]] = str(Path(key_file).resolve())

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shard_contract.env import WorkerEnv
+from shard_contract.env import SHM_DIR_ENV, SHM_ENV, WorkerEnv
 
 from . import shm
 from .accounting import Accounting
@@ -103,12 +103,8 @@ class Topology:
 # ring of dist.all_reduce; NCCL always does.
 SMALL_MESSAGE_BYTES = 64 * 1024
 # TP ranks of one machine exchange small tensors through shared memory (see shm.py), which cut a
-# TP=2 decode step by about 30% against the broadcasts above; SHARD_SHM_COLLECTIVES=0 turns it off.
-SHM_ENV = "SHARD_SHM_COLLECTIVES"
-# Where the shared buffer lives: /dev/shm, which the ranks of one pod share and those of different
-# pods do not (each pod mounts its own); the dev cluster, whose pods are processes of one machine,
-# points each pod's ranks at a directory of that pod's own.
-SHM_DIR_ENV = "SHARD_SHM_DIR"
+# TP=2 decode step by about 30% against the broadcasts above; SHARD_SHM_COLLECTIVES=0 turns it off
+# (env.SHM_ENV), SHARD_SHM_DIR moves it (env.SHM_DIR_ENV).
 
 
 class Comm:

@@ -24,10 +24,12 @@ import struct
 
 import torch
 
+from shard_contract.env import FUSED_LAYERS_ENV
+
 from . import kernels, shm
 from .dist import Comm
 
-ENV = "SHARD_FUSED_LAYERS"
+ENV = FUSED_LAYERS_ENV
 
 
 def _bits(value: float) -> int:

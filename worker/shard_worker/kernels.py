@@ -29,6 +29,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from shard_contract.env import KERNEL_ENV
+
 try:
     from . import _gemv
 except ImportError:  # built without a C compiler: torch's kernels only
@@ -43,7 +45,7 @@ DEQUANT_CHUNK_BYTES = 8 * 2**20  # int8 rows dequantized at once where no int8 k
 
 
 def _chosen_level() -> str | None:
-    want = os.environ.get("SHARD_KERNEL", "auto")
+    want = os.environ.get(KERNEL_ENV, "auto")
     if want == "torch" or not LEVELS:
         return None
     if want == "auto":

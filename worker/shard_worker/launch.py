@@ -22,10 +22,10 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
-from shard_contract.env import ENV_NAMES, WorkerEnv, WorkerEnvError
+from shard_contract.env import ENV_NAMES, WORKER_MODULE, WorkerEnv, WorkerEnvError
 
 STOP_GRACE_SECONDS = 10.0
-RANK_COMMAND = (sys.executable, "-m", "shard_worker")
+RANK_COMMAND = (sys.executable, "-m", WORKER_MODULE)
 
 
 def rank_environ(environ: Mapping[str, str], local: int, count: int) -> dict[str, str]:

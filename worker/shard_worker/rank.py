@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 import uvicorn
 from fastapi import FastAPI
 
-from shard_contract.env import EXIT_CONFIG, EXIT_FAILED, WorkerEnv
+from shard_contract.env import EXIT_CONFIG, EXIT_FAILED, HOST_ENV, WorkerEnv
 from shard_contract.plan import Plan
 from shard_contract.wire import ShardEntry, ShardsResponse
 
@@ -40,7 +40,6 @@ from .log import first_line, log
 from .rankmetrics import RankMetrics
 from .runtime import Worker, freeze_loaded_objects
 
-HOST_ENV = "SHARD_HOST"
 GRACEFUL_SECONDS = 10  # in-flight requests get this long to finish on SIGTERM
 JOIN_SECONDS = 15.0
 

@@ -34,7 +34,13 @@ ENV_NAMES = {
     "bind_addr": "SHARD_BIND_ADDR",
     "group_secret_file": "SHARD_GROUP_SECRET_FILE",
     "api_key_file": "SHARD_API_KEY_FILE",
+    "max_body_bytes": "SHARD_MAX_BODY_BYTES",
+    "read_timeout": "SHARD_READ_TIMEOUT",
+    "text_timeout": "SHARD_TEXT_TIMEOUT",
 }
+
+# The serving limits: their defaults suit most groups, and an operator of a group may change them.
+TUNABLE = ("max_body_bytes", "read_timeout", "text_timeout")
 
 PLAN_MOUNT = "/etc/shard-operator/plan.json"  # where pods find the plan (ConfigMap)
 API_KEY_MOUNT = "/etc/shard-operator/api-key/key"  # where a leader pod finds its API key (Secret)
@@ -100,9 +106,19 @@ class WorkerEnv(BaseModel):
                                                             "authenticates every heartbeat record (needed to serve).")
     api_key_file: str | None = Field(None, description="A file holding the key the leader's OpenAI routes require "
                                      "(Authorization: Bearer); none: no key.")
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="The largest request body a rank reads; a larger "
+                                "one is refused (413) before it is buffered.")
+    read_timeout: float = Field(30.0, gt=0, description="Seconds a client has to send a request's headers, and "
+                                "again its body; a slower one is cut off (408).")
+    text_timeout: float = Field(10.0, gt=0, description="Seconds the leader gives one request's tokenizing and "
+                                "chat-template rendering; a request that takes longer fails alone (503).")
 
     def to_env(self) -> dict[str, str]:
-        return {ENV_NAMES[k]: str(v) for k, v in self.model_dump().items() if v is not None}
+        """The variables that say this environment; a tunable at its default is left out, so that
+        a pod's own env (spec.worker.env) or the environment `shardctl run` inherits may set it."""
+        defaults = {k: WorkerEnv.model_fields[k].default for k in TUNABLE}
+        return {ENV_NAMES[k]: str(v) for k, v in self.model_dump().items()
+                if v is not None and not (k in defaults and v == defaults[k])}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from shard_contract.wire import Completion
 from shard_worker import openai
-from shard_worker.openai import ApiError, ChatRequest, CompletionRequest, TextStream
+from shard_worker.openai import ApiError, ChatRequest, CompletionRequest
 
 
 def refused(model, body: bytes) -> ApiError:
@@ -133,52 +132,3 @@ def test_limits_of_the_group(ids, max_tokens, has_tokenizer, body, param, messag
         generate(body[:-1] + (', ' if body != "{}" else "") + '"prompt": "x"}', ids, max_tokens, has_tokenizer)
     assert (info.value.status, info.value.param) == (400, param)
     assert message in info.value.message
-
-
-def chars(ids: list[int]) -> str:
-    """A decoder where token i is chr(i)."""
-    return "".join(chr(i) for i in ids)
-
-
-def stream_all(tokens: list[int], stops: list[str], final: str) -> list[str]:
-    stream = TextStream(chars, stops)
-    deltas = [stream.step(tokens[:n])[0] for n in range(1, len(tokens) + 1)]
-    deltas.append(stream.finish(Completion(token_ids=tokens, text=final, finish_reason="stop"))[0])
-    return deltas
-
-
-def test_streamed_text_holds_back_what_may_be_a_stop_string():
-    tokens = [ord(c) for c in "hello wor"]
-    deltas = stream_all(tokens, ["wor!"], final="hello wor")
-    assert "".join(deltas) == "hello wor"
-    assert deltas[5:9] == [" ", "", "", ""]  # "w", "wo", "wor" might begin "wor!"
-    assert deltas[-1] == "wor"  # the sequence ended: nothing can follow
-
-
-def test_streamed_text_stops_before_the_stop_string():
-    tokens = [ord(c) for c in "abcSTOPdef"]
-    deltas = stream_all(tokens, ["STOP"], final="abc")
-    assert "".join(deltas) == "abc" and deltas[-1] == ""
-
-
-def test_streamed_text_waits_for_a_whole_character():
-    stream = TextStream(lambda ids: bytes(ids).decode("utf-8", errors="replace"), [])  # a token per byte
-    assert stream.step([0x61, 0xC3]) == ("a", [0x61, 0xC3])  # "a" and the first byte of "é"
-    assert stream.step([0x61, 0xC3, 0xA9]) == ("é", [0xA9])
-
-
-def test_without_a_tokenizer_only_ids_stream():
-    stream = TextStream(None, [])
-    assert stream.step([4, 5]) == ("", [4, 5])
-    assert stream.step([4, 5, 6]) == ("", [6])
-    assert stream.finish(Completion(token_ids=[4, 5, 6, 7], text=None, finish_reason="length")) == ("", [7])
-
-
-def test_response_bodies():
-    done = Completion(token_ids=[5, 6], text="hi", finish_reason="length")
-    body = openai.completion_body("cmpl-1", 1, "m", done, prompt_tokens=3)
-    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "hi"
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-    chat = openai.chat_body("chatcmpl-1", 1, "m", done, prompt_tokens=3)
-    assert chat["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
-    assert openai.unavailable("rank 1 died").body()["error"]["type"] == "service_unavailable"

@@ -68,6 +68,7 @@ def _run(env_json: str, plan_json: str, job: Any) -> dict:
     from shard_contract.env import WorkerEnv
     from shard_contract.plan import Plan
     from shard_contract.wire import GenerateRequest
+    from shard_worker.engine import Hooks
     from shard_worker.runtime import Worker
 
     saved = dict(os.environ)
@@ -87,11 +88,18 @@ def _run(env_json: str, plan_json: str, job: Any) -> dict:
         if isinstance(job, TensorsJob):
             result["tensors"] = {k: v.clone() for k, v in worker.stage.tensors().items()}
         if worker.topo.is_leader:
+            texts = _texts(worker)
             if isinstance(job, GenerateJob):
                 requests = [GenerateRequest.model_validate(r) for r in job.requests]
-                worker.engine.generate(requests, return_logits=job.return_logits)
+                # With stop strings, as `shardctl generate` runs a task: the text side stops them.
+                hooks = Hooks(admit=lambda free, col: [], step=texts.step, finished=lambda seq, done: None,
+                              cancelled=texts.stopped) if any(r.stop for r in requests) else None
+                worker.engine.generate(requests, return_logits=job.return_logits, hooks=hooks)
             if isinstance(job, ContinuousJob):
-                result["events"] = _run_continuous(worker.engine, job)
+                requests, result["events"] = _run_continuous(worker.engine, job, texts)
+            output = worker.engine.last_output
+            if isinstance(job, (GenerateJob, ContinuousJob)) and output is not None:
+                output.completions = texts.finish(requests, output.completions)
             result["reports"] = worker.engine.reports()
             worker.engine.shutdown()
         else:
@@ -102,10 +110,20 @@ def _run(env_json: str, plan_json: str, job: Any) -> dict:
         worker.close()
 
 
-def _run_continuous(engine, job: ContinuousJob) -> list[tuple]:
-    """Drive `job` through the engine's hooks with the batcher's own admission rule; returns what
-    happened, in order: ("join", step, column, sequence index), ("finished", step, index, row) and
-    ("cancel", step, index)."""
+def _texts(worker):
+    """The leader's text side (`text.Texts`) over the checkpoint's tokenizer."""
+    from shard_worker.text import Texts
+    from shard_worker.tokenizer import TextCodec
+
+    codec = TextCodec.load(worker.env.model_dir)
+    return Texts(codec.decode if codec is not None else None)
+
+
+def _run_continuous(engine, job: ContinuousJob, texts) -> tuple[list, list[tuple]]:
+    """Drive `job` through the engine's hooks with the batcher's own admission rule and the text
+    side's stop strings (`texts`); returns every request in order of arrival, and what happened,
+    in order: ("join", step, column, sequence index), ("finished", step, index, row) and ("cancel",
+    step, index)."""
     from shard_contract.wire import GenerateRequest
     from shard_worker.batcher import take_joiners
     from shard_worker.engine import Hooks
@@ -114,6 +132,7 @@ def _run_continuous(engine, job: ContinuousJob) -> list[tuple]:
         return [GenerateRequest.model_validate(r) for r in requests]
 
     arrivals = {step: parse(requests) for step, requests in job.arrivals.items()}
+    order = parse(job.requests)  # every request, by sequence index
     waiting: list = []
     events: list[tuple] = []
     steps = [0]  # step boundaries passed
@@ -125,6 +144,7 @@ def _run_continuous(engine, job: ContinuousJob) -> list[tuple]:
         joining = [waiting[i] for i in chosen]
         for i in reversed(chosen):
             del waiting[i]
+        order.extend(joining)
         for _ in joining:
             events.append(("join", steps[0], col, started[0]))
             started[0] += 1
@@ -137,12 +157,20 @@ def _run_continuous(engine, job: ContinuousJob) -> list[tuple]:
     def cancelled() -> list[int]:  # asked before admit() at each boundary
         leaving = job.cancels.get(steps[0], [])
         events.extend(("cancel", steps[0], index) for index in leaving)
-        return leaving
+        stopped = texts.stopped()
+        events.extend(("finished", steps[0], index, row_of[index]) for index in stopped)
+        return leaving + stopped
 
-    engine.generate(parse(job.requests), hooks=Hooks(admit=admit, step=lambda seqs: None, finished=finished,
+    row_of: dict[int, int] = {}
+
+    def step(seqs) -> None:
+        row_of.update({seq.index: seq.row for seq in seqs})
+        texts.step(seqs)
+
+    engine.generate(list(order), hooks=Hooks(admit=admit, step=step, finished=finished,
                                                      cancelled=cancelled))
     assert not waiting and not arrivals, "some arrivals never joined"
-    return events
+    return order, events
 
 
 class RankPool:

@@ -2,8 +2,9 @@
 (`shard_contract.env.WorkerEnv`) and the Plan file it names. The same entry point runs in a
 pod and as a local process of `shardctl`.
 
-Without SHARD_TASK, every rank serves HTTP (`rank.py`: the OpenAI-compatible API on rank 0,
-health, readiness and metrics on all). With it, the leader (rank 0) runs that one-shot task and
+Without SHARD_TASK, every rank serves HTTP: `serve` composes the rank's lifecycle (`rank.py`),
+its app (`app.py`: health, readiness and metrics on all) and, on rank 0, the OpenAI-compatible
+routes (`routes.py`). With it, the leader (rank 0) runs that one-shot task and
 writes the result to SHARD_RESULT; every other rank follows the leader's commands until it says
 shutdown. `ps` shows each rank as `shard-worker model=... group=... rank=... port=...`.
 """
@@ -36,9 +37,11 @@ from shard_contract.wire import GenerateResult, GenerateTask
 from .accounting import MemorySample
 from .config import ConfigError
 from .dist import RendezvousError
-from .engine import RequestError
-from .log import log
+from .engine import Hooks, RequestError
+from .log import first_line, log
 from .runtime import PlanMismatch, Worker, freeze_loaded_objects
+from .text import Texts
+from .tokenizer import TextCodec
 
 # Errors whose message says it all: printed as one line, no traceback.
 KNOWN_ERRORS = (CheckpointError, ConfigError, RendezvousError, RequestError, PlanMismatch)
@@ -71,10 +74,20 @@ def name_process(title: str) -> None:
 
 
 def run_task(worker: Worker, task_path: str, result_path: str) -> None:
-    """The leader's one-shot job: generate, gather every rank's report, write the result."""
+    """The leader's one-shot job: generate, gather every rank's report, write the result. The text
+    is made here, as the server makes it (`text.py`): each sequence whose text meets a stop string
+    is stopped at the next step boundary."""
     task = GenerateTask.model_validate_json(Path(task_path).read_text())
-    out = worker.engine.generate(task.requests)
-    result = GenerateResult(completions=out.completions, ranks=worker.engine.reports(),
+    codec = TextCodec.load(worker.env.model_dir)
+    stops = any(r.stop for r in task.requests)
+    if codec is None and stops:
+        raise RequestError(f"stop strings need {Path(worker.env.model_dir) / 'tokenizer.json'}")
+    texts = Texts(codec.decode if codec is not None else None)
+    hooks = Hooks(admit=lambda free, col: [], step=texts.step, finished=lambda seq, done: None,
+                  cancelled=texts.stopped)
+    out = worker.engine.generate(task.requests, hooks=hooks if stops else None)
+    completions = texts.finish(task.requests, out.completions)
+    result = GenerateResult(completions=completions, ranks=worker.engine.reports(),
                             prefill_seconds=out.prefill_seconds, decode_seconds=out.decode_seconds,
                             decode_steps=out.decode_steps)
     partial = Path(result_path + ".partial")
@@ -82,10 +95,32 @@ def run_task(worker: Worker, task_path: str, result_path: str) -> None:
     partial.replace(result_path)  # the launcher never reads half a file
 
 
+def serve(env: WorkerEnv, plan: Plan, baseline: MemorySample) -> int:
+    """Run this rank's server until it is told to stop (SIGTERM, SIGINT, or the leader's shutdown);
+    the process then exits with the status (0, or `exit_status(err)` when its load failed)."""
+    from .app import build_app
+    from .limits import BoundedBodies
+    from .rank import Rank
+    from .routes import OpenAIRoutes
+
+    if not Path(env.model_dir).is_dir():
+        log(env.rank, f"SHARD_MODEL_DIR {env.model_dir} is not a directory")
+        return EXIT_CONFIG
+    try:
+        rank = Rank(env, plan, baseline, KNOWN_ERRORS, exit_status)
+        api = OpenAIRoutes(env.model_name, env.model_dir, plan.max_model_len, env.api_key_file, rank.ready_loop,
+                           rank.metrics, text_timeout=env.text_timeout) if rank.leader else None
+        app = BoundedBodies(build_app(env.model_name, rank, api), env.max_body_bytes, env.read_timeout)
+    except Exception as err:  # noqa: BLE001 -- no such rank in the plan; an unreadable tokenizer or API key
+        log(env.rank, f"cannot serve: {first_line(err)}")
+        return EXIT_CONFIG
+    return rank.serve(app)
+
+
 def main() -> int:
     serving = not os.environ.get(TASK_ENV)
     if serving:  # before the baseline: the server's libraries belong to the bare process
-        from . import rank
+        from . import app, rank, routes  # noqa: F401 -- imported for their weight, used by serve()
     baseline = MemorySample.take()  # the bare process: interpreter, torch, this package
     try:
         env = WorkerEnv.from_env()
@@ -95,7 +130,7 @@ def main() -> int:
         return EXIT_CONFIG
     name_process(process_title(env, serving))
     if serving:  # every rank serves HTTP (the API on rank 0) until it is stopped
-        return rank.serve(env, plan, baseline, KNOWN_ERRORS, exit_status)
+        return serve(env, plan, baseline)
     start = time.perf_counter()
     try:
         worker = Worker.start(env, plan, baseline)

@@ -7,11 +7,15 @@ passed its memory check. These stay open whatever the API key: the kubelet, Prom
 operator read them. The leader also serves the OpenAI routes (`routes.py`), their OpenAPI
 document at `GET /openapi.json`, and `GET /dashboard`, the group's live page (`dashboard.py`). A
 request's own failure is its answer alone: an OpenAI error body.
+
+The app knows the rank through `Probes` only (its verdict, its shards, its metrics), and the
+OpenAI routes as a ready-made router: `__main__` composes the rank, the routes and this app, so
+no module here imports the rank's lifecycle back.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -20,24 +24,32 @@ from fastapi.responses import JSONResponse, Response
 from shard_contract.wire import ShardsResponse
 
 from . import dashboard, openai
+from .health import Verdict
 from .log import first_line
 from .routes import OpenAIRoutes
 
-if TYPE_CHECKING:
-    from .rank import Rank
+
+class Probes(Protocol):
+    """What the app asks of its rank: all of it cheap and non-blocking (the event loop answers
+    `/health` with it)."""
+
+    rank: int
+    state: str  # loading, ready, failed, broken
+
+    def verdict(self) -> Verdict: ...
+    def shards(self) -> ShardsResponse: ...
+    def exposition(self, ready: bool) -> bytes: ...
 
 
-def build_app(rank: Rank) -> FastAPI:
-    """The rank's app; on the leader this loads the tokenizer and the API key (it raises when it
-    cannot)."""
-    api = OpenAIRoutes(rank) if rank.leader else None
-    app = FastAPI(title=f"shard_worker: {rank.env.model_name}", version="v1", docs_url=None, redoc_url=None,
+def build_app(model: str, probes: Probes, api: OpenAIRoutes | None = None) -> FastAPI:
+    """A rank's app: the probes, and on the leader the OpenAI routes `api`."""
+    app = FastAPI(title=f"shard_worker: {model}", version="v1", docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json" if api is not None else None)
 
     @app.exception_handler(openai.ApiError)
     async def api_error(_: Request, err: openai.ApiError) -> JSONResponse:
-        if rank.leader and err.status != 404:
-            rank.metrics.outcome("rejected")
+        if api is not None and err.status != 404:
+            api.metrics.outcome("rejected")
         headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
         return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
@@ -50,28 +62,28 @@ def build_app(rank: Rank) -> FastAPI:
     # The probes and /v1/shards are no part of the OpenAPI document: shard_contract.wire is theirs.
     @app.get("/health", include_in_schema=False)
     async def health() -> JSONResponse:
-        v = rank.verdict()
-        body = {"status": ("ok" if rank.state == "ready" else rank.state) if v.alive else "unhealthy",
-                "rank": rank.env.rank, "reason": v.reason}
+        v = probes.verdict()
+        body = {"status": ("ok" if probes.state == "ready" else probes.state) if v.alive else "unhealthy",
+                "rank": probes.rank, "reason": v.reason}
         return JSONResponse(body, status_code=200 if v.alive else 503)
 
     @app.get("/ready", include_in_schema=False)
     async def ready() -> JSONResponse:
-        v = rank.verdict()
+        v = probes.verdict()
         return JSONResponse({"ready": v.ready, "reason": v.reason}, status_code=200 if v.ready else 503)
 
     @app.get("/v1/shards", include_in_schema=False)
     async def shards() -> ShardsResponse:
-        return rank.shards()
+        return probes.shards()
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
-        body = rank.metrics.exposition(rank.worker, rank.verdict().ready)
+        body = probes.exposition(probes.verdict().ready)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     if api is not None:
         app.include_router(api.router)
-        app.include_router(dashboard.router(rank.shards), include_in_schema=False)  # the group's live page
+        app.include_router(dashboard.router(probes.shards), include_in_schema=False)  # the group's live page
 
         def document() -> dict[str, Any]:
             if app.openapi_schema is None:

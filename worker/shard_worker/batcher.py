@@ -13,7 +13,8 @@ starts at column 0 again, so a request that could not join (its prompt is longer
 current column, or the batch has too few columns left) waits at most for the running batch to
 drain (at most maxModelLen steps: the column moves one a step, and no one joins past it).
 A request whose client hangs up (`cancel`) leaves the queue, or stops at the next step boundary
-and frees its row (`Hooks.cancelled`).
+and frees its row (`Hooks.cancelled`); so does one whose text met a stop string (`stop`: the
+leader's text side finds them, `text.py`).
 
 Only the engine thread touches torch.distributed. The HTTP side talks to it through `Sink`s:
 each request's events (`Step`, then one `Done` or `Failed`) are handed to its asyncio loop, never
@@ -113,7 +114,9 @@ Event = Step | Done | Failed
 
 class Sink:
     """Where one request's events go. Called from the engine thread (or the health monitor),
-    delivered on the request's asyncio loop; after the first final event (Done, Failed), silent."""
+    delivered on the request's asyncio loop; after the first final event (Done, Failed), silent.
+    `stream`: its Step events are delivered too (a streamed answer, or one with stop strings,
+    which the text side watches for)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool):
         self.loop, self.stream = loop, stream
@@ -220,6 +223,21 @@ class EngineLoop:
                 self.cancelling.append(self.running.index(pending))
         self.metrics.outcome("cancelled")
         self._ended(pending, "cancelled")
+
+    def stop(self, pending: Pending, completion: Completion) -> None:
+        """The text side found a stop string in its tokens: the request is answered (with
+        `completion`), and its sequence stops at the engine's next step boundary, as a cancelled
+        one does."""
+        if not pending.sink.abandon():  # answered, failed or cancelled already
+            return
+        with self.cond:
+            if pending in self.running:
+                self.cancelling.append(self.running.index(pending))
+        sink = pending.sink
+        now = time.monotonic()
+        self.metrics.finished(now - sink.arrived, (sink.first_token_at or now) - sink.arrived,
+                              len(completion.token_ids))
+        self._ended(pending, "stop")
 
     def fail_all(self, reason: str) -> None:
         """The group is lost: every running and waiting request ends with `reason`, now."""

@@ -89,21 +89,6 @@ class Engine:
         self.last_generate: dict[str, float] = {}
         self.last_output: Output | None = None  # on first-stage ranks: what the latest generate produced
         self._prompt_cols, self._decode_mark = 0, None
-        self._tokenizer: Any = None
-
-    @property
-    def tokenizer(self) -> Any:
-        """tokenizer.json of the model directory, or None (text output and stop strings need it)."""
-        path = self.model_dir / "tokenizer.json"
-        if self._tokenizer is None and path.is_file():
-            from tokenizers import Tokenizer
-
-            self._tokenizer = Tokenizer.from_file(str(path))
-        return self._tokenizer
-
-    @property
-    def has_tokenizer(self) -> bool:
-        return (self.model_dir / "tokenizer.json").is_file()
 
     # ------------------------------------------------------------ leader
     def check(self, request: GenerateRequest) -> None:
@@ -116,8 +101,6 @@ class Engine:
         bad = [t for t in request.prompt_ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
-        if request.stop and not self.has_tokenizer:
-            raise RequestError(f"stop strings need {self.model_dir / 'tokenizer.json'}")
 
     def validate(self, requests: list[GenerateRequest]) -> None:
         if len(requests) > self.cache.batch:
@@ -258,7 +241,7 @@ class Engine:
         (with, when continuous, the prefills of those that join at each step before it)."""
         start = time.perf_counter()
         vocab = self.config.vocab_size if return_logits else None
-        seqs = Sequences(self.cache.batch, self.config.eos_token_ids, lambda: self.tokenizer)
+        seqs = Sequences(self.cache.batch, self.config.eos_token_ids)
         out = Output(completions=[], prefill_seconds=0.0, decode_seconds=0.0, decode_steps=0)
         first = [seqs.start(row, r).row for row, r in enumerate(requests)]
         tokens, logits = self._prefill(requests, rows, vocab)
@@ -288,9 +271,7 @@ class Engine:
         if not self.topo.is_last:
             self.link.send_stop()
         out.decode_seconds = time.perf_counter() - start - out.prefill_seconds
-        needs_text = self.topo.is_leader or any(seq.request.stop for seq in seqs.all)
-        final_tokenizer = self.tokenizer if needs_text else None
-        out.completions = [s.completion(final_tokenizer) for s in seqs.all]
+        out.completions = [s.completion() for s in seqs.all]
         return out
 
     def _prefill(self, requests: list[GenerateRequest], rows: Rows,
@@ -310,7 +291,7 @@ class Engine:
         hooks.step(took)
         for seq in took:
             if seq.finished:
-                hooks.finished(seq, seq.completion(self.tokenizer))
+                hooks.finished(seq, seq.completion())
 
     def _join(self, seqs: Sequences, rows: Rows, col: int, hooks: Hooks | None,
               continuous: bool) -> tuple[list[int], list[int]]:

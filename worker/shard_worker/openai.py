@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hmac
 import secrets
-from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
@@ -313,53 +312,3 @@ def usage_chunk(rid: str, created: int, model: str, obj: str, prompt_tokens: int
                 completion_tokens: int) -> dict[str, Any]:
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
             "usage": usage(prompt_tokens, completion_tokens)}
-
-
-# ---------------------------------------------------------------- streaming text
-def _held_back(text: str, stops: list[str]) -> int:
-    """Characters at the end of `text` that may still change or be cut: an unfinished UTF-8
-    character (decoded as U+FFFD) or the start of a stop string."""
-    hold = len(text) - len(text.rstrip("\ufffd"))
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), hold, -1):
-            if text.endswith(stop[:k]):
-                hold = k
-                break
-    return hold
-
-
-def _cut(text: str, stops: list[str]) -> str:
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return text[:min(found)] if found else text
-
-
-class TextStream:
-    """One sequence's tokens so far -> deltas of text and ids that never need taking back.
-
-    The concatenated deltas equal the final completion's text: text that could still turn out
-    to be the start of a stop string, or half a character, waits for the next step.
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str] | None, stops: list[str]):
-        self.decode, self.stops = decode, stops
-        self.sent_text, self.sent_ids = "", 0
-
-    def step(self, tokens: list[int]) -> tuple[str, list[int]]:
-        ids = tokens[self.sent_ids:]
-        self.sent_ids = len(tokens)
-        if self.decode is None:
-            return "", ids
-        text = _cut(self.decode(tokens), self.stops)
-        safe = text[:len(text) - _held_back(text, self.stops)]
-        if not safe.startswith(self.sent_text):
-            return "", ids
-        delta, self.sent_text = safe[len(self.sent_text):], safe
-        return delta, ids
-
-    def finish(self, done: Completion) -> tuple[str, list[int]]:
-        ids = done.token_ids[self.sent_ids:]
-        self.sent_ids = len(done.token_ids)
-        final = done.text or ""
-        delta = final[len(self.sent_text):] if final.startswith(self.sent_text) else ""
-        self.sent_text = final
-        return delta, ids

@@ -1,6 +1,7 @@
 """One serving rank's life: its state, its threads, its signals and its exit.
 
-A rank serves HTTP (`app.py`) from the moment it starts, while its engine thread joins the group
+A rank serves HTTP (the app `__main__` composes from `app.py` and `routes.py`) from the moment
+it starts, while its engine thread joins the group
 and loads. Threads of one rank: uvicorn's event loop on the main thread (it owns SIGTERM /
 SIGINT); the engine thread, which joins the group, loads, and then runs batches (leader: the
 `batcher.EngineLoop`) or follows the leader's commands (others); and the heartbeat thread
@@ -22,20 +23,18 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NoReturn
 
 import uvicorn
-from fastapi import FastAPI
 
-from shard_contract.env import EXIT_CONFIG, EXIT_FAILED, HOST_ENV, WorkerEnv
+from shard_contract.env import EXIT_FAILED, HOST_ENV, WorkerEnv
 from shard_contract.plan import Plan
 from shard_contract.wire import ShardEntry, ShardsResponse
 
 from .accounting import MemorySample
-from .app import build_app
 from .batcher import EngineLoop, Unavailable
 from .health import Heartbeat, Record, Verdict, memory_problems, read_group_key
+from .limits import ASGIApp, server_limits
 from .log import first_line, log
 from .rankmetrics import RankMetrics
 from .runtime import Worker, freeze_loaded_objects
@@ -53,7 +52,7 @@ class Rank:
         self.env, self.plan, self.baseline, self.known_errors = env, plan, baseline, known_errors
         self.exit_status = exit_status
         self.rank_plan = plan.rank_plan(env.replica, env.rank)
-        self.leader = env.rank == 0
+        self.rank, self.leader = env.rank, env.rank == 0
         self.metrics = RankMetrics(env.model_name, env.replica, self.rank_plan, self.leader,
                                    max_batch=plan.max_batch_size, max_len=plan.max_model_len)
         self.worker: Worker | None = None
@@ -118,6 +117,10 @@ class Rank:
         return ShardsResponse(model=self.env.model_name, replica=self.env.replica, ready=verdict.ready,
                               reason=verdict.reason, predicted_step_seconds=group.critical_path_seconds, ranks=ranks)
 
+    def exposition(self, ready: bool) -> bytes:
+        """`GET /metrics`: every family, up to date with this rank's measurements."""
+        return self.metrics.exposition(self.worker, ready)
+
     def _stop_serving(self, code: int) -> None:
         self.exit_code = code
         if self.server is not None:
@@ -159,10 +162,11 @@ class Rank:
                 self._stop_serving(1)
 
     # ------------------------------------------------------------ run
-    def serve(self, app: FastAPI) -> NoReturn:
+    def serve(self, app: ASGIApp) -> NoReturn:
         host = os.environ.get(HOST_ENV, "0.0.0.0")
         config = uvicorn.Config(app, host=host, port=self.env.port, log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=GRACEFUL_SECONDS)
+                                lifespan="off", timeout_graceful_shutdown=GRACEFUL_SECONDS,
+                                **server_limits(self.env.read_timeout))
         self.server = uvicorn.Server(config)
         # uvicorn re-raises the signal that stopped it once it has shut down; handlers of our own
         # let the process finish here instead (tell the followers, then exit).
@@ -189,18 +193,3 @@ class Rank:
         sys.stderr.flush()
         os._exit(self.exit_code)
 
-
-def serve(env: WorkerEnv, plan: Plan, baseline: MemorySample, known_errors: tuple[type, ...] = (),
-          exit_status: Callable[[BaseException], int] = lambda err: EXIT_FAILED) -> int:
-    """Run this rank until it is told to stop (SIGTERM, SIGINT, or the leader's shutdown); the
-    process then exits with the status (0, or `exit_status(err)` when its load failed)."""
-    if not Path(env.model_dir).is_dir():
-        log(env.rank, f"SHARD_MODEL_DIR {env.model_dir} is not a directory")
-        return EXIT_CONFIG
-    try:
-        rank = Rank(env, plan, baseline, known_errors, exit_status)
-        app = build_app(rank)
-    except Exception as err:  # noqa: BLE001 -- no such rank in the plan; an unreadable tokenizer or API key
-        log(env.rank, f"cannot serve: {first_line(err)}")
-        return EXIT_CONFIG
-    return rank.serve(app)

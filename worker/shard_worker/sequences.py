@@ -10,14 +10,13 @@ masked values are still multiplied by 0, and a failed sequence's may be NaN).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from shard_contract.wire import Completion, GenerateRequest
 
-from .log import first_line
 from .logprobs import Extras
 from .sampling import FAILED, HostSampled, Sampler, failures
 
@@ -48,7 +47,10 @@ class SequenceState:
         alike: from the same token, or the same exception over the same state."""
         self.finish_reason, self.error = "error", why
 
-    def add(self, token: int, tokenizer: Any, extra: Mapping[str, Any] | None = None) -> None:
+    def add(self, token: int, extra: Mapping[str, Any] | None = None) -> None:
+        """Its next token (and its log-probabilities, `extra`, when asked). Stop strings are no
+        concern of the engine's: the leader's text side (`text.py`) finds them and stops the
+        sequence like a cancelled one."""
         if self.finish_reason is not None:
             return
         self.tokens.append(token)
@@ -57,39 +59,19 @@ class SequenceState:
             for lp, top in extra["sampled"]:
                 self.logprobs.append(lp)
                 self.top_logprobs.append(list(top))
-        try:
-            if token in self.stop_ids:
-                self.finish_reason = "stop"
-            elif self.request.stop and _find_stop(tokenizer.decode(self.tokens), self.request.stop) is not None:
-                self.finish_reason = "stop"
-            elif len(self.tokens) >= self.request.max_new_tokens:
-                self.finish_reason = "length"
-        except Exception as err:  # noqa: BLE001 -- the stop strings of this request only
-            self.fail(f"checking its stop strings failed: {first_line(err)}")
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.request.max_new_tokens:
+            self.finish_reason = "length"
 
-    def completion(self, tokenizer: Any) -> Completion:
-        """What this sequence answers. Changes nothing, so a failure to decode (which only the
-        leader may meet: it alone decodes every answer) fails this answer alone."""
+    def completion(self) -> Completion:
+        """What this sequence answers, in token ids (the leader's text side adds the text)."""
         if self.error is not None:
             return Completion(token_ids=self.tokens, finish_reason="error", error=self.error)
-        text = None
-        if tokenizer is not None:
-            try:
-                text = tokenizer.decode(self.tokens)
-            except Exception as err:  # noqa: BLE001 -- this answer's text only
-                return Completion(token_ids=self.tokens, finish_reason="error",
-                                  error=f"decoding its tokens failed: {first_line(err)}")
-            cut = _find_stop(text, self.request.stop)
-            text = text if cut is None else text[:cut]
         asked = self.request.logprobs is not None
-        return Completion(token_ids=self.tokens, text=text, finish_reason=self.finish_reason or "length",
+        return Completion(token_ids=self.tokens, finish_reason=self.finish_reason or "length",
                           logprobs=self.logprobs if asked else None, top_logprobs=self.top_logprobs if asked else None,
                           prompt_logprobs=self.prompt_logprobs if self.request.prompt_logprobs else None)
-
-
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return min(found) if found else None
 
 
 class Rows:
@@ -135,8 +117,8 @@ class Sequences:
     """The first stage's sequences of one generate: all of them in order of arrival, the one each
     row holds, and each row's next input token."""
 
-    def __init__(self, capacity: int, eos_ids: tuple[int, ...], tokenizer: Callable[[], Any]):
-        self.eos_ids, self.tokenizer = eos_ids, tokenizer  # tokenizer() is asked for by stop strings only
+    def __init__(self, capacity: int, eos_ids: tuple[int, ...]):
+        self.eos_ids = eos_ids
         self.all: list[SequenceState] = []
         self.by_row: list[SequenceState | None] = [None] * capacity
         self.next_tokens = torch.zeros(capacity, dtype=torch.int64)
@@ -186,6 +168,6 @@ class Sequences:
                 if token == FAILED:
                     seq.fail(failures.get(row, FAILED_ELSEWHERE))
                 else:
-                    seq.add(token, self.tokenizer() if seq.request.stop else None, extra)
+                    seq.add(token, extra)
                 took.append(seq)
         return took

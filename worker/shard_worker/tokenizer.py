@@ -52,6 +52,14 @@ class TextCodec:
         return cls(Tokenizer.from_file(str(path)), _chat_template(model_dir, config),
                    _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
 
+    def max_prompt_chars(self, max_tokens: int) -> int:
+        """No text longer than this encodes to `max_tokens` tokens or fewer: no token stands for
+        more characters than its longest vocabulary entry (byte-level entries write one character
+        a byte, SentencePiece's one a character; WordPiece's are longer than the text). A
+        normalizer that deletes characters could make a longer text fit; it is refused all the same."""
+        longest = max((len(token) for token in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+        return max_tokens * max(longest, 1)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with special tokens added as the tokenizer's post-processor says
         (a BOS for Llama), exactly as `shardctl generate --prompt` encodes."""

@@ -1,0 +1,128 @@
+"""The leader's decode step time with and without HTTP work beside it (issue 25, item 6).
+
+One TP=1 group of the demo model (`shardctl run`'s path: `python -m shard_worker` under the local
+launcher), maxBatchSize 32. Each round sends the same 32 requests at once (token-id prompts of
+one length, greedy, EOS ignored, a fixed number of new tokens) in two ways, alternately:
+
+- quiet: whole answers (stream false): the HTTP side works only when a request arrives and ends;
+- streaming: 32 streaming clients with text and a stop string that never matches: every decode
+  step the leader detokenizes 32 sequences, checks their stop strings, writes 32 JSON chunks and
+  sends them as server-sent events, on its event loop beside the engine thread.
+
+The step time is the leader's own: decode seconds / decode steps of the generate (its report's
+`last_generate`, read from /v1/shards after each batch). Printed: the median over rounds of each,
+their ratio, and tokens/s as the clients saw them.
+
+    .venv/bin/python bench/http_step.py                  # demo model, 5 rounds of 32 x 64 tokens
+    .venv/bin/python bench/http_step.py --quick          # a smoke run of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from shard_operator.demo_model import DemoShape, write_demo_model
+from shard_operator.local import LocalGroup, free_port, plan_local
+from shard_operator.run import wait_ready
+
+REPO = Path(__file__).resolve().parents[1]
+CLIENTS = 32
+NEVER = "\u2603\u2603\u2603"  # a stop string no demo-model text holds
+
+
+async def one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int, stream: bool) -> int:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream,
+            "stop": [NEVER]}
+    if not stream:
+        response = await http.post("/v1/completions", json=body)
+        response.raise_for_status()
+        return len(response.json()["choices"][0]["token_ids"])
+    tokens = 0
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                tokens += len(json.loads(line[6:])["choices"][0]["token_ids"])
+    return tokens
+
+
+async def batch(url: str, prompts: list[list[int]], max_tokens: int, stream: bool) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=600,
+                                 limits=httpx.Limits(max_connections=CLIENTS + 4)) as http:
+        start = time.monotonic()
+        tokens = await asyncio.gather(*(one(http, p, max_tokens, stream) for p in prompts))
+        seconds = time.monotonic() - start
+        leader = (await http.get("/v1/shards")).json()["ranks"][0]
+    last = leader.get("last_generate", {})
+    steps = last.get("decode_steps", 0)
+    return {"stream": stream, "tokens": sum(tokens), "seconds": seconds, "tokens_per_s": sum(tokens) / seconds,
+            "step_ms": 1000 * last.get("decode_seconds", float("nan")) / max(1, steps), "steps": steps}
+
+
+def run(model_dir: Path, rounds: int, max_tokens: int, vocab: int, threads: int) -> list[dict]:
+    plan = plan_local(model_dir, 1, 1, max_model_len=256, max_batch_size=CLIENTS, devices="localhost:4GiB*1",
+                      device_kind="cpu")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    prompts = [[1] + [(7 * i + 11 * j) % (vocab - 3) + 3 for j in range(15)] for i in range(CLIENTS)]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, LocalGroup(plan, model_dir, tmp, leader_port=port,
+                                                          threads_per_rank=threads,
+                                                          extra_env={"SHARD_HOST": "127.0.0.1"}) as group:
+        wait_ready(group, url, 300)
+        asyncio.run(batch(url, prompts[:2], 4, False))  # warm up
+        for _ in range(rounds):
+            for stream in (False, True):
+                rows.append(asyncio.run(batch(url, prompts, max_tokens, stream)) | {"load": os.getloadavg()[0]})
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def summary(rows: list[dict]) -> str:
+    quiet = [r["step_ms"] for r in rows if not r["stream"]]
+    loud = [r["step_ms"] for r in rows if r["stream"]]
+    lines = ["| answers | rounds | leader's step (ms, median) | min / max | tokens/s (median) | mean steps |",
+             "|---|---|---|---|---|---|"]
+    for name, stream, values in (("whole (quiet HTTP side)", False, quiet), ("32 streaming clients", True, loud)):
+        tps = [r["tokens_per_s"] for r in rows if r["stream"] == stream]
+        steps = [r["steps"] for r in rows if r["stream"] == stream]
+        lines.append(f"| {name} | {len(values)} | {statistics.median(values):.2f} | {min(values):.2f} / "
+                     f"{max(values):.2f} | {statistics.median(tps):.0f} | {statistics.mean(steps):.0f} |")
+    lines.append(f"\nstreaming / quiet step time: {statistics.median(loud) / statistics.median(quiet):.3f}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="model directory (default: the demo model in .cache/)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="the rank's compute threads")
+    parser.add_argument("--quick", action="store_true", help="a tiny model, 1 round: checks the script")
+    args = parser.parse_args()
+    if args.quick:
+        model_dir = write_demo_model(Path(tempfile.mkdtemp()) / "tiny", DemoShape(layers=2, hidden=64, intermediate=128,
+                                                                               heads=4, kv_heads=2, files=2))
+        args.rounds, args.max_tokens = 1, 8
+    else:
+        model_dir = args.model or REPO / ".cache" / "demo-model"
+        if not (model_dir / "config.json").is_file():
+            write_demo_model(model_dir, DemoShape(), overwrite=True)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    rows = run(model_dir, args.rounds, args.max_tokens, vocab, args.threads)
+    print(summary(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,6 +14,7 @@ from shard_worker.dist import Topology
 from shard_worker.model import CAUSAL, attention_mask, rope_inv_freq
 from shard_worker.pipeline import prefill_units, split
 from shard_worker.sequences import SequenceState
+from shard_worker.text import TextStream
 from tests.support.checkpoints import LLAMA3_ROPE, hf_config
 
 BASE = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
@@ -138,10 +139,16 @@ class WordTokenizer:
     ({"max_new_tokens": 9, "stop": ["w6 w7"]}, [5, 6, 7, 8], [5, 6, 7], "stop", "w5 "),
 ])
 def test_sequence_stops(request_args, tokens, kept, reason, text):
-    seq = SequenceState(GenerateRequest(prompt_ids=[1], **request_args), eos_ids=(2,))
+    """The engine stops a sequence on its ids and its length; the text side (`text.py`) on a stop
+    string, which it cuts the text before."""
+    request = GenerateRequest(prompt_ids=[1], **request_args)
+    seq, stream = SequenceState(request, eos_ids=(2,)), TextStream(WordTokenizer().decode, request.stop)
     for t in tokens:
-        seq.add(t, WordTokenizer())
-    done = seq.completion(WordTokenizer())
+        seq.add(t)
+        stream.step(seq.tokens)
+        if stream.stopped:  # stopped as a cancelled sequence is, at the next step boundary
+            break
+    done = stream.finish(seq.completion())
     if reason == "length" and len(kept) < request_args["max_new_tokens"]:
         assert seq.finish_reason is None  # still running
     else:

@@ -326,7 +326,7 @@ def decode_bytes(model_dir: str, dtype: str, quantization: str) -> int:
     from shard_operator.profile import profile_model
 
     profile = profile_model(model_dir)
-    return weight_bytes(profile, Shard(tp=1, layers=(0, profile.num_layers), embeds=False, has_lm_head=True),
+    return weight_bytes(profile, Shard(tp=1, layers=(0, profile.shape.num_layers), embeds=False, has_lm_head=True),
                         dtype, quantization)
 
 

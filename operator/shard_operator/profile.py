@@ -14,7 +14,6 @@ How each tensor of a decoder layer splits under tensor parallelism (Megatron-sty
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -72,19 +71,13 @@ class LayerProfile(BaseModel):
 
 
 class ModelProfile(BaseModel):
+    """A model as the planner sizes it: its shape (the contract's one parse of config.json) and the
+    elements of its tensors by how they split."""
+
     name: str
-    architecture: str
     source: Literal["safetensors", "config"]
     dtype: str = Field(description="Checkpoint dtype (torch name).")
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int
-    tie_word_embeddings: bool
+    shape: ModelShape
     embed_numel: int
     lm_head_numel: int = Field(description="0 when tied to the embeddings.")
     final_norm_numel: int
@@ -105,7 +98,8 @@ class ModelProfile(BaseModel):
 
     def kv_bytes_per_token(self, dtype: str = "auto") -> int:
         """KV-cache bytes one token costs across all layers (keys + values, unsharded)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes(dtype)
+        shape = self.shape
+        return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * self.dtype_bytes(dtype)
 
 
 # ---------------------------------------------------------------- the profile
@@ -134,13 +128,13 @@ def _classify(name: str) -> tuple[str, int | None]:
 
 def _build(config: dict[str, Any], infos: dict[str, TensorInfo], source: str, name: str,
            digest: str) -> ModelProfile:
-    facts = dataclasses.asdict(ModelShape.from_config(config))
+    shape = ModelShape.from_config(config)
     layers = [LayerProfile(column_matrix=0, kv_matrix=0, column_rows=0, kv_rows=0, row_rows=0)
-              for _ in range(facts["num_layers"])]
+              for _ in range(shape.num_layers)]
     parts = {"embed": 0, "lm_head": 0, "final_norm": 0, "other": 0}
     for tensor_name, info in infos.items():
         part, layer = _classify(tensor_name)
-        if part == "ignored" or (part == "lm_head" and facts["tie_word_embeddings"]):
+        if part == "ignored" or (part == "lm_head" and shape.tie_word_embeddings):
             continue
         if layer is not None:
             if layer >= len(layers):
@@ -164,8 +158,7 @@ def _build(config: dict[str, Any], infos: dict[str, TensorInfo], source: str, na
     if checkpoint_dtype not in TORCH_DTYPE_BYTES:
         checkpoint_dtype = "float32"
     return ModelProfile(
-        name=name, source=source, dtype=checkpoint_dtype,
-        **{k: v for k, v in facts.items() if k not in ("qkv_bias", "o_bias", "mlp_bias")},
+        name=name, source=source, dtype=checkpoint_dtype, shape=shape,
         embed_numel=parts["embed"], lm_head_numel=parts["lm_head"],
         final_norm_numel=parts["final_norm"], other_numel=parts["other"], layers=layers,
         checkpoint_bytes=sum(info.nbytes for info in infos.values()),

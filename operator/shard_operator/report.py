@@ -29,8 +29,9 @@ def _replicas(plan: Plan) -> str:
 def render_plan(plan: Plan, profile: ModelProfile | None = None, inventory: Inventory | None = None) -> str:
     lines = []
     if profile is not None:
-        lines.append(f"model    {profile.name}: {profile.architecture}, {profile.total_numel / 1e9:.2f}B parameters, "
-                     f"{count(profile.num_layers, 'layer')}, {profile.num_heads} heads / {profile.num_kv_heads} "
+        shape = profile.shape
+        lines.append(f"model    {profile.name}: {shape.architecture}, {profile.total_numel / 1e9:.2f}B parameters, "
+                     f"{count(shape.num_layers, 'layer')}, {shape.num_heads} heads / {shape.num_kv_heads} "
                      f"KV heads (profiled from {profile.source})")
     lines.append(f"decision {plan.reason}")
     weights = plan.dtype if plan.quantization == "none" else f"{plan.dtype} with {plan.quantization} weights"

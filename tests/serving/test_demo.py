@@ -41,7 +41,7 @@ def test_the_checkpoint_is_split_over_several_files_with_an_index(tiny_model):
                 total += tensor.nbytes
     assert index["metadata"]["total_size"] == total
     profile = profile_model(tiny_model)
-    assert (profile.num_layers, profile.hidden_size, profile.vocab_size) == (TINY.layers, TINY.hidden,
+    assert (profile.shape.num_layers, profile.shape.hidden_size, profile.shape.vocab_size) == (TINY.layers, TINY.hidden,
                                                                            config["vocab_size"])
 
 

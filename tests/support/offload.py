@@ -36,7 +36,7 @@ def streaming_plan(model_dir: Path, tp: int, pp: int, fraction: float, *, max_le
 
     if fraction in (0, 1):
         return plan_at(4 * GiB, "always" if fraction else "never")
-    target = round(fraction * profile.num_layers)
+    target = round(fraction * profile.shape.num_layers)
 
     def streams_at_most_target(budget: int) -> bool:
         try:

@@ -61,7 +61,7 @@ class Costs:
         if tp not in self._layer_bytes:  # layers are alike in these families; take the largest
             r = self.request
             self._layer_bytes[tp] = max(layer_weight_bytes(self.profile, i, tp, r.dtype, r.quantization)
-                                        for i in range(self.profile.num_layers))
+                                        for i in range(self.profile.shape.num_layers))
         return self._layer_bytes[tp]
 
     def partition(self, shapes: tuple[tuple, ...], tp: int, given: list[int] | None) -> list[int] | None:
@@ -76,12 +76,12 @@ class Costs:
                     fits = all(n >= 1 and s.at(n) is not None for n, s in zip(given, streamed, strict=False))
                     self._partitions[key] = list(given) if fits else None
                 else:
-                    self._partitions[key] = offload.partition(streamed, self.profile.num_layers)
+                    self._partitions[key] = offload.partition(streamed, self.profile.shape.num_layers)
             elif given is not None:
                 fits = all(1 <= n <= s.capacity() for n, s in zip(given, stages, strict=False))
                 self._partitions[key] = list(given) if fits else None
             else:
-                self._partitions[key] = partition_layers(stages, self.profile.num_layers)
+                self._partitions[key] = partition_layers(stages, self.profile.shape.num_layers)
         counts = self._partitions[key]
         return None if counts is None else list(counts)
 
@@ -99,7 +99,7 @@ class Costs:
             model = self.stage_model(shape, tp, embeds, has_lm_head)
             profile, request = self.profile, self.request
             one = Shard(tp=tp, layers=(0, 1), embeds=False, has_lm_head=False)
-            layers = range(profile.num_layers)  # alike in these families: take the largest
+            layers = range(profile.shape.num_layers)  # alike in these families: take the largest
             self._offload[key] = OffloadStage(
                 kind=shape[2], usable=model.usable, fixed=model.fixed_bytes,
                 kv=kv_cache_bytes(profile, one, request.max_len, request.batch, request.dtype),

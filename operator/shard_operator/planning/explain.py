@@ -82,7 +82,7 @@ class _Question:
 @functools.lru_cache(maxsize=64)
 def _suggest(q: _Question, at_least: int, fitting: int = 0) -> tuple[Suggestion, ...]:
     request = resolve_request(q.profile, q.spec)
-    whole = Shard(tp=1, layers=(0, q.profile.num_layers), embeds=True, has_lm_head=True)
+    whole = Shard(tp=1, layers=(0, q.profile.shape.num_layers), embeds=True, has_lm_head=True)
     asked = Asked(dtype=request.dtype, quantization=request.quantization, max_len=request.max_len,
                   batch=request.batch, weights={(d, k): weight_bytes(q.profile, whole, d, k)
                                                 for d in ("bfloat16", request.dtype) for k in ("int8",
@@ -133,7 +133,7 @@ def _weights_phrase(request: Request) -> str:
 
 def capacity_needed(profile: ModelProfile, request: Request, inventory: Inventory, tps: list[int],
                      options: PlannerOptions) -> Shortfall:
-    whole = Shard(tp=1, layers=(0, profile.num_layers), embeds=True, has_lm_head=True)
+    whole = Shard(tp=1, layers=(0, profile.shape.num_layers), embeds=True, has_lm_head=True)
     kind = inventory.devices[0].kind
     per_device = options.runtime_overhead[kind] + nvls_bytes(request.nvls, kind, max(tps), False) + \
         activation_bytes(profile, Shard(tp=max(tps), layers=(0, 0), embeds=False, has_lm_head=False),
@@ -152,7 +152,7 @@ def _rank_minimum(profile: ModelProfile, request: Request, options: PlannerOptio
     largest = max(inventory.devices, key=lambda d: (d.memory_bytes, d.speed))
     shape = (2**62, largest.speed, largest.kind)
     stages = [costs.stage_model(shape, tp, i == 0, i == pp - 1) for i in range(pp)]
-    counts = partition or partition_layers(stages, profile.num_layers) or [profile.num_layers]
+    counts = partition or partition_layers(stages, profile.shape.num_layers) or [profile.shape.num_layers]
     return max(s.fixed_bytes + n * s.layer_bytes for s, n in zip(stages, counts, strict=False))
 
 

@@ -98,10 +98,10 @@ def resolve_request(profile: ModelProfile, spec: ShardedModelSpec) -> Request:
     """What the spec asks for in numbers: dtype `auto` and an unset maxModelLen resolved against
     the profile; a PlanError (InvalidSpec) for a length the model cannot take."""
     dtype = profile.dtype if spec.model.dtype == "auto" else spec.model.dtype
-    max_len = spec.model.max_model_len or min(profile.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-    if max_len > profile.max_position_embeddings:
+    max_len = spec.model.max_model_len or min(profile.shape.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    if max_len > profile.shape.max_position_embeddings:
         raise PlanError("InvalidSpec", f"spec.model.maxModelLen {max_len} exceeds the model's "
-                        f"max_position_embeddings {profile.max_position_embeddings}")
+                        f"max_position_embeddings {profile.shape.max_position_embeddings}")
     off = spec.placement.offload
     return Request(dtype=dtype, quantization=spec.model.quantization, max_len=max_len,
                    batch=spec.model.max_batch_size,
@@ -116,12 +116,12 @@ def resolve_request(profile: ModelProfile, spec: ShardedModelSpec) -> Request:
 def check_parallelism(profile: ModelProfile, spec: ShardedModelSpec) -> None:
     """Raise InvalidParallelism for degrees this model can never run, whatever the pool."""
     par = spec.parallelism
-    if par.tensor != "auto" and (problem := tp_problem(profile, par.tensor)):
-        valid = ", ".join(map(str, valid_tensor_degrees(profile, profile.num_heads)))
+    if par.tensor != "auto" and (problem := tp_problem(profile.shape, par.tensor)):
+        valid = ", ".join(map(str, valid_tensor_degrees(profile.shape, profile.shape.num_heads)))
         raise PlanError("InvalidParallelism", f"spec.parallelism.tensor: {problem}; valid: {valid}")
-    if par.pipeline != "auto" and par.pipeline > profile.num_layers:
+    if par.pipeline != "auto" and par.pipeline > profile.shape.num_layers:
         raise PlanError("InvalidParallelism", f"spec.parallelism.pipeline={par.pipeline} exceeds the "
-                        f"{profile.num_layers} decoder layers; valid: 1 to {profile.num_layers}")
-    if par.layer_partition is not None and sum(par.layer_partition) != profile.num_layers:
+                        f"{profile.shape.num_layers} decoder layers; valid: 1 to {profile.shape.num_layers}")
+    if par.layer_partition is not None and sum(par.layer_partition) != profile.shape.num_layers:
         raise PlanError("InvalidParallelism", f"spec.parallelism.layerPartition {par.layer_partition} places "
-                        f"{sum(par.layer_partition)} layers; the model has {profile.num_layers}")
+                        f"{sum(par.layer_partition)} layers; the model has {profile.shape.num_layers}")

@@ -160,7 +160,7 @@ def _tries(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory, 
                 break
             if groups and len(blocks) < groups * pp:
                 break
-            if room and sum(room[:groups * pp]) < groups * profile.num_layers:
+            if room and sum(room[:groups * pp]) < groups * profile.shape.num_layers:
                 continue  # the roomiest blocks cannot hold the layers: more stages might
             candidate = _place_replicas(costs, blocks, tp, pp, wanted, partition)
             yield Considered(tp, pp, candidate, "" if candidate else "no split of the layers fits the devices' memory")
@@ -180,7 +180,7 @@ def _layer_room(costs: Costs, blocks: list[Block], tp: int) -> list[int]:
     embeddings or the LM head has more fixed bytes, so it holds no more), and no more than the
     model has (a block is one stage of one group). `groups` groups of `pp` stages need the first
     `groups * pp` to hold `groups` times the layers."""
-    layers = costs.profile.num_layers
+    layers = costs.profile.shape.num_layers
     return sorted((min(max(costs.stage_model(b.shape, tp, False, False).capacity(), 0), layers) for b in blocks),
                   reverse=True)
 
@@ -220,7 +220,7 @@ def _tensor_candidates(profile: ModelProfile, spec: ShardedModelSpec, inventory:
         per_node[d.node] = per_node.get(d.node, 0) + 1
     widest = max(per_node.values())
     tensor = spec.parallelism.tensor
-    return valid_tensor_degrees(profile, widest) if tensor == "auto" else [tensor]
+    return valid_tensor_degrees(profile.shape, widest) if tensor == "auto" else [tensor]
 
 
 def _pipeline_candidates(profile: ModelProfile, spec: ShardedModelSpec) -> list[int]:
@@ -228,7 +228,7 @@ def _pipeline_candidates(profile: ModelProfile, spec: ShardedModelSpec) -> list[
     if partition is not None:
         return [len(partition)]
     if pipeline == "auto":
-        return list(range(1, profile.num_layers + 1))
+        return list(range(1, profile.shape.num_layers + 1))
     return [pipeline]
 
 
@@ -275,9 +275,9 @@ def to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, cos
             best: Candidate, found: list[Candidate]) -> Plan:
     """The Plan of the chosen layout: every rank's place, layers and predicted bytes, and why."""
     tp, pp = best.tp, best.pp
-    streamed = [layer_streamed_bytes(profile, i, tp, request.dtype) for i in range(profile.num_layers)]
-    read = [layer_read_bytes(profile, i, tp) for i in range(profile.num_layers)]
-    copied = {kind: [layer_copied_bytes(profile, i, tp, request.dtype, kind) for i in range(profile.num_layers)]
+    streamed = [layer_streamed_bytes(profile, i, tp, request.dtype) for i in range(profile.shape.num_layers)]
+    read = [layer_read_bytes(profile, i, tp) for i in range(profile.shape.num_layers)]
+    copied = {kind: [layer_copied_bytes(profile, i, tp, request.dtype, kind) for i in range(profile.shape.num_layers)]
               for kind in ("gpu", "cpu")}
     groups, ranks = [], []
     for replica, layout in enumerate(best.groups if request.replicas else []):
@@ -308,9 +308,9 @@ def to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, cos
         groups.append(GroupPlan(replica=replica, stages=stages, imbalance=layout.bottleneck / mean - 1,
                                 critical_path_seconds=layout.critical_path))
     return Plan(
-        model=profile.name, architecture=profile.architecture, profile_digest=profile.digest,
+        model=profile.name, architecture=profile.shape.architecture, profile_digest=profile.digest,
         dtype=request.dtype, quantization=request.quantization, offload=request.offload,
-        num_layers=profile.num_layers,
+        num_layers=profile.shape.num_layers,
         tensor_parallel=tp, pipeline_parallel=pp,
         replicas=request.replicas, max_model_len=request.max_len, max_batch_size=request.batch,
         memory_headroom=request.headroom, nvls=request.nvls, groups=groups, ranks=ranks,

@@ -58,7 +58,7 @@ class Shard:
 
 def layer_weight_numel(profile: ModelProfile, layer: int, tp: int) -> int:
     lp = profile.layers[layer]
-    kv_share = kv_heads_per_rank(profile, tp) / profile.num_kv_heads
+    kv_share = kv_heads_per_rank(profile.shape, tp) / profile.shape.num_kv_heads
     return lp.column // tp + round(lp.kv * kv_share) + lp.row // tp + lp.replicated
 
 
@@ -68,7 +68,7 @@ def layer_weight_bytes(profile: ModelProfile, layer: int, tp: int, dtype: str = 
     if quantization == "none":
         return layer_weight_numel(profile, layer, tp) * size
     lp = profile.layers[layer]
-    kv_share = kv_heads_per_rank(profile, tp) / profile.num_kv_heads
+    kv_share = kv_heads_per_rank(profile.shape, tp) / profile.shape.num_kv_heads
     matrices = lp.column_matrix // tp + round(lp.kv_matrix * kv_share) + lp.row // tp
     scales = lp.column_rows // tp + round(lp.kv_rows * kv_share) + lp.row_rows
     others = (lp.column - lp.column_matrix) // tp + round((lp.kv - lp.kv_matrix) * kv_share) + lp.replicated
@@ -79,7 +79,7 @@ def layer_streamed_bytes(profile: ModelProfile, layer: int, tp: int, dtype: str 
     """What an offloading rank streams of one layer: its slices of the projection matrices (biases
     and norms stay resident), in the runtime dtype."""
     lp = profile.layers[layer]
-    kv_share = kv_heads_per_rank(profile, tp) / profile.num_kv_heads
+    kv_share = kv_heads_per_rank(profile.shape, tp) / profile.shape.num_kv_heads
     return (lp.column_matrix // tp + round(lp.kv_matrix * kv_share) + lp.row // tp) * profile.dtype_bytes(dtype)
 
 
@@ -92,7 +92,7 @@ def layer_copied_bytes(profile: ModelProfile, layer: int, tp: int, dtype: str = 
     if kind == "gpu" or dtype not in ("auto", profile.dtype):
         return layer_streamed_bytes(profile, layer, tp, dtype)
     lp = profile.layers[layer]
-    kv_share = kv_heads_per_rank(profile, tp) / profile.num_kv_heads
+    kv_share = kv_heads_per_rank(profile.shape, tp) / profile.shape.num_kv_heads
     return (lp.unaligned_column // tp + round(lp.unaligned_kv * kv_share) + lp.unaligned_row // tp) \
         * profile.dtype_bytes(dtype)
 
@@ -102,19 +102,19 @@ def layer_read_bytes(profile: ModelProfile, layer: int, tp: int) -> int:
     row-parallel matrices' whole rows (a column slice is read with its rows' other columns, one
     `preadv` for many rows)."""
     lp = profile.layers[layer]
-    kv_share = kv_heads_per_rank(profile, tp) / profile.num_kv_heads
+    kv_share = kv_heads_per_rank(profile.shape, tp) / profile.shape.num_kv_heads
     return (lp.column_matrix // tp + round(lp.kv_matrix * kv_share) + lp.row) * profile.dtype_bytes("auto")
 
 
 def outside_layers_numel(profile: ModelProfile, shard: Shard) -> int:
     """Embeddings, final norm, LM head and unknown tensors: never quantized."""
     numel = 0
-    vocab_part = vocab_rows_per_rank(profile, shard.tp) * profile.hidden_size
+    vocab_part = vocab_rows_per_rank(profile.shape, shard.tp) * profile.shape.hidden_size
     if shard.embeds:
         numel += vocab_part
     if shard.has_lm_head:
         numel += profile.final_norm_numel
-        if not (profile.tie_word_embeddings and shard.embeds):
+        if not (profile.shape.tie_word_embeddings and shard.embeds):
             numel += vocab_part
     return numel + profile.other_numel
 
@@ -127,7 +127,8 @@ def weight_bytes(profile: ModelProfile, shard: Shard, dtype: str = "auto", quant
 def kv_cache_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: int, dtype: str = "auto") -> int:
     """Keys and values for every layer of the shard, its KV heads, `max_len` tokens, `batch` rows."""
     n_layers = shard.layers[1] - shard.layers[0]
-    per_token_layer = 2 * kv_heads_per_rank(profile, shard.tp) * profile.head_dim * profile.dtype_bytes(dtype)
+    shape = profile.shape
+    per_token_layer = 2 * kv_heads_per_rank(shape, shard.tp) * shape.head_dim * profile.dtype_bytes(dtype)
     return n_layers * per_token_layer * max_len * batch
 
 
@@ -140,11 +141,11 @@ def activation_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: i
     """
     tp, act = shard.tp, profile.dtype_bytes(dtype)
     tokens = batch * min(max_len, PREFILL_CHUNK)
-    q_local = profile.num_heads // tp * profile.head_dim
-    kv_local = kv_heads_per_rank(profile, tp) * profile.head_dim
-    per_token = (3 * profile.hidden_size + 2 * q_local + 2 * kv_local
-                 + 3 * profile.intermediate_size // tp) * act
-    logits = batch * profile.vocab_size * 4 * 2 if shard.has_lm_head else 0
+    q_local = profile.shape.num_heads // tp * profile.shape.head_dim
+    kv_local = kv_heads_per_rank(profile.shape, tp) * profile.shape.head_dim
+    per_token = (3 * profile.shape.hidden_size + 2 * q_local + 2 * kv_local
+                 + 3 * profile.shape.intermediate_size // tp) * act
+    logits = batch * profile.shape.vocab_size * 4 * 2 if shard.has_lm_head else 0
     return tokens * per_token + attention_workspace_bytes(profile, tp, max_len, batch, dtype) + logits
 
 
@@ -155,7 +156,7 @@ def attention_workspace_bytes(profile: ModelProfile, tp: int, max_len: int, batc
     the chunk's boolean mask with the additive copy SDPA makes of it. Without a mask, SDPA's flash
     and memory-efficient kernels allocate no scores."""
     act = profile.dtype_bytes(dtype)
-    heads, kv_heads = profile.num_heads // tp, kv_heads_per_rank(profile, tp)
-    expanded = 2 * batch * heads * max_len * profile.head_dim * act if heads > kv_heads else 0
+    heads, kv_heads = profile.shape.num_heads // tp, kv_heads_per_rank(profile.shape, tp)
+    expanded = 2 * batch * heads * max_len * profile.shape.head_dim * act if heads > kv_heads else 0
     mask = batch * min(max_len, PREFILL_CHUNK) * max_len * (1 + act)
     return expanded + mask

@@ -67,7 +67,7 @@ def test_a_model_that_does_not_fit_streams_what_the_device_cannot_hold():
 def result_weights(rank, layer: int) -> int:
     """Resident weights of a rank that streams `layer` bytes of each streamed layer."""
     whole = sum(layer_weight_bytes(EIGHT_B, i, 1, "bfloat16") for i in range(*rank.layers))
-    outside = EIGHT_B.vocab_size * EIGHT_B.hidden_size * 2 * 2 + EIGHT_B.final_norm_numel * 2
+    outside = EIGHT_B.shape.vocab_size * EIGHT_B.shape.hidden_size * 2 * 2 + EIGHT_B.final_norm_numel * 2
     return whole - len(rank.offload.layers) * layer + outside
 
 
@@ -152,10 +152,10 @@ def test_cpu_ranks_copy_what_they_cannot_compute_on_in_place():
 
     misaligned = EIGHT_B.model_copy(deep=True)
     for lp in misaligned.layers:  # q and down of every layer start 2 bytes past an element
-        lp.unaligned_column = EIGHT_B.hidden_size ** 2
-        lp.unaligned_row = EIGHT_B.hidden_size * EIGHT_B.intermediate_size
+        lp.unaligned_column = EIGHT_B.shape.hidden_size ** 2
+        lp.unaligned_row = EIGHT_B.shape.hidden_size * EIGHT_B.shape.intermediate_size
     rank = plan(misaligned, spec(parallelism={"tensor": 2}), parse_devices("a:6GiB*2", kind="cpu")).ranks[0]
-    copied = (EIGHT_B.hidden_size ** 2 + EIGHT_B.hidden_size * EIGHT_B.intermediate_size) // 2 * 2
+    copied = (EIGHT_B.shape.hidden_size ** 2 + EIGHT_B.shape.hidden_size * EIGHT_B.shape.intermediate_size) // 2 * 2
     assert layer_copied_bytes(misaligned, 0, 2, "auto", "cpu") == copied
     assert layer_copied_bytes(misaligned, 0, 2, "auto", "gpu") == layer_streamed_bytes(misaligned, 0, 2)
     assert rank.offload.copied_bytes == len(rank.offload.layers) * copied
@@ -232,7 +232,7 @@ def cases(draw):
         "intermediate_size": draw(st.sampled_from([128, 256])),
         "num_hidden_layers": draw(st.integers(3, 12)), "vocab_size": 40, "max_position_embeddings": 64,
         "torch_dtype": "float32"})
-    whole = _rank_total(profile, 1, (0, profile.num_layers), True, True, 16)
+    whole = _rank_total(profile, 1, (0, profile.shape.num_layers), True, True, 16)
     kind = draw(st.sampled_from(["gpu", "cpu"]))
     devices = [Device(node=f"n{node}", index=index, kind=kind, memory_bytes=draw(st.integers(whole // 6, whole)),
                       speed=draw(st.sampled_from([0.5, 1.0])))
@@ -270,7 +270,7 @@ def test_every_rank_fits_its_device_and_its_host_budget(case, policy):
     if result is None:
         return
     assert [layer for r in result.group(0) if r.tp_rank == 0 for layer in range(*r.layers)] == \
-        list(range(profile.num_layers))
+        list(range(profile.shape.num_layers))
     for r in result.ranks:
         assert r.predicted_bytes.total <= r.usable_bytes
         if r.offload is None:
@@ -306,7 +306,7 @@ def test_no_split_of_the_layers_over_the_same_stages_streams_fewer_bytes(case):
     last = len(ranks) - 1
     stages = [costs.offload_stage(shape, result.tensor_parallel, i == 0, i == last) for i, shape in enumerate(shapes)]
     planned = sum(len(r.offload.layers) if r.offload else 0 for r in ranks)
-    for counts in _splits(profile.num_layers, len(ranks)):
+    for counts in _splits(profile.shape.num_layers, len(ranks)):
         at = [stage.at(n) for stage, n in zip(stages, counts, strict=True)]
         if all(a is not None for a in at):
             assert planned <= sum(a.streamed for a in at), (counts, [r.layers for r in ranks])

@@ -251,7 +251,7 @@ def _rank_total(profile: ModelProfile, tp: int, layers: tuple[int, int], first: 
 @st.composite
 def pools(draw, profile: ModelProfile, largest: float = 1.2) -> Inventory:
     """Up to 4 devices on up to 3 nodes, each from a quarter of the whole model to `largest` x it."""
-    whole = _rank_total(profile, 1, (0, profile.num_layers), True, True, 16)
+    whole = _rank_total(profile, 1, (0, profile.shape.num_layers), True, True, 16)
     devices = []
     for node in range(draw(st.integers(1, 3))):
         for index in range(draw(st.integers(1, 2))):
@@ -279,17 +279,17 @@ def exhaustive_fits(profile: ModelProfile, inventory: Inventory, tensor="auto", 
     if not per_node:
         return False
     widest = max(len(v) for v in per_node.values())
-    for tp in valid_tensor_degrees(profile, widest):
+    for tp in valid_tensor_degrees(profile.shape, widest):
         if tensor != "auto" and tp != tensor:
             continue
         groups = [c for devs in per_node.values() for c in itertools.combinations(devs, tp)]
-        for pp in range(1, min(profile.num_layers, len(groups)) + 1):
+        for pp in range(1, min(profile.shape.num_layers, len(groups)) + 1):
             if pipeline != "auto" and pp != pipeline:
                 continue
             for chain in itertools.permutations(groups, pp):
                 if len({d.key for g in chain for d in g}) != tp * pp:
                     continue
-                for counts in _compositions(profile.num_layers, pp):
+                for counts in _compositions(profile.shape.num_layers, pp):
                     starts = list(itertools.accumulate([0, *counts]))
                     if all(_rank_total(profile, tp, (starts[s], starts[s + 1]), s == 0, s == pp - 1, 16)
                            <= d.memory_bytes for s, g in enumerate(chain) for d in g):
@@ -330,7 +330,7 @@ def test_every_plan_places_each_layer_once_in_order_and_fits(data):
     assert len(result.ranks) == len(result.groups) * tp * pp
     for group in result.groups:
         ranges = [s.layers for s in group.stages]
-        assert ranges[0][0] == 0 and ranges[-1][1] == profile.num_layers
+        assert ranges[0][0] == 0 and ranges[-1][1] == profile.shape.num_layers
         assert all(a[1] == b[0] and a[0] < a[1]
                    for a, b in zip(ranges, ranges[1:] + [(ranges[-1][1], None)], strict=True))
         ranks = result.group(group.replica)

@@ -40,7 +40,7 @@ def test_config_alone_gives_the_same_profile(hf_checkpoint, architecture, tmp_pa
     from_config = profile_model(config_only)
     assert from_config.source == "config"
     assert from_config.lm_head_numel == 0 and from_weights.lm_head_numel == 0  # tied: stored once
-    for field in ("embed_numel", "final_norm_numel", "layers", "num_kv_heads", "head_dim", "total_numel"):
+    for field in ("embed_numel", "final_norm_numel", "layers", "shape", "total_numel"):
         assert getattr(from_config, field) == getattr(from_weights, field), field
 
 

@@ -33,7 +33,7 @@ def test_local_profiles_are_cached_until_a_file_changes(tmp_path):
     assert profiles.get(model) is first  # cached
     write_model(tmp_path / "tiny", num_hidden_layers=6)
     os.utime(model / "config.json", ns=(1, 1))  # a new mtime even on a coarse clock
-    assert profiles.get(model).num_layers == 6
+    assert profiles.get(model).shape.num_layers == 6
     with pytest.raises(ModelNotFound, match="does not exist"):
         profiles.get(tmp_path / "absent")
 

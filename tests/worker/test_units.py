@@ -51,6 +51,67 @@ def test_biases_and_windows_per_family():
     assert layered.sliding_windows == (None, 8)
 
 
+# Each config.json value a hostile or broken checkpoint held, that gave a traceback (exit 1, retried)
+# or, for sliding_window "abc" and rope_theta -1, loaded: now one line naming the file and field.
+BAD_FIELDS = [
+    ({"rope_scaling": {**LLAMA3_ROPE, "factor": 1e308}}, r"rope_scaling: factor must be a number above 0"),
+    ({"rope_scaling": {**LLAMA3_ROPE, "factor": 0}}, r"rope_scaling: factor must be a number above 0 .*\(got 0\)"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": "x"}}, r"rope_scaling: factor must be a number .*\(got 'x'\)"),
+    ({"rope_scaling": {**LLAMA3_ROPE, "high_freq_factor": 1.0}}, r"high_freq_factor \(1\) must be above low_freq"),
+    ({"rope_scaling": {**LLAMA3_ROPE, "original_max_position_embeddings": 8.5}},
+     r"rope_scaling: original_max_position_embeddings must be an integer"),
+    ({"rope_scaling": "x"}, r"rope_scaling must be a JSON object or null \(got 'x'\)"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": -1}},
+     r"rope_parameters: rope_theta must be a number above 1"),
+    ({"rope_theta": "abc"}, r"m/config\.json: rope_theta must be a number above 1 .*\(got 'abc'\)"),
+    ({"rope_theta": -1}, r"rope_theta must be a number above 1 and at most 1e\+12 \(got -1\)"),
+    ({"rope_theta": float("nan")}, r"rope_theta must be a number"),
+    ({"rms_norm_eps": "abc"}, r"rms_norm_eps must be a number above 0 and at most 1 \(got 'abc'\)"),
+    ({"rms_norm_eps": 0}, r"rms_norm_eps must be a number above 0"),
+    ({"eos_token_id": "abc"}, r"eos_token_id must be a token id from 0 to 99 .*\(got 'abc'\)"),
+    ({"eos_token_id": [1, 100]}, r"eos_token_id must be a token id from 0 to 99"),
+    ({"eos_token_id": -1}, r"eos_token_id must be a token id"),
+    ({"sliding_window": "abc"}, r"sliding_window must be an integer from 1 to \d+ \(got 'abc'\)"),
+    ({"sliding_window": 0}, r"sliding_window must be an integer from 1"),
+    ({"sliding_window": 8, "layer_types": ["full_attention"]}, r"layer_types must list one of .* for each of the 2"),
+    ({"sliding_window": 8, "layer_types": ["full_attention", "x"]}, r"layer_types must list one of"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, r"sliding_attention layers but sliding_window is not"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": "yes", "sliding_window": 4},
+     r"use_sliding_window must be true or false"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 9},
+     r"max_window_layers must be an integer from 0 to 2"),
+    ({"hidden_act": ["silu"]}, r"hidden_act \['silu'\] is not supported"),
+]
+
+
+@pytest.mark.parametrize("fields,message", BAD_FIELDS)
+def test_every_config_field_is_checked_where_it_is_read(fields, message):
+    from shard_contract.checkpoint import CheckpointError
+
+    with pytest.raises(ConfigError, match=message) as err:
+        ModelConfig.from_hf({**BASE, **fields}, source="m/config.json")
+    assert str(err.value).startswith("m/config.json") and "\n" not in str(err.value)
+    assert isinstance(err.value, CheckpointError)  # the no-retry exit: shard_worker.__main__.PERMANENT_ERRORS
+
+
+def test_generation_config_eos_ids_are_checked_naming_that_file(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, "x"]}))
+    with pytest.raises(ConfigError, match=r"generation_config\.json: eos_token_id must be a token id"):
+        ModelConfig.from_dir(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    assert ModelConfig.from_dir(tmp_path).eos_token_ids == (2, 3)
+
+
+def test_valid_numbers_of_every_checked_kind_are_kept():
+    config = ModelConfig.from_hf({**BASE, "rms_norm_eps": 1e-5, "eos_token_id": [1, 2], "rope_theta": 500000,
+                                  "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]})
+    assert (config.rms_norm_eps, config.eos_token_ids, config.rope["rope_theta"]) == (1e-5, (1, 2), 500000.0)
+    assert config.sliding_windows == (8, None)
+
+
 @pytest.mark.parametrize("rope", [{"rope_type": "default"}, {"rope_type": "linear", "factor": 4.0}, LLAMA3_ROPE])
 def test_inverse_frequencies_equal_hf(rope):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

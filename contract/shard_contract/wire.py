@@ -51,6 +51,8 @@ class GenerateRequest(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
         "Return each generated token's log-probability and this many most likely alternatives' (None: none)."))
     prompt_logprobs: bool = Field(False, description="Return the prompt tokens' log-probabilities (echo).")
+    json_schema: str | None = Field(None, description="Constrain the output to JSON valid under this schema "
+                                                      "(text; needs tokenizer.json); it ends at an EOS token.")
 
     @field_validator("logit_bias")
     @classmethod

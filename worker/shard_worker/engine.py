@@ -30,7 +30,7 @@ import torch
 
 from shard_contract.wire import Completion, GenerateRequest
 
-from . import logprobs
+from . import grammar, logprobs
 from .accounting import Accounting
 from .dist import Comm
 from .log import log
@@ -90,6 +90,10 @@ class Engine:
         self.last_output: Output | None = None  # on first-stage ranks: what the latest generate produced
         self._prompt_cols, self._decode_mark = 0, None
 
+    def grammars(self) -> grammar.Grammars | None:
+        """The model's tokenizer for constrained decoding (built on the first request that needs it)."""
+        return grammar.load(self.model_dir, self.config.vocab_size, tuple(self.config.eos_token_ids))
+
     # ------------------------------------------------------------ leader
     def check(self, request: GenerateRequest) -> None:
         """Refuse a request this group can never run, even alone. Reads no mutable state, so any
@@ -101,6 +105,13 @@ class Engine:
         bad = [t for t in request.prompt_ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
+        if request.json_schema is not None:
+            if not (self.model_dir / "tokenizer.json").is_file():
+                raise RequestError(f"response_format needs {self.model_dir / 'tokenizer.json'}")
+            try:
+                grammar.grammar_of(request.json_schema)
+            except ValueError as err:
+                raise RequestError(str(err)) from None
 
     def validate(self, requests: list[GenerateRequest]) -> None:
         if len(requests) > self.cache.batch:
@@ -164,7 +175,7 @@ class Engine:
         start, before = time.perf_counter(), self.acct.snapshot()
         prompt_cols = max(len(r.prompt_ids) for r in requests)
         self._prompt_cols, self._decode_mark = prompt_cols, None
-        rows = Rows(self.cache.batch, sampler=self.topo.is_last)
+        rows = Rows(self.cache.batch, sampler=self.topo.is_last, grammars=self.grammars)
         for row, r in enumerate(requests):
             rows.place(row, r, prompt_cols - len(r.prompt_ids))
         with torch.inference_mode():

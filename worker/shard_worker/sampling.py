@@ -27,15 +27,20 @@ sampling rank meets the same): the first stage ends that sequence alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from shard_contract.wire import GenerateRequest
 
+from . import grammar
+from .log import first_line
+
 FAILED = -1  # the token of a row whose sampling failed
 NOT_FINITE = "choosing its next token failed: the model's logits for this sequence are not finite"
+NO_TOKEN = "choosing its next token failed: its response_format allowed no token"
 
 _MASK = 0xFFFFFFFF
 _F64_MAX = torch.finfo(torch.float64).max
@@ -101,8 +106,11 @@ class Sampler:
     """The sampling state of `capacity` rows: each row's parameters (set by `place`) and, for rows
     with penalties, which tokens its prompt holds and how often it generated each token."""
 
-    def __init__(self, capacity: int):
-        self.capacity = capacity
+    def __init__(self, capacity: int, grammars: Callable[[], grammar.Grammars | None] = lambda: None):
+        self.capacity, self.grammars = capacity, grammars
+        self._mask: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's grammar mask
+        self.matchers: dict[int, Any] = {}  # row -> llguidance matcher, for rows with a json_schema
+        self.why: dict[int, str] = {}  # row -> why its sampling failed, for reasons other than NOT_FINITE
         self.requests: list[GenerateRequest | None] = [None] * capacity
         self._floats = torch.zeros(capacity, 6, dtype=torch.float64)  # host copies, uploaded when changed
         self._floats[:, _TOP_P] = self._floats[:, _REPETITION] = 1.0
@@ -130,11 +138,34 @@ class Sampler:
             self._bias[row] = dict(request.logit_bias)
         self._pending_prompts[row] = list(request.prompt_ids) if _penalised(request) else []
         self._dirty = True
+        self.matchers.pop(row, None)
+        self.why.pop(row, None)
+        if request.json_schema is not None:
+            try:
+                grammars = self.grammars()
+                if grammars is None:
+                    raise ValueError("response_format needs the model's tokenizer.json")
+                self.matchers[row] = grammars.matcher(request.json_schema)
+            except Exception as err:  # noqa: BLE001 -- this request fails alone, at its first token
+                self.matchers[row] = None
+                self.why[row] = f"choosing its next token failed: {first_line(err)}"
 
     def greedy(self, row: int) -> None:
         """Row `row` is greedy from now on (its sequence failed; what it gets goes unused)."""
         self._floats[row, _TEMP] = 0.0
         self._dirty = True
+        self.matchers.pop(row, None)
+
+    def accept(self, r0: int, tokens: Sequence[int]) -> None:
+        """The host learnt the tokens of rows from r0: each constrained row's matcher takes its own."""
+        for i, token in enumerate(tokens):
+            matcher = self.matchers.get(r0 + i)
+            if matcher is not None and token >= 0:
+                matcher.consume_token(token)
+
+    def failures(self, tokens: Sequence[int], r0: int = 0) -> dict[int, str]:
+        """The rows (from r0) whose token came back FAILED, with why."""
+        return {r0 + i: self.why.get(r0 + i, NOT_FINITE) for i, t in enumerate(tokens) if t == FAILED}
 
     # ------------------------------------------------------------ device state
     def _sync(self, device: torch.device, vocab: int) -> None:
@@ -177,11 +208,15 @@ class Sampler:
         live = [q for q in reqs if q is not None]
         top = max((q.logprobs for q in live if q.logprobs is not None), default=None)
         sampled = any(q.temperature > 0 for q in live)
-        changed = any(_penalised(q) or q.logit_bias for q in live)
+        constrained = [r for r in range(r0, r0 + n) if r in self.matchers]
+        changed = any(_penalised(q) or q.logit_bias for q in live) or bool(constrained)
         if not sampled and not changed:
             tokens = logits.argmax(dim=-1)
         else:
+            self._mask = self._grammar_mask(logits, r0, n) if constrained else None
             tokens = self._choose(logits, r0, n, sampled, changed)
+            if self._mask is not None:
+                tokens = torch.where(self._mask[1], FAILED, tokens)
         self.steps[r0:r0 + n] += 1
         if self.counts is not None:
             self.counts[r0:r0 + n].scatter_add_(1, tokens.clamp(min=0)[:, None],
@@ -193,6 +228,20 @@ class Sampler:
         top = min(top, vocab)
         top_lp, top_ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], tokens[:, None][:, :0])
         return Sampled(tokens, chosen, top_ids, top_lp)
+
+    def _grammar_mask(self, logits: torch.Tensor, r0: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The constrained rows' allowed tokens [rows, V] on the device, and which rows have none
+        (one host-to-device copy of the bitmask)."""
+        vocab = logits.shape[1]
+        bitmask = torch.empty(n, (vocab + 31) // 32, dtype=torch.int32)
+        matchers = [self.matchers.get(r0 + i) for i in range(n)]
+        empty = grammar.fill(matchers, bitmask)
+        empty += [i for i, m in enumerate(matchers) if m is None and r0 + i in self.matchers]  # never built
+        for i in empty:
+            self.why.setdefault(r0 + i, NO_TOKEN)
+        stuck = torch.zeros(n, dtype=torch.bool)
+        stuck[empty] = True
+        return grammar.allowed(bitmask.to(logits.device), vocab), stuck.to(logits.device)
 
     def _choose(self, logits: torch.Tensor, r0: int, n: int, sampled: bool, changed: bool) -> torch.Tensor:
         x, scaled, keep = self._prepare(logits, r0, n, changed, filtered=sampled)
@@ -215,6 +264,9 @@ class Sampler:
         x = logits.double()
         if changed:
             x = self._penalise(x, floats, r0, n)
+        mask = self._mask
+        if mask is not None:  # a row with no allowed token keeps its logits: it fails, without NaN
+            x = torch.where(mask[0] | mask[1][:, None], x, -torch.inf)
         temp = floats[:, _TEMP]
         scaled = (x - x.max(dim=-1, keepdim=True).values) / torch.where(temp <= 0, 1.0, temp)[:, None]
         keep = self._keep(scaled, floats, ints, r0, n) if filtered else torch.ones_like(scaled, dtype=torch.bool)
@@ -225,6 +277,8 @@ class Sampler:
         next token from (for a greedy row: its temperature-1 distribution). Changes nothing."""
         n, vocab = logits.shape
         self._sync(logits.device, vocab)
+        constrained = any(r in self.matchers for r in range(r0, r0 + n))
+        self._mask = self._grammar_mask(logits, r0, n) if constrained else None
         _, scaled, keep = self._prepare(logits, r0, n, changed=True, filtered=True)
         probs = torch.where(keep, scaled.exp(), 0.0)
         return probs / probs.sum(dim=-1, keepdim=True)
@@ -271,7 +325,3 @@ class Sampler:
 def _penalised(request: GenerateRequest) -> bool:
     return request.presence_penalty != 0 or request.frequency_penalty != 0 or request.repetition_penalty != 1
 
-
-def failures(tokens: Sequence[int], r0: int = 0) -> dict[int, str]:
-    """The rows (from r0) whose token came back FAILED, with why."""
-    return {r0 + i: NOT_FINITE for i, t in enumerate(tokens) if t == FAILED}

@@ -17,8 +17,9 @@ import torch
 
 from shard_contract.wire import Completion, GenerateRequest
 
+from .grammar import Grammars
 from .logprobs import Extras
-from .sampling import FAILED, HostSampled, Sampler, failures
+from .sampling import FAILED, HostSampled, Sampler
 
 # Why a sequence failed when its token came back FAILED from another stage (that rank logged why).
 FAILED_ELSEWHERE = "choosing its next token failed on the last pipeline stage (that rank's log says why)"
@@ -81,10 +82,10 @@ class Rows:
     last running sequence (a finished row between them is computed, its results ignored until it
     is reused)."""
 
-    def __init__(self, capacity: int, sampler: bool):
+    def __init__(self, capacity: int, sampler: bool, grammars: Callable[[], Grammars | None] = lambda: None):
         self.pads = torch.zeros(capacity, dtype=torch.int64)
         self.requests: list[GenerateRequest | None] = [None] * capacity
-        self.sampling = Sampler(capacity) if sampler else None
+        self.sampling = Sampler(capacity, grammars) if sampler else None
         self.extras = Extras()  # log-probabilities asked for: computed on the last stage, taken on the first
         self.failures: dict[int, str] = {}
         self.sampler, self.used = sampler, 0
@@ -105,8 +106,9 @@ class Rows:
         and what it gets until the row is reused goes unused."""
         assert self.sampling is not None
         host = self.sampling.sample(logits, r0).to_host()
+        self.sampling.accept(r0, host.tokens)
         self.extras.sampled(self.requests[r0:r0 + len(logits)], r0, host)
-        failed = failures(host.tokens, r0)
+        failed = self.sampling.failures(host.tokens, r0)
         for row, why in failed.items():
             self.failures[row] = why
             self.sampling.greedy(row)

@@ -10,7 +10,7 @@ masked values are still multiplied by 0, and a failed sequence's may be NaN).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch

@@ -71,8 +71,12 @@ def changes(ctx: Context, plan: Plan, decision: Decision, listing: dict[str, lis
     """Create what is missing, patch what drifted, delete what the decision drops.
 
     Pods are never patched: what shapes them is in their revision. A group's Secret (its key) is
-    never listed or read: it is created just before the group's missing pods (a 409 means it is
-    there already) and deleted with the group's Service. `nodes`: the Nodes that exist (None: unknown).
+    never listed or read: each incarnation of the group gets a new key, so a heartbeat record
+    sealed in one does not open in the next. When none of the group's pods exists (a new group, or
+    one recreated after a rank failed), its Secret is deleted (404 when there is none) and created
+    again with a fresh key just before the pods; pods added to a group that has some keep its key.
+    A create that meets an object of that name (409) is an error unless the object is this model's
+    (kube.Kube.create). `nodes`: the Nodes that exist (None: unknown).
     """
     ns = ctx.owner.namespace
     existing = {(kind, o["metadata"]["name"]): o for kind, objs in listing.items() for o in objs}
@@ -82,11 +86,15 @@ def changes(ctx: Context, plan: Plan, decision: Decision, listing: dict[str, lis
         desired += [service, config]
         missing = [p for p in pods if ("Pod", p["metadata"]["name"]) not in existing]
         if create_pods and missing:
-            desired += [group_secret(ctx.owner, plan, replica, revision, new_key()), *missing]
+            if len(missing) == len(pods):  # a new incarnation: a new key
+                desired += [group_secret(ctx.owner, plan, replica, revision, new_key())]
+            desired += missing
     out = []
     for obj in desired:
         actual = existing.get((obj["kind"], obj["metadata"]["name"]))
-        if actual is None:
+        if obj["kind"] == "Secret":  # never listed: replace whatever key an earlier incarnation left
+            out += [Write("delete", "Secret", ns, obj["metadata"]["name"]), Write.create(obj)]
+        elif actual is None:
             out.append(Write.create(obj))
         elif obj["kind"] != "Pod" and (patch := drift_patch(obj, actual)) is not None:
             out.append(Write("patch", obj["kind"], ns, obj["metadata"]["name"], patch))

@@ -82,6 +82,55 @@ def test_a_rank_whose_collective_failed_is_named_only_until_the_cause_shows():
     assert m.verdict(6.5).reason == "rank 1 has sent no heartbeat for 6.5 s (dead or hung)"
 
 
+def test_a_record_equal_to_or_older_than_the_last_is_no_beat():
+    """Writing a rank's record back, its latest or an older one, never keeps a dead rank alive."""
+    m = GroupMonitor(world_size=2, stale_seconds=5)
+    m.observe({0: record(0, 1), 1: record(1, 3)}, now=0.0)
+    for t in range(1, 7):  # rank 1 died after beat 3; its records are replayed every second
+        rejected = m.observe({0: record(0, 1 + t), 1: record(1, 3 if t % 2 else 2)}, now=float(t))
+        assert rejected == ([] if t % 2 else ["rank 1's record number 2 was written again after number 3"])
+    v = m.verdict(6.0)
+    assert v.ranks_alive[1] is False and not v.ready
+    assert m.records[1].seq == 3  # nothing older was believed
+
+
+def test_a_rank_incarnation_is_pinned_and_another_start_s_records_are_ignored():
+    """A record of an earlier start of rank 1 (same key, a higher number) cannot displace the live
+    rank's records, nor can one of another start of this very process's rank."""
+    m = GroupMonitor(world_size=2, stale_seconds=5, incarnations={0: "me"})
+    m.observe({0: record(0, 1, incarnation="me"), 1: record(1, 1, incarnation="live")}, now=0.0)
+    old = record(1, 10**6, "failed", error="an old start's failure", incarnation="earlier")
+    assert m.observe({1: old}, now=0.5) == ["rank 1's record comes from another start of that rank (earlier)"]
+    assert m.observe({0: record(0, 10**6, "failed", incarnation="other")}, now=0.6) == [
+        "rank 0's record comes from another start of that rank (other)"]
+    for t in range(1, 8):  # the live rank's own records go on being believed
+        assert m.observe({0: record(0, 1 + t, incarnation="me"), 1: record(1, 1 + t, incarnation="live")},
+                         now=float(t)) == []
+    assert m.verdict(7.0).ready and m.records[1].incarnation == "live"
+
+
+def test_overwriting_a_live_rank_s_key_cannot_make_the_group_lost_nor_the_rank_look_alive():
+    m = GroupMonitor(world_size=2, stale_seconds=5)
+    m.observe({0: record(0, 1), 1: record(1, 1)}, now=0.0)
+    for t in range(1, 9):  # rank 1's key holds forged records: its true ones are never read
+        m.tampered(1, float(t))
+        m.observe({0: record(0, 1 + t)}, now=float(t))
+    v = m.verdict(8.0)
+    assert v.alive and not v.ready and v.ranks_alive == {0: True, 1: False}
+    assert v.reason == ("rank 1's heartbeat records are being overwritten by someone without the group's key; "
+                        "its last true record is 8.0 s old")
+    m.observe({0: record(0, 10), 1: record(1, 9)}, now=9.0)  # a true record gets through again
+    assert m.verdict(9.0).ready
+
+
+def test_a_silent_rank_whose_key_nobody_touched_since_its_last_beat_is_dead():
+    m = GroupMonitor(world_size=2, stale_seconds=5)
+    m.tampered(1, 0.5)  # before its last true record: no excuse for its silence since
+    m.observe({0: record(0, 1), 1: record(1, 1)}, now=1.0)
+    m.observe({0: record(0, 2)}, now=6.5)
+    assert m.verdict(6.5).reason == "rank 1 has sent no heartbeat for 5.5 s (dead or hung)"
+
+
 def test_memory_problems_keep_a_rank_unready():
     m = GroupMonitor(world_size=1)
     m.observe({0: record(0, 1, problems=["rank 0 holds too much"])}, now=0.0)
@@ -177,6 +226,48 @@ def test_forged_and_replayed_records_in_a_real_store_are_ignored_and_counted():
     finally:
         beat.stop()
         del store
+
+
+def test_garbage_written_over_a_live_rank_s_key_never_makes_the_group_lost():
+    """Two ranks beat every 50 ms; a stranger overwrites rank 1's key with garbage every millisecond
+    or so for four times the stale window. Rank 0 never calls the group lost (whether true records
+    get through between the stranger's or not: GroupMonitor's tables judge the silent case), and it
+    is ready once the stranger stops."""
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    lost: list[str] = []
+    beats = [Heartbeat("127.0.0.1", port, rank, 2, lambda seq, rank=rank: record(rank, seq), KEY,
+                       on_lost=lost.append, period=0.05, stale=0.5) for rank in (0, 1)]
+    stop = threading.Event()
+
+    def overwrite() -> None:
+        writer = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=5))
+        n = 0
+        while not stop.is_set():
+            n += 1
+            writer.set("shard/rank/1", b"0" * 64 + b" garbage %d" % n)
+            time.sleep(0.001)
+
+    stranger = threading.Thread(target=overwrite, daemon=True)
+    try:
+        for b in beats:
+            b.start()
+        wait_until(lambda: all(b.verdict().ready for b in beats))
+        stranger.start()
+        wait_until(lambda: beats[0].rejected > 0)
+        for _ in range(40):  # four stale windows under attack: tampered with (or not), never lost
+            assert beats[0].verdict().alive and lost == [], beats[0].verdict()
+            time.sleep(0.05)
+        stop.set()
+        stranger.join(10)
+        wait_until(lambda: beats[0].verdict().ready)
+        assert lost == [] and beats[0].rejected > 0
+    finally:
+        stop.set()
+        for b in beats:
+            b.stop()
+        del master
 
 
 def wait_until(check, timeout: float = 60) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from shard_contract.checkpoint import read_checkpoint
+from shard_contract.env import SECRET_KEY
 from shard_devcluster.patches import merge_patch
 from shard_operator.capacity import gpu_use, slim_node
 from shard_operator.handlers import Controller, Loop
@@ -147,9 +148,11 @@ class Round:
 
 
 def group_writes(group: int, revision: str, pods: int = 2) -> list[str]:
-    """Creating a group of two ranks (in two pods, or one): Service, plan, key, then the pods."""
+    """Creating a group of two ranks (in two pods, or one): Service, plan, a new key (whatever key
+    an earlier incarnation left is deleted first: here none, a 404), then the pods."""
     name = f"m1-{group}-{revision}"
-    return [f"create Service {name}", f"create ConfigMap {name}", f"create Secret {name}",
+    return [f"create Service {name}", f"create ConfigMap {name}", f"delete Secret {name} (404)",
+            f"create Secret {name}",
             *(f"create Pod {name}-{rank}" for rank in range(pods))]
 
 
@@ -160,6 +163,8 @@ def group_deletes(group: int, revision: str, grace: int | None = None) -> list[s
     return [f"delete Secret {name}", *pods, f"delete Service {name}", f"delete ConfigMap {name}"]
 
 
+# Group 0 recreated after a rank failed: a new key (the last incarnation's deleted), then its pods.
+RECREATE = ["delete Secret m1-0-a", "create Secret m1-0-a", "create Pod m1-0-a-0", "create Pod m1-0-a-1"]
 MODEL_WRITES = ["create Service m1", "create Service m1-metrics", "create ConfigMap m1-plan"]
 
 def condition(type_: str, reason: str, words: str = "") -> Callable[[Sim], None]:
@@ -197,6 +202,17 @@ def ranks_of_one_pod(sim: Sim) -> None:
         [(0, "m1-0-a-0", "Ready", RESIDENT), (1, "m1-0-a-0", "Ready", RESIDENT + 2**20)]
 
 
+KEYS: list[str] = []  # the group key of each incarnation, as its Secret held it
+
+
+def key_of_this_incarnation(sim: Sim) -> None:
+    """Each incarnation of a group has a key of its own: a record sealed in one opens in no other."""
+    ranks_of_one_pod(sim)
+    (secret,) = sim.store.of_kind("Secret")
+    KEYS.append(secret["data"][SECRET_KEY])
+    assert len(set(KEYS)) == len(KEYS)
+
+
 def shard_states(*states: str) -> Callable[[Sim], None]:
     def check(sim: Sim) -> None:
         assert [s["state"] for s in sim.store.get(MODEL, "m1")["status"]["shards"]] == list(states)
@@ -224,13 +240,13 @@ SCENARIOS: dict[str, tuple[list[dict], list[Round]]] = {
     "a pod per tensor-parallel group counts as each of its ranks": ([gpu_node("a")], [
         Round([create(pod_layout="auto")], [*MODEL_WRITES, *group_writes(0, "a", pods=1), "status Loading"],
               ["Normal Planned", "Normal CreatingGroup"], next=30.01),
-        Round([kubelet()], ["status Ready"], ready(), next=20, then=ranks_of_one_pod),
+        Round([kubelet()], ["status Ready"], ready(), next=20, then=key_of_this_incarnation),
         Round([rank_fails(0, 0)], ["delete Pod m1-0-a-0", "status Degraded"],
               ["Warning RecreatingGroup", "Warning GroupFailed"], next=20,
               then=shard_states("Failed", "Failed")),  # the pod's ranks fail together
-        Round([kubelet()], ["create Secret m1-0-a (409)", "create Pod m1-0-a-0", "status Loading"],
+        Round([kubelet()], [*RECREATE[:3], "status Loading"],
               ["Normal CreatingGroup"], next=20),
-        Round([kubelet()], ["status Ready"], ready(), next=20, then=ranks_of_one_pod),
+        Round([kubelet()], ["status Ready"], ready(), next=20, then=key_of_this_incarnation),
     ]),
     "scale up and down by whole groups": ([gpu_node(n) for n in "abc"], [
         Round([create()], [*MODEL_WRITES, *group_writes(0, "a"), "status Loading"],
@@ -263,12 +279,12 @@ SCENARIOS: dict[str, tuple[list[dict], list[Round]]] = {
         READY,
         Round([rank_fails(0, 1, exit_code=137)], ["delete Pod m1-0-a-0", "delete Pod m1-0-a-1", "status Degraded"],
               ["Warning RecreatingGroup", "Warning GroupFailed"], next=20),
-        Round([kubelet()], ["create Secret m1-0-a (409)", "create Pod m1-0-a-0", "create Pod m1-0-a-1",
+        Round([kubelet()], [*RECREATE,
                             "status Loading"], ["Normal CreatingGroup"], next=20),
         Round([kubelet()], ["status Ready"], ready(), next=20),
         Round([rank_fails(0, 0)], ["delete Pod m1-0-a-0", "delete Pod m1-0-a-1", "status Degraded"],
               ["Warning RecreatingGroup", "Warning GroupFailed"], next=20),
-        Round([kubelet()], ["create Secret m1-0-a (409)", "create Pod m1-0-a-0", "create Pod m1-0-a-1",
+        Round([kubelet()], [*RECREATE,
                             "status Loading"], ["Normal CreatingGroup"], next=20),
         Round([kubelet()], ["status Ready"], ready(), next=20),
         Round([rank_fails(0, 0)], ["status Failed"], ["Warning Failed", "Warning RestartBudgetExhausted"], next=20,
@@ -333,7 +349,7 @@ SCENARIOS: dict[str, tuple[list[dict], list[Round]]] = {
         Round([later(20)], [], next=10.01),
         Round([rank_fails(0, 1)], ["delete Pod m1-0-a-0", "delete Pod m1-0-a-1", "status Degraded"],
               ["Warning RecreatingGroup"], next=10.01),
-        Round([kubelet()], ["create Secret m1-0-a (409)", "create Pod m1-0-a-0", "create Pod m1-0-a-1",
+        Round([kubelet()], [*RECREATE,
                             "status Degraded"], ["Normal CreatingGroup"], next=10.01),
         Round([kubelet()], ["status Degraded"], ready(), next=10.01),
         # The headroom back: the new image rolls out, beside the serving group.
@@ -393,9 +409,9 @@ SCENARIOS: dict[str, tuple[list[dict], list[Round]]] = {
     ]),
     "a failed request fails the reconcile, and the next does what is missing": ([gpu_node("a")], [
         Round([request_fails("create", "Pod"), create()],
-              [*MODEL_WRITES, *group_writes(0, "a")[:3], "create Pod m1-0-a-0 (500)", "status Pending"],
+              [*MODEL_WRITES, *group_writes(0, "a")[:4], "create Pod m1-0-a-0 (500)", "status Pending"],
               ["Warning ReconcileError"], next=5, then=condition("Degraded", "ReconcileError", "(500)")),
-        Round([], ["create Secret m1-0-a (409)", "create Pod m1-0-a-0", "create Pod m1-0-a-1", "status Loading"],
+        Round([], [*RECREATE, "status Loading"],
               ["Normal CreatingGroup"], next=30.01, then=condition("Degraded", "AsExpected")),
         READY,
         # A status write whose answer is lost (it landed): the failure report after it is written whole.

@@ -15,6 +15,7 @@ and, for the layer split over two processes (llama.cpp's RPC backend), its `ggml
 
 Usage (bench/decode.py does this):
     python llamacpp_peer.py convert MODEL_DIR {F32,BF16,Q8_0}      -> prints {"path", "decode_bytes"}
+    python llamacpp_peer.py convert-vocab MODEL_DIR KIND            (with its tokenizer.json: llama-server)
     python llamacpp_peer.py time GGUF THREADS TOKENS PROMPT_IDS [RPC_SERVER LAYERS_THERE]
                                                                    -> prints {"seconds_per_token", ...}
 
@@ -71,10 +72,37 @@ def permute(weights: np.ndarray, heads: int) -> np.ndarray:
         .reshape(weights.shape)
 
 
-def convert(model_dir: Path, kind: str) -> dict:
+def add_vocab(writer, gguf, model_dir: Path, vocab_size: int) -> None:
+    """The model's byte-level BPE tokenizer.json as llama.cpp's "gpt2" vocabulary (ids past the
+    tokenizer's, up to the model's vocab_size, as unused padding tokens, as its converter writes
+    them): llama-server detokenizes what it streams, which the "none" vocabulary cannot."""
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    added = {t["id"]: t for t in tok.get("added_tokens", [])}
+    by_id = {i: s for s, i in tok["model"]["vocab"].items()} | {i: t["content"] for i, t in added.items()}
+    tokens, types = [], []
+    for i in range(vocab_size):
+        tokens.append(by_id.get(i, f"[PAD{i}]"))
+        types.append(gguf.TokenType.UNUSED if i not in by_id else
+                     gguf.TokenType.CONTROL if added.get(i, {}).get("special") else gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    config = json.loads((model_dir / "config.json").read_text())
+    for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id)):
+        value = config.get(key)
+        if isinstance(value, list):
+            value = value[0]
+        if value is not None:
+            add(int(value))
+    writer.add_add_bos_token(False)  # the prompts are token ids, sent whole
+
+
+def convert(model_dir: Path, kind: str, vocab: bool = False) -> dict:
     import gguf
 
-    target = model_dir / "gguf" / f"{kind}.gguf"
+    target = model_dir / "gguf" / f"{kind}{'-vocab' if vocab else ''}.gguf"
     facts = target.with_suffix(".json")
     if target.exists() and facts.exists():
         return json.loads(facts.read_text())
@@ -97,7 +125,10 @@ def convert(model_dir: Path, kind: str) -> dict:
     writer.add_rope_freq_base(float(theta))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     writer.add_vocab_size(config["vocab_size"])
-    writer.add_tokenizer_model("none")  # token ids only: the random model has no tokenizer
+    if vocab:
+        add_vocab(writer, gguf, model_dir, config["vocab_size"])
+    else:
+        writer.add_tokenizer_model("none")  # token ids only: the random model has no tokenizer
     writer.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "BF16": gguf.LlamaFileType.MOSTLY_BF16,
                           "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind])
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -157,8 +188,8 @@ def time_decode(path: str, threads: int, tokens: int, prompt: list[int], rpc: st
 
 def main() -> int:
     what = sys.argv[1]
-    if what == "convert":
-        print(json.dumps(convert(Path(sys.argv[2]), sys.argv[3])))
+    if what in ("convert", "convert-vocab"):
+        print(json.dumps(convert(Path(sys.argv[2]), sys.argv[3], vocab=what == "convert-vocab")))
     else:
         rpc = sys.argv[6:8] if len(sys.argv) > 7 else [None, 0]
         print(json.dumps(time_decode(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),

@@ -106,7 +106,11 @@ class ResidentBytes(BaseModel):
     total: int = Field(description="What this rank holds: on a CPU, anonymous memory above a bare `import torch`; "
                                    "on a GPU, device memory in use above what it held when CUDA started in the "
                                    "process (torch's allocator, NCCL's buffers, cuBLAS workspaces).")
-    peak: int = Field(0, description="Peak resident set above a bare `import torch` so far.")
+    peak: int = Field(0, description="Peak resident set above a bare `import torch` so far (on a GPU: device "
+                                     "memory at the warm-up's peak, total + activations).")
+    activations: int = Field(0, description="Measured by the warm-up pass before ready: what the plan's largest "
+                                            "forward pass (maxBatchSize rows x one prefill chunk) took above what "
+                                            "the rank held before it, at its peak.")
 
 
 class RankReport(BaseModel):

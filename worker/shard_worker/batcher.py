@@ -123,6 +123,7 @@ class Sink:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.arrived = time.monotonic()
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
         self.generated = 0  # tokens its sequence has taken so far
         self._closed = False
         self._lock = threading.Lock()
@@ -137,8 +138,9 @@ class Sink:
         """Its sequence's tokens so far (all of them); returns how many are new."""
         with self._lock:
             new, self.generated = len(tokens) - self.generated, len(tokens)
+            self.last_token_at = time.monotonic()
             if self.first_token_at is None:
-                self.first_token_at = time.monotonic()
+                self.first_token_at = self.last_token_at
             if self.stream and not self._closed:
                 self._post(Step(list(tokens)))
         return new
@@ -289,6 +291,7 @@ class EngineLoop:
             n = take_batch([p.request for p in self.waiting], self.max_batch, self.max_len)
             self.running = [self.waiting.popleft() for _ in range(n)]
             self.metrics.waiting(len(self.waiting))
+        self._started(self.running)
         self.throughput.busy(time.monotonic())
         self._publish(len(self.running), sum(len(p.request.prompt_ids) for p in self.running))
         return list(self.running)
@@ -319,7 +322,13 @@ class EngineLoop:
                 del self.waiting[i]
             self.running.extend(joining)
             self.metrics.waiting(len(self.waiting))
+        self._started(joining)
         return [p.request for p in joining]
+
+    def _started(self, pendings: list[Pending]) -> None:
+        now = time.monotonic()
+        for pending in pendings:
+            self.metrics.started(now - pending.sink.arrived, len(pending.request.prompt_ids))
 
     def _cancelled(self) -> list[int]:
         with self.cond:
@@ -332,7 +341,10 @@ class EngineLoop:
         for seq in seqs:
             sink = self.running[seq.index].sink
             prompt += len(seq.request.prompt_ids) if sink.generated == 0 else 0  # prefilled in this step
+            previous = sink.last_token_at
             generated += sink.step(seq.tokens)
+            if previous is not None and sink.last_token_at is not None:
+                self.metrics.token_gap(sink.last_token_at - previous)
         self.throughput.step(time.monotonic(), prompt, generated)
         self._publish(len(seqs), sum(len(seq.request.prompt_ids) + len(seq.tokens) for seq in seqs))
 

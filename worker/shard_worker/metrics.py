@@ -21,7 +21,8 @@ LABELS = ("model", "group", "rank", "stage", "tp_rank")
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)  # a decode step: ms to s
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-BUCKETS = {"shard_batch_size": BATCH_BUCKETS, "shard_time_per_output_token_seconds": TOKEN_BUCKETS}
+BUCKETS = {"shard_batch_size": BATCH_BUCKETS, "shard_time_per_output_token_seconds": TOKEN_BUCKETS,
+           "shard_inter_token_latency_seconds": TOKEN_BUCKETS}
 
 # name -> (type, help, extra labels). Counters are exposed with the `_total` suffix.
 FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -55,6 +56,23 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "shard_kv_cache_capacity_rows": ("gauge", "KV-cache rows there are: maxBatchSize, the most requests that run "
                                               "at once (leader only).", ()),
     "shard_batch_size": ("histogram", "Sequences that took a token in each step (leader only).", ()),
+    # vLLM's serving families, under our prefix (vllm:prompt_tokens_total, vllm:request_queue_time_seconds,
+    # vllm:inter_token_latency_seconds, vllm:num_preemptions_total, vllm:prefix_cache_queries/hits,
+    # vllm:kv_cache_usage_perc); shard_tokens_generated is vllm:generation_tokens_total.
+    "shard_prompt_tokens": ("counter", "Prompt tokens of the requests that started (leader only).", ()),
+    "shard_request_queue_time_seconds": ("histogram", "Seconds a request waited from arrival until it started "
+                                                      "(leader only).", ()),
+    "shard_inter_token_latency_seconds": ("histogram", "Seconds between a running request's successive tokens "
+                                                       "(leader only).", ()),
+    "shard_kv_cache_blocks": ("gauge", "Paged KV cache: blocks by state: used (held by a running request) or free "
+                                       "(leader only).", ("state",)),
+    "shard_kv_cache_usage_ratio": ("gauge", "Paged KV cache: the fraction of its blocks held by running requests "
+                                            "(leader only).", ()),
+    "shard_preemptions": ("counter", "Running requests preempted for lack of KV blocks, to be recomputed "
+                                     "(leader only).", ()),
+    "shard_prefix_cache_queries": ("counter", "Prompt KV blocks looked up in the prefix cache (leader only).", ()),
+    "shard_prefix_cache_hits": ("counter", "Prompt KV blocks found in the prefix cache, not computed again "
+                                           "(leader only).", ()),
     "shard_group_ready": ("gauge", "1 when every rank of the group has loaded and been checked.", ()),
     "shard_heartbeat_rejected": ("counter", "Heartbeat records this rank ignored: not sealed with the group's "
                                             "key, or older than one already read.", ()),

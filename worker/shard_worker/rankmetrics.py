@@ -25,9 +25,12 @@ OUTCOMES = ("completed", "rejected", "failed", "cancelled")  # cancelled: the cl
 LEADER_FAMILIES = ("shard_tokens_generated", "shard_requests", "shard_request_latency_seconds",
                    "shard_time_to_first_token_seconds", "shard_time_per_output_token_seconds",
                    "shard_requests_running", "shard_requests_waiting", "shard_batch_size",
-                   "shard_kv_cache_used_tokens", "shard_kv_cache_capacity_tokens", "shard_kv_cache_capacity_rows")
+                   "shard_kv_cache_used_tokens", "shard_kv_cache_capacity_tokens", "shard_kv_cache_capacity_rows",
+                   "shard_prompt_tokens", "shard_request_queue_time_seconds", "shard_inter_token_latency_seconds",
+                   "shard_kv_cache_usage_ratio", "shard_preemptions", "shard_prefix_cache_queries",
+                   "shard_prefix_cache_hits")
 PREDICTED_KINDS = ("weights", "kv_cache", "activations", "overhead", "staging", "total")
-RESIDENT_KINDS = ("weights", "kv_cache", "staging", "rss_anon", "cuda_allocated", "total", "peak")
+RESIDENT_KINDS = ("weights", "kv_cache", "staging", "rss_anon", "cuda_allocated", "total", "peak", "activations")
 
 
 class RankMetrics:
@@ -46,6 +49,8 @@ class RankMetrics:
             for name in LEADER_FAMILIES:
                 for outcome in OUTCOMES if name == "shard_requests" else (None,):
                     self.m.get(name, **({"outcome": outcome} if outcome else {}))
+            for state in ("used", "free"):
+                self.m.get("shard_kv_cache_blocks", state=state)
             self.m.get("shard_kv_cache_capacity_rows").set(max_batch)
             self.m.get("shard_kv_cache_capacity_tokens").set(max_batch * max_len)
 
@@ -56,6 +61,26 @@ class RankMetrics:
     def running(self, n: int, kv_tokens: int) -> None:
         self.m.get("shard_requests_running").set(n)
         self.m.get("shard_kv_cache_used_tokens").set(kv_tokens)
+
+    def started(self, queued_seconds: float, prompt_tokens: int) -> None:
+        """A request left the queue and started (its prompt is computed from now on)."""
+        self.m.get("shard_request_queue_time_seconds").observe(queued_seconds)
+        self.m.get("shard_prompt_tokens").inc(prompt_tokens)
+
+    def token_gap(self, seconds: float) -> None:
+        """A running request took its next token(s) `seconds` after its previous ones."""
+        self.m.get("shard_inter_token_latency_seconds").observe(seconds)
+
+    def kv_blocks(self, used: int, free: int) -> None:
+        self.m.get("shard_kv_cache_blocks", state="used").set(used)
+        self.m.get("shard_kv_cache_blocks", state="free").set(free)
+        self.m.get("shard_kv_cache_usage_ratio").set(used / max(1, used + free))
+
+    def scheduled(self, preemptions: int, prefix_queries: int, prefix_hits: int) -> None:
+        """What one scheduling step did: requests preempted, prompt blocks looked up and found."""
+        self.m.get("shard_preemptions").inc(preemptions)
+        self.m.get("shard_prefix_cache_queries").inc(prefix_queries)
+        self.m.get("shard_prefix_cache_hits").inc(prefix_hits)
 
     def batch(self, size: int) -> None:
         self.m.get("shard_batch_size").observe(size)

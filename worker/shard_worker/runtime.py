@@ -23,12 +23,17 @@ from .engine import Engine
 from .loader import load_stage
 from .model import KVCache, Layout, Rotary, Stage
 from .offload import Streamer
+from .warmup import WarmupOutOfMemory, warm_up
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class PlanMismatch(ValueError):
     pass
+
+
+class ActivationsDoNotFit(PlanMismatch):
+    """The warm-up pass (the plan's largest forward pass) ran out of the device's memory."""
 
 
 class MemoryBudgetExceeded(PlanMismatch):
@@ -182,9 +187,19 @@ class Worker:
             rotary = Rotary(config, plan.max_model_len, device)
 
             resident = resident_bytes(baseline, started, before, loaded, cached, staged, on_cuda)
+            # Before ready: the plan's largest forward pass, so that its activations fail here
+            # (a plan-level reason) rather than under the first big load.
+            try:
+                warm = warm_up(stage, cache, rotary, plan.max_batch_size, plan.max_model_len)
+            except WarmupOutOfMemory as err:
+                raise ActivationsDoNotFit(str(err)) from None
+            peak = max(staged.peak_rss, MemorySample.take(device).peak_rss) - baseline.rss
+            resident = resident.model_copy(update={"activations": warm.activations, "peak": (
+                resident.total + warm.activations if on_cuda else peak)})
+            check_budget(f"resident bytes at the warm-up's peak ({warm.rows} rows x {warm.cols} prefill tokens)",
+                         resident.total + warm.activations, env.memory_budget_bytes)
             allocated = {"weights": sum(t.numel() * t.element_size() for t in stage.tensors().values()),
                          "kv_cache": cache.nbytes, "staging": streamer.nbytes if streamer else 0}
-            check_budget("measured resident bytes after loading", resident.total, env.memory_budget_bytes)
         except BaseException:
             if streamer is not None:
                 streamer.close()
@@ -205,7 +220,8 @@ class Worker:
 
     def report(self) -> dict:
         now = MemorySample.take(self.stage.device)
-        resident = self.resident.model_copy(update={"peak": now.peak_rss - self.baseline.rss})
+        resident = self.resident if self.stage.device.type == "cuda" else self.resident.model_copy(
+            update={"peak": max(self.resident.peak, now.peak_rss - self.baseline.rss)})
         c, rp = self.acct.counters, self.rank_plan
         return RankReport(
             rank=rp.rank, stage=rp.stage, tp_rank=rp.tp_rank, layers=rp.layers, node=rp.node, device=rp.device,

@@ -1,0 +1,124 @@
+"""The paged KV cache's bookkeeping: fixed-size blocks, their reference counts, and the prefix cache.
+
+Pure Python, no torch: the scheduler (`scheduler.py`) decides with it, and every rank's cache
+holds the block ids it hands out. A block holds `block_size` consecutive tokens of one sequence
+(in every layer and KV head of a rank). A *full* block whose KV has been computed is keyed by the
+hash of its tokens chained to the hash of the block before it (so a key names the whole prefix up
+to the block's end, as vLLM's and SGLang's do), and stays in the cache after its sequences end:
+a later prompt that starts with the same tokens takes it instead of computing it again.
+
+Blocks no sequence holds wait in one LRU queue, whether they carry a cached prefix or not; an
+allocation takes the least recently released first, dropping its cache key then. So the prefix
+cache costs no memory of its own: it is whatever the free blocks still hold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+
+NONE_HASH = b""  # the parent of a sequence's first block
+
+
+def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The key of a full block: its tokens and every token before them (through `parent`). A
+    cryptographic digest, so two prefixes that differ never share a block (Python's `hash` of a
+    tuple collides on purpose-built inputs, and a collision here would serve another prompt's KV)."""
+    return hashlib.blake2b(parent + struct.pack(f"<{len(tokens)}q", *tokens), digest_size=16).digest()
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int, parent: bytes = NONE_HASH, start: int = 0) -> list[bytes]:
+    """The keys of the full blocks of `tokens`, from block `start` on (whose parent key is `parent`)."""
+    out = []
+    for b in range(start, len(tokens) // block_size):
+        parent = block_hash(parent, tokens[b * block_size:(b + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+class BlockPool:
+    """`num_blocks` blocks of `block_size` tokens; ids 0..num_blocks-1."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"a KV cache needs at least one block of at least one token ({num_blocks} x {block_size})")
+        self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self.refs = [0] * num_blocks
+        self.key: list[bytes | None] = [None] * num_blocks  # a full block's prefix key, while cached
+        self.cached: dict[bytes, int] = {}  # prefix key -> block
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU first
+        self.hits = self.queries = 0  # prefix-cache lookups, in blocks
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks an allocation may take now (unheld, cached or not)."""
+        return len(self.free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self.cached)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """`n` blocks for one sequence (each held once), or None when fewer are free: nothing taken."""
+        if n > len(self.free):
+            return None
+        out = []
+        for _ in range(n):
+            block, _ = self.free.popitem(last=False)
+            self._uncache(block)
+            self.refs[block] = 1
+            out.append(block)
+        return out
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """A sequence lets go of its blocks (finished, cancelled or preempted). Given in its order,
+        its last block enters the LRU queue first: a shared prefix's head outlives its tails."""
+        for block in reversed(blocks):
+            if self.refs[block] < 1:
+                raise ValueError(f"block {block} released more often than it was held")
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free[block] = None
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """The cached blocks of the longest prefix of `keys`, now held by the caller once more each."""
+        hit: list[int] = []
+        if self.prefix_caching:
+            for key in keys:
+                block = self.cached.get(key)
+                if block is None:
+                    break
+                hit.append(block)
+            self.queries += len(keys)
+            self.hits += len(hit)
+        for block in hit:
+            self.free.pop(block, None)
+            self.refs[block] += 1
+        return hit
+
+    def cache(self, block: int, key: bytes) -> int:
+        """Block `block` is full and computed, with prefix key `key`: later prompts may take it.
+        Returns the block the key names: `block`, or one that already held the same prefix (the
+        caller may keep using its own; the cache keeps the older one)."""
+        if not self.prefix_caching:
+            return block
+        existing = self.cached.setdefault(key, block)
+        if existing == block:
+            self.key[block] = key
+        return existing
+
+    def _uncache(self, block: int) -> None:
+        key = self.key[block]
+        if key is not None:
+            del self.cached[key]
+            self.key[block] = None
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self.cached.values()):
+            self._uncache(block)

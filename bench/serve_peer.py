@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -107,7 +108,7 @@ async def stream(http: httpx.AsyncClient, server: Server, prompt: list[int], max
 
 def gaps(result: dict) -> list[float]:
     times = [t for t, _ in result["events"]]
-    return [b - a for a, b in zip(times, times[1:], strict=False)]
+    return [b - a for a, b in itertools.pairwise(times)]
 
 
 def prompt_of(rng: random.Random, n: int, vocab: int) -> list[int]:

@@ -154,6 +154,12 @@ class Plan(BaseModel):
         return self.tensor_parallel * self.pipeline_parallel
 
     @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens of KV cache one group holds: the prompts and generated tokens its running
+        sequences may hold at once (maxBatchSize rows of maxModelLen positions)."""
+        return self.max_batch_size * self.max_model_len
+
+    @property
     def stages(self) -> list[StagePlan]:
         return self.groups[0].stages if self.groups else []
 

@@ -210,6 +210,9 @@ class ShardsResponse(BaseModel):
     reason: str = Field("", description="Why the group is not ready.")
     predicted_step_seconds: float = Field(0.0, description="The plan's estimate of one decode step "
                                                            "(its critical path through every stage).")
+    kv_cache_tokens: int = Field(0, description="Tokens of KV cache the group holds (its capacity).")
+    kv_cache_used_tokens: int = Field(0, description="Of those, the tokens its running requests held at the "
+                                                     "latest step.")
     ranks: list[ShardEntry]
 
     def measured_by_rank(self) -> dict[int, Measured]:

@@ -37,6 +37,7 @@ def render_plan(plan: Plan, profile: ModelProfile | None = None, inventory: Inve
     weights = plan.dtype if plan.quantization == "none" else f"{plan.dtype} with {plan.quantization} weights"
     lines.append(f"serving  {plan.max_model_len} tokens x {count(plan.max_batch_size, 'sequence')} in {weights}, "
                  f"{plan.memory_headroom:.0%} headroom per device, {_replicas(plan)}, plan {plan.hash}")
+    lines.append(f"KV cache {plan.kv_cache_tokens} tokens per group")
     if inventory is not None:
         lines.append(f"pool     {inventory.describe()}")
         for skipped in inventory.skipped:

@@ -68,7 +68,8 @@ def plan_summary(plan: Plan) -> PlanSummary:
         quantization=plan.quantization, stages=[StageStatus(stage=s.stage, layers=list(s.layers)) for s in plan.stages],
         imbalance=round(plan.imbalance, 4), hash=plan.hash, reason=plan.reason,
         max_predicted_bytes=max((r.predicted_bytes.total for r in plan.ranks), default=0),
-        predicted_step_seconds=round(max((g.critical_path_seconds for g in plan.groups), default=0.0), 6))
+        predicted_step_seconds=round(max((g.critical_path_seconds for g in plan.groups), default=0.0), 6),
+        kv_cache_tokens=plan.kv_cache_tokens)
 
 
 def _stable(previous: int | None, measured: int | None) -> int | None:
@@ -121,6 +122,7 @@ def _shards(obs: Observation, previous: dict[str, Any]) -> list[ShardStatus]:
                 quantization=plan.quantization if plan else "none",
                 resident_bytes=_stable(before.get((pod, rank)),
                                        measured.resident if measured else None) if pod else None,
+                kv_cache_tokens=plan.kv_cache_tokens if plan else 0,
                 offload=_offload(rp, measured, (shown.get((pod, rank)) or {}).get("offload") or {}),
                 state=rs.state if rs else "Missing"))
     return shards

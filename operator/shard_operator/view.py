@@ -60,6 +60,8 @@ class GroupView:
     measured_step: float | None  # seconds per decode step of the latest batch
     notes: list[str] = field(default_factory=list)
     raw: Any = None  # what was read, for --json
+    kv_tokens: int | None = None  # the KV cache's capacity in tokens (per group)
+    kv_used: int | None = None  # of which the running requests hold (a group's leader says)
 
 
 # ---------------------------------------------------------------- a local run
@@ -91,7 +93,8 @@ def view_of_shards(response: ShardsResponse, source: str) -> GroupView:
     notes = [] if response.ready else [f"not ready: {response.reason}"]
     return GroupView(title=f"{response.model}, group {response.replica} ({source})", rows=rows,
                      predicted_step=response.predicted_step_seconds or None, measured_step=measured_step(response),
-                     notes=notes, raw=response.model_dump(mode="json"))
+                     notes=notes, raw=response.model_dump(mode="json"), kv_tokens=response.kv_cache_tokens or None,
+                     kv_used=response.kv_cache_used_tokens)
 
 
 def local_status(base_url: str, timeout: float = 5.0) -> GroupView:
@@ -127,7 +130,7 @@ def view_of_model(obj: dict[str, Any]) -> GroupView:
     return GroupView(title=f"ShardedModel {meta.get('namespace', '')}/{meta.get('name', '')}: "
                            f"{status.get('phase', 'Pending')}, {ready}, plan {plan.get('hash', '-')}",
                      rows=rows, predicted_step=plan.get("predictedStepSeconds"), measured_step=None, notes=notes,
-                     raw=obj)
+                     raw=obj, kv_tokens=plan.get("kvCacheTokens") or None)
 
 
 def leader_pods(obj: dict[str, Any]) -> list[tuple[int, str]]:
@@ -154,7 +157,9 @@ def with_leaders(view: GroupView, reports: dict[str, ShardsResponse], unread: li
     notes = [f"no time shares or measured step from {'; '.join(unread)}"] if unread else []
     raw = {"shardedModel": view.raw, "unread": unread,
            "leaders": {pod: report.model_dump(mode="json") for pod, report in reports.items()}}
-    return replace(view, rows=rows, measured_step=max(steps, default=None), notes=view.notes + notes, raw=raw)
+    used = [r.kv_cache_used_tokens for r in reports.values()]
+    return replace(view, rows=rows, measured_step=max(steps, default=None), notes=view.notes + notes, raw=raw,
+                   kv_used=max(used) if used else None)
 
 
 def _message(err: Any) -> str:
@@ -246,6 +251,9 @@ def render(view: GroupView) -> str:
     measured = f"{view.measured_step * 1e3:.2f} ms" if view.measured_step else "- (no batch yet)"
     lines.append(f"decode step: predicted {predicted} (the plan's critical path), measured {measured} "
                  "(the latest batch)")
+    if view.kv_tokens:
+        used = f", {view.kv_used} in use ({view.kv_used / view.kv_tokens:.0%})" if view.kv_used is not None else ""
+        lines.append(f"KV cache: {view.kv_tokens} tokens per group{used}")  # the busiest group's use
     lines += view.notes
     return "\n".join(lines)
 

@@ -218,6 +218,7 @@ def test_models_and_shards(server):
     assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 256
     shards = get(server.url + "/v1/shards").json()
     assert (shards["model"], shards["replica"], shards["ready"]) == ("tiny", 0, True)
+    assert shards["kv_cache_tokens"] == 4 * 256 and 0 <= shards["kv_cache_used_tokens"] <= 4 * 256
     assert [(r["rank"], r["stage"], r["tp_rank"], r["layers"]) for r in shards["ranks"]] == [(0, 0, 0, [0, 4]),
                                                                                               (1, 0, 1, [0, 4])]
     for r in shards["ranks"]:  # the contract the operator reads (shard_contract.wire.ShardsResponse)
@@ -225,6 +226,8 @@ def test_models_and_shards(server):
         assert set(r["predicted_bytes"]) == {"weights", "kv_cache", "activations", "overhead", "staging", "total"}
         assert r["predicted_bytes"]["staging"] == 0 and r["offload"] is None  # it streams nothing
         assert {"weights", "kv_cache", "rss_anon", "cuda_allocated", "total"} <= set(r["resident_bytes"])
+        # the warm-up ran before ready: its activations measured, within the peak it reports
+        assert 0 < r["resident_bytes"]["activations"] <= r["resident_bytes"]["peak"]
         assert r["predicted_bytes"]["weights"] == r["allocated_bytes"]["weights"]
         assert r["load_seconds"] > 0 and r["compute_seconds"] > 0 and r["comm_seconds"] > 0
         assert r["idle_seconds"] == 0  # one stage: nobody waits for another
@@ -268,6 +271,11 @@ def test_every_rank_is_named_in_ps_and_exposes_its_metrics(server):
             assert value("shard_time_to_first_token_seconds", "_count") >= 1
             assert value("shard_time_per_output_token_seconds", "_count") >= 1
             assert (value("shard_kv_cache_capacity_rows"), value("shard_kv_cache_capacity_tokens")) == (4, 4 * 256)
+            # vLLM's serving families: every request that started counted its prompt and its wait; a
+            # stream of 4 tokens took 3 gaps
+            started = value("shard_request_queue_time_seconds", "_count")
+            assert started >= 1 and value("shard_prompt_tokens", "_total") >= 2 * started  # prompts of 2+ tokens
+            assert value("shard_inter_token_latency_seconds", "_count") >= 3
     follower = scrape(rank_port(ranks[1]))
     assert not any(family.samples for name, family in follower.items() if name in set(LEADER_FAMILIES))
 

@@ -190,6 +190,7 @@ class EngineLoop:
         self.closing = False
         self.started = threading.Event()
         self.throughput = Throughput()
+        self.kv_tokens = 0  # KV-cache positions the running requests took at the latest step
 
     # ------------------------------------------------------------ any thread
     def submit(self, pending: Pending) -> None:
@@ -372,6 +373,7 @@ class EngineLoop:
         """The gauges of the `running` requests (those that took a token in the last step) and of
         the KV-cache positions they take, and the throughput line when one is due."""
         self.metrics.running(running, kv_tokens)
+        self.kv_tokens = kv_tokens
         line = self.throughput.line(time.monotonic(), running, len(self.waiting), self.max_batch, kv_tokens,
                                     self.max_batch * self.max_len)
         if line is not None:

@@ -115,7 +115,9 @@ class Rank:
             ranks.append(ShardEntry.planned(rp, **measured))
         group = next(g for g in self.plan.groups if g.replica == self.env.replica)
         return ShardsResponse(model=self.env.model_name, replica=self.env.replica, ready=verdict.ready,
-                              reason=verdict.reason, predicted_step_seconds=group.critical_path_seconds, ranks=ranks)
+                              reason=verdict.reason, predicted_step_seconds=group.critical_path_seconds,
+                              kv_cache_tokens=self.plan.kv_cache_tokens,
+                              kv_cache_used_tokens=self.loop.kv_tokens if self.loop is not None else 0, ranks=ranks)
 
     def exposition(self, ready: bool) -> bytes:
         """`GET /metrics`: every family, up to date with this rank's measurements."""

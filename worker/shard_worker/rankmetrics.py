@@ -28,7 +28,8 @@ LEADER_FAMILIES = ("shard_tokens_generated", "shard_requests", "shard_request_la
                    "shard_kv_cache_used_tokens", "shard_kv_cache_capacity_tokens", "shard_kv_cache_capacity_rows",
                    "shard_prompt_tokens", "shard_request_queue_time_seconds", "shard_inter_token_latency_seconds",
                    "shard_kv_cache_usage_ratio", "shard_preemptions", "shard_prefix_cache_queries",
-                   "shard_prefix_cache_hits")
+                   "shard_prefix_cache_hits", "shard_kv_cache_blocks")
+LABELLED = {"shard_requests": ("outcome", OUTCOMES), "shard_kv_cache_blocks": ("state", ("used", "free"))}
 PREDICTED_KINDS = ("weights", "kv_cache", "activations", "overhead", "staging", "total")
 RESIDENT_KINDS = ("weights", "kv_cache", "staging", "rss_anon", "cuda_allocated", "total", "peak", "activations")
 
@@ -47,10 +48,9 @@ class RankMetrics:
         self.m.get("shard_heartbeat_rejected")  # exposed at zero
         if leader:  # every family exposed from the start, zero until something happens
             for name in LEADER_FAMILIES:
-                for outcome in OUTCOMES if name == "shard_requests" else (None,):
-                    self.m.get(name, **({"outcome": outcome} if outcome else {}))
-            for state in ("used", "free"):
-                self.m.get("shard_kv_cache_blocks", state=state)
+                label, values = LABELLED.get(name, ("", ("",)))
+                for value in values:
+                    self.m.get(name, **({label: value} if label else {}))
             self.m.get("shard_kv_cache_capacity_rows").set(max_batch)
             self.m.get("shard_kv_cache_capacity_tokens").set(max_batch * max_len)
 

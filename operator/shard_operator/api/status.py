@@ -25,6 +25,8 @@ class PlanSummary(ApiModel):
     max_predicted_bytes: int = 0
     predicted_step_seconds: float = Field(0.0, description="Estimated time of one decode step (the slowest "
                                                            "group's critical path through every stage).")
+    kv_cache_tokens: int = Field(0, description="Tokens of KV cache each group holds: what its running "
+                                                "sequences' prompts and generated tokens may take at once.")
 
 
 class ShardOffload(ApiModel):
@@ -54,6 +56,7 @@ class ShardStatus(ApiModel):
     predicted_bytes: int = 0
     quantization: Quantization = Field("none", description="How this shard's weights are stored (from its plan).")
     resident_bytes: int | None = None
+    kv_cache_tokens: int = Field(0, description="Tokens of KV cache this shard's group holds (the plan's).")
     offload: ShardOffload | None = None
     state: str = "Pending"
 

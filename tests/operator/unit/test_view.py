@@ -87,3 +87,12 @@ def test_a_problem_is_noted_once_whatever_conditions_carry_it():
         assert view_of_model(obj).notes == [f"Degraded: InsufficientCapacity: {why}",
                                             "Available: InsufficientCapacity: no group ready; the Degraded condition "
                                             "says why"]
+
+
+def test_the_kv_cache_capacity_in_tokens_and_the_busiest_groups_use():
+    model = {**MODEL, "status": {**MODEL["status"], "plan": {"hash": "h", "kvCacheTokens": 8192}}}
+    reports = {"m-0-old-0": report(0, [(1.0, 0.0, 0.0)], None).model_copy(update={"kv_cache_used_tokens": 1024}),
+               "m-1-a-0": report(1, [(1.0, 0.0, 0.0)], None).model_copy(update={"kv_cache_used_tokens": 2048})}
+    assert "KV cache: 8192 tokens per group\n" in render(view_of_model(model)) + "\n"
+    assert "KV cache: 8192 tokens per group, 2048 in use (25%)" in render(with_leaders(view_of_model(model), reports,
+                                                                                       []))

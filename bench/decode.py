@@ -256,12 +256,13 @@ def run_ours(model_dir: str, dtype: str, quantization: str, tp: int, pp: int, th
                       max_model_len=len(prompt) + tokens, devices="bench:16GiB*2", device_kind="cpu")
     task = GenerateTask(requests=[GenerateRequest(prompt_ids=prompt, max_new_tokens=tokens, ignore_eos=True)])
     result = run_generate(plan, model_dir, task, timeout=1800, threads_per_rank=threads)
-    ranks = [r.last_generate for r in result.ranks]
+    reports = [r.report for r in result.ranks if r.report is not None]
+    ranks = [r.last_generate for r in reports]
     return {"seconds_per_token": result.decode_seconds / result.decode_steps,
             "prefill_seconds": result.prefill_seconds,
             "comm_share": max(r["decode_comm_seconds"] / r["decode_seconds"] for r in ranks),
             "idle_share": max(r["decode_idle_seconds"] / r["decode_seconds"] for r in ranks),
-            "load_seconds": max(r.load_seconds for r in result.ranks)}
+            "load_seconds": max(r.load_seconds for r in reports)}
 
 
 def llama_unavailable(python: Path) -> str | None:

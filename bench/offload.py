@@ -121,7 +121,8 @@ def run_ours(plan, model_dir: str, tokens: int, prompt: list[int]) -> dict:
     task = GenerateTask(requests=[GenerateRequest(prompt_ids=prompt, max_new_tokens=tokens, ignore_eos=True)])
     result = run_generate(plan, model_dir, task, timeout=1800, threads_per_rank=1)
     (rank,) = result.ranks
-    g = rank.last_generate
+    assert rank.report is not None, "the rank sent no report"
+    g = rank.report.last_generate
     return {"seconds_per_token": result.decode_seconds / result.decode_steps,
             "stream_share": g["decode_stream_seconds"] / g["decode_seconds"],
             "stall_share": g["decode_stall_seconds"] / g["decode_seconds"],

@@ -1,8 +1,8 @@
 """The placement picture: a group's ranks as SVG, pipeline stages left to right, tensor-parallel
 ranks stacked, each rank's memory against its device's capacity.
 
-One drawing for both planes: `shardctl plan --svg/--html` draws a plan before anything runs (the
-`ShardEntry.planned` of every rank), and every leader's `/dashboard` draws its group live from the
+One drawing for both planes: `shardctl plan --svg/--html` draws a plan before anything runs (a
+`ShardEntry(plan=rank, state="planned")` of every rank), and every leader's `/dashboard` draws its group live from the
 very entries `/v1/shards` answers (measured resident bytes and health added). Pure: entries in,
 SVG text out, no script and no external reference, so the text can be embedded anywhere.
 
@@ -91,43 +91,44 @@ def dead(entry: ShardEntry) -> bool:
 
 
 def rank_box(svg: Svg, entry: ShardEntry, x: float, y: float, reason: str) -> None:
-    p, res = entry.predicted_bytes, entry.resident_bytes
+    rp = entry.plan
+    p, res = rp.predicted_bytes, entry.report.resident_bytes if entry.report is not None else None
     bad = dead(entry)
     state = "dead" if not entry.alive else entry.state
-    svg.add(f'<g class="rank" data-rank="{entry.rank}" data-stage="{entry.stage}" data-tp-rank="{entry.tp_rank}" '
+    svg.add(f'<g class="rank" data-rank="{rp.rank}" data-stage="{rp.stage}" data-tp-rank="{rp.tp_rank}" '
             f'data-alive="{str(not bad).lower()}" data-state="{escape(state)}" data-predicted="{p.total}" '
-            f'data-resident="{res.total if res else ""}" data-capacity="{entry.capacity_bytes}" '
-            f'data-usable="{entry.usable_bytes}">')
+            f'data-resident="{res.total if res else ""}" data-capacity="{rp.capacity_bytes}" '
+            f'data-usable="{rp.usable_bytes}">')
     svg.rect(x, y, BOX_W, BOX_H, DEAD_FILL if bad else "#fafafa", stroke=DEAD if bad else "#999",
              stroke_width="3" if bad else "1", rx="6")
-    svg.text(x + 10, y + 18, f"rank {entry.rank} · tp {entry.tp_rank}", size=13, weight="bold")
+    svg.text(x + 10, y + 18, f"rank {rp.rank} · tp {rp.tp_rank}", size=13, weight="bold")
     svg.text(x + BOX_W - 10, y + 18, state, size=12, anchor="end", cls="state", fill=DEAD if bad else "#555",
              weight="bold" if bad else "normal")
-    svg.text(x + 10, y + 34, f"{entry.node} · {entry.device}", size=11, fill="#555", cls="where")
-    scale = BAR_W / max(entry.capacity_bytes, 1)
+    svg.text(x + 10, y + 34, f"{rp.node} · {rp.device}", size=11, fill="#555", cls="where")
+    scale = BAR_W / max(rp.capacity_bytes, 1)
     bar_y, left = y + 42, x + BAR_X
     svg.rect(left, bar_y, BAR_W, 16, "#fff", stroke="#bbb")
-    svg.rect(left + entry.usable_bytes * scale, bar_y, (entry.capacity_bytes - entry.usable_bytes) * scale, 16,
-             HEADROOM, f"headroom {human(entry.capacity_bytes - entry.usable_bytes)}")
+    svg.rect(left + rp.usable_bytes * scale, bar_y, (rp.capacity_bytes - rp.usable_bytes) * scale, 16,
+             HEADROOM, f"headroom {human(rp.capacity_bytes - rp.usable_bytes)}")
     for kind, label, color in (*KINDS, *([STAGING] if p.staging else [])):
         n = getattr(p, kind)
         width = min(n * scale, x + BAR_X + BAR_W - left)  # a plan never overfills; clipped all the same
         svg.rect(left, bar_y, width, 16, color, f"predicted {label} {human(n)}")
         left += width
-    svg.add(f'<line x1="{x + BAR_X + entry.usable_bytes * scale:.1f}" y1="{bar_y - 3:.1f}" '
-            f'x2="{x + BAR_X + entry.usable_bytes * scale:.1f}" y2="{bar_y + 28:.1f}" stroke="#444" '
-            f'stroke-dasharray="3,2"><title>usable: {human(entry.usable_bytes)}</title></line>')
+    svg.add(f'<line x1="{x + BAR_X + rp.usable_bytes * scale:.1f}" y1="{bar_y - 3:.1f}" '
+            f'x2="{x + BAR_X + rp.usable_bytes * scale:.1f}" y2="{bar_y + 28:.1f}" stroke="#444" '
+            f'stroke-dasharray="3,2"><title>usable: {human(rp.usable_bytes)}</title></line>')
     if res is not None:
-        over = res.total > entry.capacity_bytes
+        over = res.total > rp.capacity_bytes
         svg.rect(x + BAR_X, bar_y + 19, min(res.total * scale, BAR_W), 7, DEAD if over else RESIDENT,
                  f"measured resident {human(res.total)}")
     measured = (f" · resident {human(res.total)}" if res is not None
-                else f", {p.total / max(entry.capacity_bytes, 1):.0%} of the device" if entry.state == "planned"
+                else f", {p.total / max(rp.capacity_bytes, 1):.0%} of the device" if entry.state == "planned"
                 else " · not measured yet")
     svg.text(x + 10, y + 82, f"predicted {human(p.total)}{measured}", size=11, cls="memory")
-    svg.text(x + 10, y + 97, f"of {human(entry.capacity_bytes)}; usable {human(entry.usable_bytes)}", size=11,
+    svg.text(x + 10, y + 97, f"of {human(rp.capacity_bytes)}; usable {human(rp.usable_bytes)}", size=11,
              fill="#555", cls="capacity")
-    note = (reason if bad and f"rank {entry.rank} " in reason + " " else "not alive" if bad
+    note = (reason if bad and f"rank {rp.rank} " in reason + " " else "not alive" if bad
             else "memory check failed" if entry.problems else "")
     if note:
         svg.text(x + 10, y + BOX_H - 6, note[:52] + ("…" if len(note) > 52 else ""), size=10, fill=DEAD,
@@ -138,8 +139,8 @@ def rank_box(svg: Svg, entry: ShardEntry, x: float, y: float, reason: str) -> No
 def group_svg(ranks: Sequence[ShardEntry], title: str = "", reason: str = "") -> str:
     """The picture of one group. `reason`: why the group is not ready or not alive (drawn in red
     when a rank is dead, and beside each rank it names)."""
-    stages = sorted({r.stage for r in ranks})
-    tp = max((r.tp_rank for r in ranks), default=0) + 1
+    stages = sorted({r.plan.stage for r in ranks})
+    tp = max((r.plan.tp_rank for r in ranks), default=0) + 1
     width = PAD * 2 + len(stages) * BOX_W + (len(stages) - 1) * GAP_X
     svg = Svg()
     y: float = PAD + 4
@@ -151,11 +152,11 @@ def group_svg(ranks: Sequence[ShardEntry], title: str = "", reason: str = "") ->
         y = svg.lines(PAD, y + 12, reason, max(40, width // 7), fill=DEAD, cls="group-reason") - 4
     top = y + 8
     for column, stage in enumerate(stages):
-        members = sorted((r for r in ranks if r.stage == stage), key=lambda r: r.tp_rank)
+        members = sorted((r for r in ranks if r.plan.stage == stage), key=lambda r: r.plan.tp_rank)
         x = PAD + column * (BOX_W + GAP_X)
-        layers = describe_layers(members[0].layers)  # '0-31 (32 layers)'
-        if members[0].offload:
-            layers = f"{layers.removesuffix(')')}, {len(members[0].offload.layers)} streamed)"
+        layers = describe_layers(members[0].plan.layers)  # '0-31 (32 layers)'
+        if members[0].plan.offload:
+            layers = f"{layers.removesuffix(')')}, {len(members[0].plan.offload.layers)} streamed)"
         parts = [f"layers {layers}"]
         parts += ["embeddings"] if stage == stages[0] else []
         parts += ["LM head"] if stage == stages[-1] else []
@@ -168,6 +169,6 @@ def group_svg(ranks: Sequence[ShardEntry], title: str = "", reason: str = "") ->
             svg.add(f'<path d="M{x - GAP_X + 6:.1f},{mid:.1f} H{x - 8:.1f} l-7,-5 v10 l7,-5" stroke="#666" '
                     f'fill="#666"/>')
     bottom = legend(svg, PAD, top + 22 + tp * (BOX_H + GAP_Y) + 10, width - 2 * PAD,
-                    measured=any(r.resident_bytes is not None for r in ranks),
-                    staging=any(r.predicted_bytes.staging for r in ranks))
+                    measured=any(r.report is not None for r in ranks),
+                    staging=any(r.plan.predicted_bytes.staging for r in ranks))
     return svg.render(width, bottom + PAD)

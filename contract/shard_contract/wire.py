@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .plan import OffloadPlan, PredictedBytes, RankPlan
+from .plan import RankPlan
 
 # The sampling parameters' accepted ranges, OpenAI's: the server's request schema and every
 # request the engine runs share them, and the engine samples safely over all of them.
@@ -114,17 +114,11 @@ class ResidentBytes(BaseModel):
 
 
 class RankReport(BaseModel):
-    """One rank's line in `GET /v1/shards` and in `shardctl generate --json`."""
+    """What one rank measured once it had loaded (`ShardEntry.report`). Where it runs and what the
+    plan predicted are its `RankPlan`'s, beside it in the entry, never copied here."""
 
-    rank: int
-    stage: int
-    tp_rank: int
-    layers: tuple[int, int]
-    node: str = ""
-    device: str = ""
     dtype: str = Field("", description="What the rank runs: the plan's dtype, or float16 where a GPU has no "
                                        "native bfloat16.")
-    predicted_bytes: PredictedBytes
     resident_bytes: ResidentBytes
     allocated_bytes: dict[str, int] = Field(default_factory=dict,
                                             description="Bytes of the tensors themselves: weights, kv_cache.")
@@ -146,15 +140,6 @@ class RankReport(BaseModel):
                                                         "(and offload's streamed_bytes, stream_seconds, "
                                                         "stall_seconds, device_stall_seconds) of the latest "
                                                         "generate call, complete at its end")
-    alive: bool = True
-
-
-class GenerateResult(BaseModel):
-    completions: list[Completion]
-    ranks: list[RankReport]
-    prefill_seconds: float = Field(description="Task start to the first tokens.")
-    decode_seconds: float
-    decode_steps: int
 
 
 class LoadProgress(BaseModel):
@@ -165,40 +150,25 @@ class LoadProgress(BaseModel):
 
 
 class ShardEntry(BaseModel):
-    """One rank in `GET /v1/shards`: its place in the plan, and once it has loaded, the rest of
-    its `RankReport` (a rank that has not loaded yet has no `resident_bytes`)."""
+    """One rank in `GET /v1/shards` and `shardctl generate --json`: its place in the plan, what it
+    measured once it has loaded, and its health."""
 
-    model_config = {"extra": "allow"}  # the rest of the RankReport, for people
+    model_config = ConfigDict(extra="forbid")
 
-    rank: int
-    stage: int
-    tp_rank: int
-    layers: tuple[int, int]
-    node: str = ""
-    device: str = ""
-    capacity_bytes: int = Field(description="The device's memory (the plan's).")
-    usable_bytes: int = Field(description="capacity minus the plan's headroom.")
-    dtype: str = Field("", description="What the rank runs: the plan's dtype, or float16 where a GPU has no "
-                                       "native bfloat16.")
-    predicted_bytes: PredictedBytes
-    offload: OffloadPlan | None = Field(None, description="The layers this rank streams (the plan's).")
-    resident_bytes: ResidentBytes | None = None
-    streamed_bytes: int = 0
-    stream_seconds: float = 0.0
-    stall_seconds: float = 0.0
-    device_stall_seconds: float = 0.0
+    plan: RankPlan
+    report: RankReport | None = Field(None, description="What it measured; None until it has loaded.")
     alive: bool = True
-    state: str = Field("starting", description="starting, loading, ready, failed or broken")
+    state: str = Field("starting", description="planned, starting, loading, ready, failed or broken")
     problems: list[str] = Field(default_factory=list, description="A failed memory check.")
     load_progress: LoadProgress | None = Field(None, description="While it loads, and after.")
 
-    @classmethod
-    def planned(cls, rp: RankPlan, **measured: object) -> ShardEntry:
-        """A rank's place in the plan, plus what it has `measured` (report fields, health)."""
-        return cls.model_validate({"rank": rp.rank, "stage": rp.stage, "tp_rank": rp.tp_rank, "layers": rp.layers,
-                                   "node": rp.node, "device": rp.device, "capacity_bytes": rp.capacity_bytes,
-                                   "usable_bytes": rp.usable_bytes, "predicted_bytes": rp.predicted_bytes,
-                                   "offload": rp.offload, **measured})
+
+class GenerateResult(BaseModel):
+    completions: list[Completion]
+    ranks: list[ShardEntry] = Field(description="Every rank of the group: its plan and its report.")
+    prefill_seconds: float = Field(description="Task start to the first tokens.")
+    decode_seconds: float
+    decode_steps: int
 
 
 class ShardsResponse(BaseModel):
@@ -217,10 +187,10 @@ class ShardsResponse(BaseModel):
 
     def measured_by_rank(self) -> dict[int, Measured]:
         """rank -> what it measured, for every rank that has measured."""
-        return {r.rank: Measured(resident=r.resident_bytes.total, streamed_bytes=r.streamed_bytes,
-                                 stream_seconds=r.stream_seconds, stall_seconds=r.stall_seconds,
-                                 device_stall_seconds=r.device_stall_seconds)
-                for r in self.ranks if r.resident_bytes is not None}
+        return {r.plan.rank: Measured(resident=r.report.resident_bytes.total, streamed_bytes=r.report.streamed_bytes,
+                                      stream_seconds=r.report.stream_seconds, stall_seconds=r.report.stall_seconds,
+                                      device_stall_seconds=r.report.device_stall_seconds)
+                for r in self.ranks if r.report is not None}
 
 
 class Measured(BaseModel):

@@ -54,17 +54,20 @@ def render_result(result: GenerateResult) -> str:
         lines.append(f"text: {done.text!r}")
     if done.error is not None:
         lines.append(f"error: {done.error}")
-    unit, size = table_unit(max((r.predicted_bytes.weights + r.predicted_bytes.kv_cache for r in result.ranks),
-                                default=0))
+    unit, size = table_unit(max((r.plan.predicted_bytes.weights + r.plan.predicted_bytes.kv_cache
+                                 for r in result.ranks), default=0))
     header = ("rank", "stage", "tp", "layers", f"predicted {unit}", f"resident {unit}", "load s", "comm s",
               "compute s", "idle s")
     rows = [header]
     for r in result.ranks:
-        resident = r.resident_bytes.weights + r.resident_bytes.kv_cache
-        predicted = r.predicted_bytes.weights + r.predicted_bytes.kv_cache
-        rows.append((str(r.rank), str(r.stage), str(r.tp_rank), describe_layers(r.layers),
-                     f"{predicted / size:.2f}", f"{resident / size:.2f}", f"{r.load_seconds:.2f}",
-                     f"{r.comm_seconds:.3f}", f"{r.compute_seconds:.3f}", f"{r.idle_seconds:.3f}"))
+        rp, report = r.plan, r.report
+        if report is None:  # a task's every rank reports; a missing one is no row
+            continue
+        resident = report.resident_bytes.weights + report.resident_bytes.kv_cache
+        predicted = rp.predicted_bytes.weights + rp.predicted_bytes.kv_cache
+        rows.append((str(rp.rank), str(rp.stage), str(rp.tp_rank), describe_layers(rp.layers),
+                     f"{predicted / size:.2f}", f"{resident / size:.2f}", f"{report.load_seconds:.2f}",
+                     f"{report.comm_seconds:.3f}", f"{report.compute_seconds:.3f}", f"{report.idle_seconds:.3f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines.append("")
     lines.append("weights + KV cache per rank, predicted by the plan and measured resident:")

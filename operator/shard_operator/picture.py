@@ -27,7 +27,7 @@ POOL_SHADES = ("#c6dbef", "#9ecae1")
 
 def plan_svg(plan: Plan) -> str:
     """Every group of the plan, one under the other."""
-    pictures = [group_svg([ShardEntry.planned(rp, state="planned") for rp in plan.group(g.replica)],
+    pictures = [group_svg([ShardEntry(plan=rp, state="planned") for rp in plan.group(g.replica)],
                           title=f"{plan.model}: TP={plan.tensor_parallel} x PP={plan.pipeline_parallel}, group "
                                 f"{g.replica} (plan {plan.hash}, {plan.dtype})")
                 for g in plan.groups]

@@ -84,7 +84,7 @@ class LoadProgress:
             for r in ranks:
                 loaded, total = self._of(r) or (0, 0)
                 filled = round(self.BAR * loaded / total) if total else 0
-                lines.append(f"  rank {r['rank']}  {'█' * filled}{'░' * (self.BAR - filled)}  "
+                lines.append(f"  rank {r['plan']['rank']}  {'█' * filled}{'░' * (self.BAR - filled)}  "
                              + (f"{loaded / total:>4.0%}  {human(loaded)} of {human(total)}" if total else r["state"])
                              + "\x1b[K")
             up = f"\x1b[{self.drawn}F" if self.drawn else ""
@@ -96,9 +96,9 @@ class LoadProgress:
                 continue
             loaded, total = progress
             quarter = 4 * loaded // total if total else 4
-            if quarter > self.said.get(r["rank"], 0):
-                self.said[r["rank"]] = quarter
-                self.out(f"  rank {r['rank']}: loaded {loaded / total if total else 1:.0%} "
+            if quarter > self.said.get(r["plan"]["rank"], 0):
+                self.said[r["plan"]["rank"]] = quarter
+                self.out(f"  rank {r['plan']['rank']}: loaded {loaded / total if total else 1:.0%} "
                          f"({human(loaded)} of {human(total)})")
 
 
@@ -157,18 +157,19 @@ def render_shards(shards: dict[str, Any]) -> str:
     """Per rank: what the plan predicted and what the rank measured after load, in the plan
     table's unit, and the layers it streams."""
     ranks = [ShardEntry.model_validate(r) for r in shards.get("ranks", [])]
-    unit, size = table_unit(max((r.capacity_bytes for r in ranks), default=0))
+    unit, size = table_unit(max((r.plan.capacity_bytes for r in ranks), default=0))
     header = ("rank", "stage", "tp", "layers", f"predicted {unit}", f"measured {unit}", f"total held {unit}",
               "load s", "streams")
     rows = [header]
     for r in ranks:
-        predicted, resident = r.predicted_bytes, r.resident_bytes
+        rp, predicted = r.plan, r.plan.predicted_bytes
+        resident = r.report.resident_bytes if r.report is not None else None
         measured = resident.weights + resident.kv_cache + resident.staging if resident else 0
-        rows.append((str(r.rank), str(r.stage), str(r.tp_rank), describe_layers(r.layers),
+        rows.append((str(rp.rank), str(rp.stage), str(rp.tp_rank), describe_layers(rp.layers),
                      f"{(predicted.weights + predicted.kv_cache + predicted.staging) / size:.2f}",
                      f"{measured / size:.2f}", f"{(resident.total if resident else 0) / size:.2f}",
-                     f"{(r.model_extra or {}).get('load_seconds', 0):.2f}",
-                     f"{count(len(r.offload.layers), 'layer')} from {r.offload.tier}" if r.offload else "-"))
+                     f"{r.report.load_seconds if r.report is not None else 0:.2f}",
+                     f"{count(len(rp.offload.layers), 'layer')} from {rp.offload.tier}" if rp.offload else "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["weights + KV cache per rank (with offload's staging slots), predicted by the plan and measured resident "
              "after load (total held: everything the rank holds above a bare `import torch`):"]

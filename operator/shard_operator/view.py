@@ -67,27 +67,29 @@ class GroupView:
 # ---------------------------------------------------------------- a local run
 def shares(entry: ShardEntry) -> tuple[float, float, float] | None:
     """Compute, communication and idle seconds as shares of their sum, once there are any."""
-    extra = entry.model_extra or {}
-    parts = [float(extra.get(k) or 0.0) for k in ("compute_seconds", "comm_seconds", "idle_seconds")]
+    report = entry.report
+    if report is None:
+        return None
+    parts = [report.compute_seconds, report.comm_seconds, report.idle_seconds]
     total = sum(parts)
     return tuple(p / total for p in parts) if total > 0 else None  # type: ignore[return-value]
 
 
 def measured_step(response: ShardsResponse) -> float | None:
     """Seconds per decode step of the leader's latest batch (None before one ran)."""
-    leader = next((r for r in response.ranks if r.rank == 0), None)
-    last = ((leader.model_extra or {}).get("last_generate") or {}) if leader else {}
+    leader = next((r for r in response.ranks if r.plan.rank == 0), None)
+    last = leader.report.last_generate if leader is not None and leader.report is not None else {}
     steps = last.get("decode_steps") or 0
     return last["decode_seconds"] / steps if steps and "decode_seconds" in last else None
 
 
 def view_of_shards(response: ShardsResponse, source: str) -> GroupView:
-    rows = [RankRow(group=response.replica, rank=r.rank, stage=r.stage, tp_rank=r.tp_rank,
-                    where=f"{r.node}/{r.device}", layers=(r.layers[0], r.layers[1]),
+    rows = [RankRow(group=response.replica, rank=r.plan.rank, stage=r.plan.stage, tp_rank=r.plan.tp_rank,
+                    where=f"{r.plan.node}/{r.plan.device}", layers=(r.plan.layers[0], r.plan.layers[1]),
                     state=r.state if r.alive else "dead",
-                    predicted=r.predicted_bytes.total,
-                    measured=r.resident_bytes.total if r.resident_bytes is not None else None,
-                    capacity=r.capacity_bytes, shares=shares(r),
+                    predicted=r.plan.predicted_bytes.total,
+                    measured=r.report.resident_bytes.total if r.report is not None else None,
+                    capacity=r.plan.capacity_bytes, shares=shares(r),
                     load=(r.load_progress.loaded, r.load_progress.total) if r.load_progress else None)
             for r in response.ranks]
     notes = [] if response.ready else [f"not ready: {response.reason}"]
@@ -149,10 +151,10 @@ def with_leaders(view: GroupView, reports: dict[str, ShardsResponse], unread: li
     rows = []
     for row in view.rows:
         report = by_group.get(group_of_pod(row.where))
-        entry = next((r for r in report.ranks if r.rank == row.rank), None) if report else None
+        entry = next((r for r in report.ranks if r.plan.rank == row.rank), None) if report else None
         rows.append(row if entry is None else replace(
-            row, shares=shares(entry), capacity=entry.capacity_bytes,
-            measured=entry.resident_bytes.total if entry.resident_bytes is not None else row.measured))
+            row, shares=shares(entry), capacity=entry.plan.capacity_bytes,
+            measured=entry.report.resident_bytes.total if entry.report is not None else row.measured))
     steps = [step for step in map(measured_step, reports.values()) if step is not None]
     notes = [f"no time shares or measured step from {'; '.join(unread)}"] if unread else []
     raw = {"shardedModel": view.raw, "unread": unread,

@@ -84,9 +84,10 @@ def test_the_dashboard_shows_every_rank_as_v1_shards_does(group, browser, tmp_pa
     assert not browser.evaluate("document.getElementById('banner').offsetParent")  # no health banner
     drawn = {r["rank"]: r for r in ranks_in_page(browser)}
     assert sorted(drawn) == [0, 1, 2, 3]
-    for entry in shards["ranks"]:
+    for shard in shards["ranks"]:
+        entry = shard["plan"]  # where it runs and what the plan predicted
         page = drawn[entry["rank"]]
-        predicted, resident = entry["predicted_bytes"]["total"], entry["resident_bytes"]["total"]
+        predicted, resident = entry["predicted_bytes"]["total"], shard["report"]["resident_bytes"]["total"]
         assert (page["stage"], page["tpRank"], page["alive"], page["state"]) == \
             (str(entry["stage"]), str(entry["tp_rank"]), "true", "ready")
         assert (int(page["predicted"]), int(page["resident"])) == (predicted, resident)
@@ -101,7 +102,7 @@ def test_the_dashboard_shows_every_rank_as_v1_shards_does(group, browser, tmp_pa
         # bytes/s of the operations that ran in the page's window (which ones depends on the moment)
         assert re.fullmatch(r"(\w+ [\d.]+ (B|KiB|MiB|GiB)/s(, )?)+", page["row"][9]), page["row"][9]
     stages = browser.evaluate("[...document.querySelectorAll('#stages tbody tr')].map(tr => tr.cells[1].textContent)")
-    assert stages == [describe_layers(s["layers"]) for s in shards["ranks"] if s["tp_rank"] == 0]
+    assert stages == [describe_layers(s["plan"]["layers"]) for s in shards["ranks"] if s["plan"]["tp_rank"] == 0]
     keep_screenshot(browser, tmp_path, "dashboard.png")
 
 

@@ -6,13 +6,13 @@ from typing import Any
 
 import pytest
 
-from shard_contract.plan import PredictedBytes
-from shard_contract.wire import ResidentBytes, ShardEntry, ShardsResponse
+from shard_contract.wire import ShardsResponse
 from shard_operator.api import parse_spec
 from shard_operator.inventory import parse_devices
 from shard_operator.planning import plan
 from shard_operator.profile import profile_from_config
 from tests.support.cluster import TINY_LLAMA
+from tests.support.shards import entry, rank_plan
 
 
 def tiny_profile(**overrides: Any):
@@ -45,11 +45,7 @@ RESIDENT = 100 * 2**20  # what the fake leaders report per rank, plus rank * 1 M
 def leader_report() -> ShardsResponse:
     """What a fake leader's GET /v1/shards answers: RESIDENT + rank MiB for each of 8 ranks, which
     spent 3 s computing and 1 s communicating; the leader's last batch took 20 ms a decode step."""
-    predicted = PredictedBytes(weights=1, kv_cache=1, activations=1, overhead=1)
     return ShardsResponse(model="m", replica=0, ready=True, ranks=[
-        ShardEntry(rank=r, stage=0, tp_rank=r, layers=(0, 4), predicted_bytes=predicted, capacity_bytes=2**30,
-                   usable_bytes=2**29, state="ready",
-                   resident_bytes=ResidentBytes(weights=1, kv_cache=1, rss_anon=1, total=RESIDENT + r * 2**20),
-                   compute_seconds=3.0, comm_seconds=1.0, idle_seconds=0.0,
-                   **({"last_generate": {"decode_seconds": 0.5, "decode_steps": 25}} if r == 0 else {}))
+        entry(rank_plan(r), RESIDENT + r * 2**20, compute_seconds=3.0, comm_seconds=1.0, idle_seconds=0.0,
+              **({"last_generate": {"decode_seconds": 0.5, "decode_steps": 25}} if r == 0 else {}))
         for r in range(8)])

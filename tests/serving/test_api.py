@@ -219,16 +219,18 @@ def test_models_and_shards(server):
     shards = get(server.url + "/v1/shards").json()
     assert (shards["model"], shards["replica"], shards["ready"]) == ("tiny", 0, True)
     assert shards["kv_cache_tokens"] == 4 * 256 and 0 <= shards["kv_cache_used_tokens"] <= 4 * 256
-    assert [(r["rank"], r["stage"], r["tp_rank"], r["layers"]) for r in shards["ranks"]] == [(0, 0, 0, [0, 4]),
-                                                                                              (1, 0, 1, [0, 4])]
-    for r in shards["ranks"]:  # the contract the operator reads (shard_contract.wire.ShardsResponse)
-        assert r["alive"] and r["state"] == "ready" and r["problems"] == []
-        assert set(r["predicted_bytes"]) == {"weights", "kv_cache", "activations", "overhead", "staging", "total"}
-        assert r["predicted_bytes"]["staging"] == 0 and r["offload"] is None  # it streams nothing
+    assert [(p["rank"], p["stage"], p["tp_rank"], p["layers"]) for p in (r["plan"] for r in shards["ranks"])] == \
+        [(0, 0, 0, [0, 4]), (1, 0, 1, [0, 4])]
+    for entry in shards["ranks"]:  # the contract the operator reads (shard_contract.wire.ShardsResponse)
+        assert set(entry) == {"plan", "report", "alive", "state", "problems", "load_progress"}
+        assert entry["alive"] and entry["state"] == "ready" and entry["problems"] == []
+        p, r = entry["plan"], entry["report"]
+        assert set(p["predicted_bytes"]) == {"weights", "kv_cache", "activations", "overhead", "staging", "total"}
+        assert p["predicted_bytes"]["staging"] == 0 and p["offload"] is None  # it streams nothing
         assert {"weights", "kv_cache", "rss_anon", "cuda_allocated", "total"} <= set(r["resident_bytes"])
         # the warm-up ran before ready: its activations measured, within the peak it reports
         assert 0 < r["resident_bytes"]["activations"] <= r["resident_bytes"]["peak"]
-        assert r["predicted_bytes"]["weights"] == r["allocated_bytes"]["weights"]
+        assert p["predicted_bytes"]["weights"] == r["allocated_bytes"]["weights"]
         assert r["load_seconds"] > 0 and r["compute_seconds"] > 0 and r["comm_seconds"] > 0
         assert r["idle_seconds"] == 0  # one stage: nobody waits for another
     health = get(server.url + "/health").json()

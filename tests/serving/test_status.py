@@ -128,7 +128,7 @@ def test_run_prints_each_ranks_load_progress_before_ready(tiny_model, tmp_path):
 
 def test_load_progress_is_a_bar_per_rank_on_a_terminal_and_quarters_otherwise():
     def shards(*progress):
-        return {"ranks": [{"rank": i, "state": "loading" if p else "starting",
+        return {"ranks": [{"plan": {"rank": i}, "state": "loading" if p else "starting",
                            **({"load_progress": {"loaded": p[0], "total": p[1]}} if p else {})}
                           for i, p in enumerate(progress)]}
     lines: list[str] = []

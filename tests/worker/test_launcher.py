@@ -38,10 +38,11 @@ def test_shardctl_generate_json(checkpoint, hf_model):
                                                 eos_token_id=None, pad_token_id=0)[0, 4:].tolist()
     assert result["token_ids"] == expected
     assert result["text"] == " ".join(f"w{t}" for t in expected if t > 2)
-    assert [(r["rank"], r["stage"], r["tp_rank"], r["layers"]) for r in result["ranks"]] == [(0, 0, 0, [0, 4]),
-                                                                                             (1, 0, 1, [0, 4])]
-    for r in result["ranks"]:
-        assert r["predicted_bytes"]["weights"] == r["allocated_bytes"]["weights"] > 0
+    assert [(p["rank"], p["stage"], p["tp_rank"], p["layers"]) for p in (r["plan"] for r in result["ranks"])] == \
+        [(0, 0, 0, [0, 4]), (1, 0, 1, [0, 4])]
+    for entry in result["ranks"]:
+        r = entry["report"]
+        assert entry["plan"]["predicted_bytes"]["weights"] == r["allocated_bytes"]["weights"] > 0
         assert r["resident_bytes"]["rss_anon"] > 0 and r["load_seconds"] > 0
         assert r["comm_seconds"] > 0 and r["compute_seconds"] > 0 and r["idle_seconds"] == 0
 

@@ -30,16 +30,17 @@ def test_resident_memory_matches_the_plan(big, tp, pp):
     task = GenerateTask(requests=[GenerateRequest(prompt_ids=list(range(3, 40)), max_new_tokens=4)])
     result = run_generate(plan, big, task, timeout=300)
     assert len(result.ranks) == 2
-    for r in result.ranks:
-        predicted = r.predicted_bytes
+    for entry in result.ranks:
+        r, rank, predicted = entry.report, entry.plan.rank, entry.plan.predicted_bytes
+        assert r is not None
         # the shapes are exactly the sizing's (no staging slots: it streams nothing)
         assert r.allocated_bytes == {"weights": predicted.weights, "kv_cache": predicted.kv_cache, "staging": 0}
         # and the kernel agrees they are resident
         measured = r.resident_bytes.weights + r.resident_bytes.kv_cache
         expected = predicted.weights + predicted.kv_cache
-        assert abs(measured - expected) <= 0.10 * expected, (r.rank, measured, expected)
+        assert abs(measured - expected) <= 0.10 * expected, (rank, measured, expected)
         # nothing loaded twice or mapped whole: the peak above a bare torch stays near the plan
-        assert 0 < r.resident_bytes.peak <= 1.15 * predicted.total, (r.rank, r.resident_bytes.peak, predicted)
+        assert 0 < r.resident_bytes.peak <= 1.15 * predicted.total, (rank, r.resident_bytes.peak, predicted)
 
 
 LOAD_ONE_RANK = """

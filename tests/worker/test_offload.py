@@ -192,12 +192,13 @@ def test_a_streaming_rank_holds_its_plan_not_the_model(big):
     task = GenerateTask(requests=[GenerateRequest(prompt_ids=list(range(3, 40)), max_new_tokens=8)])
     result = run_generate(plan, big, task, timeout=300)
     assert len(result.ranks) == 2
-    for r in result.ranks:
-        predicted, off = r.predicted_bytes, plan.rank_plan(0, r.rank).offload
+    for entry in result.ranks:
+        r, rank, predicted, off = entry.report, entry.plan.rank, entry.plan.predicted_bytes, entry.plan.offload
+        assert r is not None and off is not None
         assert r.allocated_bytes == {"weights": predicted.weights, "kv_cache": predicted.kv_cache,
                                      "staging": predicted.staging}
         assert predicted.weights + off.streamed_bytes > 2 * (predicted.weights + predicted.staging)
-        assert 0 < r.resident_bytes.peak <= 1.15 * predicted.total, (r.rank, r.resident_bytes.peak, predicted)
+        assert 0 < r.resident_bytes.peak <= 1.15 * predicted.total, (rank, r.resident_bytes.peak, predicted)
         assert r.streamed_bytes >= 8 * off.streamed_bytes
 
 

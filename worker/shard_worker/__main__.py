@@ -32,7 +32,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 from shard_contract.checkpoint import CheckpointError
 from shard_contract.env import EXIT_CONFIG, EXIT_FAILED, RESULT_ENV, TASK_ENV, WorkerEnv, WorkerEnvError
 from shard_contract.plan import Plan
-from shard_contract.wire import GenerateResult, GenerateTask
+from shard_contract.wire import GenerateResult, GenerateTask, RankReport, ShardEntry
 
 from .accounting import MemorySample
 from .config import ConfigError
@@ -87,7 +87,10 @@ def run_task(worker: Worker, task_path: str, result_path: str) -> None:
                   cancelled=texts.stopped)
     out = worker.engine.generate(task.requests, hooks=hooks if stops else None)
     completions = texts.finish(task.requests, out.completions)
-    result = GenerateResult(completions=completions, ranks=worker.engine.reports(),
+    group = worker.plan.group(worker.env.replica)  # the reports come in rank order
+    ranks = [ShardEntry(plan=rp, report=RankReport.model_validate(report), state="ready")
+             for rp, report in zip(group, worker.engine.reports(), strict=True)]
+    result = GenerateResult(completions=completions, ranks=ranks,
                             prefill_seconds=out.prefill_seconds, decode_seconds=out.decode_seconds,
                             decode_steps=out.decode_steps)
     partial = Path(result_path + ".partial")

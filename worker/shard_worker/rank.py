@@ -23,13 +23,13 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import uvicorn
 
 from shard_contract.env import EXIT_FAILED, HOST_ENV, WorkerEnv
 from shard_contract.plan import Plan
-from shard_contract.wire import ShardEntry, ShardsResponse
+from shard_contract.wire import LoadProgress, RankReport, ShardEntry, ShardsResponse
 
 from .accounting import MemorySample
 from .batcher import EngineLoop, Unavailable
@@ -106,13 +106,13 @@ class Rank:
         ranks = []
         for rp in self.plan.group(self.env.replica):
             record = records.get(rp.rank)
-            measured: dict[str, Any] = dict(record.report) if record is not None and record.report else {}
-            measured["alive"] = verdict.ranks_alive.get(rp.rank, verdict.alive)
-            measured["state"] = record.state if record is not None else "starting"
-            measured["problems"] = record.problems if record is not None else []
-            if record is not None and record.progress:
-                measured["load_progress"] = {"loaded": record.progress[0], "total": record.progress[1]}
-            ranks.append(ShardEntry.planned(rp, **measured))
+            alive = verdict.ranks_alive.get(rp.rank, verdict.alive)
+            if record is None:
+                ranks.append(ShardEntry(plan=rp, alive=alive))
+                continue
+            progress = LoadProgress(loaded=record.progress[0], total=record.progress[1]) if record.progress else None
+            ranks.append(ShardEntry(plan=rp, report=RankReport.model_validate(record.report) if record.report else None,
+                                    alive=alive, state=record.state, problems=record.problems, load_progress=progress))
         group = next(g for g in self.plan.groups if g.replica == self.env.replica)
         return ShardsResponse(model=self.env.model_name, replica=self.env.replica, ready=verdict.ready,
                               reason=verdict.reason, predicted_step_seconds=group.critical_path_seconds,

@@ -222,11 +222,9 @@ class Worker:
         now = MemorySample.take(self.stage.device)
         resident = self.resident if self.stage.device.type == "cuda" else self.resident.model_copy(
             update={"peak": max(self.resident.peak, now.peak_rss - self.baseline.rss)})
-        c, rp = self.acct.counters, self.rank_plan
+        c = self.acct.counters
         return RankReport(
-            rank=rp.rank, stage=rp.stage, tp_rank=rp.tp_rank, layers=rp.layers, node=rp.node, device=rp.device,
-            dtype=str(self.stage.dtype).removeprefix("torch."),
-            predicted_bytes=rp.predicted_bytes, resident_bytes=resident, allocated_bytes=self.allocated,
+            dtype=str(self.stage.dtype).removeprefix("torch."), resident_bytes=resident, allocated_bytes=self.allocated,
             load_seconds=self.load_seconds, comm_seconds=c.comm_total, compute_seconds=c.compute_seconds,
             idle_seconds=c.idle_seconds, comm_bytes=dict(c.comm_bytes), last_generate=self.engine.last_generate,
             streamed_bytes=c.streamed_bytes, stream_seconds=c.stream_seconds, stall_seconds=c.stall_seconds,

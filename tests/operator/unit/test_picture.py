@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 
 from shard_contract.picture import DEAD, group_svg
 from shard_contract.units import human
-from shard_contract.wire import ResidentBytes, ShardEntry
+from shard_contract.wire import ShardEntry
 from shard_operator.cli import main
 from shard_operator.inventory import parse_devices
 from shard_operator.picture import infeasible_svg, plan_svg
 from shard_operator.planning import PlanError, plan
 from tests.operator.conftest import make_plan, make_spec, tiny_profile
+from tests.support.shards import measured
 
 ROOT = Path(__file__).resolve().parents[3]
 SVG = "{http://www.w3.org/2000/svg}"
@@ -71,8 +72,7 @@ def test_stages_go_left_to_right_and_tp_ranks_top_to_bottom(tp2_pp2):
        state=st.sampled_from(["loading", "ready", "failed", "broken"]))
 def test_a_live_rank_shows_its_measured_memory_and_is_red_exactly_when_dead(resident, alive, state):
     rp = make_plan().ranks[1]
-    entry = ShardEntry.planned(rp, alive=alive, state=state,
-                               resident_bytes=ResidentBytes(weights=0, kv_cache=0, rss_anon=0, total=resident))
+    entry = ShardEntry(plan=rp, alive=alive, state=state, report=measured(resident))
     reason = f"rank {rp.rank} has sent no heartbeat for 6.0 s (dead or hung)"
     g = ranks(group_svg([entry], reason=reason))[rp.rank]
     dead = not alive or state in ("failed", "broken")

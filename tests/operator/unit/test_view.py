@@ -6,9 +6,11 @@ import json
 
 import pytest
 
-from shard_contract.wire import PredictedBytes, ResidentBytes, ShardEntry, ShardsResponse
+from shard_contract.plan import PredictedBytes
+from shard_contract.wire import ShardsResponse
 from shard_operator.manifests import pod_name
 from shard_operator.view import leader_pods, render, view_of_model, with_leaders
+from tests.support.shards import entry, rank_plan
 
 PREDICTED = PredictedBytes(weights=1, kv_cache=1, activations=1, overhead=1)
 
@@ -21,12 +23,9 @@ def shard(group: int, revision: str, rank: int, resident: int | None = 5 * 2**20
 def report(replica: int, seconds: list[tuple[float, float, float]], step: tuple[float, int] | None) -> ShardsResponse:
     """A leader's /v1/shards: each rank's compute, communication and idle seconds; rank 0's last batch."""
     return ShardsResponse(model="m", replica=replica, ready=True, ranks=[
-        ShardEntry.model_validate({
-            "rank": r, "stage": 0, "tp_rank": r, "layers": (0, 3), "predicted_bytes": PREDICTED,
-            "capacity_bytes": 4 * 2**30, "usable_bytes": 3 * 2**30, "state": "ready",
-            "resident_bytes": ResidentBytes(weights=1, kv_cache=1, rss_anon=1, total=(7 + r) * 2**20),
-            "compute_seconds": c, "comm_seconds": m, "idle_seconds": i,
-            **({"last_generate": {"decode_seconds": step[0], "decode_steps": step[1]}} if step and r == 0 else {})})
+        entry(rank_plan(r, layers=(0, 3), capacity=4 * 2**30, usable=3 * 2**30, predicted=PREDICTED),
+              (7 + r) * 2**20, compute_seconds=c, comm_seconds=m, idle_seconds=i,
+              **({"last_generate": {"decode_seconds": step[0], "decode_steps": step[1]}} if step and r == 0 else {}))
         for r, (c, m, i) in enumerate(seconds)])
 
 

@@ -35,13 +35,12 @@ try:
     from . import _gemv
 except ImportError:  # built without a C compiler: torch's kernels only
     _gemv = None
-from .quant import fake_quantize_activations
+from . import int8mm
 
 MAX_ROWS = 8  # rows of x one call of ours takes; more is prefill, where torch's GEMMs win
 LEVELS: list[str] = _gemv.levels() if _gemv is not None else []  # slowest first
 _WTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 _XTYPES = {torch.float32: 0, torch.bfloat16: 1}
-DEQUANT_CHUNK_BYTES = 8 * 2**20  # int8 rows dequantized at once where no int8 kernel applies
 
 
 def _chosen_level() -> str | None:
@@ -137,26 +136,11 @@ def _ours(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, row
 
 
 def _int8_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """int8 rows through torch, with x quantized as our kernels quantize it (exact in x's dtype).
-    On CUDA, decode uses its int8 matrix-vector product (float32 activations only). Elsewhere rows
-    are dequantized a bounded chunk at a time (int8 values are exact in any float dtype) and
-    scaled after the product, in float32: prefill is compute-bound, so the chunk costs little
-    beside the GEMM, and no full-size copy of the weight ever exists.
-    (torch's CPU `_weight_int8pack_mm` is not used: its float32 path streams at a tenth of the
-    memory's speed, and its bfloat16 one is off by more than two roundings.)"""
-    k = weight.shape[1]
-    x2 = fake_quantize_activations(x.reshape(-1, k))
-    if x2.shape[0] <= MAX_ROWS and x.device.type == "cuda":
-        y = torch.ops.aten._weight_int8pack_mm(x2.float().contiguous(), weight, scale).to(x.dtype)
-    else:
-        y = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-        step = max(1, DEQUANT_CHUNK_BYTES // (k * x.element_size()))
-        for a in range(0, weight.shape[0], step):
-            y[:, a:a + step] = F.linear(x2, weight[a:a + step].to(x.dtype)).float() * scale[a:a + step]
-    y = y.view(*x.shape[:-1], weight.shape[0])
-    if bias is not None:
-        y += bias
-    return y
+    """int8 rows through torch (`int8mm`: the reference dequantizing path, or on CUDA at decode a
+    compiled product that converts the weight in registers). torch's CPU `_weight_int8pack_mm`
+    is not used: its float32 path streams at a tenth of the memory's speed, and its bfloat16 one
+    is off by more than two roundings."""
+    return int8mm.linear(x, weight, scale, bias)
 
 
 def _step_ops(x: torch.Tensor, level: str | None) -> bool:

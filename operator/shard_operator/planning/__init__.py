@@ -27,9 +27,9 @@ fit is `advice.py`'s: every suggestion was checked by planning again with it app
 
 The modules, each with one job: `request` (the spec resolved, the options, PlanError), `blocks`
 (devices cut into tensor-parallel blocks), `sizing` (bytes a rank holds), `costs` (a stage's
-memory and time; the layer split), `transport` and `offload` (what collectives, hops and streamed
-layers cost), `search` (the layouts tried and the one chosen, as a Plan), `explain` and `advice`
-(why not, and what would fit), `planner` (the entry point: search, else explain).
+memory and time; the layer split), `transport`, `step` and `offload` (what collectives, hops, a
+step's launches and streamed layers cost), `search` (the layouts tried and the one chosen, as a
+Plan), `explain` and `advice` (why not, and what would fit), `planner` (the entry point: search, else explain).
 """
 
 from .costs import Costs, StageModel, partition_layers

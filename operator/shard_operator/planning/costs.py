@@ -1,5 +1,6 @@
 """One stage's cost: its memory and its decode time as linear functions of its number of layers
-(`StageModel`), from the sizing arithmetic (`sizing.py`), the transport's prices and, when layers
+(`StageModel`), from the sizing arithmetic (`sizing.py`), the transport's prices, the step's own
+costs (`step.py`: launches, the read share reached, int8's measured gain) and, when layers
 stream, the offload model; and the split of the layers over stages that minimises the slowest.
 Pure."""
 
@@ -55,14 +56,16 @@ class Costs:
         self._cache: dict[tuple, StageModel] = {}
         self._offload: dict[tuple, OffloadStage] = {}
         self._partitions: dict[tuple, list[int] | None] = {}
-        self._layer_bytes: dict[int, int] = {}
+        self._layer_bytes: dict[tuple[int, str], int] = {}
 
-    def layer_bytes(self, tp: int) -> int:
-        if tp not in self._layer_bytes:  # layers are alike in these families; take the largest
-            r = self.request
-            self._layer_bytes[tp] = max(layer_weight_bytes(self.profile, i, tp, r.dtype, r.quantization)
-                                        for i in range(self.profile.shape.num_layers))
-        return self._layer_bytes[tp]
+    def layer_bytes(self, tp: int, quantization: str | None = None) -> int:
+        """A decoder layer's weight bytes on a rank (as quantized, or as `quantization` says)."""
+        r = self.request
+        key = (tp, quantization or r.quantization)
+        if key not in self._layer_bytes:  # layers are alike in these families; take the largest
+            self._layer_bytes[key] = max(layer_weight_bytes(self.profile, i, tp, r.dtype, key[1])
+                                         for i in range(self.profile.shape.num_layers))
+        return self._layer_bytes[key]
 
     def partition(self, shapes: tuple[tuple, ...], tp: int, given: list[int] | None) -> list[int] | None:
         """Layers per stage for stages of these block shapes (memoised: replicas repeat shapes)."""
@@ -134,11 +137,14 @@ class Costs:
         bandwidth = speed * 1e12
         collective = self.options.transport.collective(kind,
                                                        pod_layout(request.pod_layout, kind, tp)) if tp > 1 else 0.0
+        step = self.options.step
         return StageModel(
             fixed_bytes=fixed,
             layer_bytes=layer_bytes + kv_cache_bytes(profile, one, request.max_len, request.batch, request.dtype),
-            fixed_seconds=weight_bytes(profile, empty, request.dtype) / bandwidth + (embeds + has_lm_head) * collective,
-            layer_seconds=layer_bytes / bandwidth + 2 * collective,
+            fixed_seconds=(step.fixed_seconds(kind, weight_bytes(profile, empty, request.dtype), bandwidth)
+                           + (embeds + has_lm_head) * collective),
+            layer_seconds=(step.layer_seconds(kind, layer_bytes, self.layer_bytes(tp, "none"), bandwidth)
+                           + 2 * collective),
             usable=int(memory * (1 - request.headroom)),
         )
 

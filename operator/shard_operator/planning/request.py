@@ -17,6 +17,7 @@ from ..inventory import Device
 from ..profile import ModelProfile
 from .advice import Suggestion
 from .sizing import RUNTIME_OVERHEAD
+from .step import StepOverhead
 from .transport import Transport
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -58,6 +59,7 @@ class PlannerOptions:
     runtime_overhead: dict[str, int] = field(default_factory=lambda: dict(RUNTIME_OVERHEAD))
     tolerance: float = 0.10  # critical paths this close count as equal; fewer devices wins
     transport: Transport = field(default_factory=Transport)  # seconds per collective and hop
+    step: StepOverhead = field(default_factory=StepOverhead)  # a step's costs beyond reads and collectives
 
     @classmethod
     def from_json(cls, text: str) -> PlannerOptions:
@@ -73,6 +75,7 @@ class PlannerOptions:
         try:
             values = merged(asdict(cls()), json.loads(text or "{}"), "")
             values["transport"] = Transport(**values["transport"])
+            values["step"] = StepOverhead(**values["step"])
             return TypeAdapter(cls).validate_python(values)
         except (json.JSONDecodeError, ValidationError) as err:
             raise ValueError(f"planner options: {err}") from None

@@ -29,6 +29,7 @@ from shard_operator.planning.sizing import (
     layer_streamed_bytes,
     layer_weight_bytes,
 )
+from shard_operator.planning.step import StepOverhead
 from shard_operator.profile import profile_from_config
 from shard_operator.replan import choose_plan
 from tests.operator.unit.test_planner import LLAMA_8B, OPTIONS, _rank_total
@@ -168,7 +169,9 @@ def test_one_slot_cannot_hide_a_load_behind_its_own_layer():
     off = one.ranks[0].offload
     assert one.ranks[0].predicted_bytes.staging == layer_streamed_bytes(EIGHT_B, 0, 1, "bfloat16")
     assert len(off.layers) == len(two.layers) - 1  # the slot it does not need holds a layer instead
-    layer_compute = layer_weight_bytes(EIGHT_B, 0, 1, "bfloat16") / 0.3e12  # an L4 reads 0.3 TB/s
+    step = StepOverhead()  # an L4 reads 0.3 TB/s, a decode step's kernels a share of that
+    layer_compute = layer_weight_bytes(EIGHT_B, 0, 1, "bfloat16") / (0.3e12 * step.read_share["gpu"]) \
+        + step.per_layer["gpu"]
     assert one.groups[0].critical_path_seconds == pytest.approx(off.stream_seconds + len(off.layers) * layer_compute)
 
 

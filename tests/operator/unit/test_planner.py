@@ -15,6 +15,7 @@ from shard_operator.api import parse_spec
 from shard_operator.inventory import Device, Inventory, parse_devices
 from shard_operator.planning import PlanError, PlannerOptions, places, plan, shortfall
 from shard_operator.planning.sizing import Shard, activation_bytes, kv_cache_bytes, weight_bytes
+from shard_operator.planning.step import StepOverhead
 from shard_operator.profile import ModelProfile, profile_from_config
 from shard_operator.replan import choose_plan
 
@@ -186,8 +187,17 @@ def test_int8_counts_a_byte_a_weight_plus_a_scale_a_row():
     bf16 = plan(profile, spec(parallelism={"tensor": 2, "pipeline": 1}), parse_devices("a:80GiB*2"))
     assert bf16.quantization == "none" and bf16.ranks[0].predicted_bytes.weights > 1.8 * expected - 2 * vocab_part
     assert result.group_hash(0) != bf16.group_hash(0)  # other weights: other pods
-    # a faster decode estimate, too: fewer bytes to stream
-    assert result.groups[0].critical_path_seconds < bf16.groups[0].critical_path_seconds
+    # on a GPU no faster decode estimate until a device measures int8's gain (planning/step.py) ...
+    assert result.groups[0].critical_path_seconds == pytest.approx(bf16.groups[0].critical_path_seconds)
+    measured = PlannerOptions(step=StepOverhead(int8_speedup={"gpu": 1.5, "cpu": 2.0}))
+    faster = plan(profile, spec(model={"quantization": "int8"}, parallelism={"tensor": 2, "pipeline": 1}),
+                  parse_devices("a:80GiB*2"), measured)
+    assert faster.groups[0].critical_path_seconds < bf16.groups[0].critical_path_seconds
+    # ... while a CPU rank's kernels read int8 at its byte rate: fewer bytes, a faster step
+    cpus = parse_devices("a:80GiB*2@0.015", kind="cpu")
+    int8_cpu, bf16_cpu = (plan(profile, spec(model={"quantization": q}, parallelism={"tensor": 2, "pipeline": 1}),
+                               cpus) for q in ("int8", "none"))
+    assert int8_cpu.groups[0].critical_path_seconds < 0.6 * bf16_cpu.groups[0].critical_path_seconds
 
 
 def test_infeasible_says_what_is_needed_and_what_would_help():

@@ -10,6 +10,7 @@ import pytest
 from shard_operator.inventory import parse_devices
 from shard_operator.planning import PlannerOptions, plan
 from shard_operator.planning.sizing import Shard, weight_bytes
+from shard_operator.planning.step import StepOverhead
 from shard_operator.planning.transport import PER_RANK, PER_TENSOR_GROUP, Transport, pod_layout
 from shard_operator.profile import profile_from_config
 from tests.operator.unit.test_planner import LLAMA_8B, spec
@@ -28,6 +29,7 @@ def test_pod_layout(asked, kind, tp, layout):
 
 
 T = Transport()
+S = StepOverhead()
 
 
 @pytest.mark.parametrize("kind, layout, seconds", [
@@ -57,10 +59,11 @@ def test_the_decode_step_prices_tensor_parallel_collectives_by_the_pod_layout(de
     profile = profile_from_config(LLAMA_8B)
     result = plan(profile, spec(parallelism={"tensor": 2, "pipeline": 1}, placement={"podLayout": layout}),
                   parse_devices(devices, kind=kind))
-    bandwidth = parse_devices(devices, kind=kind).devices[0].speed * 1e12
+    bandwidth = parse_devices(devices, kind=kind).devices[0].speed * 1e12 * S.read_share[kind]
     stream = weight_bytes(profile, Shard(tp=2, layers=(0, 32), embeds=True, has_lm_head=True)) / bandwidth
     collectives = 2 * 32 + 2  # two all-reduces a layer, the embedding's and the LM head's gather
-    assert result.groups[0].critical_path_seconds == pytest.approx(stream + collectives * per_collective)
+    launches = S.per_step[kind] + 32 * S.per_layer[kind]
+    assert result.groups[0].critical_path_seconds == pytest.approx(stream + collectives * per_collective + launches)
 
 
 @pytest.mark.parametrize("devices, hop", [
@@ -97,7 +100,7 @@ def test_the_operators_planner_options_change_only_what_they_name():
 
 
 @pytest.mark.parametrize("text, message", [
-    ('{"transprot": {}}', "the options takes an object with keys runtime_overhead, tolerance, transport"),
+    ('{"transprot": {}}', "the options takes an object with keys runtime_overhead, step, tolerance, transport"),
     ('{"transport": {"collective_in_pod": {"tpu": 1}}}',
      "transport.collective_in_pod takes an object with keys cpu, gpu"),
     ('{"tolerance": "lots"}', "tolerance"),

@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# The device check: what a lent GPU machine runs, once, from the repository root (about 3 minutes,
-# at most 6):
+# The device check: what a lent GPU machine runs, once, from the repository root (at most 8 minutes):
 #
 #     OUT=/a/folder/that/comes/back bash bench/gpu_check.sh
 #
@@ -8,20 +7,27 @@
 # hypothesis and httpx, plus pydantic, fastapi and uvicorn with their dependencies: importable
 # already, or as wheels in the folder $WHEELS (bench/gpu_wheels.sh fetches them), which are
 # unpacked for this Python and put on PYTHONPATH. No network and no pip: the repository's packages
-# go on PYTHONPATH, and the C decode kernel (CPU only) is not built. Steps, each timed and bounded;
-# a failed one is reported and the next still runs:
+# go on PYTHONPATH, and the C decode kernel (CPU only) is not built. Steps, each timed and bounded
+# (the bounds add up to under 8 minutes); a failed one is reported and the next still runs:
 #   0. with $WHEELS: unpack the wheels that fit this Python;
 #   1. environment: nvidia-smi, torch and CUDA, every import the other steps need;
-#   2. tests/worker/test_on_device.py on CUDA (float32 = HF, bfloat16, memory vs plan, int8,
-#      offload, `shardctl run`) and tests/worker/test_gpu_runtime.py; meanwhile the bench's 853M
-#      checkpoint is written in the background (a CPU job);
-#   3. bench/gpu_decode.py: decode tokens/s of one worker rank vs HF generate vs the read-bandwidth
-#      limit, bfloat16 first, then int8 and float32.
-# In $OUT: check.log (everything), env.log, tests.log, tests.xml, bench-prepare.log, bench.log,
-# gpu_bench.json (rewritten after each measurement), summary.txt. Exit status 0: every step passed.
+#   2. the device tests on CUDA: tests/worker/test_decode_graphs.py (a replayed decode graph gives
+#      the eager step's tokens, token for token in float32), tests/worker/test_on_device.py
+#      (float32 = HF, bfloat16, memory vs plan, int8, offload, `shardctl run`) and
+#      tests/worker/test_gpu_runtime.py; meanwhile both bench checkpoints are written in the
+#      background (CPU jobs);
+#   3. bench/gpu_decode.py on the 853M bench model, then on an 8B-shaped random Llama: batch 1, 8
+#      and 32 decode in bfloat16 and int8 (each CUDA int8 product) against the measured read
+#      limit and the planner's predicted step, beside HF transformers' static cache compiled by
+#      torch.compile (batch 1);
+#   4. bench/gpu_ranks.py: TP=2 and PP=2 as two processes sharing the one GPU over gloo, equal to TP=1.
+# In $OUT: check.log (everything), env.log, tests.log, tests.xml, prepare-*.log, bench-*.log,
+# gpu_bench-*.json (rewritten after each measurement), ranks.log, ranks.json, summary.txt
+# (rewritten after each step): a run cut off keeps what it measured. Exit status 0: every step passed.
 #
-# GPU_CHECK_DRY=1 runs the same steps on the CPU (the cpu tests, the bench's small model): a check
-# of this script on a machine without a GPU.
+# GPU_CHECK_DRY=1 runs the same steps on the CPU with tiny models, few tokens and batches and HF's
+# uncompiled cache (the device tests: those of the replayed graph and the runtime, whose CPU cases
+# the suite runs anyway): a check of this script on a machine without a GPU (tests/test_gpu_check.py).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
@@ -45,11 +51,16 @@ SITE=""
 [ -n "${WHEELS:-}" ] && SITE=":$WORK/wheels"
 export PYTHONPATH="$ROOT/contract:$ROOT/operator:$ROOT/worker:$ROOT$META${PYTHONPATH:+:$PYTHONPATH}$SITE"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+TESTS=(tests/worker/test_decode_graphs.py tests/worker/test_on_device.py tests/worker/test_gpu_runtime.py)
 if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then
-    DEVICE=cpu BENCH=(--quick --tokens 16) MODEL="$WORK/model-quick"
+    DEVICE=cpu MODELS=(tiny tiny-8b) TESTS=(tests/worker/test_decode_graphs.py tests/worker/test_gpu_runtime.py)
+    BENCH=(--tokens 4 --batches 1,2 --int8-modes compiled --hf eager)
+    LIMITS=(tests=150 bench-tiny=150 bench-tiny-8b=150 ranks=150)  # a busy CPU: generous, not a budget
 else
-    DEVICE=cuda BENCH=(--tokens 128) MODEL="$WORK/model"
+    DEVICE=cuda MODELS=(bench 8b) BENCH=(--tokens 128 --batches 1,8,32 --int8-modes compiled,int8pack --hf static)
+    LIMITS=(tests=120 bench-bench=100 bench-8b=170 ranks=45)  # with the environment's 30: 465 s
 fi
+limit() { local kv; for kv in "${LIMITS[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done; }
 LAUNCH=()  # each bounded command in a session of its own, so that all it started can be stopped
 if command -v setsid > /dev/null; then LAUNCH=(setsid --wait); fi
 
@@ -65,6 +76,12 @@ step() {  # step NAME FUNCTION: run it, time it, remember how it went
     if [ "$rc" -eq 0 ]; then STATUS+=("ok      $name ($((SECONDS - start)) s)")
     else STATUS+=("FAILED  $name (exit $rc, $((SECONDS - start)) s)"); FAILED=1; fi
     echo "=== $(now) ${STATUS[-1]}"
+    summary > "$OUT/summary.txt"
+}
+
+summary() {
+    echo "shard-operator device check ($DEVICE), $(now) UTC, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    printf '%s\n' "${STATUS[@]}"
 }
 
 bounded() {  # bounded SECONDS LOG COMMAND...: in a session of its own, output to LOG (printed after);
@@ -147,16 +164,17 @@ if sys.argv[1] == "cuda" and not torch.cuda.is_available():
     sys.exit("CUDA is not available to torch here: every CUDA test would be skipped")
 EOF
     local rc=0
-    bounded 45 "$OUT/env-python.log" "$PY" "$WORK/environment.py" "$DEVICE" || rc=$?
+    bounded 30 "$OUT/env-python.log" "$PY" "$WORK/environment.py" "$DEVICE" || rc=$?
     cat "$OUT/env-python.log" >> "$OUT/env.log"
     return "$rc"
 }
 
 device_tests() {
     # The cuda parameters only (SHARD_TEST_DEVICES): the cpu ones run on every machine without a GPU.
-    local rc=0
-    SHARD_TEST_DEVICES=$DEVICE bounded 150 "$OUT/tests.log" "$PY" -m pytest -q -p no:cacheprovider -rfEsP \
-        --junitxml="$OUT/tests.xml" tests/worker/test_on_device.py tests/worker/test_gpu_runtime.py || rc=$?
+    local rc=0 present=() f
+    for f in "${TESTS[@]}"; do [ -f "$f" ] && present+=("$f") || echo "(no $f in this tree)"; done
+    SHARD_TEST_DEVICES=$DEVICE bounded "$(limit tests)" "$OUT/tests.log" "$PY" -m pytest -q -p no:cacheprovider -rfEsP \
+        --junitxml="$OUT/tests.xml" "${present[@]}" || rc=$?
     if grep -q "torch sees no CUDA device" "$OUT/tests.log"; then
         echo "device tests: skipped, torch sees no CUDA device"
         return 1
@@ -164,26 +182,41 @@ device_tests() {
     return "$rc"
 }
 
-bench() {
-    local waited=0 rc=0
-    while kill -0 "$PREPARE" 2>/dev/null && [ "$waited" -lt 30 ]; do sleep 1; waited=$((waited + 1)); done
-    kill "$PREPARE" 2>/dev/null && echo "the checkpoint was not written within 30 s of the tests' end: stopped"
-    wait "$PREPARE" || rc=$?
-    [ "$rc" -eq 0 ] || echo "writing the checkpoint in the background failed (bench-prepare.log); the bench tries again"
-    bounded 130 "$OUT/bench.log" "$PY" bench/gpu_decode.py --device "$DEVICE" "${BENCH[@]}" --model-dir "$MODEL" \
-        --out "$OUT/gpu_bench.json"
+bench_model() {  # bench_model MODEL: bench/gpu_decode.py on it, once its checkpoint is written
+    local model=$1 waited=0 rc=0 pid
+    pid=$(cat "$WORK/prepare-$model.pid" 2>/dev/null || echo "")
+    while [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && [ "$waited" -lt 60 ]; do sleep 1; waited=$((waited + 1)); done
+    [ -n "$pid" ] && kill "$pid" 2>/dev/null && echo "the $model checkpoint was not written within 60 s of its turn: stopped"
+    bounded "$(limit "bench-$model")" "$OUT/bench-$model.log" "$PY" bench/gpu_decode.py --device "$DEVICE" \
+        --model "$model" "${BENCH[@]}" --model-dir "$WORK/model-$model" --out "$OUT/gpu_bench-$model.json" \
+        --deadline "$(( $(limit "bench-$model") - 10 ))" || rc=$?
+    return "$rc"
+}
+
+bench_first() { bench_model "${MODELS[0]}"; }
+bench_second() { bench_model "${MODELS[1]}"; }
+
+ranks() {
+    bounded "$(limit ranks)" "$OUT/ranks.log" "$PY" bench/gpu_ranks.py --device "$DEVICE" \
+        --model-dir "$WORK/model-ranks" --out "$OUT/ranks.json" --timeout "$(( $(limit ranks) / 3 ))"
 }
 
 [ -n "${WHEELS:-}" ] && step "wheels from $WHEELS" wheels
 step environment environment
-echo "=== $(now) writing the bench's checkpoint in the background (bench-prepare.log)"
-"$PY" bench/gpu_decode.py --prepare "${BENCH[@]}" --model-dir "$MODEL" > "$OUT/bench-prepare.log" 2>&1 &
-PREPARE=$!
+rm -f "$WORK"/prepare-*.pid
+for model in "${MODELS[@]}"; do  # one after the other, beside the tests (CPU jobs)
+    echo "=== $(now) writing the $model checkpoint in the background (prepare-$model.log)"
+done
+( for model in "${MODELS[@]}"; do
+      "$PY" bench/gpu_decode.py --prepare --model "$model" --model-dir "$WORK/model-$model" \
+          > "$OUT/prepare-$model.log" 2>&1 &
+      echo $! > "$WORK/prepare-$model.pid"
+      wait $!
+  done ) &
 step "device tests" device_tests
-step "decode bench" bench
+step "decode bench, ${MODELS[0]} model" bench_first
+step "decode bench, ${MODELS[1]} model" bench_second
+step "two ranks on one device (TP=2, PP=2 over gloo)" ranks
 
-{
-    echo "shard-operator device check, $(now) UTC, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-    printf '%s\n' "${STATUS[@]}"
-} | tee "$OUT/summary.txt"
+summary | tee "$OUT/summary.txt"
 exit "$FAILED"

@@ -117,6 +117,7 @@ class Comm:
         # this stage's TP ranks for small CPU messages: the TP group itself on gloo
         self.stage_control_group = tp_group if backend == "gloo" else stage_control_group
         self.small_by_broadcast = backend == "gloo"
+        self.host_sends = backend == "gloo"  # gloo's send and recv take host memory (GPU ranks on gloo stage)
         self.tp_ranks = topo.stage_ranks(topo.stage)
         self.shm = shm_group
 
@@ -167,14 +168,19 @@ class Comm:
     # ------------------------------------------------------------ pipeline
     def isend(self, t: torch.Tensor, dst: int, tag: int) -> Pending:
         with self.acct.communicating("send", t.numel() * t.element_size()):
+            if self.host_sends and t.device.type != "cpu":
+                t = t.to("cpu")  # gloo sends host memory: a GPU's tensor goes through the host
             work = dist.isend(t, dst, tag=tag)
         return Pending(self, work, t)
 
     def recv(self, t: torch.Tensor, src: int, tag: int) -> torch.Tensor:
         """Blocking receive; the wait counts as idle (it is the upstream stage's compute)."""
         self.acct.comm("recv", t.numel() * t.element_size(), 0.0)
+        staged = torch.empty_like(t, device="cpu") if self.host_sends and t.device.type != "cpu" else t
         with self.acct.waiting():
-            dist.recv(t, src, tag=tag)
+            dist.recv(staged, src, tag=tag)
+        if staged is not t:
+            t.copy_(staged)
         return t
 
     # ------------------------------------------------------------ control (gloo, CPU tensors)

@@ -2,7 +2,8 @@
 
 One TP=1 group of the demo model (`shardctl run`'s path: `python -m shard_worker` under the local
 launcher), maxBatchSize 32. Each round sends the same 32 requests at once (token-id prompts of
-one length, greedy, EOS ignored, a fixed number of new tokens) in two ways, alternately:
+one length, greedy, EOS ignored, a fixed number of new tokens) in two ways, in turn (ABBA, so
+that a drift of the machine's load cancels):
 
 - quiet: whole answers (stream false): the HTTP side works only when a request arrives and ends;
 - streaming: 32 streaming clients with text and a stop string that never matches: every decode
@@ -14,6 +15,7 @@ The step time is the leader's own: decode seconds / decode steps of the generate
 their ratio, and tokens/s as the clients saw them.
 
     .venv/bin/python bench/http_step.py                  # demo model, 5 rounds of 32 x 64 tokens
+    .venv/bin/python bench/http_step.py --tiny --rounds 10   # a 2-layer model: steps of a few ms
     .venv/bin/python bench/http_step.py --quick          # a smoke run of the script
 """
 
@@ -56,14 +58,21 @@ async def one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int, strea
     return tokens
 
 
+async def last_generate(http: httpx.AsyncClient) -> dict:
+    """The leader's figures of its latest generate, as its heartbeat last published them."""
+    return (await http.get("/v1/shards")).json()["ranks"][0].get("last_generate", {})
+
+
 async def batch(url: str, prompts: list[list[int]], max_tokens: int, stream: bool) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=600,
                                  limits=httpx.Limits(max_connections=CLIENTS + 4)) as http:
+        before = await last_generate(http)
         start = time.monotonic()
         tokens = await asyncio.gather(*(one(http, p, max_tokens, stream) for p in prompts))
         seconds = time.monotonic() - start
-        leader = (await http.get("/v1/shards")).json()["ranks"][0]
-    last = leader.get("last_generate", {})
+        deadline = time.monotonic() + 60  # the report comes with the next heartbeat
+        while (last := await last_generate(http)) == before and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
     steps = last.get("decode_steps", 0)
     return {"stream": stream, "tokens": sum(tokens), "seconds": seconds, "tokens_per_s": sum(tokens) / seconds,
             "step_ms": 1000 * last.get("decode_seconds", float("nan")) / max(1, steps), "steps": steps}
@@ -81,8 +90,8 @@ def run(model_dir: Path, rounds: int, max_tokens: int, vocab: int, threads: int)
                                                           extra_env={"SHARD_HOST": "127.0.0.1"}) as group:
         wait_ready(group, url, 300)
         asyncio.run(batch(url, prompts[:2], 4, False))  # warm up
-        for _ in range(rounds):
-            for stream in (False, True):
+        for r in range(rounds):
+            for stream in ((False, True) if r % 2 == 0 else (True, False)):  # ABBA: drift cancels
                 rows.append(asyncio.run(batch(url, prompts, max_tokens, stream)) | {"load": os.getloadavg()[0]})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
@@ -108,12 +117,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="the rank's compute threads")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer model of hidden size 64: steps of a few "
+                        "ms, where the HTTP side's share is largest")
     parser.add_argument("--quick", action="store_true", help="a tiny model, 1 round: checks the script")
     args = parser.parse_args()
-    if args.quick:
+    if args.quick or args.tiny:
         model_dir = write_demo_model(Path(tempfile.mkdtemp()) / "tiny", DemoShape(layers=2, hidden=64, intermediate=128,
                                                                                heads=4, kv_heads=2, files=2))
-        args.rounds, args.max_tokens = 1, 8
+        if args.quick:
+            args.rounds, args.max_tokens = 1, 8
     else:
         model_dir = args.model or REPO / ".cache" / "demo-model"
         if not (model_dir / "config.json").is_file():

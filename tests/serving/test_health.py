@@ -447,6 +447,29 @@ async def test_a_sequence_that_fails_alone_fails_its_request_only():
     assert engine.shut
 
 
+def test_the_events_of_a_step_wake_the_loop_once_and_arrive_in_order():
+    """32 streaming requests take a token in one step: the engine thread posts 32 events with one
+    wake-up of the event loop (a write to its self-pipe), and each request gets its own, in order."""
+    aio = asyncio.new_event_loop()
+    wakeups = []
+    post = aio.call_soon_threadsafe
+    aio.call_soon_threadsafe = lambda *args: (wakeups.append(args), post(*args))[1]  # type: ignore[method-assign]
+    try:
+        sinks = [Sink(aio, stream=True) for _ in range(32)]
+        engine = threading.Thread(target=lambda: [(s.step([i]), s.step([i, i + 1])) for i, s in enumerate(sinks)])
+        engine.start()
+        engine.join(60)
+
+        async def read() -> list[list]:
+            return [[await result(s), await result(s)] for s in sinks]
+
+        got = aio.run_until_complete(read())
+    finally:
+        aio.close()
+    assert got == [[Step([i]), Step([i, i + 1])] for i in range(32)]
+    assert len(wakeups) == 1
+
+
 def delivered(sink: Sink) -> list:
     """The events delivered to `sink` and not yet read."""
     events = []

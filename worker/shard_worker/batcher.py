@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -112,6 +113,47 @@ class Failed:
 Event = Step | Done | Failed
 
 
+class Mailbox:
+    """Events for one asyncio loop, handed over with one wake-up however many sinks post before
+    the loop runs: the engine thread posts a Step to every streaming request each step, and one
+    `call_soon_threadsafe` (a write to the loop's self-pipe) a step costs it less than one a
+    request."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.items: list[tuple[asyncio.Queue, Event]] = []
+
+    def post(self, queue: asyncio.Queue, event: Event) -> None:
+        with self.lock:
+            self.items.append((queue, event))
+            if len(self.items) > 1:  # a delivery is already on its way
+                return
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed: the server has gone
+            pass
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.items = self.items, []
+        for queue, event in items:
+            queue.put_nowait(event)
+
+
+_MAILBOXES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
+_MAILBOXES_LOCK = threading.Lock()
+
+
+def mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
+    """The one mailbox of `loop`."""
+    with _MAILBOXES_LOCK:
+        box = _MAILBOXES.get(loop)
+        if box is None:
+            box = _MAILBOXES[loop] = Mailbox(loop)
+        return box
+
+
 class Sink:
     """Where one request's events go. Called from the engine thread (or the health monitor),
     delivered on the request's asyncio loop; after the first final event (Done, Failed), silent.
@@ -120,6 +162,7 @@ class Sink:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool):
         self.loop, self.stream = loop, stream
+        self.mailbox = mailbox(loop)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.arrived = time.monotonic()
         self.first_token_at: float | None = None
@@ -129,10 +172,7 @@ class Sink:
         self._lock = threading.Lock()
 
     def _post(self, event: Event) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        except RuntimeError:  # the loop is closed: the server has gone
-            pass
+        self.mailbox.post(self.queue, event)
 
     def step(self, tokens: list[int]) -> int:
         """Its sequence's tokens so far (all of them); returns how many are new."""

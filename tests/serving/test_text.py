@@ -131,3 +131,22 @@ def test_with_a_real_tokenizer_the_deltas_add_up_to_the_decoded_text(codec, data
         kept = final.token_ids
         assert final.finish_reason == "stop" and stop in codec.decode(kept) and stop not in codec.decode(kept[:-1])
         assert final.text == codec.decode(kept)[:codec.decode(kept).find(stop)]
+
+
+def test_a_stream_behind_the_engine_catches_up_with_its_freshest_event():
+    import asyncio
+
+    from shard_worker.batcher import Done, Failed, Step
+    from shard_worker.routes import latest
+
+    async def drained(events: list) -> tuple:
+        queue: asyncio.Queue = asyncio.Queue()
+        for event in events[1:]:
+            queue.put_nowait(event)
+        return latest(queue, events[0]), queue.qsize()
+
+    done = Done(Completion(token_ids=[1, 2, 3], finish_reason="length"))
+    assert asyncio.run(drained([Step([1]), Step([1, 2]), Step([1, 2, 3])])) == (Step([1, 2, 3]), 0)
+    assert asyncio.run(drained([Step([1]), Step([1, 2]), done])) == (done, 0)
+    assert asyncio.run(drained([Step([1]), Failed(503, "lost")])) == (Failed(503, "lost"), 0)
+    assert asyncio.run(drained([done])) == (done, 0)

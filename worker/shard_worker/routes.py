@@ -188,7 +188,7 @@ class Reply:
             if self.chat:
                 yield self._chunk("", [], None, first=True)
             while not answered:
-                event: Event = await pending.sink.queue.get()
+                event = latest(pending.sink.queue, await pending.sink.queue.get())
                 if isinstance(event, Step):
                     delta, ids = self.text.step(event.tokens)
                     if delta or ids:
@@ -208,6 +208,16 @@ class Reply:
         finally:  # the client went away mid-stream: the server stopped iterating us
             if not answered:
                 loop.cancel(pending)
+
+
+def latest(queue: asyncio.Queue, event: Event) -> Event:
+    """The freshest of `event` and the events already waiting behind it. A Step holds every token
+    so far and a final event (Done, Failed) the whole answer, so each makes the Steps before it
+    redundant: when this side falls behind the engine, it catches up with one chunk, not one a
+    step."""
+    while isinstance(event, Step) and not queue.empty():
+        event = queue.get_nowait()
+    return event
 
 
 def stopped(loop: EngineLoop, pending: Pending, text: TextStream) -> Done:
@@ -241,7 +251,7 @@ async def _answer(request: Request, loop: EngineLoop, pending: Pending, text: Te
                 answer.cancel()
                 loop.cancel(pending)
                 return None
-            event = answer.result()
+            event = latest(pending.sink.queue, answer.result())
             if isinstance(event, Failed):
                 return event
             if isinstance(event, Done):

@@ -6,8 +6,12 @@ hands the connection back to the pool (an unread response keeps it until garbage
 it mid-answer, and a real API server then logs `write: broken pipe` and aborts the request). Writes
 return the object as the server wrote it. Creating what exists (409) and deleting what is gone (404)
 are not errors: the reconcile is level-triggered and may race with itself, kubectl or the garbage
-collector. Every request has a timeout: a connection the server dropped silently (a restart, a
-load balancer) must fail the reconcile, which is retried, rather than hang the model's loop.
+collector; but a 409 counts as done only when the object there is owned by the same owner as the
+one we meant to create (found by name with a list, the permission the operator has): another
+model's Service of the same name must never be taken for ours (`NameTaken`, a failed reconcile
+and a Degraded condition that says so). A Secret cannot be read back, so its 409 is always an
+error. Every request has a timeout: a connection the server dropped silently (a restart, a load
+balancer) must fail the reconcile, which is retried, rather than hang the model's loop.
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ from .api import GROUP, PLURAL, VERSION
 MERGE = "application/merge-patch+json"
 KINDS = ("Pod", "Service", "ConfigMap")  # what every reconcile lists
 NETWORK_POLICY = "NetworkPolicy"  # listed too with Settings.network_policies
+
+
+class NameTaken(RuntimeError):
+    """An object the operator would create exists already and belongs to someone else."""
 
 
 def load_client() -> kubernetes.client.ApiClient:
@@ -96,14 +104,24 @@ class Kube:
 
     # ---------------------------------------------------------------- writes
     def create(self, obj: dict[str, Any]) -> dict[str, Any] | None:
-        """Create `obj`; the object as created, or None when it already exists."""
+        """Create `obj`; the object as created, or None when one of its owner exists already
+        (else `NameTaken`)."""
         self._count("create")
         try:
             return _json(self._method("create", obj["kind"])(obj["metadata"]["namespace"], obj, **self.raw))
         except ApiException as err:
-            if err.status == 409:
+            if err.status != 409:
+                raise
+        kind, meta = obj["kind"], obj["metadata"]
+        owners = {ref["uid"] for ref in meta.get("ownerReferences") or [] if ref.get("uid")}
+        if kind != "Secret" and owners:
+            self._count("list")
+            found = _json(self._method("list", kind)(meta["namespace"], field_selector=f"metadata.name={meta['name']}",
+                                                     **self.raw))["items"]
+            if any(ref.get("uid") in owners for o in found for ref in o["metadata"].get("ownerReferences") or []):
                 return None
-            raise
+        raise NameTaken(f"{kind} {meta['namespace']}/{meta['name']} exists and is not this model's: rename one of "
+                        "the two, or delete it if it is left over") from None
 
     def patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         self._count("patch")

@@ -21,6 +21,7 @@ import base64
 import hashlib
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -72,12 +73,20 @@ def _digest(*parts: Any, n: int = 6) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:n]
 
 
+# Endings the names below give a model's objects (and `base_name`'s own digest). A model whose name
+# ends so is named by a digest too: else model "a-metrics" would be given the name of model "a"'s
+# metrics Service, and a model named like another's group its Service, pods and key.
+GENERATED_ENDING = re.compile(r"-(metrics|plan|profile|ranks)$|-[0-9a-f]{6}$|-\d+-[0-9a-f]{6}-\d+$")
+
+
 def base_name(model: str) -> str:
-    """A DNS-1035 label prefix for the model's objects: lowercase, no dots, starts with a letter."""
+    """A DNS-1035 label prefix for the model's objects: lowercase, no dots, starts with a letter,
+    and never ends like a name made of another model's (`GENERATED_ENDING`)."""
     name = "".join(c if c.isalnum() else "-" for c in model.lower()).strip("-") or "model"
     if not name[0].isalpha():
         name = "m-" + name
-    if name != model or len(name) > BASE_MAX:  # keep altered names apart: "a.b" is not "a-b"
+    # keep altered names apart ("a.b" is not "a-b"), and names that end like generated ones
+    if name != model or len(name) > BASE_MAX or GENERATED_ENDING.search(name):
         name = name[:BASE_MAX - 7].rstrip("-") + "-" + _digest(model)
     return name
 

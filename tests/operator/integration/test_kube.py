@@ -6,18 +6,20 @@ from __future__ import annotations
 import asyncio
 
 import kubernetes
+import pytest
 
 from shard_devcluster.apiserver import SM, serve
 from shard_devcluster.kubeletserver import LogBuffer
-from shard_operator.kube import Kube, client_for
+from shard_operator.kube import Kube, NameTaken, client_for
 from tests.support.cluster import gpu_node
 from tests.support.fakekubelet import FakeKubelet
 from tests.support.operator import eventually
 
 
-def configmap(name: str) -> dict:
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": "default"},
-            "data": {"k": "v"}}
+def configmap(name: str, owner: str = "uid-of-m", kind: str = "ConfigMap") -> dict:
+    return {"apiVersion": "v1", "kind": kind, "data": {"k": "dg=="}, "metadata": {
+        "name": name, "namespace": "default", "ownerReferences": [
+            {"apiVersion": "sharding.dev/v1alpha1", "kind": "ShardedModel", "name": "m", "uid": owner}]}}
 
 
 def writes_and_reads(kube: Kube, rounds: int) -> int:
@@ -25,7 +27,7 @@ def writes_and_reads(kube: Kube, rounds: int) -> int:
     for i in range(rounds):
         created = kube.create(configmap(f"c{i}"))
         assert created["metadata"]["uid"] and created["metadata"]["resourceVersion"]
-        assert kube.create(configmap(f"c{i}")) is None  # 409: it exists
+        assert kube.create(configmap(f"c{i}")) is None  # 409: it exists, ours (found with a list)
         patched = kube.patch("ConfigMap", "default", f"c{i}", {"data": {"k": "w"}})
         assert patched["data"] == {"k": "w"}
         assert patched["metadata"]["resourceVersion"] != created["metadata"]["resourceVersion"]
@@ -36,7 +38,7 @@ def writes_and_reads(kube: Kube, rounds: int) -> int:
         assert kube.patch_status("default", "gone", {"reason": "x"}) is None  # 404: deleted meanwhile
         assert kube.delete("ConfigMap", "default", f"c{i}")["metadata"]["name"] == f"c{i}"
         assert kube.delete("ConfigMap", "default", f"c{i}") is None  # 404: gone
-    return rounds * 9
+    return rounds * 10
 
 
 async def test_every_response_is_read_so_each_request_hands_its_connection_back():
@@ -62,3 +64,20 @@ async def test_every_response_is_read_so_each_request_hands_its_connection_back(
 async def _log_served(emu) -> bool:
     node = await emu.k8s_get("v1/nodes", None, "a")
     return bool(((node.get("status") or {}).get("daemonEndpoints") or {}).get("kubeletEndpoint"))
+
+
+async def test_a_409_is_done_only_for_an_object_of_the_same_owner():
+    """Model b's Service named like model a's must never be taken for a's: NameTaken, which fails
+    the reconcile with a condition that says so. A Secret cannot be read back: its 409 is an error."""
+    async with serve() as (_, url):
+        kube = Kube(client_for(kubernetes.client.Configuration(host=url)), timeout=10)
+        try:
+            await asyncio.to_thread(kube.create, configmap("a-metrics", owner="uid-of-a"))
+            with pytest.raises(NameTaken, match="ConfigMap default/a-metrics exists and is not this model's"):
+                await asyncio.to_thread(kube.create, configmap("a-metrics", owner="uid-of-a-metrics"))
+            assert await asyncio.to_thread(kube.create, configmap("a-metrics", owner="uid-of-a")) is None
+            await asyncio.to_thread(kube.create, configmap("k", kind="Secret"))
+            with pytest.raises(NameTaken, match="Secret default/k exists"):
+                await asyncio.to_thread(kube.create, configmap("k", kind="Secret"))
+        finally:
+            kube.core.api_client.close()

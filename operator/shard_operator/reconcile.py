@@ -46,6 +46,7 @@ from .manifests import (
     plan_record_name,
 )
 from .planning import PlanError, offload
+from .policy import NotAllowed, admit
 from .profile import ModelProfile
 from .profiles import LocalProfiles, ModelNotFound, local_model_dir, remote_profile
 from .replan import PlanChoice, choose_plan, make_room, without_held
@@ -237,6 +238,8 @@ def plan_for(body: dict[str, Any], generation: int, seen: Seen, listing: dict[st
         ctx = Context(owner=Owner.of(body), spec=spec, default_image=settings.worker_image,
                       network_policy=settings.network_policies)
         check(ctx)
+        admit(spec, ctx.image, settings.allowed_images, settings.allowed_host_paths,
+              settings.allowed_api_key_secrets)
         profile, writes = _profile(ctx, listing, settings, reads)
         if profile is None:
             return Planned(pool, spec, ctx, planning="profiling the checkpoint in a pod (the operator cannot read "
@@ -252,6 +255,8 @@ def plan_for(body: dict[str, Any], generation: int, seen: Seen, listing: dict[st
         problem = Problem("InsufficientCapacity", choice.shortfall, fatal=False) if choice.shortfall else None
         return Planned(timing.considered(), spec, ctx, choice, choice.plan, problem, writes=writes, wake_in=wake_in,
                        profile=profile, inventory=inventory)
+    except NotAllowed as err:
+        return Planned(pool, spec, problem=Problem("NotAllowed", str(err)))
     except SpecError as err:
         return Planned(pool, spec, problem=Problem("InvalidSpec", str(err)))
     except ModelNotFound as err:

@@ -66,6 +66,13 @@ class Settings:
     # gloo's ephemeral ones) to the ranks of the same model only. The Helm chart turns it on with
     # networkPolicy.enabled, and grants the permission it needs only then.
     network_policies: bool = False
+    # What a ShardedModel may ask for (policy.py; docs/operations.md, "Trust model"): worker images
+    # (shell-style globs), hostPath directories (path prefixes, whole components) and the names of
+    # Secrets `spec.worker.apiKeySecret` may mount (globs). A spec outside them is refused with the
+    # NotAllowed condition. Unset: anything (the chart sets narrow defaults).
+    allowed_images: tuple[str, ...] = ("*",)
+    allowed_host_paths: tuple[str, ...] = ("/",)
+    allowed_api_key_secrets: tuple[str, ...] = ("*",)
     # The planner's constants (planner.PlannerOptions), set as JSON whose keys each change a
     # default: the runtime overhead per rank in bytes ({"runtime_overhead": {"gpu": 3221225472}}),
     # the seconds of a collective or hop by transport ({"transport": {"collective_in_pod": {"gpu":

@@ -88,6 +88,29 @@ def test_streaming_sends_the_same_completion_piece_by_piece(server):
     assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
 
 
+def test_a_stop_string_ends_the_text_whole_streamed_and_in_shardctl_generate_alike(server, tiny_model):
+    """The text side finds the stop string (text.py); the engine stops the sequence at the next
+    step boundary: the ids end with the token that completed it, the text before it, in every
+    path that makes text."""
+    body = dict(prompt=PROMPT, max_tokens=16, temperature=0.7, seed=3, ignore_eos=True)
+    free = server.complete(**body)["choices"][0]
+    stop = free["text"][len(free["text"]) // 2:len(free["text"]) // 2 + 2]
+    assert stop and free["text"].count(stop) >= 1
+    whole = server.complete(**body, stop=stop)["choices"][0]
+    cut = free["text"].index(stop)
+    assert (whole["text"], whole["finish_reason"]) == (free["text"][:cut], "stop")
+    kept = whole["token_ids"]
+    assert kept == free["token_ids"][:len(kept)] and len(kept) < 16
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                      json={**body, "stop": stop, "stream": True}) as response:
+        choices = [e["choices"][0] for e in sse(response)[:-1]]
+    assert "".join(c["text"] for c in choices) == whole["text"]
+    assert [t for c in choices for t in c["token_ids"]] == kept and choices[-1]["finish_reason"] == "stop"
+    expected = generate_json(tiny_model, "--prompt", PROMPT, "--max-tokens", "16", "--temperature", "0.7",
+                             "--seed", "3", "--ignore-eos", "--stop", stop)
+    assert (expected["token_ids"], expected["text"], expected["finish_reason"]) == (kept, whole["text"], "stop")
+
+
 def test_chat_completions_through_the_chat_template(server):
     body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}],
             "max_tokens": 8, "temperature": 0, "ignore_eos": True}

@@ -93,7 +93,7 @@ def _run(env_json: str, plan_json: str, job: Any) -> dict:
                 requests = [GenerateRequest.model_validate(r) for r in job.requests]
                 # With stop strings, as `shardctl generate` runs a task: the text side stops them.
                 hooks = Hooks(admit=lambda free, col: [], step=texts.step, finished=lambda seq, done: None,
-                              cancelled=texts.stopped) if any(r.stop for r in requests) else None
+                              stopped=texts.stopped) if any(r.stop for r in requests) else None
                 worker.engine.generate(requests, return_logits=job.return_logits, hooks=hooks)
             if isinstance(job, ContinuousJob):
                 requests, result["events"] = _run_continuous(worker.engine, job, texts)
@@ -157,18 +157,10 @@ def _run_continuous(engine, job: ContinuousJob, texts) -> tuple[list, list[tuple
     def cancelled() -> list[int]:  # asked before admit() at each boundary
         leaving = job.cancels.get(steps[0], [])
         events.extend(("cancel", steps[0], index) for index in leaving)
-        stopped = texts.stopped()
-        events.extend(("finished", steps[0], index, row_of[index]) for index in stopped)
-        return leaving + stopped
+        return leaving
 
-    row_of: dict[int, int] = {}
-
-    def step(seqs) -> None:
-        row_of.update({seq.index: seq.row for seq in seqs})
-        texts.step(seqs)
-
-    engine.generate(list(order), hooks=Hooks(admit=admit, step=step, finished=finished,
-                                                     cancelled=cancelled))
+    engine.generate(list(order), hooks=Hooks(admit=admit, step=texts.step, finished=finished,
+                                             cancelled=cancelled, stopped=texts.stopped))
     assert not waiting and not arrivals, "some arrivals never joined"
     return order, events
 

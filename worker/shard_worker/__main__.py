@@ -84,7 +84,7 @@ def run_task(worker: Worker, task_path: str, result_path: str) -> None:
         raise RequestError(f"stop strings need {Path(worker.env.model_dir) / 'tokenizer.json'}")
     texts = Texts(codec.decode if codec is not None else None)
     hooks = Hooks(admit=lambda free, col: [], step=texts.step, finished=lambda seq, done: None,
-                  cancelled=texts.stopped)
+                  stopped=texts.stopped)
     out = worker.engine.generate(task.requests, hooks=hooks if stops else None)
     completions = texts.finish(task.requests, out.completions)
     group = worker.plan.group(worker.env.replica)  # the reports come in rank order

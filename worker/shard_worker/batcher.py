@@ -185,6 +185,10 @@ class Sink:
                 self._post(Step(list(tokens)))
         return new
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _close(self) -> bool:
         """Mark the request ended; False when it had ended already (only the first end counts)."""
         with self._lock:
@@ -226,6 +230,7 @@ class EngineLoop:
         self.waiting: deque[Pending] = deque()
         self.running: list[Pending] = []
         self.cancelling: list[int] = []  # indices into `running` whose clients have gone
+        self.stopping: list[int] = []  # indices into `running` whose text met a stop string
         self.lost = ""  # why the group is lost; set once, never cleared
         self.closing = False
         self.started = threading.Event()
@@ -267,20 +272,12 @@ class EngineLoop:
         self.metrics.outcome("cancelled")
         self._ended(pending, "cancelled")
 
-    def stop(self, pending: Pending, completion: Completion) -> None:
-        """The text side found a stop string in its tokens: the request is answered (with
-        `completion`), and its sequence stops at the engine's next step boundary, as a cancelled
-        one does."""
-        if not pending.sink.abandon():  # answered, failed or cancelled already
-            return
+    def stop(self, pending: Pending) -> None:
+        """The text side found a stop string in its tokens: its sequence stops at the engine's next
+        step boundary, and is answered then (finish reason "stop") as any that ends."""
         with self.cond:
-            if pending in self.running:
-                self.cancelling.append(self.running.index(pending))
-        sink = pending.sink
-        now = time.monotonic()
-        self.metrics.finished(now - sink.arrived, (sink.first_token_at or now) - sink.arrived,
-                              len(completion.token_ids))
-        self._ended(pending, "stop")
+            if pending in self.running and not pending.sink.closed:
+                self.stopping.append(self.running.index(pending))
 
     def fail_all(self, reason: str) -> None:
         """The group is lost: every running and waiting request ends with `reason`, now."""
@@ -340,7 +337,8 @@ class EngineLoop:
     def _run(self, batch: list[Pending]) -> None:
         """One continuous `generate`, started with `batch`; `self.running` grows as others join,
         in the engine's order of arrival (a sequence's `index`)."""
-        hooks = Hooks(admit=self._admit, step=self._step, finished=self._finished, cancelled=self._cancelled)
+        hooks = Hooks(admit=self._admit, step=self._step, finished=self._finished, cancelled=self._cancelled,
+                      stopped=self._stopped)
         try:
             self.engine.generate([p.request for p in batch], hooks=hooks)
         except RequestError as err:  # refused before any rank did work: the group is fine
@@ -376,6 +374,11 @@ class EngineLoop:
             cancelled, self.cancelling = self.cancelling, []
         return cancelled
 
+    def _stopped(self) -> list[int]:
+        with self.cond:
+            stopped, self.stopping = self.stopping, []
+        return stopped
+
     def _step(self, seqs: list[SequenceState]) -> None:
         self.metrics.batch(len(seqs))
         prompt = generated = 0
@@ -406,7 +409,7 @@ class EngineLoop:
 
     def _ran(self) -> None:
         with self.cond:
-            self.running, self.cancelling = [], []
+            self.running, self.cancelling, self.stopping = [], [], []
         self._publish(0, 0)
 
     def _publish(self, running: int, kv_tokens: int) -> None:

@@ -60,13 +60,16 @@ class Hooks:
     completion): a sequence has stopped (finish_reason "error": it failed alone, the batch runs on);
     its row is free from the next step on. cancelled(): the sequences (by index) whose clients have
     gone since the last call: they stop at this step boundary, unanswered, and their rows are free
-    for those who join at it.
+    for those who join at it. stopped(): the sequences (by index) whose text met a stop string (the
+    leader's text side finds them, `text.py`): they stop at this step boundary with finish reason
+    "stop" and are handed to `finished`; their rows are free as the cancelled ones' are.
     """
 
     admit: Callable[[int, int], list[GenerateRequest]]
     step: Callable[[list[SequenceState]], None]
     finished: Callable[[SequenceState, Completion], None]
     cancelled: Callable[[], list[int]] = list
+    stopped: Callable[[], list[int]] = list
 
 
 @dataclass
@@ -336,26 +339,30 @@ class Engine:
             self.link.send_join(join)
 
     def _orders(self, seqs: Sequences, col: int, hooks: Hooks | None) -> list[GenerateRequest]:
-        """A step boundary's orders: the sequences whose clients left stop, then newcomers are
+        """A step boundary's orders: the sequences whose clients left or whose text met a stop
+        string stop, then newcomers are
         admitted into the free rows. The leader asks its batcher; its first-stage TP peers hear
         both from the leader (one small message a step: they must all run the same units).
         Returns the newcomers."""
         orders: dict[str, Any] | None = None
         chosen: list[GenerateRequest] = []
         if hooks is not None:
-            cancelled = hooks.cancelled()
+            cancelled, stopped = hooks.cancelled(), hooks.stopped()
             seqs.cancel(cancelled)
+            for seq in seqs.stop(stopped):
+                hooks.finished(seq, seq.completion())
             free = len(seqs.free_rows())
             chosen = hooks.admit(free, col)
             if len(chosen) > free or not all(fits_at(r, col, self.max_len) for r in chosen):
                 raise ValueError(f"the batcher admitted {len(chosen)} requests into {free} free rows at column "
                                  f"{col}, not all of which fit")
-            if cancelled or chosen:
-                orders = {"cancel": cancelled, "join": [r.model_dump() for r in chosen]}
+            if cancelled or stopped or chosen:
+                orders = {"cancel": cancelled, "stop": stopped, "join": [r.model_dump() for r in chosen]}
         if self.topo.tp > 1:
             sent = self.comm.broadcast_in_stage(orders)
             if hooks is None and sent is not None:
                 seqs.cancel(sent["cancel"])
+                seqs.stop(sent["stop"])
                 chosen = [GenerateRequest.model_validate(r) for r in sent["join"]]
         return chosen
 

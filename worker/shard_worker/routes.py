@@ -193,9 +193,10 @@ class Reply:
                     delta, ids = self.text.step(event.tokens)
                     if delta or ids:
                         yield self._chunk(delta, ids, None)
-                    if not self.text.stopped:
+                    failed = stepped(loop, pending, self.text)
+                    if failed is None:
                         continue
-                    event = stopped(loop, pending, self.text)  # answered now; the engine stops it soon
+                    event = failed
                 elif isinstance(event, Done):
                     event = Done(self.text.finish(event.completion))
                 answered = True
@@ -220,15 +221,17 @@ def latest(queue: asyncio.Queue, event: Event) -> Event:
     return event
 
 
-def stopped(loop: EngineLoop, pending: Pending, text: TextStream) -> Done:
-    """A request whose text met a stop string (or could not be decoded): its answer; its sequence
-    stops at the engine's next step boundary."""
-    final = text.finish(Completion(token_ids=text.ids, finish_reason="stop"))
-    if final.finish_reason == "error":
+def stepped(loop: EngineLoop, pending: Pending, text: TextStream) -> Failed | None:
+    """After `text` took a Step: a text that met a stop string has its sequence stopped at the
+    engine's next step boundary (the engine then answers it, finish reason "stop"); a text that
+    could not be decoded fails its request now."""
+    if text.error is not None:
         loop.cancel(pending)
-    else:
-        loop.stop(pending, final)
-    return Done(final)
+        return Failed(500, f"this request failed: {text.error}")
+    if text.stopped and not text.stop_sent:
+        loop.stop(pending)
+        text.stop_sent = True
+    return None
 
 
 def settled(event: Done | Failed) -> Done | Failed:
@@ -241,7 +244,7 @@ def settled(event: Done | Failed) -> Done | Failed:
 async def _answer(request: Request, loop: EngineLoop, pending: Pending, text: TextStream) -> Done | Failed | None:
     """The request's answer, or None when its client disconnects first: the request is then
     cancelled, so the group stops generating for nobody. Its Step events (it has stop strings)
-    go to `text`, which may answer it first."""
+    go to `text`, which may stop it."""
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         while True:
@@ -257,8 +260,8 @@ async def _answer(request: Request, loop: EngineLoop, pending: Pending, text: Te
             if isinstance(event, Done):
                 return Done(text.finish(event.completion))
             text.step(event.tokens)
-            if text.stopped:
-                return stopped(loop, pending, text)
+            if (failed := stepped(loop, pending, text)) is not None:
+                return failed
     finally:
         gone.cancel()
 

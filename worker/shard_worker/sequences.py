@@ -141,6 +141,14 @@ class Sequences:
             if not self.all[i].finished:
                 self.all[i].finish_reason = "cancelled"
 
+    def stop(self, indices: list[int]) -> list[SequenceState]:
+        """Stop these sequences (by index) now: their text met a stop string. Returns those that
+        were still running (each is answered)."""
+        stopped = [self.all[i] for i in indices if not self.all[i].finished]
+        for seq in stopped:
+            seq.finish_reason = "stop"
+        return stopped
+
     def _running_rows(self) -> list[int]:
         return [row for row, seq in enumerate(self.by_row) if seq is not None and not seq.finished]
 

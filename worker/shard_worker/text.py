@@ -2,8 +2,9 @@
 
 The engine deals in token ids only. The leader's HTTP side (and `shardctl generate`'s task on
 the leader) turns each sequence's tokens into text here, step by step, and cuts it before the
-first stop string; when one appears the sequence is stopped like a cancelled one, at the engine's
-next step boundary. The ids answered end with the token that completed the stop string.
+first stop string; when one appears the engine is told to stop the sequence at its next step
+boundary (`Hooks.stopped`), and answers it then. The ids answered end with the token that
+completed the stop string.
 
 Decoding is incremental, as vLLM's: each step decodes a window of the last few tokens, not the
 whole sequence, so a step costs the same at token 10 and at token 10,000. Text that could still
@@ -58,6 +59,7 @@ class TextStream:
         self.text = ""  # the text of `ids`, cut before a stop string
         self.stopped = False  # a stop string was met, or decoding failed (`error`): nothing more is read
         self.error: str | None = None
+        self.stop_sent = False  # the engine has been told to stop the sequence
         self.sent_text, self.sent_ids = "", 0  # what `step` has handed out
         self._prefix = self._read = 0  # the decode window: ids[_prefix:_read] were read already
 
@@ -130,8 +132,8 @@ class TextStream:
 class Texts:
     """The text side of a generate that runs on the engine thread (`shardctl generate`'s task,
     the tests): a TextStream per sequence, fed at each step (`step`, a `Hooks.step`); those whose
-    text met a stop string are handed back as cancelled (`stopped`, within `Hooks.cancelled`), so
-    the engine stops them at the next step boundary, as the server's do."""
+    text met a stop string are handed back by `stopped` (a `Hooks.stopped`), so the engine stops
+    them at the next step boundary, as the server's."""
 
     def __init__(self, decode: Decode | None):
         self.decode = decode

@@ -193,6 +193,25 @@ def test_values_reach_the_operator_settings(default_objects, custom_objects):
     assert default.network_policies is True
 
 
+def test_the_default_allow_lists_admit_the_chart_s_worker_and_the_examples_and_refuse_the_rest(default_objects):
+    """allow.* (docs/operations.md, Trust model): the default worker image, the examples' hostPath
+    and an API key Secret pass; another image, the node's root and another Secret are refused."""
+    from shard_operator.api import load_sharded_models
+    from shard_operator.policy import refusals
+
+    settings = Settings.from_env(operator_env(default_objects))
+    lists = (settings.allowed_images, settings.allowed_host_paths, settings.allowed_api_key_secrets)
+    for example in ("examples/shardedmodel.yaml", "examples/dev-cluster/shardedmodel.yaml"):
+        (model,) = load_sharded_models(CHART.parent.parent / example)
+        assert refusals(model.spec, settings.worker_image, *lists) == [], example
+    spec = load_sharded_models(CHART.parent.parent / "examples/shardedmodel.yaml")[0].spec
+    hostile = spec.model_copy(update={"model": spec.model.model_copy(update={
+        "volume": spec.model.volume.model_copy(update={"host_path": spec.model.volume.host_path.model_copy(
+            update={"path": "/"})})})})
+    reasons = refusals(hostile, "evil.example/miner:1", *lists)
+    assert len(reasons) == 2 and "evil.example/miner:1" in reasons[0] and "hostPath '/'" in reasons[1]
+
+
 def test_images_follow_the_values(default_objects, custom_objects):
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     deployment = one(default_objects, "Deployment")["spec"]["template"]["spec"]

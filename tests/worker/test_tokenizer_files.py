@@ -4,6 +4,7 @@ containment check and a size bound, a broken one is named, and a chat template r
 
 from __future__ import annotations
 
+import array
 import json
 from pathlib import Path
 
@@ -139,3 +140,16 @@ def test_the_hostile_templates_stay_within_a_memory_cap(tmp_path):
 def _mkdir(path: Path) -> Path:
     path.mkdir()
     return path
+
+
+def test_the_text_worker_refuses_the_request_of_a_hostile_template_and_takes_the_next(tmp_path):
+    """Where the leader renders templates (textproc, off the event loop): the endless template's
+    request is refused with the reason, and the same codec answers the next request."""
+    from shard_worker import textproc
+
+    codec = TextCodec.load(model(tmp_path, HOSTILE["nested loops"][0]))
+    codec.render_seconds = 1.0
+    status, reason = textproc._work(codec, {"messages": MESSAGES, "max_chars": 10**6})
+    assert status == textproc.REFUSED and b"took longer than 1 s" in reason
+    status, ids = textproc._work(codec, {"text": "w5 w6", "max_chars": 10**6})
+    assert status == textproc.OK and ids == array.array("i", [5, 6]).tobytes()  # w5 w6 (little-endian here)

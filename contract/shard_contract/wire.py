@@ -91,6 +91,9 @@ class Completion(BaseModel):
         None, description="Per generated token, the most likely (token id, log-probability) pairs, when asked.")
     prompt_logprobs: list[float | None] | None = Field(
         None, description="Per prompt token, its log-probability given those before it (None for the first).")
+    cached_tokens: int = Field(0, description="Prompt tokens whose KV came from the prefix cache, not prefilled.")
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = Field(
+        None, description="Per prompt token, the most likely (token id, log-probability) pairs at its position.")
 
 
 class ResidentBytes(BaseModel):

@@ -28,10 +28,13 @@ def refused(model, body: bytes) -> ApiError:
     (b'{"prompt": "x", "stop": 5}', "stop", None),
     (b'{"prompt": {"text": "x"}}', "prompt", None),
     (b'{"max_tokens": 3}', "prompt", "Field required"),
-    (b'{"prompt": "x", "colour": "blue"}', "colour", "Extra inputs are not permitted"),
-    (b'{"prompt": "x", "n": 2}', "n", "Input should be 1 (got 2)"),  # not implemented: the default only
-    (b'{"prompt": "x", "logprobs": 3}', "logprobs", "less than or equal to 0 (got 3)"),
-    (b'{"prompt": "x", "presence_penalty": 0.5}', "presence_penalty", "less than or equal to 0"),
+    (b'{"prompt": "x", "colour": "blue"}', "colour", "colour: not supported by this server"),
+    (b'{"prompt": "x", "suffix": "y"}', "suffix", "suffix: not supported by this server (Llama-family"),
+    (b'{"prompt": "x", "n": 17}', "n", "less than or equal to 16 (got 17)"),
+    (b'{"prompt": "x", "logprobs": 21}', "logprobs", "less than or equal to 20 (got 21)"),
+    (b'{"prompt": "x", "presence_penalty": 2.5}', "presence_penalty", "less than or equal to 2"),
+    (b'{"prompt": "x", "logit_bias": {"5": 101}}', "logit_bias", "less than or equal to 100"),
+    (b'{"prompt": "x", "repetition_penalty": 0}', "repetition_penalty", "greater than 0"),
     (b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "stop", "at most 4 items"),
     (b'{"prompt": "x", "stop": ["a", ""]}', "stop.1", "at least 1 character"),
     # the ranges of OpenAI's API: a seed is a signed 64-bit integer; no NaN or infinity anywhere
@@ -67,19 +70,20 @@ def test_chat_bodies():
 
 
 @pytest.mark.parametrize("prompt,expected", [
-    ('"hello"', "hello"), ("[5, 6]", [5, 6]), ('["hello"]', "hello"), ("[[5, 6]]", [5, 6]),
+    ('"hello"', ["hello"]), ("[5, 6]", [[5, 6]]), ('["hello"]', ["hello"]), ("[[5, 6]]", [[5, 6]]),
+    ('["a", "b"]', ["a", "b"]), ("[[1], [2, 3]]", [[1], [2, 3]]),
 ])
-def test_one_prompt_as_text_or_ids(prompt, expected):
-    assert openai.prompt_of(openai.parse(CompletionRequest, f'{{"prompt": {prompt}}}'.encode())) == expected
+def test_prompts_as_text_or_ids_one_or_a_list(prompt, expected):
+    assert openai.prompts_of(openai.parse(CompletionRequest, f'{{"prompt": {prompt}}}'.encode())) == expected
 
 
-@pytest.mark.parametrize("prompt", ['""', "[]", '["a", "b"]', "[[1], [2]]"])
-def test_empty_or_several_prompts_are_refused(prompt):
+@pytest.mark.parametrize("prompt", ['""', "[]", '["a", ""]', "[[1], []]", str([[1]] * 33)])
+def test_empty_prompts_or_too_many_are_refused(prompt):
     with pytest.raises(ApiError, match="prompt") as info:
-        openai.prompt_of(openai.parse(CompletionRequest, f'{{"prompt": {prompt}}}'.encode()))
+        openai.prompts_of(openai.parse(CompletionRequest, f'{{"prompt": {prompt}}}'.encode()))
     assert info.value.status == 400
     error = info.value.body()["error"]
-    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "prompt", None)
+    assert (error["type"], error["param"].split(".")[0], error["code"]) == ("invalid_request_error", "prompt", None)
 
 
 def test_the_documented_schema_carries_the_accepted_ranges():
@@ -89,7 +93,9 @@ def test_the_documented_schema_carries_the_accepted_ranges():
     assert (temperature["minimum"], temperature["maximum"]) == (0.0, 2.0)
     assert (top_p["exclusiveMinimum"], top_p["maximum"]) == (0.0, 1.0)
     assert (seed["minimum"], seed["maximum"]) == (-2**63, 2**63 - 1)
-    assert fields["n"]["const"] == 1
+    assert (fields["n"]["minimum"], fields["n"]["maximum"]) == (1, 16)
+    assert "suffix" not in fields and {"echo", "logprobs", "best_of", "logit_bias", "top_k"} <= set(fields)
+    assert {"response_format", "tools", "tool_choice", "top_logprobs"} <= set(schemas["ChatRequest"]["properties"])
     # what only the group knows: its model, its vocabulary, its context
     assert fields["model"]["anyOf"][0]["enum"] == ["llama"]
     assert (fields["max_tokens"]["anyOf"][0]["minimum"], fields["max_tokens"]["anyOf"][0]["maximum"]) == (1, 64)
@@ -118,6 +124,17 @@ def test_what_the_engine_runs():
     # no max_tokens (chat): as many as the context holds; P + M - 1 positions
     assert generate('{"prompt": "x"}', [1, 2, 3], max_tokens=None).max_new_tokens == 8
     assert generate('{"prompt": "x"}', [1, 2, 3], max_tokens=8).max_new_tokens == 8
+    # the sampling extensions and penalties, as the engine takes them
+    g = generate('{"prompt": "x", "top_k": -1, "min_p": 0.1, "presence_penalty": -2, "frequency_penalty": 1.5, '
+                 '"repetition_penalty": 1.1, "logit_bias": {"7": -100, "9": 5.5}}', [1])
+    assert (g.top_k, g.min_p, g.presence_penalty, g.frequency_penalty) == (0, 0.1, -2.0, 1.5)
+    assert (g.repetition_penalty, g.logit_bias) == (1.1, {7: -100.0, 9: 5.5})
+
+
+def test_choices_sample_with_successive_seeds_wrapping_in_64_bits():
+    base = generate('{"prompt": "x", "seed": 9223372036854775806}', [1])
+    seeds = [openai.choice_request(base, i).seed for i in range(3)]
+    assert seeds == [2**63 - 2, 2**63 - 1, -2**63]
 
 
 @pytest.mark.parametrize("ids,max_tokens,has_tokenizer,body,param,message", [
@@ -126,6 +143,8 @@ def test_what_the_engine_runs():
     ([1, 100], 2, True, "{}", "prompt", r"token ids [100] are outside the vocabulary [0, 100)"),
     ([1, 2], 2, False, '{"stop": "x"}', "stop", "stop strings need the model's tokenizer.json"),
     ([1, 2], 2, True, '{"stop_token_ids": [100]}', "stop_token_ids", "ids must lie in [0, 100)"),
+    ([1, 2], 2, True, '{"logit_bias": {"100": 1}}', "logit_bias", "keys are token ids in [0, 100)"),
+    ([1, 2], 2, True, '{"logit_bias": {"-1": 1}}', "logit_bias", "keys are token ids"),
 ])
 def test_limits_of_the_group(ids, max_tokens, has_tokenizer, body, param, message):
     with pytest.raises(ApiError) as info:

@@ -89,9 +89,11 @@ def take_joiners(waiting: Sequence[GenerateRequest], free_rows: int, col: int, m
 
 @dataclass(frozen=True)
 class Step:
-    """A streaming request's tokens so far (all of them)."""
+    """A streaming request's tokens so far (all of them), and their log-probabilities when asked."""
 
     tokens: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -174,15 +176,19 @@ class Sink:
     def _post(self, event: Event) -> None:
         self.mailbox.post(self.queue, event)
 
-    def step(self, tokens: list[int]) -> int:
-        """Its sequence's tokens so far (all of them); returns how many are new."""
+    def step(self, tokens: list[int], logprobs: list[float] | None = None,
+             top_logprobs: list[list[tuple[int, float]]] | None = None) -> int:
+        """Its sequence's tokens so far (all of them, with their log-probabilities when asked);
+        returns how many are new."""
         with self._lock:
             new, self.generated = len(tokens) - self.generated, len(tokens)
             self.last_token_at = time.monotonic()
             if self.first_token_at is None:
                 self.first_token_at = self.last_token_at
             if self.stream and not self._closed:
-                self._post(Step(list(tokens)))
+                asked = logprobs is not None and top_logprobs is not None
+                self._post(Step(list(tokens), list(logprobs) if asked else None,  # type: ignore[arg-type]
+                                list(top_logprobs) if asked else None))  # type: ignore[arg-type]
         return new
 
     @property
@@ -386,10 +392,12 @@ class EngineLoop:
             sink = self.running[seq.index].sink
             prompt += len(seq.request.prompt_ids) if sink.generated == 0 else 0  # prefilled in this step
             previous = sink.last_token_at
-            generated += sink.step(seq.tokens)
+            asked = seq.request.logprobs is not None
+            generated += sink.step(seq.tokens, seq.logprobs if asked else None, seq.top_logprobs if asked else None)
             if previous is not None and sink.last_token_at is not None:
                 self.metrics.token_gap(sink.last_token_at - previous)
         self.throughput.step(time.monotonic(), prompt, generated)
+        self.metrics.tokens(prompt, generated)
         self._publish(len(seqs), sum(len(seq.request.prompt_ids) + len(seq.tokens) for seq in seqs))
 
     def _finished(self, seq: SequenceState, completion: Completion) -> None:

@@ -38,7 +38,7 @@ class Extras:
         self.rows.pop(row, None)
 
     def _row(self, row: int) -> dict[str, Any]:
-        return self.rows.setdefault(row, {"prompt": [], "sampled": []})
+        return self.rows.setdefault(row, {"prompt": [], "prompt_top": [], "sampled": []})
 
     def prompt(self, requests: Sequence[GenerateRequest | None], pads: torch.Tensor, r0: int, c0: int,
                hidden: torch.Tensor, logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -52,12 +52,16 @@ class Extras:
             lo, hi = max(c0, pad), min(c0 + hidden.shape[1], pad + n - 1)  # positions predicting a prompt token
             entry = self._row(row)
             if c0 <= pad:
-                entry["prompt"] = [None]  # the first token: nothing predicts it
+                entry["prompt"], entry["prompt_top"] = [None], [None]  # the first token: nothing predicts it
             if hi <= lo:
                 continue
             lp = torch.log_softmax(logits(hidden[i, lo - c0:hi - c0]).float(), dim=-1)
             targets = torch.tensor(request.prompt_ids[lo + 1 - pad:hi + 1 - pad], device=lp.device)
             entry["prompt"] += lp.gather(1, targets[:, None])[:, 0].tolist()
+            k = min(request.logprobs or 0, lp.shape[1])
+            values, ids = lp.topk(k, dim=-1)
+            entry["prompt_top"] += [list(zip(i_, v_, strict=True)) for i_, v_ in zip(ids.tolist(), values.tolist(),
+                                                                                     strict=True)]
 
     def sampled(self, requests: Sequence[GenerateRequest | None], r0: int, host: HostSampled) -> None:
         """After a sampling step of rows from r0: each asking row's token log-probability and top."""
@@ -76,6 +80,7 @@ class Extras:
         for row, entry in got.items():
             mine = self._row(int(row))
             mine["prompt"] += entry["prompt"]
+            mine["prompt_top"] += [None if top is None else [tuple(t) for t in top] for top in entry["prompt_top"]]
             mine["sampled"] += [(lp, [tuple(t) for t in top]) for lp, top in entry["sampled"]]
 
     def take(self, row: int) -> dict[str, Any] | None:
@@ -84,8 +89,8 @@ class Extras:
         entry = self.rows.get(row)
         if entry is None:
             return None
-        taken = {"prompt": entry["prompt"], "sampled": entry["sampled"][:1]}
-        entry["prompt"], entry["sampled"] = [], entry["sampled"][1:]
+        taken = {"prompt": entry["prompt"], "prompt_top": entry["prompt_top"], "sampled": entry["sampled"][:1]}
+        entry["prompt"], entry["prompt_top"], entry["sampled"] = [], [], entry["sampled"][1:]
         if not entry["sampled"]:
             del self.rows[row]
         return taken

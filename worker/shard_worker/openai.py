@@ -20,9 +20,23 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 
-from shard_contract.wire import SEED_MAX, SEED_MIN, TEMPERATURE_MAX, Completion, GenerateRequest
+from shard_contract.wire import (
+    BIAS_MAX,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    PENALTY_MAX,
+    REPETITION_MAX,
+    SEED_MAX,
+    SEED_MIN,
+    TEMPERATURE_MAX,
+    Completion,
+    GenerateRequest,
+)
 
 MAX_STOP_STRINGS = 4
+MAX_CHOICES = 16  # n and best_of
+MAX_PROMPTS = 32  # prompts in one completion request
+MAX_TOOLS = 64
 
 
 class ApiError(Exception):
@@ -85,10 +99,6 @@ class StreamOptions(WireModel):
     include_usage: bool = False
 
 
-def only(default: Any) -> str:
-    return f"Not implemented: only {default!r} (the default) is accepted."
-
-
 def _integral(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
@@ -104,11 +114,15 @@ LIMIT = "x-group-limit"
 ServedModel = Annotated[str, Field(json_schema_extra={LIMIT: "model"})]
 TokenId = Annotated[int, Field(ge=0, json_schema_extra={LIMIT: "token"}), Integral]
 NewTokens = Annotated[int, Field(ge=1, json_schema_extra={LIMIT: "context"}), Integral]
+NewTokensOrNone = Annotated[int, Field(ge=0, json_schema_extra={LIMIT: "context"}), Integral]
 Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), Integral]
-Zero = Annotated[int, Field(ge=0, le=0), Integral]
-One = Annotated[int, Field(ge=1, le=1), Integral]
 Text = Annotated[str, Field(min_length=1)]
 Ids = Annotated[list[TokenId], Field(min_length=1)]
+
+
+Penalty = Annotated[float, Field(ge=-PENALTY_MAX, le=PENALTY_MAX)]
+Choices = Annotated[int, Field(ge=1, le=MAX_CHOICES), Integral]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), Integral]
 
 
 class Sampling(WireModel):
@@ -120,7 +134,7 @@ class Sampling(WireModel):
     temperature: float | None = Field(None, ge=0.0, le=TEMPERATURE_MAX, description="0 is greedy; default 1.")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Sample from the smallest set of most likely "
                                 "tokens whose probability reaches top_p; default 1.")
-    n: Literal[1] = Field(1, description=only(1))
+    n: Choices = Field(1, description=f"Choices per prompt (at most {MAX_CHOICES}); choice i samples with seed + i.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: Seed | None = Field(None, description="Makes sampling repeatable (a signed "
@@ -129,11 +143,22 @@ class Sampling(WireModel):
         None, description=f"Up to {MAX_STOP_STRINGS} non-empty strings; the text ends before the first one met "
                           "(needs the model's tokenizer.json).")
     user: str | None = None
-    presence_penalty: float | None = Field(None, ge=0, le=0, description=only(0))
-    frequency_penalty: float | None = Field(None, ge=0, le=0, description=only(0))
-    logit_bias: dict[str, float] | None = Field(None, max_length=0, description=only({}))
+    presence_penalty: Penalty | None = Field(None, description="Subtracted from the logit of each token generated "
+                                             "so far.")
+    frequency_penalty: Penalty | None = Field(None, description="Subtracted from the logit of each token generated "
+                                              "so far, times how often it was.")
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-BIAS_MAX, le=BIAS_MAX)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+        None, description="Token id (as a string) -> a value in [-100, 100] added to its logit.")
     ignore_eos: bool = Field(False, description="Extension: generate past the end-of-sequence token.")
     stop_token_ids: list[TokenId] | None = Field(None, description="Extension: token ids that end the sequence.")
+    top_k: Annotated[int, Field(ge=-1), Integral] | None = Field(None, description="Extension: sample from the k "
+                                                                 "most likely tokens; 0 or -1 (the default): all.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="Extension: drop tokens less likely than min_p "
+                                "times the most likely one.")
+    repetition_penalty: float | None = Field(None, gt=0.0, le=REPETITION_MAX, description=(
+        "Extension: divide the positive logits (multiply the negative ones) of the tokens of the prompt and of "
+        "the output so far by this; 1 (the default) is off."))
 
     @property
     def stop_strings(self) -> list[str]:
@@ -145,15 +170,20 @@ class Sampling(WireModel):
 
 
 class CompletionRequest(Sampling):
-    prompt: Text | Ids | Annotated[list[Text], Field(min_length=1, max_length=1)] | \
-        Annotated[list[Ids], Field(min_length=1, max_length=1)] = Field(
-            description="One prompt: text, token ids, or a list holding one of either.")
-    max_tokens: NewTokens | None = Field(None, description="New tokens at most; default 16. The prompt's tokens "
-                                         "plus these must fit the model's context (maxModelLen), else 400.")
-    echo: Literal[False] = Field(False, description=only(False))
-    logprobs: Zero | None = Field(None, description=only(None))
-    best_of: One | None = Field(None, description=only(1))
-    suffix: None = Field(None, description=only(None))
+    prompt: Text | Ids | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | \
+        Annotated[list[Ids], Field(min_length=1, max_length=MAX_PROMPTS)] = Field(
+            description=f"Text, token ids, or a list of up to {MAX_PROMPTS} of either (answered in order: "
+                        "the choices of prompt p have indices p * n to p * n + n - 1).")
+    max_tokens: NewTokensOrNone | None = Field(None, description="New tokens at most; default 16 (0 with echo: "
+                                               "the prompt alone, as evaluation harnesses score it). The prompt's "
+                                               "tokens plus these must fit the model's context (maxModelLen), "
+                                               "else 400.")
+    echo: bool = Field(False, description="Answer the prompt before the completion (with logprobs, the prompt's "
+                                          "own log-probabilities too).")
+    logprobs: TopLogprobs | None = Field(None, description=f"Each token's log-probability and the up to "
+                                         f"{MAX_LOGPROBS} most likely alternatives'.")
+    best_of: Choices | None = Field(None, description="Generate this many choices per prompt and answer the n "
+                                    "with the highest total log-probability (not with stream).")
 
 
 class ContentPart(WireModel):
@@ -161,10 +191,23 @@ class ContentPart(WireModel):
     text: str
 
 
+class FunctionCall(WireModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(WireModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(WireModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -172,15 +215,69 @@ class ChatMessage(WireModel):
         return self.content or ""
 
 
+class JsonSchemaFormat(WireModel):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(WireModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDef(WireModel):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(WireModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(WireModel):
+    name: str
+
+
+class NamedTool(WireModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1, description="Rendered by the model's chat template.")
     max_completion_tokens: NewTokens | None = Field(None, description="As max_tokens (which it overrides); "
                                                     "default: what the context leaves.")
-    logprobs: Literal[False] | None = Field(None, description=only(None))
-    top_logprobs: Zero | None = Field(None, description=only(None))
+    logprobs: bool | None = Field(None, description="Each generated token's log-probability.")
+    top_logprobs: TopLogprobs | None = Field(None, description="With logprobs: the most likely alternatives.")
+    response_format: ResponseFormat | None = Field(None, description="json_object or json_schema: the answer is "
+                                                   "JSON (valid under the schema), enforced as it is sampled.")
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="Functions the model may call, rendered by its chat template (which must take tools).")
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = Field(
+        None, description="required or a named function: the answer is a call, its arguments valid under the "
+                          "function's parameters (enforced as it is sampled).")
+    parallel_tool_calls: bool | None = None
 
 
-REQUEST_MODELS = (CompletionRequest, ChatRequest)
+class TokenizeRequest(WireModel):
+    """`POST /tokenize`: a prompt's text, or a conversation as the chat template renders it."""
+
+    model: ServedModel | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(WireModel):
+    model: ServedModel | None = None
+    tokens: list[TokenId]
+
+
+REQUEST_MODELS = (CompletionRequest, ChatRequest, TokenizeRequest, DetokenizeRequest)
 SCHEMAS = "#/components/schemas/"  # where an OpenAPI document keeps its schemas
 
 
@@ -227,6 +324,9 @@ def parse(model: type[WireModel], body: bytes) -> Any:
                      first)
         if first["type"] == "json_invalid":
             raise ApiError(400, f"the request body is not valid JSON: {first['msg']}") from None
+        unknown = next((e for e in errors if e["type"] == "extra_forbidden"), None)
+        if unknown is not None:
+            raise not_supported(".".join(str(p) for p in unknown["loc"])) from None
         path = [str(p) for p in first["loc"] if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS)]
         param = ".".join(path) or None
         message = first["msg"].removeprefix("Value error, ")
@@ -236,14 +336,26 @@ def parse(model: type[WireModel], body: bytes) -> Any:
         raise ApiError(400, f"{param}: {message}{shown}" if param else message + shown, param=param) from None
 
 
-def prompt_of(request: CompletionRequest) -> str | list[int]:
-    """The one prompt of a completion request (its schema allows one): text or token ids."""
+# Why a parameter of OpenAI's is refused, where more can be said than that.
+WHY_NOT = {"suffix": "Llama-family models do not fill in the middle"}
+
+
+def not_supported(param: str) -> ApiError:
+    why = WHY_NOT.get(param)
+    return ApiError(400, f"{param}: not supported by this server" + (f" ({why})" if why else ""), param=param)
+
+
+def prompts_of(request: CompletionRequest) -> list[str | list[int]]:
+    """A completion request's prompts, in order: each text or token ids."""
     prompt = request.prompt
-    return prompt[0] if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)  # type: ignore[arg-type]
 
 
 def to_generate(request: Sampling, prompt_ids: list[int], *, max_len: int, vocab_size: int,
-                max_tokens: int | None, has_tokenizer: bool, param: str = "prompt") -> GenerateRequest:
+                max_tokens: int | None, has_tokenizer: bool, param: str = "prompt", logprobs: int | None = None,
+                prompt_logprobs: bool = False, json_schema: str | None = None) -> GenerateRequest:
     """Check a request against the group's limits and build what the engine runs.
 
     `max_tokens` None means as many as the context allows. A sequence of P prompt tokens and M
@@ -269,46 +381,82 @@ def to_generate(request: Sampling, prompt_ids: list[int], *, max_len: int, vocab
     stop_ids = request.stop_token_ids or []
     if any(not 0 <= t < vocab_size for t in stop_ids):
         raise ApiError(400, f"stop_token_ids: ids must lie in [0, {vocab_size})", param="stop_token_ids")
+    bias: dict[int, float] = {}
+    for key, value in (request.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise ApiError(400, f"logit_bias: keys are token ids in [0, {vocab_size}) (got {key[:20]!r})",
+                           param="logit_bias")
+        bias[int(key)] = value
+    if json_schema is not None and request.ignore_eos:
+        raise ApiError(400, "ignore_eos: a constrained answer ends at its end-of-sequence token; drop ignore_eos",
+                       param="ignore_eos")
     temperature = 1.0 if request.temperature is None else request.temperature
     seed = request.seed if request.seed is not None else secrets.randbits(63)
     return GenerateRequest(prompt_ids=prompt_ids, max_new_tokens=new, temperature=temperature,
                            top_p=1.0 if request.top_p is None else request.top_p, seed=seed, stop=stops,
-                           stop_token_ids=stop_ids, ignore_eos=request.ignore_eos)
+                           stop_token_ids=stop_ids, ignore_eos=request.ignore_eos,
+                           top_k=max(request.top_k or 0, 0), min_p=request.min_p or 0.0,
+                           presence_penalty=request.presence_penalty or 0.0,
+                           frequency_penalty=request.frequency_penalty or 0.0,
+                           repetition_penalty=request.repetition_penalty or 1.0, logit_bias=bias,
+                           logprobs=logprobs, prompt_logprobs=prompt_logprobs, json_schema=json_schema)
+
+
+def choice_request(base: GenerateRequest, index: int) -> GenerateRequest:
+    """Choice `index` of a request: the same, sampling with seed + index (wrapped into 64 bits)."""
+    if index == 0:
+        return base
+    seed = (base.seed + index - SEED_MIN) % 2**64 + SEED_MIN
+    return base.model_copy(update={"seed": seed})
 
 
 # ---------------------------------------------------------------- responses
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion_body(rid: str, created: int, model: str, done: Completion, prompt_tokens: int) -> dict[str, Any]:
-    choice = {"index": 0, "text": done.text or "", "token_ids": done.token_ids, "logprobs": None,
-              "finish_reason": done.finish_reason}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
-            "usage": usage(prompt_tokens, len(done.token_ids))}
+def completion_body(rid: str, created: int, model: str, choices: list[dict[str, Any]],
+                    used: dict[str, Any]) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": used}
 
 
-def completion_chunk(rid: str, created: int, model: str, text: str, token_ids: list[int],
-                     finish_reason: str | None) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "token_ids": token_ids, "logprobs": None, "finish_reason": finish_reason}
+def completion_choice(index: int, text: str, done: Completion, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "token_ids": done.token_ids, "logprobs": logprobs,
+            "finish_reason": done.finish_reason}
+
+
+def completion_chunk(rid: str, created: int, model: str, index: int, text: str, token_ids: list[int],
+                     finish_reason: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    choice = {"index": index, "text": text, "token_ids": token_ids, "logprobs": logprobs,
+              "finish_reason": finish_reason}
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
-def chat_body(rid: str, created: int, model: str, done: Completion, prompt_tokens: int) -> dict[str, Any]:
-    choice = {"index": 0, "message": {"role": "assistant", "content": done.text or ""},
-              "token_ids": done.token_ids, "logprobs": None, "finish_reason": done.finish_reason}
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
-            "usage": usage(prompt_tokens, len(done.token_ids))}
+def chat_body(rid: str, created: int, model: str, choices: list[dict[str, Any]],
+              used: dict[str, Any]) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": used}
 
 
-def chat_chunk(rid: str, created: int, model: str, delta: dict[str, str], token_ids: list[int],
-               finish_reason: str | None) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "token_ids": token_ids, "logprobs": None, "finish_reason": finish_reason}
+def chat_choice(index: int, text: str, done: Completion, logprobs: dict[str, Any] | None,
+                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": None if tool_calls else text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    finish = "tool_calls" if tool_calls else done.finish_reason
+    return {"index": index, "message": message, "token_ids": done.token_ids, "logprobs": logprobs,
+            "finish_reason": finish}
+
+
+def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict[str, Any], token_ids: list[int],
+               finish_reason: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    choice = {"index": index, "delta": delta, "token_ids": token_ids, "logprobs": logprobs,
+              "finish_reason": finish_reason}
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
 
 
-def usage_chunk(rid: str, created: int, model: str, obj: str, prompt_tokens: int,
-                completion_tokens: int) -> dict[str, Any]:
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+def usage_chunk(rid: str, created: int, model: str, obj: str, used: dict[str, Any]) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": used}

@@ -15,6 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -24,7 +25,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from shard_contract.env import read_api_key
 from shard_contract.wire import Completion
 
-from . import openai
+from . import __version__, choices, grammar, openai
 from .batcher import Done, EngineLoop, Event, Failed, Pending, Sink, Step, Unavailable
 from .config import ModelConfig
 from .rankmetrics import RankMetrics
@@ -76,10 +77,21 @@ class OpenAIRoutes:
         async def completions(request: Request) -> Response:
             body = openai.parse(openai.CompletionRequest, await request.body())
             self._check_model(body.model)
-            prompt = openai.prompt_of(body)
-            ids = prompt if isinstance(prompt, list) else await self._encode(prompt, "prompt")
+            prompts = [p if isinstance(p, list) else await self._encode(p, "prompt") for p in openai.prompts_of(body)]
+            best_of = body.best_of or body.n
+            if best_of < body.n:
+                raise openai.ApiError(400, f"best_of: must be at least n ({body.n})", param="best_of")
+            if body.stream and best_of > body.n:
+                raise openai.ApiError(400, "best_of: cannot stream the best of several choices", param="best_of")
+            logprobs = body.logprobs if body.logprobs is not None else (0 if best_of > body.n else None)
+            call = Call(chat=False, n=body.n, best_of=best_of, logprobs=logprobs, echo=body.echo,
+                        show_logprobs=body.logprobs is not None)
             max_tokens = 16 if body.max_tokens is None else body.max_tokens
-            return await self._run(request, body, ids, max_tokens, "prompt", chat=False)
+            if max_tokens == 0:  # the prompt alone: one token is generated, and dropped
+                if not body.echo or body.stream:
+                    raise openai.ApiError(400, "max_tokens: 0 only with echo (and not stream)", param="max_tokens")
+                call.prompt_only, max_tokens = True, 1
+            return await self._run(request, body, prompts, max_tokens, "prompt", call)
 
         @router.post("/v1/chat/completions", openapi_extra=openai.request_body(openai.ChatRequest))
         async def chat(request: Request) -> Response:
@@ -88,12 +100,80 @@ class OpenAIRoutes:
             if self.codec is None or self.codec.chat_template is None:
                 raise openai.ApiError(400, "this model has no chat template (tokenizer_config.json "
                                            "chat_template); use /v1/completions", param="messages")
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            ids = await self._encode(messages, "messages")
+            call = Call(chat=True, n=body.n, best_of=body.n, logprobs=(body.top_logprobs or 0) if body.logprobs
+                        else None, show_logprobs=bool(body.logprobs))
+            call.schema, tools = self._constraints(body, call)
+            messages = [message_dict(m) for m in body.messages]
+            ids = await self._encode(messages, "messages", tools)
             max_tokens = body.max_completion_tokens or body.max_tokens
-            return await self._run(request, body, ids, max_tokens, "messages", chat=True)
+            return await self._run(request, body, [ids], max_tokens, "messages", call)
+
+        @router.post("/tokenize", openapi_extra=openai.request_body(openai.TokenizeRequest))
+        async def tokenize(request: Request) -> dict[str, Any]:
+            body = openai.parse(openai.TokenizeRequest, await request.body())
+            self._check_model(body.model)
+            if body.messages is not None:
+                ids = await self._encode([message_dict(m) for m in body.messages], "messages")
+            elif body.prompt is not None:
+                ids = await self._encode(body.prompt, "prompt")
+            else:
+                raise openai.ApiError(400, "prompt or messages: one is needed", param="prompt")
+            return {"tokens": ids, "count": len(ids), "max_model_len": self.max_len}
+
+        @router.post("/detokenize", openapi_extra=openai.request_body(openai.DetokenizeRequest))
+        async def detokenize(request: Request) -> dict[str, Any]:
+            body = openai.parse(openai.DetokenizeRequest, await request.body())
+            self._check_model(body.model)
+            if self.codec is None:
+                raise openai.ApiError(400, "tokens: this model has no tokenizer.json", param="tokens")
+            vocab = ModelConfig.from_dir(self.model_dir).vocab_size
+            if any(t >= vocab for t in body.tokens):
+                raise openai.ApiError(400, f"tokens: ids must lie in [0, {vocab})", param="tokens")
+            return {"prompt": self.codec.decode(body.tokens)}
+
+        @router.get("/version")
+        async def version() -> dict[str, str]:
+            return {"version": __version__}
 
         return router
+
+    def _constraints(self, body: openai.ChatRequest, call: Call) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """The JSON schema a chat answer is held to (response_format, or a required tool call),
+        checked, and the tools its template offers the model."""
+        assert self.codec is not None
+        schema: str | None = None
+        form = body.response_format
+        if form is not None and form.type == "json_object":
+            schema = grammar.JSON_OBJECT
+        elif form is not None and form.type == "json_schema":
+            if form.json_schema is None:
+                raise openai.ApiError(400, "response_format.json_schema: needed with type json_schema",
+                                      param="response_format.json_schema")
+            schema = json.dumps(form.json_schema.schema_ if form.json_schema.schema_ is not None else {})
+        tools = None
+        if body.tools and body.tool_choice != "none":
+            if not self.codec.renders_tools:
+                raise openai.ApiError(400, "tools: this model's chat template does not render tools",
+                                      param="tools")
+            tools = [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in body.tools]
+            functions = [t.function.model_dump(exclude_none=True) for t in body.tools]
+            call.tools = {f["name"] for f in functions}
+            named = body.tool_choice.function.name if isinstance(body.tool_choice, openai.NamedTool) else None
+            if named is not None and named not in call.tools:
+                raise openai.ApiError(400, f"tool_choice: no tool is named {named!r}", param="tool_choice")
+            if named is not None or body.tool_choice == "required":
+                if schema is not None:
+                    raise openai.ApiError(400, "response_format: not with a required tool call",
+                                          param="response_format")
+                schema = choices.tool_schema(functions, named)
+        elif body.tool_choice not in (None, "none", "auto"):
+            raise openai.ApiError(400, "tool_choice: needs tools", param="tool_choice")
+        if schema is not None:
+            try:
+                grammar.grammar_of(schema)
+            except ValueError as err:
+                raise openai.ApiError(400, f"response_format: {err}", param="response_format") from None
+        return schema, tools
 
     # ------------------------------------------------------------ a request
     def _check_model(self, name: str | None) -> None:
@@ -101,102 +181,164 @@ class OpenAIRoutes:
             raise openai.ApiError(404, f"The model `{name}` does not exist; this server serves `{self.model}`",
                                   param="model", code="model_not_found")
 
-    async def _encode(self, text: str | list[dict[str, str]], param: str) -> list[int]:
+    async def _encode(self, text: str | list[dict[str, Any]], param: str,
+                      tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a prompt's text or of a conversation, made by a tokenizer process off this
         event loop (`textproc.py`), once the text's length has shown it may fit the context."""
         if self.text is None:
             raise openai.ApiError(400, f"{param}: this model has no tokenizer.json; send token ids", param=param)
-        chars = len(text) if isinstance(text, str) else sum(len(m["content"]) for m in text)
+        chars = len(text) if isinstance(text, str) else sum(len(str(m.get("content") or "")) for m in text)
         if chars > self.max_chars:
             raise openai.ApiError(400, f"{param}: {chars} characters; no text of more than {self.max_chars} "
                                        f"characters fits this model's maximum context length (maxModelLen "
                                        f"{self.max_len} tokens)", param=param, code="context_length_exceeded")
         try:
-            return await (self.text.encode(text) if isinstance(text, str) else self.text.encode_chat(text))
+            return await (self.text.encode(text) if isinstance(text, str) else self.text.encode_chat(text, tools))
         except TextError as err:
             raise openai.ApiError(err.status, f"{param}: {err}", param=param if err.status == 400 else None) \
                 from None
 
-    async def _run(self, request: Request, body: openai.Sampling, prompt_ids: list[int], max_tokens: int | None,
-                   param: str, chat: bool) -> Response:
-        """Queue the request on the engine loop and answer it."""
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    async def _run(self, request: Request, body: openai.Sampling, prompts: list[list[int]], max_tokens: int | None,
+                   param: str, call: Call) -> Response:
+        """Queue each choice of each prompt on the engine loop and answer them."""
+        rid = f"{'chatcmpl' if call.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        replies: list[Reply] = []
+        loop = None
         try:
             loop = self.ready_loop()
-            generate = openai.to_generate(body, prompt_ids, max_len=self.max_len,
-                                          vocab_size=loop.engine.config.vocab_size, max_tokens=max_tokens,
-                                          has_tokenizer=self.codec is not None, param=param)
-            sink = Sink(asyncio.get_running_loop(), stream=body.stream or bool(generate.stop))
-            pending = Pending(generate, sink, rid)
-            loop.submit(pending)
+            for p, ids in enumerate(prompts):
+                base = openai.to_generate(body, ids, max_len=self.max_len, vocab_size=loop.engine.config.vocab_size,
+                                          max_tokens=max_tokens, has_tokenizer=self.codec is not None,
+                                          param=param, logprobs=call.logprobs, prompt_logprobs=call.echo and
+                                          call.logprobs is not None, json_schema=call.schema)
+                for j in range(call.best_of):
+                    generate = openai.choice_request(base, j)
+                    sink = Sink(asyncio.get_running_loop(), stream=body.stream or bool(generate.stop))
+                    reply = Reply(rid, self, call, p * call.best_of + j, ids,
+                                  Pending(generate, sink, f"{rid}-{p}-{j}" if len(prompts) * call.best_of > 1
+                                          else rid))
+                    replies.append(reply)
+            for reply in replies:
+                loop.submit(reply.pending)
         except Unavailable as err:
+            for reply in replies:
+                if loop is not None:
+                    loop.cancel(reply.pending)
             raise openai.unavailable(err.reason, err.status) from None
-        reply = Reply(rid, int(time.time()), self.model, chat, len(prompt_ids), body.include_usage,
-                      TextStream(self.codec.decode if self.codec is not None else None, generate.stop))
         if body.stream:
-            return StreamingResponse(reply.events(loop, pending), media_type="text/event-stream",
+            return StreamingResponse(streamed(loop, replies, body.include_usage),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        event = await _answer(request, loop, pending, reply.text)
-        if event is None:
+        events = await _answers(request, loop, replies)
+        if events is None:
             return Response(status_code=499)  # nobody is listening: nginx's "client closed request"
-        return reply.whole(event)
+        return whole(replies, events, call)
+
+
+@dataclass
+class Call:
+    """What a request asks beyond its sampling: the shape of its answer."""
+
+    chat: bool
+    n: int
+    best_of: int
+    logprobs: int | None  # top alternatives per token (None: no log-probabilities computed)
+    show_logprobs: bool  # answered with them (best_of alone computes them to choose)
+    echo: bool = False
+    schema: str | None = None
+    tools: set[str] | None = None
+    prompt_only: bool = False  # max_tokens 0 with echo: the generated token is dropped
 
 
 class Reply:
-    """One request's answer in OpenAI's form: a whole body, or a stream of chunks; its text made
-    by `text` from the engine's token ids."""
+    """One choice's answer in OpenAI's form: a choice of a whole body, or a stream of chunks;
+    its text made by `text` from the engine's token ids."""
 
-    def __init__(self, rid: str, created: int, model: str, chat: bool, prompt_tokens: int, include_usage: bool,
-                 text: TextStream):
-        self.rid, self.created, self.model, self.chat = rid, created, model, chat
-        self.prompt_tokens, self.include_usage, self.text = prompt_tokens, include_usage, text
+    def __init__(self, rid: str, routes: OpenAIRoutes, call: Call, index: int, prompt_ids: list[int],
+                 pending: Pending):
+        self.rid, self.routes, self.call, self.index = rid, routes, call, index
+        self.created, self.model = int(time.time()), routes.model
+        self.prompt_ids, self.pending = prompt_ids, pending
+        codec = routes.codec
+        self.text = TextStream(codec.decode if codec is not None else None, pending.request.stop)
+        self.sent_logprobs = 0
 
-    def whole(self, event: Done | Failed) -> JSONResponse:
-        event = settled(event)
-        if isinstance(event, Failed):
-            return JSONResponse(openai.error_body(event.reason, openai.error_type(event.status)),
-                                status_code=event.status)
-        build = openai.chat_body if self.chat else openai.completion_body
-        return JSONResponse(build(self.rid, self.created, self.model, event.completion, self.prompt_tokens))
+    def piece(self, token: int) -> str:
+        codec = self.routes.codec
+        return codec.decode([token]) if codec is not None else ""
 
-    def _chunk(self, delta: str, ids: list[int], finish: str | None, first: bool = False) -> str:
-        if self.chat:
+    def prompt_text(self) -> str:
+        codec = self.routes.codec
+        return codec.decode(self.prompt_ids) if codec is not None else ""
+
+    def choice(self, done: Completion, index: int) -> dict[str, Any]:
+        call, text = self.call, done.text or ""
+        if call.prompt_only:
+            done = done.model_copy(update={"token_ids": [], "logprobs": [] if done.logprobs is not None else None,
+                                           "top_logprobs": [] if done.top_logprobs is not None else None,
+                                           "finish_reason": "length"})
+            text = ""
+        if call.chat:
+            logprobs = None
+            if call.show_logprobs and done.logprobs is not None and done.top_logprobs is not None:
+                logprobs = choices.chat_logprobs(done.token_ids[:len(done.logprobs)], done.logprobs,
+                                                 done.top_logprobs, self.piece)
+            tool_calls = choices.parse_tool_calls(text, call.tools) if call.tools else None
+            return openai.chat_choice(index, text, done, logprobs, tool_calls)
+        prompt = self.prompt_text() if call.echo else ""
+        logprobs = None
+        if call.show_logprobs:
+            logprobs = choices.completion_choice_logprobs(done, self.prompt_ids if call.echo else None, self.piece, 0)
+        return openai.completion_choice(index, prompt + text, done, logprobs)
+
+    def _chunk(self, delta: str, ids: list[int], finish: str | None, step: Step | None = None,
+               first: bool = False) -> str:
+        logprobs = None
+        if self.call.show_logprobs and step is not None and step.logprobs is not None and ids:
+            lo = self.sent_logprobs
+            hi = min(lo + len(ids), len(step.logprobs))
+            lp_ids, lps = step.tokens[lo:hi], step.logprobs[lo:hi]
+            tops = (step.top_logprobs or [])[lo:hi]
+            self.sent_logprobs = hi
+            logprobs = choices.chat_logprobs(lp_ids, lps, tops, self.piece) if self.call.chat else \
+                choices.completion_logprobs(lp_ids, lps, tops, self.piece)
+        if self.call.chat:
             content = {"role": "assistant", "content": delta} if first else {"content": delta}
-            data = openai.chat_chunk(self.rid, self.created, self.model, content if delta or first else {}, ids,
-                                     finish)
+            data = openai.chat_chunk(self.rid, self.created, self.model, self.index,
+                                     content if delta or first else {}, ids, finish, logprobs)
         else:
-            data = openai.completion_chunk(self.rid, self.created, self.model, delta, ids, finish)
+            data = openai.completion_chunk(self.rid, self.created, self.model, self.index, delta, ids, finish,
+                                           logprobs)
         return f"data: {json.dumps(data)}\n\n"
 
-    def _last(self, final: Completion) -> list[str]:
-        """The stream's last events: the text and ids held back until now with the finish reason,
-        usage if asked, and [DONE]."""
-        delta, ids = self.text.rest(final)
-        events = [self._chunk(delta, ids, final.finish_reason)]
-        if self.include_usage:
-            obj = "chat.completion.chunk" if self.chat else "text_completion"
-            usage = openai.usage_chunk(self.rid, self.created, self.model, obj, self.prompt_tokens,
-                                       len(final.token_ids))
-            events.append(f"data: {json.dumps(usage)}\n\n")
-        return [*events, "data: [DONE]\n\n"]
-
-    async def events(self, loop: EngineLoop, pending: Pending) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per step that adds text, the last one, usage if asked, [DONE];
-        or an error body."""
-        answered = False
+    async def events(self, loop: EngineLoop) -> AsyncIterator[str | Completion]:
+        """Server-sent events of this choice: a chunk per step that adds text, the last one (then
+        the final Completion itself, for usage); or an error body."""
+        pending, answered = self.pending, False
+        last: Step | None = None
         try:
-            if self.chat:
+            if self.call.chat:
                 yield self._chunk("", [], None, first=True)
+            elif self.call.echo:
+                yield self._chunk(self.prompt_text(), [], None)
             while not answered:
                 event = latest(pending.sink.queue, await pending.sink.queue.get())
                 if isinstance(event, Step):
+                    last = event
                     delta, ids = self.text.step(event.tokens)
                     if delta or ids:
+<<<<<<< HEAD
                         yield self._chunk(delta, ids, None)
                     failed = stepped(loop, pending, self.text)
                     if failed is None:
                         continue
                     event = failed
+=======
+                        yield self._chunk(delta, ids, None, event)
+                    if not self.text.stopped:
+                        continue
+                    event = stopped(loop, pending, self.text, event)  # answered now; the engine stops it soon
+>>>>>>> 709f0fd (wip: the OpenAI API side (n, best_of, prompt lists, logprobs, echo, response_format, tools, tokenize))
                 elif isinstance(event, Done):
                     event = Done(self.text.finish(event.completion))
                 answered = True
@@ -204,13 +346,18 @@ class Reply:
                 if isinstance(event, Failed):
                     yield f"data: {json.dumps(openai.error_body(event.reason, openai.error_type(event.status)))}\n\n"
                     continue
-                for chunk in self._last(event.completion):
-                    yield chunk
+                final = event.completion
+                delta, ids = self.text.rest(final)
+                tail = last if last is not None and final.logprobs is None else \
+                    Step(final.token_ids, final.logprobs, final.top_logprobs)
+                yield self._chunk(delta, ids, final.finish_reason, tail)
+                yield final
         finally:  # the client went away mid-stream: the server stopped iterating us
             if not answered:
                 loop.cancel(pending)
 
 
+<<<<<<< HEAD
 def latest(queue: asyncio.Queue, event: Event) -> Event:
     """The freshest of `event` and the events already waiting behind it. A Step holds every token
     so far and a final event (Done, Failed) the whole answer, so each makes the Steps before it
@@ -226,6 +373,100 @@ def stepped(loop: EngineLoop, pending: Pending, text: TextStream) -> Failed | No
     engine's next step boundary (the engine then answers it, finish reason "stop"); a text that
     could not be decoded fails its request now."""
     if text.error is not None:
+=======
+async def streamed(loop: EngineLoop, replies: list[Reply], include_usage: bool) -> AsyncIterator[str]:
+    """The chunks of every choice as they come, then usage if asked, and [DONE]."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(reply: Reply) -> None:
+        try:
+            async for item in reply.events(loop):
+                await queue.put(item)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(r)) for r in replies]
+    finals: list[Completion] = []
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Completion):
+                finals.append(item)
+            else:
+                yield item
+        if include_usage:
+            call = replies[0].call
+            obj = "chat.completion.chunk" if call.chat else "text_completion"
+            used = usage_of(replies, finals)
+            first = replies[0]
+            yield f"data: {json.dumps(openai.usage_chunk(first.rid, first.created, first.model, obj, used))}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def usage_of(replies: list[Reply], finals: list[Completion]) -> dict[str, Any]:
+    """Prompt tokens once per prompt (its choices share it), completion tokens of every choice."""
+    prompts = {r.index // r.call.best_of: len(r.prompt_ids) for r in replies}
+    generated = 0 if replies[0].call.prompt_only else sum(len(c.token_ids) for c in finals)
+    return openai.usage(sum(prompts.values()), generated,
+                        sum(c.cached_tokens for c in finals[:len(prompts)]))
+
+
+def whole(replies: list[Reply], events: list[Done | Failed], call: Call) -> JSONResponse:
+    """The body of a request answered at once: its choices in order (for best_of, the n best of
+    each prompt's), or the first failure's error."""
+    settled_events = [settled(e) for e in events]
+    for event in settled_events:
+        if isinstance(event, Failed):
+            return JSONResponse(openai.error_body(event.reason, openai.error_type(event.status)),
+                                status_code=event.status)
+    done = [e.completion for e in settled_events if isinstance(e, Done)]
+    out = []
+    for p in range(len(replies) // call.best_of):
+        group = list(range(p * call.best_of, (p + 1) * call.best_of))
+        chosen = [group[i] for i in choices.best([done[k] for k in group], call.n)] if call.best_of > call.n \
+            else group
+        out += [replies[k].choice(done[k], p * call.n + i) for i, k in enumerate(chosen)]
+    first = replies[0]
+    used = usage_of(replies, done)
+    build = openai.chat_body if call.chat else openai.completion_body
+    return JSONResponse(build(first.rid, first.created, first.model, out, used))
+
+
+def message_dict(message: openai.ChatMessage) -> dict[str, Any]:
+    """A chat message as templates read it."""
+    out: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                             for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def stopped(loop: EngineLoop, pending: Pending, text: TextStream, step: Step | None = None) -> Done:
+    """A request whose text met a stop string (or could not be decoded): its answer; its sequence
+    stops at the engine's next step boundary."""
+    extra = {} if step is None or step.logprobs is None else {"logprobs": step.logprobs,
+                                                              "top_logprobs": step.top_logprobs}
+    final = text.finish(Completion(token_ids=text.ids, finish_reason="stop", **extra))
+    if final.finish_reason == "error":
+>>>>>>> 709f0fd (wip: the OpenAI API side (n, best_of, prompt lists, logprobs, echo, response_format, tools, tokenize))
         loop.cancel(pending)
         return Failed(500, f"this request failed: {text.error}")
     if text.stopped and not text.stop_sent:
@@ -241,6 +482,7 @@ def settled(event: Done | Failed) -> Done | Failed:
     return event
 
 
+<<<<<<< HEAD
 async def _answer(request: Request, loop: EngineLoop, pending: Pending, text: TextStream) -> Done | Failed | None:
     """The request's answer, or None when its client disconnects first: the request is then
     cancelled, so the group stops generating for nobody. Its Step events (it has stop strings)
@@ -262,6 +504,35 @@ async def _answer(request: Request, loop: EngineLoop, pending: Pending, text: Te
             text.step(event.tokens)
             if (failed := stepped(loop, pending, text)) is not None:
                 return failed
+=======
+async def _settle(loop: EngineLoop, pending: Pending, text: TextStream) -> Done | Failed:
+    """A choice's answer. Its Step events (it has stop strings) go to `text`, which may answer it first."""
+    while True:
+        event = await pending.sink.queue.get()
+        if isinstance(event, Failed):
+            return event
+        if isinstance(event, Done):
+            return Done(text.finish(event.completion))
+        text.step(event.tokens)
+        if text.stopped:
+            return stopped(loop, pending, text, event)
+
+
+async def _answers(request: Request, loop: EngineLoop, replies: list[Reply]) -> list[Done | Failed] | None:
+    """Every choice's answer, or None when the client disconnects first: the choices are then
+    cancelled, so the group stops generating for nobody."""
+    gone: asyncio.Future[Any] = asyncio.ensure_future(_disconnected(request))
+    answers: asyncio.Future[Any] = asyncio.ensure_future(
+        asyncio.gather(*(_settle(loop, r.pending, r.text) for r in replies)))
+    try:
+        await asyncio.wait([answers, gone], return_when=asyncio.FIRST_COMPLETED)
+        if answers.done():
+            return list(answers.result())
+        answers.cancel()
+        for reply in replies:
+            loop.cancel(reply.pending)
+        return None
+>>>>>>> 709f0fd (wip: the OpenAI API side (n, best_of, prompt lists, logprobs, echo, response_format, tools, tokenize))
     finally:
         gone.cancel()
 

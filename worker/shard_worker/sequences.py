@@ -38,6 +38,7 @@ class SequenceState:
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.prompt_logprobs: list[float | None] = []
+        self.prompt_top_logprobs: list[list[tuple[int, float]] | None] = []
 
     @property
     def finished(self) -> bool:
@@ -57,6 +58,7 @@ class SequenceState:
         self.tokens.append(token)
         if extra is not None:
             self.prompt_logprobs += extra["prompt"]
+            self.prompt_top_logprobs += extra["prompt_top"]
             for lp, top in extra["sampled"]:
                 self.logprobs.append(lp)
                 self.top_logprobs.append(list(top))
@@ -72,7 +74,8 @@ class SequenceState:
         asked = self.request.logprobs is not None
         return Completion(token_ids=self.tokens, finish_reason=self.finish_reason or "length",
                           logprobs=self.logprobs if asked else None, top_logprobs=self.top_logprobs if asked else None,
-                          prompt_logprobs=self.prompt_logprobs if self.request.prompt_logprobs else None)
+                          prompt_logprobs=self.prompt_logprobs if self.request.prompt_logprobs else None,
+                          prompt_top_logprobs=self.prompt_top_logprobs if self.request.prompt_logprobs else None)
 
 
 class Rows:

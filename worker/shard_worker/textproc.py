@@ -120,9 +120,9 @@ class TextWorkers:
         """Token ids of a prompt's text, with the special tokens the tokenizer adds (a BOS)."""
         return await self._run({"text": text})
 
-    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation rendered by the model's chat template."""
-        return await self._run({"messages": messages})
+    async def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template (offering `tools`)."""
+        return await self._run({"messages": messages, "tools": tools})
 
     async def _run(self, job: dict[str, Any]) -> list[int]:
         job["max_chars"] = self.max_chars
@@ -183,7 +183,7 @@ def _work(codec: Any, job: dict[str, Any]) -> tuple[int, bytes]:
     max_chars = int(job["max_chars"])
     try:
         if "messages" in job:
-            text = codec.render_chat(job["messages"])
+            text = codec.render_chat(job["messages"], job.get("tools"))
             special = False  # the template writes the special tokens itself (a BOS among them)
         else:
             text, special = job["text"], True

@@ -122,9 +122,15 @@ class TextCodec:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template writes the `tools` it is given (Llama 3.1's, Hermes'...)."""
+        return self.chat_template is not None and "tools" in self.chat_template
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         """The conversation as the prompt text the model was trained on, ending where the
-        assistant's answer begins; a TemplateError when the template refuses it or exceeds a bound."""
+        assistant's answer begins (with `tools`, those the template offers the model); a
+        TemplateError when the template refuses it or exceeds a bound."""
         if self.chat_template is None:
             raise TemplateError("this model has no chat template")
         if self._template is None:
@@ -139,12 +145,13 @@ class TextCodec:
                 self._template = env.from_string(self.chat_template)
             except (JinjaError, RecursionError, MemoryError) as err:
                 raise TemplateError(f"the chat template does not parse: {err}") from None
+        extra = {"tools": tools} if tools else {}
         return render_bounded(self._template, self.render_seconds, messages=messages, add_generation_prompt=True,
-                              bos_token=self.bos_token, eos_token=self.eos_token)
+                              bos_token=self.bos_token, eos_token=self.eos_token, **extra)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The template writes the special tokens itself (a BOS among them): add none.
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools), add_special_tokens=False)
 
 
 @functools.cache

@@ -55,7 +55,8 @@ def test_completions_equal_shardctl_generate(server, tiny_model):
     greedy = server.complete(prompt=[1, 40, 41, 42, 43], max_tokens=10, temperature=0, ignore_eos=True)
     expected = generate_json(tiny_model, "--prompt-ids", "1,40,41,42,43", "--max-tokens", "10", "--ignore-eos")
     assert greedy["choices"][0]["token_ids"] == expected["token_ids"]
-    assert greedy["usage"] == {"prompt_tokens": 5, "completion_tokens": 10, "total_tokens": 15}
+    assert greedy["usage"] == {"prompt_tokens": 5, "completion_tokens": 10, "total_tokens": 15,
+                               "prompt_tokens_details": {"cached_tokens": 0}}
     assert server.complete(prompt=[[1, 40, 41, 42, 43]], max_tokens=10, temperature=0,
                            ignore_eos=True)["choices"][0]["token_ids"] == expected["token_ids"]
 

@@ -51,7 +51,7 @@ def model_dir(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     yaml_file = sharded_model_yaml(tmp_path_factory.mktemp("clients") / "tiny.yaml", model_dir, name="tiny",
-                                   tensor=1, pipeline=1, batch=4)
+                                   tensor=1, pipeline=1, batch=4, max_len=512)
     with shardctl_run(yaml_file, "tiny", "--devices", "localhost:1GiB") as srv:
         yield srv
 
@@ -181,9 +181,9 @@ def test_tokenize_detokenize_version_models_and_counters(server):
     chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
     assert chat.json()["count"] == len(chat.json()["tokens"]) > 2
     assert httpx.get(server.url + "/version", timeout=30).json()["version"]
-    assert httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"] == 256
+    assert httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"] == 512
     metrics = httpx.get(server.url + "/metrics", timeout=30).text
-    counters = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+    counters = {line.split("{")[0].split()[0]: float(line.split()[-1]) for line in metrics.splitlines()
                 if line.startswith(("shard_prompt_tokens_total", "shard_generation_tokens_total"))}
     assert counters["shard_prompt_tokens_total"] > 0 and counters["shard_generation_tokens_total"] > 0
     spec = httpx.get(server.url + "/openapi.json", timeout=30).json()
@@ -225,7 +225,8 @@ metric_list:
   - metric: exact_match
 """)
     results = lm_eval.simple_evaluate(
-        model="local-completions", tasks=["tiny_choice", "tiny_gen"], task_manager=TaskManager(include_path=str(tmp_path)),
+        model="local-completions", tasks=["tiny_choice", "tiny_gen"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
         model_args=f"model=tiny,base_url={server.url}/v1/completions,tokenizer={model_dir},"
                    "tokenizer_backend=huggingface,num_concurrent=2,max_retries=1,batch_size=2")
     scores = results["results"]

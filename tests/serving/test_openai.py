@@ -19,7 +19,7 @@ def refused(model, body: bytes) -> ApiError:
 @pytest.mark.parametrize("body,param,message", [
     (b'{"prompt": "x"', None, "not valid JSON"),
     (b'[1, 2]', None, "Input should be an object"),
-    (b'{"prompt": "x", "max_tokens": -1}', "max_tokens", "greater than or equal to 1 (got -1)"),
+    (b'{"prompt": "x", "max_tokens": -1}', "max_tokens", "greater than or equal to 0 (got -1)"),
     (b'{"prompt": "x", "max_tokens": "10"}', "max_tokens", "valid integer (got '10')"),
     (b'{"prompt": "x", "temperature": "hot"}', "temperature", "valid number"),
     (b'{"prompt": "x", "temperature": 3}', "temperature", "less than or equal to 2"),
@@ -98,7 +98,7 @@ def test_the_documented_schema_carries_the_accepted_ranges():
     assert {"response_format", "tools", "tool_choice", "top_logprobs"} <= set(schemas["ChatRequest"]["properties"])
     # what only the group knows: its model, its vocabulary, its context
     assert fields["model"]["anyOf"][0]["enum"] == ["llama"]
-    assert (fields["max_tokens"]["anyOf"][0]["minimum"], fields["max_tokens"]["anyOf"][0]["maximum"]) == (1, 64)
+    assert (fields["max_tokens"]["anyOf"][0]["minimum"], fields["max_tokens"]["anyOf"][0]["maximum"]) == (0, 64)
     ids = fields["prompt"]["anyOf"][1]["items"]
     assert (ids["minimum"], ids["maximum"]) == (0, 99) and "x-group-limit" not in str(schemas)
     assert fields["stop"]["anyOf"][1]["maxItems"] == 4 and fields["stop"]["anyOf"][0]["minLength"] == 1

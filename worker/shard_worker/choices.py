@@ -26,8 +26,16 @@ def completion_logprobs(ids: Sequence[int], logprobs: Sequence[float | None], to
         offsets.append(at)
         at += len(text)
     return {"tokens": tokens, "token_logprobs": list(logprobs),
-            "top_logprobs": [None if top is None else {piece(t): lp for t, lp in top} for top in tops],
-            "text_offset": offsets}
+            "top_logprobs": [None if top is None else _by_text(top, piece) for top in tops], "text_offset": offsets}
+
+
+def _by_text(top: Top, piece: Piece) -> dict[str, float]:
+    """Alternatives by their text, most likely first; of tokens with the same text (pieces of one
+    character, say) the likelier is kept."""
+    out: dict[str, float] = {}
+    for token, logprob in top:
+        out.setdefault(piece(token), logprob)
+    return out
 
 
 def _entry(text: str, logprob: float) -> dict[str, Any]:

@@ -64,7 +64,8 @@ def test_the_openai_routes_need_the_key_and_the_probes_do_not(group):
 
 def test_the_openapi_document_of_the_openai_routes(group):
     doc = get(group.url + "/openapi.json").json()  # open: it holds no secret
-    assert set(doc["paths"]) == {"/v1/models", "/v1/completions", "/v1/chat/completions"}
+    assert set(doc["paths"]) == {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
+                                 "/detokenize", "/version"}
     body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/CompletionRequest"}
     fields = doc["components"]["schemas"]["CompletionRequest"]["properties"]
@@ -100,7 +101,12 @@ sampling = st.fixed_dictionaries({
     "top_p": st.floats(0.0, 1.0, exclude_min=True, allow_subnormal=True),
     "seed": st.integers(SEED_MIN, SEED_MAX),
     "stream": st.booleans(),
-}, optional={"stop": st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=4)})
+}, optional={"stop": st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=4),
+             "presence_penalty": st.floats(-2.0, 2.0), "frequency_penalty": st.floats(-2.0, 2.0),
+             "repetition_penalty": st.floats(0.0, 100.0, exclude_min=True, allow_subnormal=True),
+             "top_k": st.integers(-1, 600), "min_p": st.floats(0.0, 1.0, allow_subnormal=True),
+             "logit_bias": st.dictionaries(st.integers(0, 599).map(str), st.floats(-100.0, 100.0), max_size=3),
+             "n": st.integers(1, 3), "logprobs": st.integers(0, 20)})
 
 
 # Each example is a request to the group: no shrinking (a failure prints its example).

@@ -397,7 +397,7 @@ class EngineLoop:
             if previous is not None and sink.last_token_at is not None:
                 self.metrics.token_gap(sink.last_token_at - previous)
         self.throughput.step(time.monotonic(), prompt, generated)
-        self.metrics.tokens(prompt, generated)
+        self.metrics.tokens(generated)
         self._publish(len(seqs), sum(len(seq.request.prompt_ids) + len(seq.tokens) for seq in seqs))
 
     def _finished(self, seq: SequenceState, completion: Completion) -> None:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 OUTCOMES = ("completed", "rejected", "failed", "cancelled")  # cancelled: the client went away
 # Families only the leader records (it alone sees requests); the other ranks expose them empty.
-LEADER_FAMILIES = ("shard_tokens_generated", "shard_prompt_tokens", "shard_generation_tokens",
+LEADER_FAMILIES = ("shard_tokens_generated", "shard_generation_tokens",
                    "shard_requests", "shard_request_latency_seconds",
                    "shard_time_to_first_token_seconds", "shard_time_per_output_token_seconds",
                    "shard_requests_running", "shard_requests_waiting", "shard_batch_size",
@@ -86,9 +86,8 @@ class RankMetrics:
     def batch(self, size: int) -> None:
         self.m.get("shard_batch_size").observe(size)
 
-    def tokens(self, prompt: int, generated: int) -> None:
-        """A step prefilled `prompt` tokens and generated `generated`."""
-        self.m.get("shard_prompt_tokens").inc(prompt)
+    def tokens(self, generated: int) -> None:
+        """A step generated `generated` tokens."""
         self.m.get("shard_generation_tokens").inc(generated)
 
     def outcome(self, outcome: str) -> None:

@@ -327,18 +327,11 @@ class Reply:
                     last = event
                     delta, ids = self.text.step(event.tokens)
                     if delta or ids:
-<<<<<<< HEAD
-                        yield self._chunk(delta, ids, None)
+                        yield self._chunk(delta, ids, None, event)
                     failed = stepped(loop, pending, self.text)
                     if failed is None:
                         continue
                     event = failed
-=======
-                        yield self._chunk(delta, ids, None, event)
-                    if not self.text.stopped:
-                        continue
-                    event = stopped(loop, pending, self.text, event)  # answered now; the engine stops it soon
->>>>>>> 709f0fd (wip: the OpenAI API side (n, best_of, prompt lists, logprobs, echo, response_format, tools, tokenize))
                 elif isinstance(event, Done):
                     event = Done(self.text.finish(event.completion))
                 answered = True
@@ -357,23 +350,6 @@ class Reply:
                 loop.cancel(pending)
 
 
-<<<<<<< HEAD
-def latest(queue: asyncio.Queue, event: Event) -> Event:
-    """The freshest of `event` and the events already waiting behind it. A Step holds every token
-    so far and a final event (Done, Failed) the whole answer, so each makes the Steps before it
-    redundant: when this side falls behind the engine, it catches up with one chunk, not one a
-    step."""
-    while isinstance(event, Step) and not queue.empty():
-        event = queue.get_nowait()
-    return event
-
-
-def stepped(loop: EngineLoop, pending: Pending, text: TextStream) -> Failed | None:
-    """After `text` took a Step: a text that met a stop string has its sequence stopped at the
-    engine's next step boundary (the engine then answers it, finish reason "stop"); a text that
-    could not be decoded fails its request now."""
-    if text.error is not None:
-=======
 async def streamed(loop: EngineLoop, replies: list[Reply], include_usage: bool) -> AsyncIterator[str]:
     """The chunks of every choice as they come, then usage if asked, and [DONE]."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -459,14 +435,21 @@ def _arguments(text: str) -> Any:
         return text
 
 
-def stopped(loop: EngineLoop, pending: Pending, text: TextStream, step: Step | None = None) -> Done:
-    """A request whose text met a stop string (or could not be decoded): its answer; its sequence
-    stops at the engine's next step boundary."""
-    extra = {} if step is None or step.logprobs is None else {"logprobs": step.logprobs,
-                                                              "top_logprobs": step.top_logprobs}
-    final = text.finish(Completion(token_ids=text.ids, finish_reason="stop", **extra))
-    if final.finish_reason == "error":
->>>>>>> 709f0fd (wip: the OpenAI API side (n, best_of, prompt lists, logprobs, echo, response_format, tools, tokenize))
+def latest(queue: asyncio.Queue, event: Event) -> Event:
+    """The freshest of `event` and the events already waiting behind it. A Step holds every token
+    so far and a final event (Done, Failed) the whole answer, so each makes the Steps before it
+    redundant: when this side falls behind the engine, it catches up with one chunk, not one a
+    step."""
+    while isinstance(event, Step) and not queue.empty():
+        event = queue.get_nowait()
+    return event
+
+
+def stepped(loop: EngineLoop, pending: Pending, text: TextStream) -> Failed | None:
+    """After `text` took a Step: a text that met a stop string has its sequence stopped at the
+    engine's next step boundary (the engine then answers it, finish reason "stop"); a text that
+    could not be decoded fails its request now."""
+    if text.error is not None:
         loop.cancel(pending)
         return Failed(500, f"this request failed: {text.error}")
     if text.stopped and not text.stop_sent:
@@ -482,40 +465,17 @@ def settled(event: Done | Failed) -> Done | Failed:
     return event
 
 
-<<<<<<< HEAD
-async def _answer(request: Request, loop: EngineLoop, pending: Pending, text: TextStream) -> Done | Failed | None:
-    """The request's answer, or None when its client disconnects first: the request is then
-    cancelled, so the group stops generating for nobody. Its Step events (it has stop strings)
-    go to `text`, which may stop it."""
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        while True:
-            answer = asyncio.ensure_future(pending.sink.queue.get())
-            done, _ = await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if answer not in done:
-                answer.cancel()
-                loop.cancel(pending)
-                return None
-            event = latest(pending.sink.queue, answer.result())
-            if isinstance(event, Failed):
-                return event
-            if isinstance(event, Done):
-                return Done(text.finish(event.completion))
-            text.step(event.tokens)
-            if (failed := stepped(loop, pending, text)) is not None:
-                return failed
-=======
 async def _settle(loop: EngineLoop, pending: Pending, text: TextStream) -> Done | Failed:
-    """A choice's answer. Its Step events (it has stop strings) go to `text`, which may answer it first."""
+    """A choice's answer. Its Step events (it has stop strings) go to `text`, which may stop it."""
     while True:
-        event = await pending.sink.queue.get()
+        event = latest(pending.sink.queue, await pending.sink.queue.get())
         if isinstance(event, Failed):
             return event
         if isinstance(event, Done):
             return Done(text.finish(event.completion))
         text.step(event.tokens)
-        if text.stopped:
-            return stopped(loop, pending, text, event)
+        if (failed := stepped(loop, pending, text)) is not None:
+            return failed
 
 
 async def _answers(request: Request, loop: EngineLoop, replies: list[Reply]) -> list[Done | Failed] | None:
@@ -532,7 +492,6 @@ async def _answers(request: Request, loop: EngineLoop, replies: list[Reply]) -> 
         for reply in replies:
             loop.cancel(reply.pending)
         return None
->>>>>>> 709f0fd (wip: the OpenAI API side (n, best_of, prompt lists, logprobs, echo, response_format, tools, tokenize))
     finally:
         gone.cancel()
 

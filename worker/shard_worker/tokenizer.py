@@ -23,7 +23,7 @@ from typing import Any
 
 from shard_contract.checkpoint import LIMITS, CheckpointError, model_file, read_bounded, read_json
 
-MAX_TOKENIZER_BYTES = 64 * 2**20  # tokenizer.json: Llama 3's is 9 MB (128k tokens), Qwen2's 7 MB
+MAX_TOKENIZER_BYTES = 32 * 2**20  # tokenizer.json: Llama 3's is 9 MB (128k tokens), Qwen2's 7 MB
 MAX_TOKENIZER_CONFIG_BYTES = 4 * 2**20  # tokenizer_config.json: tens of kilobytes in released models
 MAX_TEMPLATE_BYTES = 256 * 2**10  # a chat template: a few kilobytes in released models
 MAX_RENDER_CHARS = 16 * 2**20  # a rendered prompt (any longer is refused by its length anyway)

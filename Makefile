@@ -68,7 +68,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -x tests/contract tests/operator/unit tests/worker -m "not slow"
 
 crd: $(STAMP)
-	$(PY) -m shard_operator.crd > crds/shardedmodels.yaml
+	$(PY) -m shard_operator.api.crd > crds/shardedmodels.yaml
 	cp crds/shardedmodels.yaml helm/shard-operator/crds/shardedmodels.yaml  # Helm installs CRDs from the chart's crds/
 
 bench: $(STAMP)

@@ -228,7 +228,7 @@ def run_child(*args: str, timeout: float = 1800, threads: int = 2, script: str =
 
 
 def run_torch_tp(model_dir: str, dtype: str, tokens: int, prompt: list[int]) -> dict:
-    from shard_operator.local import free_port
+    from shard_operator.local.launcher import free_port
 
     port = free_port()
     procs = [subprocess.Popen([sys.executable, __file__, "--child", "torch-tp", model_dir, dtype, str(tokens),
@@ -250,7 +250,7 @@ def run_torch_tp(model_dir: str, dtype: str, tokens: int, prompt: list[int]) -> 
 def run_ours(model_dir: str, dtype: str, quantization: str, tp: int, pp: int, threads: int, tokens: int,
              prompt: list[int]) -> dict:
     from shard_contract.wire import GenerateRequest, GenerateTask
-    from shard_operator.local import plan_local, run_generate
+    from shard_operator.local.launcher import plan_local, run_generate
 
     plan = plan_local(model_dir, tp, pp, dtype=dtype, quantization=quantization,
                       max_model_len=len(prompt) + tokens, devices="bench:16GiB*2", device_kind="cpu")
@@ -282,7 +282,7 @@ def run_llama(python: Path, *args: str, rpc_layers: int | None = None) -> dict:
     server = None
     try:
         if rpc_layers is not None:
-            from shard_operator.local import free_port
+            from shard_operator.local.launcher import free_port
 
             port = free_port()
             server = subprocess.Popen([str(RPC_SERVER), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
@@ -323,8 +323,8 @@ def stream_now() -> dict:
 def decode_bytes(model_dir: str, dtype: str, quantization: str) -> int:
     """Bytes our decode step reads: every weight but the embedding table, as stored (the planner's
     sizing: the same numbers the plan predicts)."""
+    from shard_operator.planning.profile import profile_model
     from shard_operator.planning.sizing import Shard, weight_bytes
-    from shard_operator.profile import profile_model
 
     profile = profile_model(model_dir)
     return weight_bytes(profile, Shard(tp=1, layers=(0, profile.shape.num_layers), embeds=False, has_lm_head=True),

@@ -187,8 +187,8 @@ def child_ours(device: str, model_dir: str, dtype: str, quantization: str, int8_
         os.environ["SHARD_INT8_CUDA"] = int8_mode
     from shard_contract.env import WorkerEnv
     from shard_contract.wire import GenerateRequest
-    from shard_operator.local import free_port, plan_local
-    from shard_operator.profile import profile_model
+    from shard_operator.local.launcher import free_port, plan_local
+    from shard_operator.planning.profile import profile_model
     from shard_worker import kernels
     from shard_worker.runtime import Worker
 

@@ -67,7 +67,7 @@ def child(rank: int, tp: int, pp: int, port: int, plan_file: str, model_dir: str
 def run_layout(device: str, model_dir: str, tp: int, pp: int, work: Path, timeout: float) -> dict:
     from safetensors.torch import load_file
 
-    from shard_operator.local import free_port, plan_local
+    from shard_operator.local.launcher import free_port, plan_local
 
     world = tp * pp
     plan = plan_local(model_dir, tp, pp, dtype="float32", max_model_len=64, max_batch_size=len(PROMPTS),

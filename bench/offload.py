@@ -116,7 +116,7 @@ def streaming_plan(model_dir: str, dtype: str, fraction: float, max_len: int):
 
 def run_ours(plan, model_dir: str, tokens: int, prompt: list[int]) -> dict:
     from shard_contract.wire import GenerateRequest, GenerateTask
-    from shard_operator.local import run_generate
+    from shard_operator.local.launcher import run_generate
 
     task = GenerateTask(requests=[GenerateRequest(prompt_ids=prompt, max_new_tokens=tokens, ignore_eos=True)])
     result = run_generate(plan, model_dir, task, timeout=1800, threads_per_rank=1)

@@ -13,10 +13,10 @@ import statistics
 import time
 
 from shard_operator.api import parse_spec
-from shard_operator.inventory import inventory_from_nodes
 from shard_operator.planning import plan, shortfall
 from shard_operator.planning.explain import _suggest
-from shard_operator.profile import profile_from_config
+from shard_operator.planning.inventory import inventory_from_nodes
+from shard_operator.planning.profile import profile_from_config
 
 LLAMA_405B = {  # the published shape of Llama 3.1 405B
     "architectures": ["LlamaForCausalLM"], "hidden_size": 16384, "intermediate_size": 53248,

@@ -51,9 +51,9 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from shard_operator.demo_model import DemoShape, write_demo_model
-from shard_operator.local import LocalGroup, free_port, plan_local
-from shard_operator.run import wait_ready
+from shard_operator.local.demo_model import DemoShape, write_demo_model
+from shard_operator.local.launcher import LocalGroup, free_port, plan_local
+from shard_operator.local.run import wait_ready
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path.home() / ".cache" / "shard-operator"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import kmock
 
-from shard_operator.crd import build_crd
+from shard_operator.api.crd import build_crd
 
 from .controlplane import ControlPlane
 from .emulator import FidelityEmulator

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from shard_contract.env import HOST_ENV, SHM_DIR_ENV
-from shard_operator.inventory import COUNT_LABEL, KIND_LABEL, MEMORY_LABEL, PRODUCT_LABEL, SPEED_LABEL
+from shard_operator.planning.inventory import COUNT_LABEL, KIND_LABEL, MEMORY_LABEL, PRODUCT_LABEL, SPEED_LABEL
 
 from .dns import ClusterDNS
 from .gateway import Gateway
@@ -183,7 +183,7 @@ class DevCluster:
     async def _install_crd(self) -> None:
         """The ShardedModel CRD on the attached API server, created unless it exists: an existing one
         is left as it is (Helm's, say, which owns it and would find it changed)."""
-        from shard_operator.crd import build_crd
+        from shard_operator.api.crd import build_crd
 
         assert self.api is not None
         await self.api.create(path("apiextensions.k8s.io/v1/customresourcedefinitions"), build_crd())

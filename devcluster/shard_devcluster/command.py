@@ -152,7 +152,7 @@ async def _add_node(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from shard_operator.inventory import load_nodes
+    from shard_operator.planning.inventory import load_nodes
 
     from .cluster import DevCluster, default_nodes
 
@@ -160,7 +160,7 @@ async def _serve(args: argparse.Namespace) -> int:
     workdir: Path = (args.dir or default_dir()).resolve()
     host_root = workdir / "host"
     if args.demo_model and not (host_root / MODELS.lstrip("/") / "demo-llama" / "config.json").exists():
-        from shard_operator.demo_model import write_demo_model
+        from shard_operator.local.demo_model import write_demo_model
 
         print(f"writing the demo model to {host_root / MODELS.lstrip('/') / 'demo-llama'} ...", flush=True)
         write_demo_model(host_root / MODELS.lstrip("/") / "demo-llama", overwrite=True)
@@ -191,7 +191,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def banner(cluster, metrics_port: int = 0) -> str:
-    from shard_operator.inventory import MEMORY_LABEL
+    from shard_operator.planning.inventory import MEMORY_LABEL
 
     assert cluster.kubelet is not None
     nodes = list(cluster.kubelet.nodes.objects.values())

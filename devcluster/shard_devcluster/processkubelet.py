@@ -61,7 +61,7 @@ import aiohttp
 
 from shard_contract.env import ENV_NAMES, HOST_ENV
 from shard_contract.units import MiB
-from shard_operator.inventory import MEMORY_LABEL
+from shard_operator.planning.inventory import MEMORY_LABEL
 
 from .kubeapi import SMP, ApiStatusError, Informer, KubeApi, microtime, path, timestamp
 from .kubeletserver import KubeletServer, LogBuffer

@@ -12,8 +12,8 @@ import sys
 import kopf
 
 from . import metrics
-from .handlers import Controller, build_registry, kopf_settings
 from .kube import Kube, load_client
+from .reconcile.handlers import Controller, build_registry, kopf_settings
 from .settings import Settings
 
 

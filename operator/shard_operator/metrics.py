@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from .api import Phase
 
 if TYPE_CHECKING:
-    from .handlers import Controller
+    from .reconcile.handlers import Controller
 
 # No `<name>_created` series beside the reconcile histogram: a timestamp no query reads
 # (prometheus_client reads this process-wide setting at every scrape).

@@ -76,3 +76,94 @@ def test_the_fast_tier_does_not_load_the_dev_cluster():
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
+
+
+# The operator's packages by domain, each with what it may import of the others (the contract is
+# always allowed): a lower layer never reaches up, so planning runs without Kubernetes and the local
+# runner without the reconcile. cli and __main__ compose everything.
+OPERATOR_LAYERS = {
+    "api": set(),
+    "planning": {"api"},
+    "objects": {"api", "planning"},
+    "local": {"api", "planning"},
+    "kube": {"api"},
+    "policy": {"api"},
+    "settings": {"planning"},
+    "reconcile": {"api", "planning", "objects", "kube", "policy", "settings"},
+    "metrics": {"api", "reconcile"},
+}
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_within(root: Path) -> dict[str, set[str]]:
+    """module -> the modules of the same package it imports (at any depth, function-level too; an
+    imported name that is a submodule counts as that module)."""
+    modules = {module_name(p, root): p for p in root.rglob("*.py")}
+    edges = {}
+    for name, path in modules.items():
+        here = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = ".".join(here.split(".")[:len(here.split(".")) - node.level + 1]) if node.level else ""
+                target = ".".join(filter(None, [base, node.module or ""]))
+                found |= {f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+        edges[name] = {m for m in found if m in modules and m != name}
+    return edges
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: strongly connected sets of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            members = []
+            while not members or members[-1] != v:
+                members.append(stack.pop())
+            if len(members) > 1:
+                found.append(sorted(members))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_no_import_circle_inside_a_package(package):
+    root = REPO / PACKAGES[package] / package
+    assert circles(imports_within(root)) == []
+
+
+def test_the_circle_finder_sees_a_circle_and_only_one():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_operator_packages_import_only_the_layers_below_them():
+    root = REPO / "operator" / "shard_operator"
+    edges = imports_within(root)
+    domain = {m: m.split(".")[1] for m in edges if m.count(".") >= 1}
+    assert set(OPERATOR_LAYERS) | {"cli", "__main__"} >= set(domain.values()), sorted(set(domain.values()))
+    offenders = sorted(f"{m} imports {d}" for m, ds in edges.items() for d in ds
+                       if m in domain and d in domain and domain[m] != domain[d]
+                       and domain[m] in OPERATOR_LAYERS and domain[d] not in OPERATOR_LAYERS[domain[m]])
+    assert not offenders, offenders

@@ -25,7 +25,7 @@ def report():
 
 
 def start_cluster(workdir, nodes) -> BackgroundCluster:
-    from shard_operator.demo_model import write_demo_model
+    from shard_operator.local.demo_model import write_demo_model
 
     write_demo_model(workdir / "host" / MODELS / "demo-llama")
     cluster = DevCluster(workdir, nodes=nodes, operator_env=OPERATOR_ENV, probe_period=0.5, grace=3)

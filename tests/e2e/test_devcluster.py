@@ -507,7 +507,7 @@ async def test_the_kubelet_and_proxies_attach_to_another_api_server_without_the_
     import yaml
 
     from shard_devcluster.apiserver import serve, write_kubeconfig
-    from shard_operator.crd import build_crd
+    from shard_operator.api.crd import build_crd
     from tests.support.k8s_binaries import binary
 
     async with serve() as (emu, url):

@@ -36,9 +36,9 @@ import yaml
 
 from shard_devcluster.cluster import default_nodes, sim_node
 from shard_operator.api import load_sharded_models
-from shard_operator.inventory import inventory_from_nodes, load_nodes
 from shard_operator.planning import PlanError, plan
-from shard_operator.profile import profile_model
+from shard_operator.planning.inventory import inventory_from_nodes, load_nodes
+from shard_operator.planning.profile import profile_model
 from tests.support.k8s_binaries import rows
 
 from .conftest import MODELS

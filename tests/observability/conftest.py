@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shard_operator.demo_model import write_demo_model
-from shard_operator.local import LocalGroup, free_port, plan_local
-from shard_operator.run import wait_ready
+from shard_operator.local.demo_model import write_demo_model
+from shard_operator.local.launcher import LocalGroup, free_port, plan_local
+from shard_operator.local.run import wait_ready
 from tests.serving.conftest import TINY
 from tests.support.browser import Browser
 

@@ -17,7 +17,7 @@ import yaml
 from shard_contract.plan import describe_layers
 from shard_contract.units import human
 from shard_operator import metrics
-from shard_operator.local import free_port
+from shard_operator.local.launcher import free_port
 from tests.operator.integration.conftest import world  # noqa: F401 -- the emulated cluster the operator runs against
 from tests.packaging.chart import MONITORING_API, one, render
 from tests.packaging.test_dashboard import LABEL_VALUES, dashboard, panels

@@ -8,9 +8,9 @@ import pytest
 
 from shard_contract.wire import ShardsResponse
 from shard_operator.api import parse_spec
-from shard_operator.inventory import parse_devices
 from shard_operator.planning import plan
-from shard_operator.profile import profile_from_config
+from shard_operator.planning.inventory import parse_devices
+from shard_operator.planning.profile import profile_from_config
 from tests.support.cluster import TINY_LLAMA
 from tests.support.shards import entry, rank_plan
 

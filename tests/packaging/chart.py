@@ -105,12 +105,12 @@ def operator_objects(example: str = "pipeline-explicit.yaml", model: str = "llam
                      network_policy: bool = True) -> list[dict[str, Any]]:
     """What the operator would create for an example ShardedModel (its checkpoint in a PVC; the
     config of examples/models/<model> stands for it) on examples/nodes.yaml: the same profiler,
-    planner and pure builders the operator runs (shard_operator.manifests)."""
+    planner and pure builders the operator runs (shard_operator.objects.manifests)."""
     from shard_operator.api import load_sharded_models
-    from shard_operator.inventory import inventory_from_nodes, load_nodes
-    from shard_operator.manifests import Context, Owner, desired_objects
+    from shard_operator.objects.manifests import Context, Owner, desired_objects
     from shard_operator.planning import plan
-    from shard_operator.profile import profile_model
+    from shard_operator.planning.inventory import inventory_from_nodes, load_nodes
+    from shard_operator.planning.profile import profile_model
 
     path = REPO / "examples" / example
     (sharded,) = load_sharded_models(path)

@@ -9,7 +9,7 @@ import re
 
 import yaml
 
-from shard_operator.handlers import kopf_settings
+from shard_operator.reconcile.handlers import kopf_settings
 from shard_operator.settings import Settings
 from shard_worker.metrics import FAMILIES
 
@@ -72,7 +72,7 @@ def test_paths_in_the_guide_exist():
 
 def test_the_guide_names_the_real_finalizer_reasons_and_metrics():
     assert f"`{kopf_settings(Settings()).persistence.finalizer}`" in GUIDE
-    operator_code = "".join(p.read_text() for p in (REPO / "operator" / "shard_operator").glob("*.py"))
+    operator_code = "".join(p.read_text() for p in (REPO / "operator" / "shard_operator").rglob("*.py"))
     for reason in ("RestartBudgetExhausted", "GroupFailed", "NodeLost", "InsufficientCapacity"):
         assert reason in GUIDE and f'"{reason}"' in operator_code, reason
     for name, (kind, _, _) in FAMILIES.items():
@@ -108,7 +108,7 @@ def code_lines(text: str) -> list[str]:
 
 def test_the_walkthrough_names_what_the_examples_define():
     from shard_operator.api import load_sharded_models
-    from shard_operator.manifests import endpoint_name
+    from shard_operator.objects.manifests import endpoint_name
 
     steps = code_lines(section("## From an empty cluster to a served request"))
     (model,) = load_sharded_models(REPO / "examples" / "llama-70b.yaml")

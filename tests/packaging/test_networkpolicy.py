@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from shard_operator.manifests import Owner, rank_network_policy
+from shard_operator.objects.manifests import Owner, rank_network_policy
 
 from .chart import NAMESPACE, find, operator_objects, selects
 

@@ -1,10 +1,10 @@
-"""The chart grants exactly the permissions the operator uses (operator/shard_operator/permissions.py)."""
+"""The chart grants exactly the permissions the operator uses (operator/shard_operator/objects/permissions.py)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from shard_operator.permissions import NETWORK_POLICY_PERMISSIONS, PERMISSIONS, permissions
+from shard_operator.objects.permissions import NETWORK_POLICY_PERMISSIONS, PERMISSIONS, permissions
 
 from .chart import CUSTOM_VALUES, NAMESPACE, find, one, render
 
@@ -44,7 +44,7 @@ def rules_yaml(scope: set[tuple[str, str]]) -> str:
 
 def assert_grants(roles, scope: set[tuple[str, str]]) -> None:
     assert granted(roles) == expected(scope), (
-        "the chart's RBAC differs from operator/shard_operator/permissions.py; in "
+        "the chart's RBAC differs from operator/shard_operator/objects/permissions.py; in "
         "helm/shard-operator/templates/_rbac.tpl make\nclusterScopedRules:\n"
         f"{rules_yaml(set(ALL) & CLUSTER_SCOPED)}\nnamespacedRules:\n{rules_yaml(set(ALL) - CLUSTER_SCOPED)}")
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shard_operator.demo_model import DemoShape, write_demo_model
-from shard_operator.local import free_port
+from shard_operator.local.demo_model import DemoShape, write_demo_model
+from shard_operator.local.launcher import free_port
 from tests.support.processes import shardctl, worker_ranks
 
 TINY = DemoShape(layers=4, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=600, max_positions=512, files=3)

@@ -34,7 +34,7 @@ def group(tiny_model, tmp_path_factory):
                                + config["chat_template"] + "{% endif %}")
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     yaml_file = sharded_model_yaml(workdir / "tiny.yaml", model, tensor=1, max_len=128)
-    from shard_operator.local import free_port
+    from shard_operator.local.launcher import free_port
 
     port = free_port()
     env = {**os.environ, "SHARD_TEXT_TIMEOUT": str(TEXT_TIMEOUT)}

@@ -13,10 +13,10 @@ from safetensors import safe_open
 
 from shard_contract.checkpoint import expected_tensors
 from shard_operator.api import load_sharded_models
-from shard_operator.demo_model import write_demo_model
-from shard_operator.inventory import parse_devices
+from shard_operator.local.demo_model import write_demo_model
 from shard_operator.planning import PlanError, plan
-from shard_operator.profile import profile_model
+from shard_operator.planning.inventory import parse_devices
+from shard_operator.planning.profile import profile_model
 from shard_worker.tokenizer import TextCodec
 
 from .conftest import TINY

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from shard_operator.local import LocalGroup, free_port, plan_local
+from shard_operator.local.launcher import LocalGroup, free_port, plan_local
 from shard_worker.sequences import FAILED_ELSEWHERE
 from tests.support.checkpoints import break_embedding
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from shard_contract.plan import PredictedBytes, RankPlan
 from shard_contract.wire import Completion, GenerateRequest, ResidentBytes
-from shard_operator.local import free_port
+from shard_operator.local.launcher import free_port
 from shard_worker.batcher import Done, EngineLoop, Failed, Pending, Sink, Step, Unavailable, take_batch, take_joiners
 from shard_worker.engine import RequestError
 from shard_worker.health import (

@@ -15,7 +15,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 
 from shard_contract.env import WorkerEnv
-from shard_operator.local import free_port
+from shard_operator.local.launcher import free_port
 from shard_worker.limits import BoundedBodies, server_limits
 
 from .conftest import wait_for

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from shard_operator.cli import main
-from shard_operator.demo_model import DemoShape, write_demo_model
-from shard_operator.local import free_port, plan_local
-from shard_operator.run import run_local
+from shard_operator.local.demo_model import DemoShape, write_demo_model
+from shard_operator.local.launcher import free_port, plan_local
+from shard_operator.local.run import run_local
 from tests.support.malicious import ATTACKS, write_attack, write_good
 from tests.support.offload import streaming_plan
 from tests.support.processes import alive, rank_port, shardctl, worker_ranks

@@ -19,7 +19,7 @@ import pytest
 import torch.distributed as dist
 from prometheus_client.parser import text_string_to_metric_families
 
-from shard_operator.local import LocalGroup, free_port, plan_local
+from shard_operator.local.launcher import LocalGroup, free_port, plan_local
 
 from .conftest import get, wait_for, wait_group_ready
 

@@ -12,11 +12,11 @@ import pytest
 
 from shard_contract.wire import ShardsResponse
 from shard_operator.api import load_sharded_models
-from shard_operator.inventory import local_kind, parse_devices
-from shard_operator.local import free_port
+from shard_operator.local.launcher import free_port
+from shard_operator.local.run import LoadProgress
 from shard_operator.planning import plan
-from shard_operator.profile import profile_model
-from shard_operator.run import LoadProgress
+from shard_operator.planning.inventory import local_kind, parse_devices
+from shard_operator.planning.profile import profile_model
 from tests.support.processes import shardctl
 
 from .conftest import get, sharded_model_yaml, stop, wait_for

@@ -7,9 +7,9 @@ from pathlib import Path
 from shard_contract.plan import Plan
 from shard_contract.units import GiB
 from shard_operator.api import ModelSpec, Offload, Parallelism, Placement, ShardedModelSpec
-from shard_operator.inventory import parse_devices
 from shard_operator.planning import PlanError, plan
-from shard_operator.profile import profile_model
+from shard_operator.planning.inventory import parse_devices
+from shard_operator.planning.profile import profile_model
 
 
 def streamed_layers(p: Plan) -> int:

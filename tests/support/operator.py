@@ -16,8 +16,8 @@ from typing import Any
 import kopf
 import kubernetes
 
-from shard_operator.handlers import Controller, build_registry, kopf_settings
 from shard_operator.kube import Kube, client_for
+from shard_operator.reconcile.handlers import Controller, build_registry, kopf_settings
 from shard_operator.settings import Settings
 
 FAST = Settings(resync_seconds=0.5, debounce_seconds=0.01, status_poll_seconds=0.05, poll_timeout_seconds=0.5,

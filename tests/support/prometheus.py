@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import yaml
 
-from shard_operator.local import free_port
+from shard_operator.local.launcher import free_port
 
 SCRAPE_SECONDS = 1
 

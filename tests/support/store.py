@@ -18,7 +18,7 @@ from typing import Any
 from kubernetes.client import ApiException
 
 from shard_devcluster.patches import merge_patch
-from shard_operator.manifests import NODE_ANNOTATION
+from shard_operator.objects.manifests import NODE_ANNOTATION
 
 MODEL = "ShardedModel"
 

@@ -61,7 +61,7 @@ def pool():
 
 def make_plan(model_dir: Path, tp: int, pp: int, *, max_len: int = 64, batch: int = 1,
               partition: list[int] | None = None, dtype: str = "auto", quantization: str = "none"):
-    from shard_operator.local import plan_local
+    from shard_operator.local.launcher import plan_local
 
     return plan_local(model_dir, tp, pp, dtype=dtype, quantization=quantization, max_model_len=max_len,
                       max_batch_size=batch,

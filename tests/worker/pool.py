@@ -180,7 +180,7 @@ class RankPool:
     def run(self, plan, model_dir, job: Any, timeout: float = JOB_TIMEOUT) -> list[dict]:
         """Run `job` on every rank of replica 0 of `plan`; results in rank order."""
         from shard_contract.env import WorkerEnv
-        from shard_operator.local import free_port
+        from shard_operator.local.launcher import free_port
 
         world = plan.world_size
         self._grow(world)

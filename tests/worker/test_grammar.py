@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shard_contract.wire import GenerateRequest
-from shard_operator.demo_model import train_tokenizer
+from shard_operator.local.demo_model import train_tokenizer
 from shard_worker.grammar import JSON_OBJECT, Grammars, grammar_of
 from shard_worker.sampling import FAILED, Sampler
 

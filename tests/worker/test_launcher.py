@@ -15,7 +15,7 @@ import torch
 
 from shard_contract.env import WorkerEnv
 from shard_contract.wire import GenerateRequest, GenerateTask
-from shard_operator.local import LaunchError, LocalGroup, free_port, run_generate
+from shard_operator.local.launcher import LaunchError, LocalGroup, free_port, run_generate
 from shard_worker.__main__ import name_process
 from shard_worker.accounting import Accounting
 from shard_worker.dist import RendezvousError, Topology, init_comm

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from shard_contract.wire import GenerateRequest, GenerateTask
-from shard_operator.local import run_generate
+from shard_operator.local.launcher import run_generate
 from tests.support.checkpoints import write_checkpoint
 
 from .conftest import make_plan

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shard_contract.wire import GenerateRequest, GenerateTask
-from shard_operator.local import run_generate
+from shard_operator.local.launcher import run_generate
 from tests.support.checkpoints import write_checkpoint
 from tests.support.offload import streaming_plan
 

@@ -29,8 +29,8 @@ import sys
 import pytest
 import torch
 
-from shard_operator.demo_model import DemoShape, write_demo_model
-from shard_operator.local import plan_local
+from shard_operator.local.demo_model import DemoShape, write_demo_model
+from shard_operator.local.launcher import plan_local
 from tests.support.offload import streaming_plan
 from tests.support.processes import shardctl
 
@@ -154,7 +154,7 @@ MEASURE = """
 import ctypes, json, sys, torch
 from shard_contract.env import WorkerEnv
 from shard_contract.plan import Plan
-from shard_operator.local import free_port
+from shard_operator.local.launcher import free_port
 from shard_worker.runtime import Worker
 plan, model_dir = Plan.from_json(open(sys.argv[1]).read()), sys.argv[2]
 ctypes.CDLL("libc.so.6").malloc_trim(0)  # free heap of the bare process is not counted

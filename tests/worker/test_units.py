@@ -221,8 +221,8 @@ def test_the_planners_attention_workspace_is_what_the_masked_path_allocates(chec
     """The worst masked step (the whole batch, padded rows, maxModelLen columns within one prefill
     chunk): the K/V expanded to this rank's query heads and the mask (with SDPA's additive copy of
     it) are the bytes shard_operator.planning.sizing budgets for attention."""
+    from shard_operator.planning.profile import profile_model
     from shard_operator.planning.sizing import attention_workspace_bytes
-    from shard_operator.profile import profile_model
     from shard_worker.model import KVCache, Layout, Rotary, Step
 
     model_dir = checkpoint("llama")  # 4 heads, 2 KV heads: at TP=4 one of each per rank

@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     tools.add_demo_model(sub)
     tools.add_completion(sub)
     add_plugin_commands(sub)
+    parser.set_defaults(root_parser=parser)  # `completion` writes its script from the whole parser
     return parser
 
 

@@ -11,10 +11,10 @@ from typing import Any
 from shard_contract.units import human
 
 from ..api import ShardedModel, ShardedModelSpec, SpecError, load_sharded_models, resolve_model_dir
-from ..inventory import Inventory, inventory_from_nodes, load_nodes, local_inventory, local_kind, parse_devices
 from ..planning import PlanError, PlannerOptions, plan
 from ..planning.advice import patched
-from ..profile import ModelProfile
+from ..planning.inventory import Inventory, inventory_from_nodes, load_nodes, local_inventory, local_kind, parse_devices
+from ..planning.profile import ModelProfile
 from ..settings import PREFIX
 
 EXIT_BAD_INPUT = 1

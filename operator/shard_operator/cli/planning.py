@@ -8,12 +8,11 @@ import sys
 
 import yaml
 
-from .. import picture
-from ..crd import render as render_crd
-from ..manifests import Context, Owner, check, desired_objects
-from ..planning import PlanError, consider, plan, shortfall
-from ..profile import profile_model
-from ..report import render_considered, render_plan
+from ..api.crd import render as render_crd
+from ..objects.manifests import Context, Owner, check, desired_objects
+from ..planning import PlanError, consider, picture, plan, shortfall
+from ..planning.profile import profile_model
+from ..planning.report import render_considered, render_plan
 from ..settings import Settings
 from .options import (
     EXIT_INFEASIBLE,

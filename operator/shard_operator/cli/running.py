@@ -14,14 +14,13 @@ from shard_contract.env import ENV_NAMES
 from shard_contract.wire import GenerateRequest, GenerateTask
 
 from ..api import SpecError
-from ..generate import parse_ids, render_result, result_json, tokenize
-from ..inventory import local_kind
-from ..local import LaunchError, check_port, free_port, plan_local, run_generate
+from ..local.generate import parse_ids, render_result, result_json, tokenize
+from ..local.launcher import LaunchError, check_port, free_port, plan_local, run_generate
+from ..local.run import run_local
 from ..planning import plan
-from ..profile import profile_model
-from ..report import render_plan
-from ..run import run_local
-from ..view import StatusError, cluster_status, local_status, watch_status
+from ..planning.inventory import local_kind
+from ..planning.profile import profile_model
+from ..planning.report import render_plan
 from .options import (
     EXIT_RANKS_FAILED,
     add_devices_args,
@@ -32,6 +31,7 @@ from .options import (
     pick_model,
     spec_for,
 )
+from .view import StatusError, cluster_status, local_status, watch_status
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..completion import completion_script
-from ..demo_model import DemoShape as DemoShapeDefaults
+from ..local.demo_model import DemoShape as DemoShapeDefaults
+from .completion import completion_script
 from .options import EXIT_BAD_INPUT, command
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:
-    from ..demo_model import DemoShape, describe, write_demo_model
+    from ..local.demo_model import DemoShape, describe, write_demo_model
 
     shape = DemoShape(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
                       kv_heads=args.kv_heads, vocab=args.vocab, max_positions=args.max_positions,
@@ -27,9 +27,7 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 
 
 def cmd_completion(args: argparse.Namespace) -> int:
-    from .main import build_parser  # (main imports this module)
-
-    sys.stdout.write(completion_script(build_parser(), args.shell))
+    sys.stdout.write(completion_script(args.root_parser, args.shell))
     return 0
 
 

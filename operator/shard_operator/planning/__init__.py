@@ -30,6 +30,11 @@ The modules, each with one job: `request` (the spec resolved, the options, PlanE
 memory and time; the layer split), `transport`, `step` and `offload` (what collectives, hops, a
 step's launches and streamed layers cost), `search` (the layouts tried and the one chosen, as a
 Plan), `explain` and `advice` (why not, and what would fit), `planner` (the entry point: search, else explain).
+Beside them: the planner's inputs, `profile` (the model) and `inventory` (the devices), and
+what uses a plan without running anything: `replan` (keep, extend, repair or replace the current
+plan), `report` (the plan table, `--explain`) and `picture` (a plan or a shortfall, drawn).
+
+May import: api (tests/contract/test_boundaries.py).
 """
 
 from .costs import Costs, StageModel, partition_layers

@@ -18,7 +18,7 @@ from typing import Any
 from shard_contract.units import count, gib, human
 
 from ..api import ShardedModelSpec, parse_spec
-from ..inventory import Device, Inventory
+from .inventory import Device, Inventory
 
 # Whether planning `spec` on `inventory` places at least this many groups (replicas).
 Fits = Callable[[ShardedModelSpec, Inventory, int], bool]

@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..inventory import Device
+from .inventory import Device
 
 
 @dataclass(frozen=True, eq=False)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from ..profile import ModelProfile
 from . import offload
 from .offload import OffloadStage
+from .profile import ModelProfile
 from .request import PlannerOptions, Request
 from .sizing import (
     Shard,

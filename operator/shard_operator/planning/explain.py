@@ -14,11 +14,11 @@ from shard_contract.plan import Plan
 from shard_contract.units import apart, count, exactly, human
 
 from ..api import OFFLOAD_INT8, ShardedModelSpec
-from ..inventory import Inventory
-from ..profile import ModelProfile
 from . import offload
 from .advice import Asked, Fits, Suggestion, offer, suggestions
 from .costs import Costs, partition_layers
+from .inventory import Inventory
+from .profile import ModelProfile
 from .request import PlannerOptions, Request, Shortfall, resolve_request
 from .search import fitting, pick, places, to_plan
 from .sizing import Shard, activation_bytes, kv_cache_bytes, nvls_bytes, weight_bytes

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from shard_contract.plan import OffloadPlan, OffloadSettings, Plan, RankPlan
 from shard_contract.units import human
 
-from ..inventory import FILE_GBPS
+from .inventory import FILE_GBPS
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from shard_contract.plan import Plan
 
 from ..api import ShardedModelSpec
-from ..inventory import Inventory
-from ..profile import ModelProfile
 from .explain import capacity_needed, explain_infeasible, offload_note
+from .inventory import Inventory
+from .profile import ModelProfile
 from .request import PlanError, PlannerOptions
 from .search import NothingFits, search
 

@@ -13,9 +13,9 @@ from shard_contract.plan import DEFAULT_PREFETCH, OffloadSettings
 from shard_contract.sharding import tp_problem, valid_tensor_degrees
 
 from ..api import ShardedModelSpec
-from ..inventory import Device
-from ..profile import ModelProfile
 from .advice import Suggestion
+from .inventory import Device
+from .profile import ModelProfile
 from .sizing import RUNTIME_OVERHEAD
 from .step import StepOverhead
 from .transport import Transport

@@ -13,11 +13,11 @@ from shard_contract.sharding import valid_tensor_degrees
 from shard_contract.units import count
 
 from ..api import ShardedModelSpec
-from ..inventory import Inventory, SkippedNode
-from ..profile import ModelProfile
 from . import offload
 from .blocks import Block, BlockPool, arrangements, make_blocks
 from .costs import Costs
+from .inventory import Inventory, SkippedNode
+from .profile import ModelProfile
 from .request import AUTO_FALLBACK, PlanError, PlannerOptions, Request, check_parallelism, resolve_request
 from .sizing import (
     Shard,

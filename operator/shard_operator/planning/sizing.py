@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from shard_contract.sharding import PREFILL_CHUNK, kv_heads_per_rank, vocab_rows_per_rank
 from shard_contract.units import MiB
 
-from ..profile import ModelProfile
+from .profile import ModelProfile
 
 # What a rank needs beyond weights, KV cache and activations. On a GPU: the CUDA context with its
 # lazily loaded kernels and cuBLAS workspaces (1.8 GiB of non-torch memory has been logged on an

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from shard_devcluster.apiserver import SM, serve
 from shard_operator.kube import Kube
-from shard_operator.permissions import permissions
+from shard_operator.objects.permissions import permissions
 from tests.operator.conftest import leader_report
 from tests.support.fakekubelet import FakeKubelet
 from tests.support.operator import ManualClock, eventually, fast_settings, running_operator

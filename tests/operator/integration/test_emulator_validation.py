@@ -249,7 +249,7 @@ async def test_the_kubernetes_cel_libraries_are_a_gap(cluster):
                          json={"apiVersion": "test.dev/v1", "kind": "Widget", "metadata": {"name": "w"},
                                                 "spec": {"name": "Abc"}})
     assert st == 422 and "evaluating rule: self.lowerAscii() == self" in causes(b)["spec.name"][1]
-    from shard_operator.crd import build_crd
+    from shard_operator.api.crd import build_crd
     rules = " ".join(expressions(build_crd()))
     assert "filter(" in rules and "type(self)" in rules
     for name in ("lowerAscii", "upperAscii", "split", "quantity", "url(", "ip(", "cidr(", ".sum(", "isSorted", "?."):

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shard_devcluster.apiserver import serve, write_kubeconfig
-from shard_operator.local import free_port
+from shard_operator.local.launcher import free_port
 from tests.support.cluster import gpu_node, sharded_model, write_model
 from tests.support.fakekubelet import FakeKubelet
 from tests.support.operator import eventually

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 from shard_contract.wire import Measured, ShardsResponse
-from shard_operator.leaders import fetch
+from shard_operator.reconcile.leaders import fetch
 from tests.support.shards import entry, rank_plan
 
 

@@ -20,9 +20,9 @@ from shard_contract.units import quantity
 from shard_devcluster.apiserver import SM
 from shard_devcluster.emulator import Faults
 from shard_operator.api import parse_spec
-from shard_operator.manifests import PLAN_KEY, Context, Owner, desired_objects, drift_patch, plan_record_name
 from shard_operator.metrics import ControllerCollector
-from shard_operator.permissions import permissions
+from shard_operator.objects.manifests import PLAN_KEY, Context, Owner, desired_objects, drift_patch, plan_record_name
+from shard_operator.objects.permissions import permissions
 from tests.operator.conftest import RESIDENT
 from tests.support.cluster import SEVEN_B, gpu_node, sharded_model, write_model
 from tests.support.operator import eventually

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shard_operator import api
-from shard_operator.crd import build_crd, render
+from shard_operator.api.crd import build_crd, render
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.yaml"))

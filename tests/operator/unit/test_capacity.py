@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shard_operator.capacity import (
+from shard_operator.planning.inventory import parse_devices
+from shard_operator.reconcile.capacity import (
     extended_requests,
     fingerprint,
     free_gpus,
@@ -13,7 +14,6 @@ from shard_operator.capacity import (
     slim_node,
     used_per_node,
 )
-from shard_operator.inventory import parse_devices
 from shard_operator.settings import Settings
 from tests.support.cluster import gpu_node
 

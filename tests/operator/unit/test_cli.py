@@ -12,9 +12,9 @@ import pytest
 
 from shard_operator.api import load_sharded_models, resolve_model_dir
 from shard_operator.cli import build_parser, inventory_for, main
-from shard_operator.inventory import inventory_from_nodes, load_nodes, local_kind
-from shard_operator.profile import profile_model
-from shard_operator.replan import choose_plan
+from shard_operator.planning.inventory import inventory_from_nodes, load_nodes, local_kind
+from shard_operator.planning.profile import profile_model
+from shard_operator.planning.replan import choose_plan
 from shard_operator.settings import Settings
 from tests.support.malicious import ATTACKS, CORPUS, write_attack
 
@@ -201,7 +201,7 @@ def test_run_refuses_a_malicious_checkpoint_before_any_rank_starts(capsys, tmp_p
 @pytest.fixture
 def demo_config(tmp_path) -> Path:
     """The config.json of `make demo`'s model (the planner profiles it from the config alone)."""
-    from shard_operator.demo_model import DemoShape, hf_config
+    from shard_operator.local.demo_model import DemoShape, hf_config
     (tmp_path / "config.json").write_text(json.dumps(hf_config(DemoShape(), 1024, 1, [2])))
     return tmp_path
 

@@ -9,7 +9,7 @@ import yaml
 
 from shard_contract.env import WorkerEnv
 from shard_operator.cli import main
-from shard_operator.inventory import inventory_from_nodes, load_nodes
+from shard_operator.planning.inventory import inventory_from_nodes, load_nodes
 from tests.support.cluster import write_model
 
 ROOT = Path(__file__).resolve().parents[3]

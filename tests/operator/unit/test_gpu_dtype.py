@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from shard_operator.inventory import inventory_from_nodes
 from shard_operator.planning import PlanError, plan
-from shard_operator.profile import profile_from_config
-from shard_operator.replan import incompatibility
+from shard_operator.planning.inventory import inventory_from_nodes
+from shard_operator.planning.profile import profile_from_config
+from shard_operator.planning.replan import incompatibility
 from tests.operator.unit.test_planner import LLAMA_8B, spec
 
 PRODUCTS = {"t4": ("Tesla-T4", "16384", "7", "5"), "v100": ("Tesla-V100-SXM2-32GB", "32768", "7", "0"),

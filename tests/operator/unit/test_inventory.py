@@ -8,7 +8,7 @@ import pytest
 
 from shard_contract.units import GiB, MiB, parse_bytes
 from shard_operator.api import Placement, Toleration
-from shard_operator.inventory import (
+from shard_operator.planning.inventory import (
     CPU_SPEED,
     bandwidth_of,
     inventory_from_nodes,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from shard_contract.env import EXIT_CONFIG, EXIT_FAILED
-from shard_operator.local import LocalGroup, RankProcess
+from shard_operator.local.launcher import LocalGroup, RankProcess
 
 
 class Exited:

@@ -14,8 +14,7 @@ from shard_contract.plan import Plan
 from shard_contract.units import quantity
 from shard_operator import planning as planner
 from shard_operator.api import SpecError
-from shard_operator.inventory import parse_devices
-from shard_operator.manifests import (
+from shard_operator.objects.manifests import (
     GROUP_LABEL,
     MODEL_LABEL,
     PLAN_LABEL,
@@ -35,6 +34,7 @@ from shard_operator.manifests import (
     pod_name,
     profiling_pod,
 )
+from shard_operator.planning.inventory import parse_devices
 from tests.operator.conftest import make_plan, make_spec, tiny_profile
 
 OWNER = Owner(name="llama", namespace="serving", uid="uid-1")
@@ -294,7 +294,7 @@ def plan_on(devices: str, kind: str, **spec):
     ("1e3", 2, "2e3"), ("0.5Gi", 1, "0.5Gi"), (".5", 2, "1"),
 ])
 def test_per_rank_quantities_scale_to_the_pods_ranks(quantity, n, scaled):
-    from shard_operator.resources import times
+    from shard_operator.objects.resources import times
 
     assert times(quantity, n, "f") == scaled
 

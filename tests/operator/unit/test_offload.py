@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from shard_contract.plan import Plan
 from shard_operator.api import SpecError, parse_spec
-from shard_operator.inventory import (
+from shard_operator.planning import Costs, PlanError, plan, resolve_request
+from shard_operator.planning.inventory import (
     FILE_GBPS,
     HOST_GBPS,
     MAPPED_FILE_GBPS,
@@ -21,8 +22,9 @@ from shard_operator.inventory import (
     inventory_from_nodes,
     parse_devices,
 )
-from shard_operator.planning import Costs, PlanError, plan, resolve_request
 from shard_operator.planning.offload import spread
+from shard_operator.planning.profile import profile_from_config
+from shard_operator.planning.replan import choose_plan
 from shard_operator.planning.sizing import (
     layer_copied_bytes,
     layer_read_bytes,
@@ -30,8 +32,6 @@ from shard_operator.planning.sizing import (
     layer_weight_bytes,
 )
 from shard_operator.planning.step import StepOverhead
-from shard_operator.profile import profile_from_config
-from shard_operator.replan import choose_plan
 from tests.operator.unit.test_planner import LLAMA_8B, OPTIONS, _rank_total
 from tests.support.cluster import gpu_node
 
@@ -328,7 +328,7 @@ def _splits(total: int, parts: int):
 
 
 def test_the_picture_shows_what_a_rank_streams_and_its_staging():
-    from shard_operator.picture import plan_svg
+    from shard_operator.planning.picture import plan_svg
 
     streams = plan(EIGHT_B, spec(), parse_devices("a:8GiB:L4"))
     streaming = plan_svg(streams)

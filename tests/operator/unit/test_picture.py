@@ -1,4 +1,4 @@
-"""The placement picture (shard_contract.picture, shard_operator.picture): well-formed SVG, every
+"""The placement picture (shard_contract.picture, shard_operator.planning.picture): well-formed SVG, every
 rank drawn where the plan puts it with its numbers, dead ranks red, what is missing drawn to scale;
 and the pictures in docs/ are what `shardctl plan` draws today."""
 
@@ -16,9 +16,9 @@ from shard_contract.picture import DEAD, group_svg
 from shard_contract.units import human
 from shard_contract.wire import ShardEntry
 from shard_operator.cli import main
-from shard_operator.inventory import parse_devices
-from shard_operator.picture import infeasible_svg, plan_svg
 from shard_operator.planning import PlanError, plan
+from shard_operator.planning.inventory import parse_devices
+from shard_operator.planning.picture import infeasible_svg, plan_svg
 from tests.operator.conftest import make_plan, make_spec, tiny_profile
 from tests.support.shards import measured
 

@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 
 from shard_contract.sharding import valid_tensor_degrees
 from shard_operator.api import parse_spec
-from shard_operator.inventory import Device, Inventory, parse_devices
 from shard_operator.planning import PlanError, PlannerOptions, places, plan, shortfall
+from shard_operator.planning.inventory import Device, Inventory, parse_devices
+from shard_operator.planning.profile import ModelProfile, profile_from_config
+from shard_operator.planning.replan import choose_plan
 from shard_operator.planning.sizing import Shard, activation_bytes, kv_cache_bytes, weight_bytes
 from shard_operator.planning.step import StepOverhead
-from shard_operator.profile import ModelProfile, profile_from_config
-from shard_operator.replan import choose_plan
 
 LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
              "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
@@ -220,7 +220,7 @@ def test_infeasible_says_what_is_needed_and_what_would_help():
 
 def test_no_devices_reports_the_skipped_nodes():
     with pytest.raises(PlanError, match=r"no usable devices in the node pool \(n1: cordoned\)") as err:
-        from shard_operator.inventory import SkippedNode
+        from shard_operator.planning.inventory import SkippedNode
         plan(profile_from_config(LLAMA_8B), spec(), Inventory(skipped=[SkippedNode(node="n1", reason="cordoned")]))
     assert err.value.reason == "NoDevices"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from shard_contract.checkpoint import CheckpointError, expected_tensors, read_safetensors_header
-from shard_operator.profile import profile_from_config, profile_model
+from shard_operator.planning.profile import profile_from_config, profile_model
 
 ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"]
 
@@ -183,7 +183,7 @@ def test_a_profile_cached_without_the_int8_counts_is_profiled_again():
 
     from pydantic import ValidationError
 
-    from shard_operator.profile import ModelProfile
+    from shard_operator.planning.profile import ModelProfile
 
     config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
               "num_hidden_layers": 2, "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256}

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from shard_operator.api import SpecError
-from shard_operator.profiles import LocalProfiles, ModelNotFound, local_model_dir
+from shard_operator.reconcile.profiles import LocalProfiles, ModelNotFound, local_model_dir
 from shard_operator.settings import Settings
 from tests.operator.conftest import make_spec
 from tests.support.cluster import write_model

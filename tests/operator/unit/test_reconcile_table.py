@@ -26,10 +26,10 @@ import pytest
 from shard_contract.checkpoint import read_checkpoint
 from shard_contract.env import SECRET_KEY
 from shard_devcluster.patches import merge_patch
-from shard_operator.capacity import gpu_use, slim_node
-from shard_operator.handlers import Controller, Loop
-from shard_operator.manifests import MODEL_LABEL
-from shard_operator.reconcile import Event, World
+from shard_operator.objects.manifests import MODEL_LABEL
+from shard_operator.reconcile.capacity import gpu_use, slim_node
+from shard_operator.reconcile.core import Event, World
+from shard_operator.reconcile.handlers import Controller, Loop
 from shard_operator.settings import Settings
 from tests.operator.conftest import RESIDENT, leader_report
 from tests.support.cluster import gpu_node, sharded_model, write_model

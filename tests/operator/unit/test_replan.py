@@ -8,9 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shard_operator.inventory import Inventory, parse_devices
 from shard_operator.planning import PlanError
-from shard_operator.replan import choose_plan, critical_path, incompatibility, make_room, without_devices, without_held
+from shard_operator.planning.inventory import Inventory, parse_devices
+from shard_operator.planning.replan import (
+    choose_plan,
+    critical_path,
+    incompatibility,
+    make_room,
+    without_devices,
+    without_held,
+)
 from tests.operator.conftest import make_spec, tiny_profile
 from tests.support.cluster import SEVEN_B
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from shard_operator.api import Rollout, load_sharded_models
-from shard_operator.inventory import inventory_from_nodes
-from shard_operator.profile import profile_from_config
-from shard_operator.replan import choose_plan, make_room
-from shard_operator.rollout import (
+from shard_operator.planning.inventory import inventory_from_nodes
+from shard_operator.planning.profile import profile_from_config
+from shard_operator.planning.replan import choose_plan, make_room
+from shard_operator.reconcile.rollout import (
     ObservedGroup,
     RankState,
     Want,

@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 
 from shard_contract.wire import Measured
-from shard_operator.events import event_body
-from shard_operator.rollout import Decision, ObservedGroup, RankState, Want
-from shard_operator.status import Observation, Problem, build_status, newly_ready, status_patch
+from shard_operator.reconcile.events import event_body
+from shard_operator.reconcile.rollout import Decision, ObservedGroup, RankState, Want
+from shard_operator.reconcile.status import Observation, Problem, build_status, newly_ready, status_patch
 from tests.operator.conftest import make_plan, make_spec
 
 NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from shard_operator.timing import Pool, poll_in, requeue_after, retry_after, settle
+from shard_operator.reconcile.timing import Pool, poll_in, requeue_after, retry_after, settle
 
 WINDOW = 30.0
 

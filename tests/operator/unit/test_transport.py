@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from shard_operator.inventory import parse_devices
 from shard_operator.planning import PlannerOptions, plan
+from shard_operator.planning.inventory import parse_devices
+from shard_operator.planning.profile import profile_from_config
 from shard_operator.planning.sizing import Shard, weight_bytes
 from shard_operator.planning.step import StepOverhead
 from shard_operator.planning.transport import PER_RANK, PER_TENSOR_GROUP, Transport, pod_layout
-from shard_operator.profile import profile_from_config
 from tests.operator.unit.test_planner import LLAMA_8B, spec
 
 

@@ -8,8 +8,8 @@ import pytest
 
 from shard_contract.plan import PredictedBytes
 from shard_contract.wire import ShardsResponse
-from shard_operator.manifests import pod_name
-from shard_operator.view import leader_pods, render, view_of_model, with_leaders
+from shard_operator.cli.view import leader_pods, render, view_of_model, with_leaders
+from shard_operator.objects.manifests import pod_name
 from tests.support.shards import entry, rank_plan
 
 PREDICTED = PredictedBytes(weights=1, kv_cache=1, activations=1, overhead=1)

@@ -19,8 +19,8 @@ from pydantic import ValidationError
 
 from shard_contract.checkpoint import CheckpointError, CheckpointFacts
 
-from .api import ShardedModelSpec, inside
-from .manifests import (
+from ..api import ShardedModelSpec, inside
+from ..objects.manifests import (
     COMPONENT_LABEL,
     PROFILE_KEY,
     SOURCE_ANNOTATION,
@@ -30,8 +30,8 @@ from .manifests import (
     profile_record,
     profiling_pod,
 )
-from .profile import ModelProfile, profile_from_facts, profile_model
-from .settings import Settings
+from ..planning.profile import ModelProfile, profile_from_facts, profile_model
+from ..settings import Settings
 from .writes import Write
 
 

@@ -1,6 +1,6 @@
 """Generate the ShardedModel CustomResourceDefinition from the pydantic models in the `api/` package.
 
-`python -m shard_operator.crd > crds/shardedmodels.yaml` (or `make crd`); a test fails when the
+`python -m shard_operator.api.crd > crds/shardedmodels.yaml` (or `make crd`); a test fails when the
 committed file differs. The schema is structural (every node typed, no $ref, no
 `additionalProperties: false`), carries the defaults and bounds of the models, and marks the
 int-or-"auto" parallelism degrees with `x-kubernetes-int-or-string`.
@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from . import api
+from .. import api
 
 # As `kubectl get` shows them: READY as ready/wanted groups (as for Deployments), the in-cluster
 # URL (as KServe's), and why a Failed or Degraded model is so.

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from .inventory import Inventory
+from ..planning.inventory import Inventory
 from .rollout import pod_node
 
 

@@ -40,9 +40,9 @@ from shard_contract.env import (
 )
 from shard_contract.plan import Plan
 
+from ..api import API_VERSION, KIND, ShardedModelSpec, SpecError
+from ..planning.transport import pod_layout, pod_ranks
 from . import podtemplate, resources
-from .api import API_VERSION, KIND, ShardedModelSpec, SpecError
-from .planning.transport import pod_layout, pod_ranks
 
 MODEL_LABEL = "sharding.dev/model"
 GROUP_LABEL = "sharding.dev/group"

@@ -15,7 +15,7 @@ from typing import Any, Literal, Protocol
 from shard_contract.env import new_group_key
 from shard_contract.plan import Plan
 
-from .manifests import (
+from ..objects.manifests import (
     GROUP_LABEL,
     REVISION_LABEL,
     Context,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from shard_contract.plan import Plan, describe_layers
 from shard_contract.units import count, human, table_unit
 
+from . import Considered, PlannerOptions
 from .inventory import Inventory
-from .planning import Considered, PlannerOptions
 from .profile import ModelProfile
 
 BAR_WIDTH = 20

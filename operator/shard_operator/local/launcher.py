@@ -33,10 +33,10 @@ from shard_contract.env import ENV_NAMES, EXIT_CONFIG, RESULT_ENV, TASK_ENV, WOR
 from shard_contract.plan import Plan
 from shard_contract.wire import GenerateResult, GenerateTask
 
-from .api import ModelSpec, Parallelism, ShardedModelSpec
-from .inventory import DeviceKind, local_inventory, parse_devices
-from .planning import plan as make_plan
-from .profile import profile_model
+from ..api import ModelSpec, Parallelism, ShardedModelSpec
+from ..planning import plan as make_plan
+from ..planning.inventory import DeviceKind, local_inventory, parse_devices
+from ..planning.profile import profile_model
 
 POLL_SECONDS = 0.05
 STOP_GRACE_SECONDS = 5.0

@@ -11,8 +11,8 @@ from typing import Any
 from shard_contract.env import ENV_NAMES
 from shard_contract.plan import RankPlan
 
+from ..api import ShardedModelSpec, SpecError
 from . import resources
-from .api import ShardedModelSpec, SpecError
 
 
 def security(add: Sequence[str] = ()) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -34,7 +34,7 @@ from decimal import Decimal, InvalidOperation
 from shard_contract.plan import RankPlan
 from shard_contract.units import GiB, MiB, quantity
 
-from .api import SpecError
+from ..api import SpecError
 
 HOST_BYTES = {"gpu": 2 * GiB, "cpu": 512 * MiB}
 HEADROOM = 0.25

@@ -26,11 +26,9 @@ from shard_contract.checkpoint import CheckpointError
 from shard_contract.plan import Plan
 from shard_contract.wire import Measured, ShardsResponse
 
-from .api import ShardedModelSpec, SpecError, parse_spec
-from .capacity import GpuUse, fingerprint, free_gpus, healthy_nodes, node_names, used_per_node
-from .inventory import Inventory, inventory_from_nodes
-from .kube import KINDS, NETWORK_POLICY
-from .manifests import (
+from ..api import ShardedModelSpec, SpecError, parse_spec
+from ..kube import KINDS, NETWORK_POLICY
+from ..objects.manifests import (
     COMPONENT_LABEL,
     GROUP_LABEL,
     MODEL_LABEL,
@@ -45,13 +43,15 @@ from .manifests import (
     model_label,
     plan_record_name,
 )
-from .planning import PlanError, offload
-from .policy import NotAllowed, admit
-from .profile import ModelProfile
+from ..planning import PlanError, offload
+from ..planning.inventory import Inventory, inventory_from_nodes
+from ..planning.profile import ModelProfile
+from ..planning.replan import PlanChoice, choose_plan, make_room, without_held
+from ..policy import NotAllowed, admit
+from ..settings import Settings
+from .capacity import GpuUse, fingerprint, free_gpus, healthy_nodes, node_names, used_per_node
 from .profiles import LocalProfiles, ModelNotFound, local_model_dir, remote_profile
-from .replan import PlanChoice, choose_plan, make_room, without_held
 from .rollout import Decision, GroupKey, ObservedGroup, Want, decide, group_state, observe_groups
-from .settings import Settings
 from .status import Observation, Problem, build_status, failed_status, newly_ready, status_patch
 from .timing import RECHECK_SECONDS, Pool, poll_in, requeue_after, settle
 from .writes import Write, changes

@@ -28,9 +28,9 @@ from typing import Any
 from shard_contract.plan import Plan
 from shard_contract.units import gib
 
-from .api import Parallelism, ShardedModelSpec
+from ..api import Parallelism, ShardedModelSpec
+from . import AUTO_FALLBACK, PlanError, PlannerOptions, places, plan, resolve_request, shortfall
 from .inventory import Device, Inventory, SkippedNode
-from .planning import AUTO_FALLBACK, PlanError, PlannerOptions, places, plan, resolve_request, shortfall
 from .profile import ModelProfile
 
 

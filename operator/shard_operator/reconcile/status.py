@@ -14,7 +14,7 @@ from shard_contract.plan import Plan, RankPlan
 from shard_contract.units import count
 from shard_contract.wire import Measured
 
-from .api import (
+from ..api import (
     Condition,
     GroupStatus,
     PlanSummary,
@@ -24,7 +24,7 @@ from .api import (
     ShardStatus,
     StageStatus,
 )
-from .manifests import MODEL_LABEL, ROLE_LABEL, endpoint_name, model_label
+from ..objects.manifests import MODEL_LABEL, ROLE_LABEL, endpoint_name, model_label
 from .rollout import Decision, GroupKey, ObservedGroup, Want, group_state
 
 SEE_DEGRADED = "the Degraded condition says why"  # a problem's message is written once, there

@@ -25,14 +25,14 @@ from prometheus_client import Histogram
 
 from shard_contract.wire import ShardsResponse
 
+from ..api import GROUP, PLURAL, VERSION
+from ..kube import Kube
+from ..objects.manifests import MODEL_LABEL, Owner, model_label
+from ..settings import Settings
 from . import leaders
-from .api import GROUP, PLURAL, VERSION
 from .capacity import GpuUse, gpu_use, slim_node
+from .core import Event, Memory, Reads, Result, World, failed, reconcile
 from .events import event_body, instance
-from .kube import Kube
-from .manifests import MODEL_LABEL, Owner, model_label
-from .reconcile import Event, Memory, Reads, Result, World, failed, reconcile
-from .settings import Settings
 from .timing import retry_after
 from .writes import send
 

@@ -27,8 +27,8 @@ from typing import Any
 
 from shard_contract.env import ENV_NAMES, EXIT_CONFIG
 
-from .api import Rollout
-from .manifests import GROUP_LABEL, NODE_ANNOTATION, PLAN_LABEL, RANK_LABEL, RANKS_LABEL, REVISION_LABEL
+from ..api import Rollout
+from ..objects.manifests import GROUP_LABEL, NODE_ANNOTATION, PLAN_LABEL, RANK_LABEL, RANKS_LABEL, REVISION_LABEL
 
 GroupKey = tuple[int, str]  # (replica, revision)
 

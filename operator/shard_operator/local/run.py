@@ -29,7 +29,7 @@ from shard_contract.plan import Plan, describe_layers
 from shard_contract.units import count, human, table_unit
 from shard_contract.wire import ShardEntry
 
-from .local import LaunchError, LocalGroup, RankProcess, sigterm_unwinds
+from .launcher import LaunchError, LocalGroup, RankProcess, sigterm_unwinds
 
 POLL_SECONDS = 0.25
 HEALTH_PERIOD_SECONDS = 1.0

@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from shard_contract.units import MiB, human, parse_bytes
 
-from .api import Placement, Toleration
+from ..api import Placement, Toleration
 
 SPEED_LABEL = "sharding.dev/gpu-speed"
 MEMORY_LABEL = "nvidia.com/gpu.memory"  # MiB, from GPU feature discovery

@@ -18,7 +18,7 @@ from shard_contract.plan import Plan
 from shard_contract.units import human
 from shard_contract.wire import ShardEntry
 
-from .planning import PlanError, Shortfall
+from . import PlanError, Shortfall
 
 WIDTH = 900
 BAR_H = 26

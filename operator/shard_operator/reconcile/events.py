@@ -8,7 +8,7 @@ import os
 import socket
 from typing import Any
 
-from .api import GROUP, KIND, VERSION
+from ..api import GROUP, KIND, VERSION
 
 REPORTING_CONTROLLER = f"{GROUP}/shard-operator"
 # What the operator did (or failed to do) about the ShardedModel, per Event reason.

@@ -67,8 +67,10 @@ def gumbel(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor, voc
     row = _mix(_mix(_mix(seed_lo) ^ seed_hi) ^ (step & _MASK))[:, None]
     ids = _mix(torch.arange(vocab, device=step.device, dtype=torch.int64) * 0x9E3779B1 & _MASK)[None, :]
     h = _mix(_mix(row ^ ids) ^ (row >> 7))
-    u = (h.double() + 0.5) * 2.0 ** -32  # in (0, 1), never 0 or 1
-    return -torch.log(-torch.log(u))
+    # 24 bits, exact in float32, in (0, 1) and never 0 or 1; float32 because torch's CPU log is
+    # vectorised in float32 and some 40 times slower in float64 (17 ms at a 32k vocabulary).
+    u = ((h >> 8).float() + 0.5) * 2.0 ** -24
+    return (-torch.log(-torch.log(u))).double()
 
 
 @dataclass

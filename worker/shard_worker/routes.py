@@ -262,6 +262,7 @@ class Reply:
         codec = routes.codec
         self.text = TextStream(codec.decode if codec is not None else None, pending.request.stop)
         self.sent_logprobs = 0
+        self.failed = False  # its stream ended with an error body (and the whole stream ends there)
 
     def piece(self, token: int) -> str:
         codec = self.routes.codec
@@ -337,6 +338,7 @@ class Reply:
                 answered = True
                 event = settled(event)
                 if isinstance(event, Failed):
+                    self.failed = True
                     yield f"data: {json.dumps(openai.error_body(event.reason, openai.error_type(event.status)))}\n\n"
                     continue
                 final = event.completion
@@ -373,6 +375,8 @@ async def streamed(loop: EngineLoop, replies: list[Reply], include_usage: bool) 
                 finals.append(item)
             else:
                 yield item
+        if any(r.failed for r in replies):
+            return  # an error body ends the stream, as with one choice
         if include_usage:
             call = replies[0].call
             obj = "chat.completion.chunk" if call.chat else "text_completion"

@@ -121,7 +121,9 @@ async def load(server: Server, clients: int, seconds: float, max_tokens: int, vo
 
     async def client(i: int) -> None:
         rng = random.Random(i)
-        while time.monotonic() < deadline:
+        sent = 0
+        while time.monotonic() < deadline or (seconds > 0 and not sent):  # each client one request at least
+            sent += 1
             results.append(await stream(http, server, prompt_of(rng, rng.randrange(8, 40), vocab), max_tokens))
 
     async with httpx.AsyncClient(base_url=server.url, timeout=900) as http:
@@ -278,9 +280,10 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", default="BF16", choices=["F32", "BF16"], help="the GGUF's (ours: the model's)")
+    parser.add_argument("--dtype", default="F32", choices=["F32", "BF16"],
+                        help="the GGUF's: the same as the model's (the demo model: float32)")
     parser.add_argument("--scenarios", default="long,prefix,overflow")
-    parser.add_argument("--overflow-len", type=int, default=256, help="scenario 4's sequence length")
+    parser.add_argument("--overflow-len", type=int, default=96, help="scenario 4: prompt + new tokens of each request")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()

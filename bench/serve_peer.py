@@ -29,6 +29,7 @@ sources) with this interpreter. Usage:
 
     nice .venv/bin/python bench/serve_peer.py [--clients 1,4,16,64] [--seconds 20] [--skip-peer]
                                               [--scenarios long,prefix,overflow] [--out FILE.json]
+                                              [--skip-ours] [--combine OURS.json PEER.json]
 """
 
 from __future__ import annotations
@@ -285,8 +286,14 @@ def main() -> int:
     parser.add_argument("--scenarios", default="long,prefix,overflow")
     parser.add_argument("--overflow-len", type=int, default=96, help="scenario 4: prompt + new tokens of each request")
     parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument("--skip-ours", action="store_true")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--combine", type=Path, nargs="+", metavar="JSON",
+                        help="only print the table of earlier runs' --out files (one server each)")
     args = parser.parse_args()
+    if args.combine:
+        print(table({k: v for path in args.combine for k, v in json.loads(path.read_text()).items()}))
+        return 0
     args.clients = [int(c) for c in args.clients.split(",")]
     args.scenarios = [s for s in args.scenarios.split(",") if s]
     model_dir = args.model or REPO / ".cache" / "demo-model"
@@ -294,8 +301,8 @@ def main() -> int:
         write_demo_model(model_dir, DemoShape(), overwrite=True)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     parallel = max(args.clients)
-    results = {"shard-operator": run_server(lambda p: ours(model_dir, p, args.threads, MAX_LEN), args, vocab,
-                                            parallel)}
+    results = {} if args.skip_ours else {
+        "shard-operator": run_server(lambda p: ours(model_dir, p, args.threads, MAX_LEN), args, vocab, parallel)}
     if not args.skip_peer:
         if not SERVER.is_file():
             print(f"no {SERVER}: see this script's docstring", file=sys.stderr)

@@ -60,7 +60,8 @@ async def one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int, strea
 
 async def last_generate(http: httpx.AsyncClient) -> dict:
     """The leader's figures of its latest generate, as its heartbeat last published them."""
-    return (await http.get("/v1/shards")).json()["ranks"][0].get("last_generate", {})
+    leader = (await http.get("/v1/shards")).json()["ranks"][0]
+    return (leader.get("report") or {}).get("last_generate", {})
 
 
 async def batch(url: str, prompts: list[list[int]], max_tokens: int, stream: bool) -> dict:

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 .PHONY: demo test test-fast lint system-tools test-tools crd bench images push-images clean
 
 # Each step says what it does first: a first install is quiet for minutes otherwise.
-$(STAMP): pyproject.toml worker/shard_worker/_gemv.c  # the C kernel is built by the install
+$(STAMP): pyproject.toml $(wildcard worker/shard_worker/csrc/*.[ch])  # the C kernels are built by the install
 	@test -x $(PY) || { echo "make: creating the virtualenv $(VENV) (python3 -m venv)"; python3 -m venv $(VENV); }
 	@# The CPU wheel of torch lies on disk; an unpinned torch would pull a multi-GB CUDA build.
 	@$(PY) -c "import torch" 2>/dev/null || { echo "make: installing torch 2.13.0, the CPU build (a minute or two) ..."; \

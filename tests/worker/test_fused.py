@@ -9,6 +9,8 @@ And SwiGLU's product in C (`kernels.silu_mul`) against torch's F.silu(gate) * up
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -102,10 +104,10 @@ def test_fused_layers_with_two_threads_compute_the_same(model):
 
 
 def test_a_layer_plan_with_a_wrong_size_or_bad_shapes_is_refused():
-    names = kernels._gemv.layer_fields()
-    with pytest.raises(ValueError, match="wrong size"):
+    assert ctypes.sizeof(fused.LayerPlan) == kernels._gemv.LAYER_PLAN_SIZE  # the mirror of csrc/layer.h
+    with pytest.raises(ValueError, match="not the size of a LayerPlan"):
         kernels._gemv.layer_problem(b"\0" * 8)
-    assert kernels._gemv.layer_problem(b"\0" * 8 * len(names)) is not None  # no weights: a problem, said
+    assert kernels._gemv.layer_problem(bytes(fused.LayerPlan())) is not None  # no weights: a problem, said
     assert "SHARD_FUSED_LAYERS" in fused.__doc__
 
 

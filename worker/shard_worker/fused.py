@@ -5,8 +5,8 @@ attention, the o product, its all-reduce, ... Each call does microseconds of wor
 microseconds of Python and torch dispatch: about half a millisecond a layer, a fifth of a bfloat16
 TP=2 rank's decode step on our 2-core machines (`perf`: libpython and libtorch 20% of its time).
 Here a layer's fixed part -- its weights, norms, KV cache and the TP group's shared memory -- is
-packed once into a plan (int64 fields by the names `_gemv.layer_fields()` gives), and each decode
-step runs a layer in one call with the GIL released. The C layer calls the same kernels in the
+packed once into a plan (`LayerPlan`, the ctypes mirror of the C struct in csrc/layer.h), and each
+decode step runs a layer in one call with the GIL released. The C layer calls the same kernels in the
 same order with the same roundings as the Python layer, so both give the same bits
 (tests/worker/test_fused.py).
 
@@ -18,9 +18,8 @@ streamed (offloaded) layers, TP over gloo and `SHARD_KERNEL=torch` keep the Pyth
 
 from __future__ import annotations
 
-import array
+import ctypes
 import os
-import struct
 
 import torch
 
@@ -32,8 +31,25 @@ from .dist import Comm
 ENV = FUSED_LAYERS_ENV
 
 
-def _bits(value: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", value))[0]
+_I, _F, _P = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
+
+
+class LayerPlan(ctypes.Structure):
+    """A decoder layer's fixed part as the C layer reads it: csrc/layer.h's LayerPlan, field for
+    field (every field 8 bytes: no padding to disagree on; the C side checks the size)."""
+
+    _fields_ = [("xtype", _I), ("wtype", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
+                ("inter", _I), ("eps", _F), ("in_norm", _P), ("post_norm", _P),
+                *((f"{name}{part}", kind) for name in ("qkv", "o", "gate_up", "down")
+                  for part, kind in (("_w", _P), ("_ldw", _I), ("_scale", _P), ("_bias", _P))),
+                ("k_cache", _P), ("v_cache", _P), ("cache_rows", _I), ("cache_row", _I), ("cache_head", _I),
+                ("cache_len", _I), ("shm_slots", _P), ("shm_slot_bytes", _I), ("shm_flags", _P),
+                ("shm_flag_stride", _I), ("shm_size", _I), ("shm_rank", _I), ("shm_timeout", _F)]
+
+
+if kernels._gemv is not None and ctypes.sizeof(LayerPlan) != kernels._gemv.LAYER_PLAN_SIZE:
+    raise ImportError(f"fused.LayerPlan ({ctypes.sizeof(LayerPlan)} bytes) does not mirror the C LayerPlan "
+                      f"({kernels._gemv.LAYER_PLAN_SIZE}): rebuild shard_worker._gemv")
 
 
 class FusedDecode:
@@ -109,7 +125,7 @@ class FusedDecode:
         cache, attn, group = self._cache, layer.attn, self._group
         fields = {"xtype": kernels._XTYPES[dtype], "wtype": kernels._WTYPES[wtype], "hidden": attn.o.shape[0],
                   "heads": attn.heads, "kv_heads": attn.kv_heads, "head_dim": attn.head_dim,
-                  "inter": layer.mlp.gate_up.shape[0] // 2, "eps_bits": _bits(layer.input_norm.eps),
+                  "inter": layer.mlp.gate_up.shape[0] // 2, "eps": layer.input_norm.eps,
                   "in_norm": layer.input_norm.weight.data_ptr(),
                   "post_norm": layer.post_norm.weight.data_ptr()}
         for name, p in zip(("qkv", "o", "gate_up", "down"), projections, strict=False):
@@ -123,9 +139,9 @@ class FusedDecode:
                        "cache_row": k.stride(0), "cache_head": k.stride(1), "cache_len": k.shape[2]})
         if group is not None:
             fields.update({"shm_slots": group.slots.data_ptr(), "shm_flags": group.flags.data_ptr(),
-                           "shm_size": group.size, "shm_rank": group.rank, "shm_timeout_bits": _bits(group.timeout)})
+                           "shm_size": group.size, "shm_rank": group.rank, "shm_timeout": group.timeout})
         else:
-            fields.update({"shm_slots": 0, "shm_flags": 0, "shm_size": 1, "shm_rank": 0, "shm_timeout_bits": 0})
+            fields.update({"shm_slots": 0, "shm_flags": 0, "shm_size": 1, "shm_rank": 0, "shm_timeout": 0.0})
         fields.update({"shm_slot_bytes": shm.SLOT_BYTES, "shm_flag_stride": shm.FLAG_STRIDE})
-        plan = array.array("q", [fields[name] for name in kernels._gemv.layer_fields()]).tobytes()
+        plan = bytes(LayerPlan(**fields))
         return None if kernels._gemv.layer_problem(plan) is not None else plan

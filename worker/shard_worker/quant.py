@@ -5,7 +5,7 @@ quantize a whole model with it to build the reference the sharded model must mat
 
 An int8 projection's input x is quantized too, at every call, to int16 with one power-of-two
 scale per block of ACT_BLOCK columns: the C kernels then sum each block's products exactly in
-integers (`_gemv.c`), and torch's path (prefill, GPUs, no extension) computes with the same
+integers (`csrc/`), and torch's path (prefill, GPUs, no extension) computes with the same
 quantized x, so every path agrees to float rounding. Each value moves by at most 2^-14 of the
 largest magnitude in its block, and a bfloat16 value within 2^7 of that largest not at all.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ACT_BLOCK = 128  # columns of x sharing one scale (QBLOCK in _gemv.c)
+ACT_BLOCK = 128  # columns of x sharing one scale (QBLOCK in csrc/gemv.h)
 ACT_QMAX = 32767
 ACT_EXP_MIN = -100  # blocks whose largest |x| is below 2^-101 are scaled as if it were
 

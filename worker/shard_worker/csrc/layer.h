@@ -1,0 +1,34 @@
+/* A whole decoder layer's decode step in one call (layer.c): its fixed part, the plan. Python
+ * mirrors this struct field for field (fused.LayerPlan, a ctypes.Structure); every field is 8
+ * bytes, so the two agree without padding, and module.c exports its size for the mirror to check. */
+#ifndef SHARD_GEMV_LAYER_H
+#define SHARD_GEMV_LAYER_H
+#include "gemv.h"
+
+#pragma GCC visibility push(hidden)
+
+typedef struct {
+    int64_t xtype, wtype;                   /* the activations' and the projections' dtypes */
+    int64_t hidden, heads, kv_heads, head_dim, inter;
+    double eps;                             /* the norms' */
+    const void *in_norm, *post_norm;        /* [hidden] in the activation dtype */
+    /* each projection: its weight (rows ldw elements apart), float32 scales (int8) and bias, or NULL */
+    const void *qkv_w; int64_t qkv_ldw; const void *qkv_scale, *qkv_bias;
+    const void *o_w; int64_t o_ldw; const void *o_scale, *o_bias;
+    const void *gate_up_w; int64_t gate_up_ldw; const void *gate_up_scale, *gate_up_bias;
+    const void *down_w; int64_t down_ldw; const void *down_scale, *down_bias;
+    /* the layer's KV cache [rows, kv_heads, len, head_dim]: its strides in elements */
+    void *k_cache, *v_cache;
+    int64_t cache_rows, cache_row, cache_head, cache_len;
+    /* the TP ranks' shared-memory group (shm.ShmGroup); shm_size 1: none */
+    char *shm_slots; int64_t shm_slot_bytes;
+    int64_t *shm_flags; int64_t shm_flag_stride, shm_size, shm_rank;
+    double shm_timeout;                     /* seconds */
+} LayerPlan;
+
+const char *layer_problem(const LayerPlan *p);
+int decode_layer_run(const LayerPlan *p, void *x, int64_t n, int64_t col, const int64_t *first, const void *cos,
+                     const void *sin, int64_t r0, int threads, int level, int64_t *round, double *comm);
+
+#pragma GCC visibility pop
+#endif

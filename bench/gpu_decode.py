@@ -192,7 +192,7 @@ def child_ours(device: str, model_dir: str, dtype: str, quantization: str, int8_
     from shard_worker import kernels
     from shard_worker.runtime import Worker
 
-    vocab = profile_model(model_dir).vocab_size
+    vocab = profile_model(model_dir).shape.vocab_size
     speed = f"@{gb_per_s / 1e3:.4f}" if gb_per_s > 0 else ""  # the measured read bandwidth, in TB/s
 
     def planned(batch: int):

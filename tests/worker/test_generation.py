@@ -66,11 +66,12 @@ def test_stops(pool, checkpoint, tmp_path):
     assert (by_text.token_ids, by_text.finish_reason) == (tokens[:ends], "stop")
     assert by_text.text == full.text[:full.text.index(stop)]
 
-    # EOS from config.json, unless ignore_eos
+    # EOS from config.json, unless ignore_eos; a second EOS id the answer never holds changes nothing
     eos_dir = tmp_path / "eos"
     shutil.copytree(model_dir, eos_dir)
     config = json.loads((eos_dir / "config.json").read_text())
-    (eos_dir / "config.json").write_text(json.dumps({**config, "eos_token_id": [tokens[at], 10**6]}))
+    unused = next(t for t in range(config["vocab_size"]) if t not in tokens)
+    (eos_dir / "config.json").write_text(json.dumps({**config, "eos_token_id": [tokens[at], unused]}))
     (eos_dir / "generation_config.json").unlink()
     eos_plan = make_plan(eos_dir, 2, 1)
     by_eos = completion(generate(pool, eos_dir, eos_plan))

@@ -40,6 +40,7 @@ class ContinuousJob:
     requests: list[dict]
     arrivals: dict[int, list[dict]]
     cancels: dict[int, list[int]] = field(default_factory=dict)  # step -> sequence indices whose clients leave
+    env: dict | None = None  # set in the rank's environment for this job only
 
 
 @dataclass

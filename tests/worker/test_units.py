@@ -219,19 +219,20 @@ def test_sequence_stops(request_args, tokens, kept, reason, text):
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_the_planners_attention_workspace_is_what_the_masked_path_allocates(checkpoint, tp):
     """The worst masked step (the whole batch, padded rows, maxModelLen columns within one prefill
-    chunk): the K/V expanded to this rank's query heads and the mask (with SDPA's additive copy of
-    it) are the bytes shard_operator.planning.sizing budgets for attention."""
+    chunk): the boolean mask, its additive copy and that copy repeated over each KV head's query
+    heads are the bytes shard_operator.planning.sizing budgets for attention (the K/V are read in
+    place)."""
     from shard_operator.planning.profile import profile_model
     from shard_operator.planning.sizing import attention_workspace_bytes
-    from shard_worker.model import KVCache, Layout, Rotary, Step
+    from shard_worker.model import Layout, Rotary, Step
 
     model_dir = checkpoint("llama")  # 4 heads, 2 KV heads: at TP=4 one of each per rank
     config, batch, max_len, cpu = ModelConfig.from_dir(model_dir), 3, 40, torch.device("cpu")
     layout = Layout(config, tp=tp, tp_rank=0, layers=(0, 1), embeds=True, has_lm_head=True)
-    cache = KVCache(1, batch, layout.kv_heads, max_len, config.head_dim, torch.float32, cpu)
     step = Step.build(0, batch, 0, max_len, torch.tensor([0, 3, 7]), Rotary(config, max_len, cpu), {None},
                       torch.float32, cpu)
     mask, group = step.masks[None], layout.heads // layout.kv_heads
-    expanded = 2 * cache.k[0].repeat_interleave(group, dim=1).nbytes if group > 1 else 0
-    allocated = expanded + mask.numel() * (1 + 4)  # the boolean mask and SDPA's float32 copy
+    assert isinstance(mask, torch.Tensor) and mask.dtype == torch.float32
+    grouped = mask.numel() * group * mask.element_size() if group > 1 else 0
+    allocated = mask.numel() * (1 + mask.element_size()) + grouped  # boolean, additive, repeated over the group
     assert attention_workspace_bytes(profile_model(model_dir), tp, max_len, batch, "float32") == allocated

@@ -21,6 +21,8 @@ import json
 import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -120,6 +122,18 @@ class Comm:
         self.host_sends = backend == "gloo"  # gloo's send and recv take host memory (GPU ranks on gloo stage)
         self.tp_ranks = topo.stage_ranks(topo.stage)
         self.shm = shm_group
+        self.raw = False  # within `captured()`
+
+    @contextmanager
+    def captured(self, on: bool = True) -> Iterator[None]:
+        """Within (with `on`): the tensor-parallel collectives are the tensor backend's own calls,
+        untimed and uncounted, so that a CUDA graph can capture them and torch.compile trace them
+        (NCCL's can be captured; gloo's, on the host, cannot: `graphs.chosen_mode` keeps them out)."""
+        before, self.raw = self.raw, on or self.raw
+        try:
+            yield
+        finally:
+            self.raw = before
 
     # ------------------------------------------------------------ tensor parallel
     def _parts(self, t: torch.Tensor) -> list[torch.Tensor]:
@@ -138,6 +152,9 @@ class Comm:
         """Sum `t` in place over this stage's TP ranks."""
         if self.topo.tp == 1:
             return
+        if self.raw:
+            dist.all_reduce(t, group=self.tp_group)
+            return
         with self.acct.communicating("all_reduce", t.numel() * t.element_size()):
             if self.shm is not None and self.shm.fits(t):
                 self.shm.all_reduce(t)
@@ -155,6 +172,10 @@ class Comm:
         if self.topo.tp == 1:
             return t
         t = t.contiguous()
+        if self.raw:
+            out = torch.empty((self.topo.tp, *t.shape), dtype=t.dtype, device=t.device)
+            dist.all_gather_into_tensor(out, t, group=self.tp_group)
+            return torch.cat(out.unbind(0), dim=-1)
         with self.acct.communicating("all_gather", t.numel() * t.element_size() * self.topo.tp):
             if self.shm is not None and self.shm.fits(t):
                 return self.shm.all_gather(t)

@@ -33,6 +33,7 @@ from shard_contract.wire import Completion, GenerateRequest
 from . import grammar, logprobs
 from .accounting import Accounting
 from .dist import Comm
+from .graphs import DecodeGraphs, chosen_mode
 from .log import log
 from .model import KVCache, Rotary, Stage, Step
 from .pipeline import Join, Link, Unit, prefill_units
@@ -92,6 +93,9 @@ class Engine:
         self.last_generate: dict[str, float] = {}
         self.last_output: Output | None = None  # on first-stage ranks: what the latest generate produced
         self._prompt_cols, self._decode_mark = 0, None
+        # decode steps replayed from captured graphs (graphs.py), or None: the eager step
+        mode = chosen_mode(stage, comm)
+        self.graphs = DecodeGraphs(stage, cache, rotary, comm, mode) if mode != "off" else None
 
     def grammars(self) -> grammar.Grammars | None:
         """The model's tokenizer for constrained decoding (built on the first request that needs it)."""
@@ -182,6 +186,8 @@ class Engine:
         for row, r in enumerate(requests):
             rows.place(row, r, prompt_cols - len(r.prompt_ids))
         with torch.inference_mode():
+            if self.graphs is not None:  # a replayed step reads columns past its own (graphs.py)
+                self.cache.clear(slice(0, len(requests)), slice(prompt_cols, None))
             if self.topo.is_first:
                 out = self._drive(requests, rows, return_logits, hooks, continuous)
             else:
@@ -200,18 +206,27 @@ class Engine:
         self.last_output = out
         return out
 
-    def _forward(self, unit: Unit, x: torch.Tensor, pads: torch.Tensor) -> torch.Tensor:
+    def _forward(self, unit: Unit, x: torch.Tensor,
+                 pads: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The unit through this stage: its hidden states [rows, cols, H] (None for a replayed
+        decode step on the last stage), and on the last stage after an emitting unit the float32
+        logits [rows, vocab] of its last column (else None)."""
         if self._decode_mark is None and unit.c0 >= self._prompt_cols:  # the first decode step
             self._decode_mark = (time.perf_counter(), self.acct.snapshot())
+        logits_here = self.topo.is_last and unit.emits
         with self.acct.computing():
+            if self.graphs is not None and unit.cols == 1:  # a decode step, replayed
+                out = self.graphs.run(unit.r0, unit.r1, unit.c0, x, pads)
+                return (None, out) if self.topo.is_last else (out, None)
             step = Step.build(unit.r0, unit.r1, unit.c0, unit.c1, pads, self.rotary, self.stage.windows,
                               self.stage.dtype, self.stage.device)
-            return self.stage.forward(x, step, self.cache)
+            hidden = self.stage.forward(x, step, self.cache)
+            return hidden, self.stage.logits(hidden[:, -1]) if logits_here else None
 
-    def _sample(self, unit: Unit, hidden: torch.Tensor, rows: Rows,
+    def _sample(self, unit: Unit, logits: torch.Tensor, rows: Rows,
                 return_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The unit's tokens (on the host: the sampler's one device-to-host copy of the step)."""
         with self.acct.computing():
-            logits = self.stage.logits(hidden[:, -1])
             tokens, failed, _ = rows.choose(unit.r0, logits)
         for row, why in failed.items():  # that request fails alone (every sampler meets the same)
             log(self.topo.rank, f"the sequence in row {row} failed: {why}")
@@ -231,13 +246,14 @@ class Engine:
         last = self.topo.is_last
         emitted: list[tuple[Unit, torch.Tensor, torch.Tensor | None]] = []
         for unit, ids in work:
-            hidden = self._forward(unit, ids.to(self.stage.device), rows.pads)
+            hidden, logits = self._forward(unit, ids.to(self.stage.device, non_blocking=True), rows.pads)
             if not last:
                 self.link.send_unit(unit, hidden)
             else:
-                self._prompt_logprobs(unit, hidden, rows)
+                if hidden is not None:
+                    self._prompt_logprobs(unit, hidden, rows)
                 if unit.emits:
-                    emitted.append((unit, *self._sample(unit, hidden, rows, vocab is not None)))
+                    emitted.append((unit, *self._sample(unit, logits, rows, vocab is not None)))
         if not last:
             emitted = []
             for u, _ in work:
@@ -255,7 +271,7 @@ class Engine:
         (with, when continuous, the prefills of those that join at each step before it)."""
         start = time.perf_counter()
         vocab = self.config.vocab_size if return_logits else None
-        seqs = Sequences(self.cache.batch, self.config.eos_token_ids)
+        seqs = Sequences(self.cache.batch, self.config.eos_token_ids, self.stage.device)
         out = Output(completions=[], prefill_seconds=0.0, decode_seconds=0.0, decode_steps=0)
         first = [seqs.start(row, r).row for row, r in enumerate(requests)]
         tokens, logits = self._prefill(requests, rows, vocab)
@@ -275,9 +291,9 @@ class Engine:
             unit = Unit(lo, hi, col, col + 1, emits=True)
             tokens, logits = self._pass([(unit, seqs.next_tokens[lo:hi].view(hi - lo, 1))], rows, vocab)
             out.logits += [logits.cpu()] if logits is not None else []
+            seqs.feed(slice(lo, hi), tokens)  # the next step's input ids, on the device
             took = seqs.add(joined, join_tokens, rows.failures, rows.extras) + \
                 seqs.add(list(range(lo, hi)), tokens.tolist(), rows.failures, rows.extras)
-            seqs.feed(slice(lo, hi), tokens)
             self._report(list(dict.fromkeys(took)), hooks)  # a joiner took two tokens: report it once
             col += 1
             out.decode_steps += 1
@@ -334,7 +350,8 @@ class Engine:
         sequence (NaN if it failed): they are zeroed, one row's padding across this rank's layers.
         (A new batch needs none of this: its prefill writes every column of its rows, padding too.)"""
         rows.place(join.row, join.request, join.pad)
-        self.cache.clear(join.row, join.pad)
+        # a replayed step reads the row's columns past its own too (graphs.py): all of them
+        self.cache.clear(join.row, self.cache.max_len if self.graphs is not None else join.pad)
         if not self.topo.is_last:
             self.link.send_join(join)
 
@@ -374,14 +391,15 @@ class Engine:
             if isinstance(got, Join):
                 self._take_row(rows, got)
                 continue
-            unit, hidden = got
-            hidden = self._forward(unit, hidden, rows.pads)
+            unit, received = got
+            hidden, logits = self._forward(unit, received, rows.pads)
             if not last:
                 self.link.send_unit(unit, hidden)
                 continue
-            self._prompt_logprobs(unit, hidden, rows)
+            if hidden is not None:
+                self._prompt_logprobs(unit, hidden, rows)
             if unit.emits:
-                self.link.send_tokens(*self._sample(unit, hidden, rows, return_logits))
+                self.link.send_tokens(*self._sample(unit, logits, rows, return_logits))
                 if logprobs.wants(rows.requests[unit.r0:unit.r1]):
                     self.link.send_extras(rows.extras.unit(unit.r0, unit.r1))
         if not last:

@@ -70,6 +70,8 @@ class FusedDecode:
 
     def ready(self, x: torch.Tensor, step, cache) -> bool:
         """Whether this forward pass's layers can run fused (then `run` takes the resident ones)."""
+        if kernels.in_torch_only():  # a step that must stay in torch (captured, compiled, tested)
+            return False
         if not (self.enabled and step.firsts is not None and x.device.type == "cpu" and x.dtype in kernels._XTYPES
                 and x.dim() == 3 and x.shape[1] == 1 and 1 <= x.shape[0] <= kernels.MAX_ROWS
                 and cache.k.dtype == x.dtype):

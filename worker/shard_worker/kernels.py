@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +57,28 @@ def _chosen_level() -> str | None:
 
 
 LEVEL = _chosen_level()
+_torch_only = False  # within `torch_only()`: our kernels (raw pointers, opaque to torch.compile) stay out
+
+
+@contextmanager
+def torch_only() -> Iterator[None]:
+    """Every operator of the step through torch within: what a captured or compiled decode step
+    runs (CUDA graphs and torch.compile see torch operators only). Not thread-safe: the engine's
+    thread alone uses it."""
+    global _torch_only
+    before, _torch_only = _torch_only, True
+    try:
+        yield
+    finally:
+        _torch_only = before
+
+
+def in_torch_only() -> bool:
+    return _torch_only
+
+
+def _default() -> str | None:
+    return None if _torch_only else LEVEL
 
 
 def describe() -> str:
@@ -71,7 +95,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, ...], sca
     the blocks a matrix is made of (q, k and v), which torch multiplies one by one on a CPU, as it
     does a tuple's. `level`: one of LEVELS, None for torch only, or the process's choice
     (`SHARD_KERNEL`)."""
-    level = LEVEL if level == "default" else level
+    level = _default() if level == "default" else level
     parts = weight if isinstance(weight, tuple) else (weight,)
     assert len(parts) == 1 or scale is None, "row blocks are float weights"
     k = parts[0].shape[1]
@@ -97,7 +121,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, ...], sca
         if weight.dtype == torch.int8:
             return _int8_torch(x, weight, scale, bias)
         parts = tuple(weight.split(blocks)) if len(blocks) > 1 and on_cpu else parts
-    if rows <= MAX_ROWS and on_cpu:
+    if rows <= MAX_ROWS and on_cpu and not _torch_only:
         # torch's matrix-vector products sum in an order that depends on the weight's layout and
         # alignment (float32: 16 bytes), so a weight read in place (strided, or at any 8-byte
         # offset of a file) gets the layout of a resident one. Its GEMMs pack their operands and
@@ -151,7 +175,7 @@ def _step_ops(x: torch.Tensor, level: str | None) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, level: str | None = "default") -> torch.Tensor | None:
     """HF's RMSNorm of the rows of x (x / rms(x) in float32, rounded to x's dtype, times the
     weight), or None where ours does not apply (the caller uses torch). `level` as for `linear`."""
-    level = LEVEL if level == "default" else level
+    level = _default() if level == "default" else level
     if not (_step_ops(x, level) and weight.dtype == x.dtype and x.is_contiguous()):
         return None
     y = torch.empty_like(x)
@@ -165,7 +189,7 @@ def silu_mul(gate_up: torch.Tensor, level: str | None = "default") -> torch.Tens
     """F.silu(gate) * up for gate_up = (gate | up) along its last dimension (the silu rounded to
     the dtype before the product, as torch's two operators round), or None where ours does not
     apply (the caller uses torch). `level` as for `linear`."""
-    level = LEVEL if level == "default" else level
+    level = _default() if level == "default" else level
     if not (_step_ops(gate_up, level) and gate_up.is_contiguous() and gate_up.shape[-1] % 2 == 0):
         return None
     inter = gate_up.shape[-1] // 2
@@ -184,7 +208,7 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: tor
     head's softmax(q k^T / sqrt(head_dim)) v over the cached columns [first[row], col] of its KV
     head. `qkv`: [n, 1, (heads + 2 kv_heads) head_dim]. Returns [n, 1, heads * head_dim], or None
     where ours does not apply (the caller uses torch). `level` as for `linear`."""
-    level = LEVEL if level == "default" else level
+    level = _default() if level == "default" else level
     n, hd = qkv.shape[0], k_cache.shape[-1]
     if not (_step_ops(qkv, level) and qkv.is_contiguous() and qkv.shape[1] == 1 and k_cache.dtype == qkv.dtype
             and k_cache.stride()[2:] == (hd, 1) and v_cache.stride() == k_cache.stride()):

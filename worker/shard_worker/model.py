@@ -142,26 +142,47 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 CAUSAL = "causal"  # only causality masks: SDPA's is_causal (top-left aligned, so from column 0)
 
 
+def allowed_keys(pads: torch.Tensor, c0: int | torch.Tensor, queries: int, keys: int,
+                 window: int | None) -> torch.Tensor:
+    """Which cache columns [0, keys) each query column [c0, c0 + queries) of each row may attend
+    to: [N, 1, queries, keys], boolean, on `pads`' device, built there from the per-row padding
+    `pads` [N] (row b's tokens start at column pads[b]) and the first query column `c0` (an int, or
+    a 0-d device tensor: a captured decode step's column). A padding query attends to itself only,
+    so it stays finite (its output is never used); no column past a query's own is allowed, so a
+    step may attend over more columns than it has filled."""
+    device = pads.device
+    q = (torch.arange(queries, device=device) + c0).view(1, queries, 1)
+    k = torch.arange(keys, device=device).view(1, 1, keys)
+    allowed = (k <= q) & ((k >= pads.view(-1, 1, 1)) | (k == q))
+    if window is not None:
+        allowed &= (q - k) < window
+    return allowed.unsqueeze(1)
+
+
 def attention_mask(pads: torch.Tensor, c0: int, c1: int, window: int | None) -> torch.Tensor | str | None:
     """Which cache columns [0, c1) each query column [c0, c1) of each row may attend to.
 
-    Rows are left-padded: row b's tokens start at column pads[b]. A padding query attends to
-    itself only, so it stays finite (its output is never used). None when nothing is masked (a
-    decode step without padding), CAUSAL when only causality is (a prefill from column 0 without
-    padding): SDPA then takes no mask, which lets it run its flash or memory-efficient kernels.
-    """
-    queries = torch.arange(c0, c1).unsqueeze(1)
-    keys = torch.arange(c1).unsqueeze(0)
+    Rows are left-padded: row b's tokens start at column pads[b] (a host tensor: what is decided
+    here needs no device). None when nothing is masked (a decode step without padding), CAUSAL
+    when only causality is (a prefill from column 0 without padding): SDPA then takes no mask,
+    which lets it run its flash or memory-efficient kernels. Otherwise `allowed_keys` on pads'
+    device."""
+    kind = mask_kind(pads, c0, c1, window)
+    return allowed_keys(pads, c0, c1 - c0, c1, window) if kind == MASKED else kind
+
+
+MASKED = "masked"
+
+
+def mask_kind(pads: torch.Tensor, c0: int, c1: int, window: int | None) -> str | None:
+    """What `attention_mask` gives, decided on the host: None, CAUSAL or MASKED (a tensor)."""
     windowed = window is not None and c1 > window
     if not windowed and not bool(pads.any()):
         if c1 - c0 == 1:
             return None
         if c0 == 0:
             return CAUSAL
-    allowed = (keys <= queries).unsqueeze(0) & ((keys >= pads.view(-1, 1, 1)) | (keys == queries))
-    if windowed:
-        allowed &= (queries - keys) < window
-    return allowed.unsqueeze(1)  # [N, 1, S, c1]
+    return MASKED
 
 
 def first_columns(pads: torch.Tensor, col: int, window: int | None) -> torch.Tensor:
@@ -172,9 +193,40 @@ def first_columns(pads: torch.Tensor, col: int, window: int | None) -> torch.Ten
     return first if window is None else first.clamp(min=col - window + 1)
 
 
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as SDPA's additive one (0 where allowed, -inf elsewhere) in `dtype`."""
+    return torch.full(mask.shape, float("-inf"), dtype=dtype, device=mask.device).masked_fill_(mask, 0.0)
+
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v with `group` query heads per KV head, K/V read in place.
+
+    q [N, heads, S, d]; keys, values [N, kv_heads, L, d] (views of the cache: never copied or
+    expanded to the query heads); mask [N, 1, S, L] additive, in q's dtype, or None. Query head h
+    uses KV head h // group (as HF's repeat_kv): the queries are reshaped to [N, kv_heads,
+    group * S, d], one SDPA "batch" per KV head, and the mask repeated over the group (for a
+    decode step, S = 1, broadcast instead). Returns [N, heads, S, d]."""
+    n, heads, s, d = q.shape
+    kv = keys.shape[1]
+    group = heads // kv
+    if group == 1:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    qg = q.reshape(n, kv, group * s, d)
+    if mask is not None and s > 1:
+        mask = mask.unsqueeze(2).expand(n, 1, group, s, mask.shape[-1]).reshape(n, 1, group * s, mask.shape[-1])
+    return F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask).view(n, heads, s, d)
+
+
 @dataclass
 class Step:
-    """Rows [r0, r1) of the batch, cache columns [c0, c1): one forward pass through a stage."""
+    """Rows [r0, r1) of the batch, cache columns [c0, c1): one forward pass through a stage.
+
+    `masks`, per attention window: None, CAUSAL, or an additive device mask [N, 1, S, `length`]
+    (see `attention_mask`). `firsts`: a decode step's first allowed column per row, on the host,
+    for the CPU kernels (see `first_columns`). A captured decode step (`Step.captured`) has no
+    host column: `column` [1] is a device tensor, the keys and values are written there
+    (index_copy_) and attention reads `length` columns, masked past the step's own."""
 
     r0: int
     r1: int
@@ -182,26 +234,52 @@ class Step:
     c1: int
     cos: torch.Tensor
     sin: torch.Tensor
-    masks: dict[int | None, torch.Tensor | str | None]  # per attention window: see `attention_mask`
-    firsts: dict[int | None, torch.Tensor] | None = None  # a decode step's, per window: see `first_columns`
+    masks: dict[int | None, torch.Tensor | str | None]
+    firsts: dict[int | None, torch.Tensor] | None = None
+    column: torch.Tensor | None = None
+    length: int = 0
+
+    def __post_init__(self) -> None:
+        self.length = self.length or self.c1
 
     @classmethod
     def build(cls, r0: int, r1: int, c0: int, c1: int, pads: torch.Tensor, rotary: Rotary,
-              windows: set[int | None], dtype: torch.dtype, device: torch.device) -> Step:
+              windows: set[int | None], dtype: torch.dtype, device: torch.device,
+              device_pads: torch.Tensor | None = None) -> Step:
+        """`pads`: every row's padding on the host (the decisions); `device_pads` the same on the
+        device, if the caller keeps it there (else copied from `pads`)."""
         rows = pads[r0:r1]
-        positions = (torch.arange(c0, c1).unsqueeze(0) - rows.unsqueeze(1)).clamp(min=0)
-        cos, sin = rotary.at(positions.to(device), dtype)
-        masks = {}
+        dev_rows = (device_pads[r0:r1] if device_pads is not None
+                    else rows.to(device, non_blocking=True))
+        positions = (torch.arange(c0, c1, device=device).unsqueeze(0) - dev_rows.unsqueeze(1)).clamp(min=0)
+        cos, sin = rotary.at(positions, dtype)
+        masks: dict[int | None, torch.Tensor | str | None] = {}
         for w in windows:
-            mask = attention_mask(rows, c0, c1, w)
-            masks[w] = mask.to(device) if isinstance(mask, torch.Tensor) else mask
+            kind = mask_kind(rows, c0, c1, w)
+            masks[w] = additive(allowed_keys(dev_rows, c0, c1 - c0, c1, w), dtype) if kind == MASKED else kind
         firsts = {w: first_columns(rows, c0, w) for w in windows} if c1 - c0 == 1 else None
         return cls(r0, r1, c0, c1, cos, sin, masks, firsts)
+
+    @classmethod
+    def captured(cls, rows: int, length: int, column: torch.Tensor, pads: torch.Tensor, rotary: Rotary,
+                 windows: set[int | None], dtype: torch.dtype) -> Step:
+        """A decode step of rows [0, rows) at device column `column` [1], attending over `length`
+        cache columns, from device tensors only (no host value: it can be captured and replayed)."""
+        positions = (column - pads[:rows]).clamp(min=0).unsqueeze(1)  # [rows, 1]
+        cos, sin = rotary.at(positions, dtype)
+        masks: dict[int | None, torch.Tensor | str | None] = {
+            w: additive(allowed_keys(pads[:rows], column, 1, length, w), dtype) for w in windows}
+        return cls(0, rows, 0, 1, cos, sin, masks, None, column, length)
 
 
 class KVCache:
     """Keys and values of this rank's layers and KV heads for `batch` rows and `max_len` columns,
-    allocated (and zeroed, so resident) once."""
+    allocated (and zeroed, so resident) once: k and v [layers, batch, kv_heads, max_len, head_dim].
+
+    What a forward pass asks of a cache (all of it): `update(layer, step, k, v)` stores the step's
+    keys and values and returns what attention reads, [rows, kv_heads, step.length, head_dim]
+    views (`grouped_attention` takes any strided view and never copies it); `clear(row, cols)`;
+    `batch` and `max_len`; and, for the fused CPU layers and the replayed steps, `k` and `v`."""
 
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
@@ -215,18 +293,24 @@ class KVCache:
         return 2 * self.k.numel() * self.k.element_size()
 
     def update(self, layer: int, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the step's keys/values; return everything cached for its rows up to c1."""
+        """Store the step's keys/values (k, v [rows, kv_heads, c1 - c0, head_dim]) at its columns;
+        return its rows' cached keys and values, columns [0, step.length), as views."""
         kc, vc = self.k[layer, step.r0:step.r1], self.v[layer, step.r0:step.r1]
-        kc[:, :, step.c0:step.c1] = k
-        vc[:, :, step.c0:step.c1] = v
-        return kc[:, :, :step.c1], vc[:, :, :step.c1]
+        if step.column is not None:  # a captured step: its column is a device tensor
+            kc.index_copy_(2, step.column, k)
+            vc.index_copy_(2, step.column, v)
+        else:
+            kc[:, :, step.c0:step.c1] = k
+            vc[:, :, step.c0:step.c1] = v
+        return kc[:, :, :step.length], vc[:, :, :step.length]
 
-    def clear(self, row: int, cols: int) -> None:
-        """Zero columns [0, cols) of `row` in every layer. Attention masks them out but still
-        multiplies their values by 0, and 0 x NaN (or inf) is NaN: what a failed sequence left
-        there would poison the row's next one."""
-        self.k[:, row, :, :cols].zero_()
-        self.v[:, row, :, :cols].zero_()
+    def clear(self, row: int | slice, cols: int | slice) -> None:
+        """Zero columns `cols` ([0, cols) for an int) of `row` in every layer. Attention masks them
+        out but still multiplies their values by 0, and 0 x NaN (or inf) is NaN: what a failed
+        sequence left there would poison the row's next one."""
+        cols = slice(0, cols) if isinstance(cols, int) else cols
+        self.k[:, row, :, cols].zero_()
+        self.v[:, row, :, cols].zero_()
 
 
 # ---------------------------------------------------------------- layers
@@ -254,15 +338,12 @@ class Attention:
         k = apply_rope(k.view(n, s, self.kv_heads, self.head_dim).transpose(1, 2), step.cos, step.sin)
         v = v.view(n, s, self.kv_heads, self.head_dim).transpose(1, 2)
         keys, values = cache.update(layer, step, k, v)
-        mask, group = step.masks[self.window], self.heads // self.kv_heads
-        if isinstance(mask, torch.Tensor):
-            # A boolean mask rules the flash kernel out and the memory-efficient one has no GQA:
-            # hand it K/V expanded to the query heads (shard_operator.sizing budgets the copy).
-            if group > 1:
-                keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=mask == CAUSAL, enable_gqa=group > 1)
+        mask = step.masks[self.window]
+        if isinstance(mask, str):  # CAUSAL: a first chunk: its keys are its own, SDPA's kernels take it unmasked
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True,
+                                                 enable_gqa=self.heads > self.kv_heads)
+        else:  # decode and later chunks: the cache read in place, whatever the padding
+            out = grouped_attention(q, keys, values, mask if isinstance(mask, torch.Tensor) else None)
         return self.o(out.transpose(1, 2).reshape(n, s, self.q_size))
 
 

@@ -122,11 +122,12 @@ class Sequences:
     """The first stage's sequences of one generate: all of them in order of arrival, the one each
     row holds, and each row's next input token."""
 
-    def __init__(self, capacity: int, eos_ids: tuple[int, ...]):
+    def __init__(self, capacity: int, eos_ids: tuple[int, ...], device: torch.device | str = "cpu"):
         self.eos_ids = eos_ids
         self.all: list[SequenceState] = []
         self.by_row: list[SequenceState | None] = [None] * capacity
-        self.next_tokens = torch.zeros(capacity, dtype=torch.int64)
+        # on the model's device: a step's sampled ids become the next step's inputs there
+        self.next_tokens = torch.zeros(capacity, dtype=torch.int64, device=device)
 
     def start(self, row: int, request: GenerateRequest) -> SequenceState:
         seq = SequenceState(request, self.eos_ids, index=len(self.all), row=row)
@@ -164,9 +165,10 @@ class Sequences:
         return bool(self._running_rows())
 
     def feed(self, rows: list[int] | slice, tokens: torch.Tensor) -> None:
-        """The rows' next inputs. A FAILED token's row may still be computed (between running
-        rows) until it is reused: it is fed token 0."""
-        self.next_tokens[rows] = tokens.cpu().clamp(min=0)
+        """The rows' next inputs (a device-to-device copy when `tokens` are on the model's device).
+        A FAILED token's row may still be computed (between running rows) until it is reused: it
+        is fed token 0."""
+        self.next_tokens[rows] = tokens.to(self.next_tokens.device, non_blocking=True).clamp(min=0)
 
     def add(self, rows: list[int], tokens: list[int], failures: Mapping[int, str],
             extras: Extras | None = None) -> list[SequenceState]:

@@ -151,12 +151,13 @@ def activation_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: i
 
 def attention_workspace_bytes(profile: ModelProfile, tp: int, max_len: int, batch: int, dtype: str = "auto") -> int:
     """What the worker's attention allocates beyond q/k/v when it needs a mask (padding, a sliding
-    window, a prefill chunk after the first), the costlier of its two paths: the cached K/V of the
-    whole context expanded to the local query heads (the memory-efficient kernel has no GQA), and
-    the chunk's boolean mask with the additive copy SDPA makes of it. Without a mask, SDPA's flash
-    and memory-efficient kernels allocate no scores."""
+    window, a prefill chunk after the first): the chunk's boolean mask and its additive copy in the
+    runtime dtype, and, with several query heads per KV head, that copy repeated over the group (the
+    queries are reshaped to [kv_heads, group * chunk]; the cached K/V are read in place, never
+    expanded). A decode step's mask is one column and broadcast. Without a mask, SDPA's flash and
+    memory-efficient kernels allocate no scores."""
     act = profile.dtype_bytes(dtype)
     heads, kv_heads = profile.shape.num_heads // tp, kv_heads_per_rank(profile.shape, tp)
-    expanded = 2 * batch * heads * max_len * profile.shape.head_dim * act if heads > kv_heads else 0
-    mask = batch * min(max_len, PREFILL_CHUNK) * max_len * (1 + act)
-    return expanded + mask
+    cells = batch * min(max_len, PREFILL_CHUNK) * max_len
+    grouped = cells * (heads // kv_heads) * act if heads > kv_heads else 0
+    return cells * (1 + act) + grouped

@@ -1,0 +1,183 @@
+"""A decode step the GPU replays: one captured graph per batch and context bucket.
+
+A decode step (one token for each of a few rows) does microseconds of work per kernel and ~40
+kernels a layer: launched one by one from Python, the GPU waits on the host. Here the step is a
+function of persistent device buffers only (`decode_forward`: the input ids or hidden states,
+the step's cache column, each row's left padding; the KV cache and the weights it closes over),
+captured once per (batch bucket, context bucket) and replayed:
+
+- batch buckets 1, 2, 4, ... up to maxBatchSize: a step of rows [r0, r1) replays the bucket that
+  covers rows [0, r1); the rows it computes beyond those asked for (free, finished, never used)
+  write their own cache rows at the step's column and are otherwise ignored;
+- context buckets 256, 512, ... up to maxModelLen: attention reads that many columns, those past
+  the step's own masked out. A masked value is still multiplied by 0, and 0 x NaN is NaN, so in
+  graph mode the engine zeroes a row's columns past its prompt when a sequence takes it (what a
+  failed sequence left there cannot poison the next).
+
+`mode` (SHARD_DECODE_GRAPHS): `cuda` captures the eager step with `torch.cuda.CUDAGraph` (one
+memory pool shared by every graph; the tensor-parallel all-reduces are captured too: NCCL
+collectives can be); `compile` uses `torch.compile(mode="reduce-overhead", fullgraph=True)`
+(CUDA graphs by inductor, with its fusions); `eager` runs the same static step without capture
+(the CPU proofs, and ranks whose collectives cannot be captured: gloo); `off` keeps the engine's
+eager step. `auto` (default) is `cuda` on a GPU where every layer is resident and the tensor
+backend is NCCL (or TP = 1), else `off`: a CPU rank keeps the fused C layers (`fused.py`).
+
+Each step's inputs reach the buffers without a host synchronisation: the column by a fill (a
+scalar kernel argument), the ids from the device tensor the sampler returned, the padding only
+when a row changes hands. The engine then copies the sampled ids to the host once (pinned).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from . import kernels
+from .dist import Comm
+from .model import KVCache, Rotary, Stage, Step
+
+ENV = "SHARD_DECODE_GRAPHS"
+MODES = ("auto", "off", "eager", "cuda", "compile")
+MIN_LENGTH = 256  # the shortest context bucket: below it, reading more columns costs nothing
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, ... below max_batch, then max_batch."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+def length_buckets(max_len: int, shortest: int = MIN_LENGTH) -> list[int]:
+    """`shortest`, twice that, ... below max_len, then max_len."""
+    out, n = [], shortest
+    while n < max_len:
+        out.append(n)
+        n *= 2
+    return out + [max_len]
+
+
+def smallest(buckets: list[int], at_least: int) -> int:
+    return next(b for b in buckets if b >= at_least)
+
+
+def chosen_mode(stage: Stage, comm: Comm, env: str | None = None) -> str:
+    """The mode this rank runs (see the module docstring); ValueError for an unknown one."""
+    want = (env if env is not None else os.environ.get(ENV, "auto")).strip().lower() or "auto"
+    if want not in MODES:
+        raise ValueError(f"{ENV}={want!r}: one of {', '.join(MODES)}")
+    if want != "auto":
+        return want
+    capturable = (stage.device.type == "cuda" and not any(layer.streamed for layer in stage.layers)
+                  and (comm.topo.tp == 1 or not comm.small_by_broadcast))
+    return "cuda" if capturable else "off"
+
+
+def decode_forward(stage: Stage, cache: KVCache, rotary: Rotary, x: torch.Tensor, column: torch.Tensor,
+                   pads: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+    """One decode step of cache rows [0, rows) at device column `column` [1], attending over
+    `length` columns: ids [rows, 1] (first stage) or hidden states [rows, 1, H] -> hidden states
+    [rows, 1, H], or, on the last stage, float32 logits [rows, vocab]. Torch operators on device
+    tensors only: no host value is read, so it can be captured, replayed and compiled."""
+    with kernels.torch_only():
+        step = Step.captured(rows, length, column, pads, rotary, stage.windows, stage.dtype)
+        hidden = stage.forward(x, step, cache)
+        return hidden if stage.lm_head is None else stage.logits(hidden[:, -1])
+
+
+class DecodeGraphs:
+    """This rank's replayed decode steps. `run` takes one decode unit; graphs are captured on
+    first use of their buckets (every TP rank meets them at the same step: they run the same
+    units), or all at once by `capture_all`."""
+
+    def __init__(self, stage: Stage, cache: KVCache, rotary: Rotary, comm: Comm, mode: str,
+                 min_length: int = MIN_LENGTH):
+        if mode not in ("eager", "cuda", "compile"):
+            raise ValueError(f"DecodeGraphs runs eager, cuda or compile, not {mode!r}")
+        if mode == "cuda" and stage.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.stage, self.cache, self.rotary, self.comm, self.mode = stage, cache, rotary, comm, mode
+        self.batches, self.lengths = batch_buckets(cache.batch), length_buckets(cache.max_len, min_length)
+        device, top = stage.device, cache.batch
+        hidden = stage.config.hidden_size
+        self.x = (torch.zeros(top, 1, dtype=torch.int64, device=device) if stage.embed is not None
+                  else torch.zeros(top, 1, hidden, dtype=stage.dtype, device=device))
+        self.column = torch.zeros(1, dtype=torch.int64, device=device)
+        self.pads = torch.zeros(top, dtype=torch.int64, device=device)
+        self._pads_host = torch.zeros(top, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._graphs: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor]] = {}
+        self._seen: set[tuple[int, int]] = set()
+        self._pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
+        self._compiled: Callable[..., torch.Tensor] | None = None
+        if mode == "compile":
+            for t in [*stage.tensors().values(), cache.k, cache.v, self.x, self.column, self.pads]:
+                torch._dynamo.mark_static_address(t)
+            self._compiled = torch.compile(decode_forward, mode="reduce-overhead" if device.type == "cuda" else None,
+                                           fullgraph=True, dynamic=False)
+
+    @property
+    def captured(self) -> int:
+        """Buckets captured (cuda) or run (eager, compile) so far."""
+        return len(self._graphs) + len(self._seen)
+
+    def run(self, r0: int, r1: int, col: int, x: torch.Tensor, pads: torch.Tensor) -> torch.Tensor:
+        """The decode step of rows [r0, r1) at column `col`: x [r1 - r0, 1] ids or [r1 - r0, 1, H]
+        hidden states (on the device, or a host tensor copied in), `pads` every row's padding on the
+        host. Returns hidden states [r1 - r0, 1, H] (a copy: a later replay overwrites the graph's
+        output) or the last stage's logits [r1 - r0, vocab] (a view, valid until the next step)."""
+        rows, length = smallest(self.batches, r1), smallest(self.lengths, col + 1)
+        self._inputs(r0, r1, col, x, pads)
+        if self.mode == "cuda":
+            replay, out = self._graph(rows, length)
+            replay()
+        else:  # eager, or compiled (inductor's CUDA graphs replay inside the call)
+            self._seen.add((rows, length))
+            out = self._forward(rows, length)
+        return out[r0:r1] if self.stage.lm_head is not None else out[r0:r1].clone()
+
+    def capture_all(self, col: int = 0) -> None:
+        """Capture (or compile) every bucket now, a warm-up before serving: runs each once at
+        column `col`, which writes every cache row there (harmless before a batch: prefill writes
+        what it reads)."""
+        self.column.fill_(col)
+        for rows in self.batches:
+            for length in self.lengths:
+                if self.mode == "cuda":
+                    self._graph(rows, length)[0]()
+                else:
+                    self._seen.add((rows, length))
+                    self._forward(rows, length)
+
+    def _inputs(self, r0: int, r1: int, col: int, x: torch.Tensor, pads: torch.Tensor) -> None:
+        self.column.fill_(col)  # a scalar argument of a fill kernel: no copy, no host wait
+        self.x[r0:r1].copy_(x, non_blocking=True)
+        n = pads.shape[0]
+        if not torch.equal(self._pads_host[:n], pads):  # rows changed hands: host tensors, no device wait
+            self._pads_host[:n].copy_(pads)
+            self.pads[:n].copy_(self._pads_host[:n], non_blocking=True)
+
+    def _graph(self, rows: int, length: int) -> tuple[Callable[[], None], torch.Tensor]:
+        key = (rows, length)
+        if key not in self._graphs:
+            self._graphs[key] = self._make(rows, length)
+        return self._graphs[key]
+
+    def _forward(self, rows: int, length: int) -> torch.Tensor:
+        fn = self._compiled or decode_forward
+        with self.comm.captured(self.mode != "eager"):
+            return fn(self.stage, self.cache, self.rotary, self.x[:rows], self.column, self.pads, rows, length)
+
+    def _make(self, rows: int, length: int) -> tuple[Callable[[], None], torch.Tensor]:
+        side = torch.cuda.Stream(device=self.stage.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: lazy initialisations stay out of the graph
+            self._forward(rows, length)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = self._forward(rows, length)
+        return graph.replay, out

@@ -108,9 +108,9 @@ def test_a_capacity_message_leads_with_the_cause_and_tells_a_gap_that_gib_rounds
     first, second, third, *_ = err.value.message.splitlines()
     assert first.startswith("tiny does not fit: placement.offload.policy auto cannot stream int8 weights")
     assert second.startswith("Without streaming, at tensor=2 x pipeline=1") and second.endswith(
-        "the most loaded rank needs 2561.1 MiB; the largest device offers 2560.5 MiB usable (0.6 MiB short).")
+        "the most loaded rank needs 2561.5 MiB; the largest device offers 2560.5 MiB usable (1.0 MiB short).")
     assert "(0.3 MiB of int8 (float32 activations) weights and 0.2 MiB of KV cache" in third
-    assert third.endswith("the pool has 5121.0 MiB usable (2 x 2.8 GiB (gpu) on a, 10% headroom): 1.2 MiB short.")
+    assert third.endswith("the pool has 5121.0 MiB usable (2 x 2.8 GiB (gpu) on a, 10% headroom): 2.1 MiB short.")
     assert err.value.message.count("cannot stream int8") == 1  # said once
 
 
@@ -489,7 +489,7 @@ def test_places_answers_as_planning_and_counting_does(data):
      "spec.parallelism.tensor=8 needs 8 devices on one node; the largest node in the pool has 2.",
      "set tensor: auto"),
     # 70B on two 24 GiB devices: 14 more run both replicas (not "about 17").
-    ("a:24GiB*2", {"replicas": 2}, "one replica needs at least 159.78 GiB across 2 devices",
+    ("a:24GiB*2", {"replicas": 2}, "one replica needs at least 158.78 GiB across 2 devices",
      "add 18 more devices of 24.0 GiB (gpu) to node a (8 more devices would run 1 of the 2 replicas)"),
 ])
 def test_the_binding_constraint_comes_first_and_the_suggestions_are_checked(devices, spec_fields, first, offered):

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from shard_contract.env import DECODE_GRAPHS_ENV
 from shard_worker.accounting import Accounting
 from shard_worker.config import ModelConfig
 from shard_worker.dist import Comm, Topology
@@ -95,7 +96,7 @@ def test_buckets():
 def test_a_cpu_rank_keeps_its_fused_layers(checkpoint, monkeypatch):
     stage = load(checkpoint("llama"))
     comm = Comm(Topology(0, 1, 1), Accounting())
-    monkeypatch.delenv("SHARD_DECODE_GRAPHS", raising=False)
+    monkeypatch.delenv(DECODE_GRAPHS_ENV, raising=False)
     assert chosen_mode(stage, comm) == "off"
     assert chosen_mode(stage, comm, "eager") == "eager"
     with pytest.raises(ValueError, match="SHARD_DECODE_GRAPHS"):
@@ -204,7 +205,7 @@ def test_the_engine_with_static_steps_matches_hf(pool, checkpoint, hf_model, tp,
     model_dir = checkpoint("mistral")
     prompts = [PROMPT, PROMPT[2:], PROMPT[5:]]
     job = GenerateJob([{"prompt_ids": p, "max_new_tokens": 6, "ignore_eos": True} for p in prompts],
-                      env={"SHARD_DECODE_GRAPHS": "eager"})
+                      env={DECODE_GRAPHS_ENV: "eager"})
     results = pool.run(make_plan(model_dir, tp, pp, batch=4), model_dir, job)
     assert_matches_hf(results, hf_model(model_dir), prompts)
 
@@ -220,7 +221,7 @@ def test_continuous_batching_with_static_steps_is_the_eager_engine(pool, checkpo
              3: [{"prompt_ids": PROMPT, "max_new_tokens": 4, "ignore_eos": True}]}
     runs = {}
     for mode in ("off", "eager"):
-        job = ContinuousJob(first, later, env={"SHARD_DECODE_GRAPHS": mode})
+        job = ContinuousJob(first, later, env={DECODE_GRAPHS_ENV: mode})
         results = pool.run(plan, model_dir, job)
         runs[mode] = (results[0]["events"], [c.token_ids for c in results[0]["output"].completions])
     assert runs["eager"] == runs["off"]

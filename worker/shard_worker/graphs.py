@@ -34,11 +34,13 @@ from collections.abc import Callable
 
 import torch
 
+from shard_contract.env import DECODE_GRAPHS_ENV
+
 from . import kernels
 from .dist import Comm
 from .model import KVCache, Rotary, Stage, Step
 
-ENV = "SHARD_DECODE_GRAPHS"
+ENV = DECODE_GRAPHS_ENV
 MODES = ("auto", "off", "eager", "cuda", "compile")
 MIN_LENGTH = 256  # the shortest context bucket: below it, reading more columns costs nothing
 

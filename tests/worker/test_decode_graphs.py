@@ -122,6 +122,25 @@ def test_the_decode_step_compiles_without_graph_breaks(checkpoint):
     torch.testing.assert_close(compiled_cache.k, eager_cache.k, rtol=1e-5, atol=1e-5)
 
 
+def test_the_compile_mode_replays_the_eager_steps(checkpoint):
+    """SHARD_DECODE_GRAPHS=compile through DecodeGraphs (weights, cache and buffers marked static):
+    on the CPU inductor without CUDA graphs, the eager step's logits step after step."""
+    stage = load(checkpoint("llama"))
+    pads = torch.tensor(PADS)
+    ids = inputs(stage.config.vocab_size, len(PADS))
+    eager_cache, rotary = prefilled(stage, ids, pads)
+    compiled_cache, _ = prefilled(stage, ids, pads)
+    torch._dynamo.reset()
+    graphs = DecodeGraphs(stage, compiled_cache, rotary, Comm(Topology(0, 1, 1), Accounting()), "compile",
+                          min_length=8)
+    for col in range(PROMPT_COLS, PROMPT_COLS + 3):
+        x = ids[:, col:col + 1]
+        want = eager_step(stage, eager_cache, rotary, x, pads, 0, len(PADS), col)
+        with torch.inference_mode():
+            got = graphs.run(0, len(PADS), col, x, pads)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 # ---------------------------------------------------------------- no host synchronisation
 HOST_READS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2", "equal", "is_nonzero"}
 

@@ -201,7 +201,8 @@ def ours(model_dir: Path, parallel: int, threads: int, max_len: int) -> Iterator
 
 
 def gguf_of(model_dir: Path, kind: str) -> Path:
-    src = os.environ.get("LLAMA_CPP_SRC") or str(sorted((CACHE / "src").glob("llama_cpp_python-*"))[-1])
+    src = os.environ.get("LLAMA_CPP_SRC") or str(sorted(p for p in (CACHE / "src").glob("llama_cpp_python-*")
+                                                        if p.is_dir())[-1])
     env = {**os.environ, "PYTHONPATH": str(Path(src) / "vendor" / "llama.cpp" / "gguf-py")}
     out = subprocess.run([sys.executable, str(REPO / "bench" / "llamacpp_peer.py"), "convert-vocab", str(model_dir),
                           kind], capture_output=True, text=True, env=env, check=True)

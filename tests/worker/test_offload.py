@@ -34,8 +34,8 @@ def test_streamed_layers_compute_what_resident_ones_do(pool, deep, hf_model, tp,
         assert_matches_hf(results, hf_model(deep), [PROMPT])
         logits = torch.stack([step[0] for step in results[0]["output"].logits])
         assert torch.equal(logits, reference), f"{fraction:.0%} streamed: logits differ from the resident run"
-        for report in results[0]["reports"]:
-            off = plan.rank_plan(0, report["rank"]).offload
+        for rank, report in enumerate(results[0]["reports"]):  # in rank order
+            predicted, off = plan.rank_plan(0, rank).predicted_bytes, plan.rank_plan(0, rank).offload
             if off is None:
                 assert report["streamed_bytes"] == 0
                 continue
@@ -46,8 +46,8 @@ def test_streamed_layers_compute_what_resident_ones_do(pool, deep, hf_model, tp,
             assert report["stream_seconds"] > 0 and report["stall_seconds"] >= 0
             # computed on the mapped checkpoint in place (TP's column slices too): no staging
             assert off.copied_bytes == 0
-            assert report["allocated_bytes"]["staging"] == report["predicted_bytes"]["staging"] == 0
-            assert report["allocated_bytes"]["weights"] == report["predicted_bytes"]["weights"]
+            assert report["allocated_bytes"]["staging"] == predicted.staging == 0
+            assert report["allocated_bytes"]["weights"] == predicted.weights
 
 
 def _stages(model_dir, streamed, tp: int = 1, tp_rank: int = 0, dtype: torch.dtype = torch.float32,

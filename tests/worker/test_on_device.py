@@ -229,7 +229,7 @@ def test_streamed_layers_compute_what_resident_ones_do(pool, deep, reference, de
     assert report["streamed_bytes"] >= 5 * off.streamed_bytes  # a forward pass per token at least
     # a GPU copies every streamed layer into its device slots; a CPU computes on the mapped files in place
     assert off.copied_bytes == (off.streamed_bytes if device == "cuda" else 0)
-    assert report["allocated_bytes"]["staging"] == report["predicted_bytes"]["staging"] \
+    assert report["allocated_bytes"]["staging"] == plan.rank_plan(0, 0).predicted_bytes.staging \
         == off.prefetch * off.copied_bytes // len(off.layers)
     figures = report["last_generate"]
     print(f"{device} {fraction:.0%} streamed from {off.tier}: {figures['streamed_bytes']} bytes, "

@@ -181,8 +181,9 @@ class Worker:
             cache = KVCache(layout.layers[1] - layout.layers[0], plan.max_batch_size, layout.kv_heads,
                             plan.max_model_len, config.head_dim, dtype, device)
             cached = MemorySample.take(device)
-            if offload is not None:  # the staging slots (and a GPU's pinned host copies)
-                streamer = stage.streamer = Streamer(stage, offload, env.model_dir, acct)
+            if offload is not None:  # the staging slots (and a GPU's pinned host copies); started
+                # now, since the warm-up's forward pass below waits on the layers it streams
+                streamer = stage.streamer = Streamer(stage, offload, env.model_dir, acct).start()
             staged = MemorySample.take(device)
             rotary = Rotary(config, plan.max_model_len, device)
 
@@ -207,7 +208,7 @@ class Worker:
             raise
         return cls(env=env, plan=plan, rank_plan=rank_plan, comm=comm, stage=stage, cache=cache, rotary=rotary,
                    acct=acct, baseline=baseline, resident=resident, allocated=allocated, load_seconds=stats.seconds,
-                   streamer=streamer.start() if streamer else None)
+                   streamer=streamer)
 
     def loaded(self, ready_seconds: float) -> str:
         """What the rank says once it has loaded (`ready_seconds` since it started)."""

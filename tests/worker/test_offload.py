@@ -187,7 +187,8 @@ def big(tmp_path_factory):
 def test_a_streaming_rank_holds_its_plan_not_the_model(big):
     """Streaming every layer at TP=2, each rank of a real `python -m shard_worker` group holds its
     resident plan while it serves: its peak resident set above a bare torch stays within 1.15x
-    of it, far below its share of the model (the page cache holds the streamed layers)."""
+    of it and the layers it maps at a time, far below its share of the model (the page cache holds
+    the streamed layers)."""
     plan = streaming_plan(big, 2, 1, 1.0, max_len=512, batch=2)
     task = GenerateTask(requests=[GenerateRequest(prompt_ids=list(range(3, 40)), max_new_tokens=8)])
     result = run_generate(plan, big, task, timeout=300)
@@ -198,7 +199,10 @@ def test_a_streaming_rank_holds_its_plan_not_the_model(big):
         assert r.allocated_bytes == {"weights": predicted.weights, "kv_cache": predicted.kv_cache,
                                      "staging": predicted.staging}
         assert predicted.weights + off.streamed_bytes > 2 * (predicted.weights + predicted.staging)
-        assert 0 < r.resident_bytes.peak <= 1.15 * predicted.total, (rank, r.resident_bytes.peak, predicted)
+        # the resident set also holds the layers a CPU rank has mapped at a time (page cache, which
+        # the plan does not count as staging): `prefetch` of them during the warm-up's largest pass
+        mapped = off.prefetch * off.streamed_bytes // len(off.layers)
+        assert 0 < r.resident_bytes.peak <= 1.15 * (predicted.total + mapped), (rank, r.resident_bytes, predicted)
         assert r.streamed_bytes >= 8 * off.streamed_bytes
 
 

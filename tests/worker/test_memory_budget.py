@@ -43,8 +43,9 @@ def test_a_rank_refuses_a_plan_over_its_budget_and_a_measurement_over_it(checkpo
                        match=r"the plan's predicted bytes of this rank .* exceed this device's memory budget"):
         run(plan, model, predicted - 1)
 
-    # A plan that predicts (almost) nothing passes the first check; the measurement catches it.
+    # A plan that predicts (almost) nothing passes the first check; the measurement (after loading,
+    # at the warm-up pass's peak) catches it.
     tiny = PredictedBytes(weights=1, kv_cache=1, activations=0, overhead=0)
     lying = plan.model_copy(update={"ranks": [plan.ranks[0].model_copy(update={"predicted_bytes": tiny})]})
-    with pytest.raises(LaunchError, match=r"measured resident bytes after loading .* exceed"):
+    with pytest.raises(LaunchError, match=r"resident bytes at the warm-up's peak .* exceed"):
         run(lying, model, tiny.total)

@@ -111,8 +111,7 @@ def test_float32_matches_hf_on_the_same_device(pool, checkpoint, reference, devi
     prompts = [PROMPT, PROMPT[:3]]
     results = generate(pool, device_plan(model_dir, device, batch=2), model_dir, prompts)
     assert_matches_hf(results, reference(model_dir, device), prompts)
-    report = results[0]["reports"][0]
-    assert (report["device"], report["dtype"]) == (f"{device}:0", "float32")
+    assert results[0]["reports"][0]["dtype"] == "float32"  # where it ran is its RankPlan's (the plan's device)
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])

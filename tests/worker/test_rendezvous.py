@@ -22,7 +22,7 @@ from shard_worker.dist import Topology
 from shard_worker.runtime import Worker
 
 from .conftest import make_plan
-from .pool import ContinuousJob, _run_continuous
+from .pool import ContinuousJob, _run_continuous, _texts
 from .rendezvous import Deadlock, Fabric, RendezvousComm
 from .test_parallel import assert_matches_hf, hf_greedy
 
@@ -37,7 +37,7 @@ def arrival(prompt: list[int], new_tokens: int) -> dict:
 
 
 def run_group(plan, model_dir, lead) -> tuple[object, list]:
-    """Every rank of `plan` as a thread over one fabric: rank 0 runs `lead(engine)` and shuts the
+    """Every rank of `plan` as a thread over one fabric: rank 0 runs `lead(worker)` and shuts the
     group down, the others follow. Returns what `lead` returned and every rank's last output."""
     fabric = Fabric(plan.world_size)
     for _ in range(plan.world_size):
@@ -50,7 +50,7 @@ def run_group(plan, model_dir, lead) -> tuple[object, list]:
                             pp_size=plan.pipeline_parallel, plan_file="(in memory)", model_dir=str(model_dir))
             worker = Worker.start(env, plan, connect=fabric.connect)
             if rank == 0:
-                led[0] = lead(worker.engine)
+                led[0] = lead(worker)
                 worker.engine.shutdown()
             else:
                 worker.engine.follow()
@@ -120,7 +120,7 @@ def test_a_batch_of_several_units_runs_under_rendezvous_semantics(checkpoint, hf
 
     requests = [GenerateRequest(prompt_ids=p, max_new_tokens=4, ignore_eos=True) for p in prompts]
     # logits come back too: float32 [rows, vocab] slices, over the control channel
-    out, _ = run_group(plan, model_dir, lambda engine: engine.generate(requests, return_logits=True))
+    out, _ = run_group(plan, model_dir, lambda worker: worker.engine.generate(requests, return_logits=True))
     assert_matches_hf([{"output": out}], hf_model(model_dir), prompts)
 
 
@@ -132,7 +132,8 @@ def test_joiners_run_under_rendezvous_semantics(checkpoint, hf_model, pp):
     # pass), one more at the third, taking the row the first short one frees
     short, other, late = arrival([5, 9, 33], 2), arrival([8, 1, 77, 120, 4, 61], 3), arrival([2, 4, 6, 8], 3)
     job = ContinuousJob([LONG], arrivals={1: [short, other], 3: [late]})
-    events, outputs = run_group(plan, model_dir, lambda engine: _run_continuous(engine, job))
+    (_, events), outputs = run_group(plan, model_dir,
+                                     lambda worker: _run_continuous(worker.engine, job, _texts(worker)))
     joins = [e for e in events if e[0] == "join"]
     assert [step for _, step, _, _ in joins] == [1, 1, 3]
     model = hf_model(model_dir)

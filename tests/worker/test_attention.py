@@ -1,4 +1,4 @@
-"""Attention without copies (`model.grouped_attention`, `model.allowed_keys`): grouped-query
+"""Attention without copies (`attention.grouped_attention`, `attention.allowed_keys`): grouped-query
 attention by reshaping the queries, the K/V cache read in place, masks built on the device from
 per-row padding.
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shard_worker.model import additive, allowed_keys, attention_mask, grouped_attention
+from shard_worker.attention import additive, allowed_keys, attention_mask, grouped_attention
 
 
 def reference(q, keys, values, allowed):

@@ -252,7 +252,7 @@ print(os.waitpid(pid, 0)[1])
 def test_decode_first_columns_are_what_the_attention_mask_allows():
     """`first_columns` (our decode attention's key ranges) against `attention_mask` (torch's), for
     padded rows, padding queries, and windows that bite or not."""
-    from shard_worker.model import attention_mask, first_columns
+    from shard_worker.attention import attention_mask, first_columns
 
     pads = torch.tensor([0, 3, 7, 12])
     for col in (0, 2, 5, 9, 12, 20):

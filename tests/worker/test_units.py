@@ -9,9 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shard_contract.wire import GenerateRequest
+from shard_worker.attention import CAUSAL, attention_mask
 from shard_worker.config import ConfigError, ModelConfig
 from shard_worker.dist import Topology
-from shard_worker.model import CAUSAL, attention_mask, rope_inv_freq
+from shard_worker.model import rope_inv_freq
 from shard_worker.pipeline import prefill_units, split
 from shard_worker.sequences import SequenceState
 from shard_worker.text import TextStream

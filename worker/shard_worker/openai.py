@@ -14,6 +14,7 @@ as vLLM has them: `ignore_eos` and `stop_token_ids`; and each choice carries the
 from __future__ import annotations
 
 import hmac
+import json
 import secrets
 from typing import Annotated, Any, Literal
 
@@ -213,6 +214,27 @@ class ChatMessage(WireModel):
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (a tool call's arguments as JSON where they parse)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class JsonSchemaFormat(WireModel):

@@ -103,7 +103,7 @@ class OpenAIRoutes:
             call = Call(chat=True, n=body.n, best_of=body.n, logprobs=(body.top_logprobs or 0) if body.logprobs
                         else None, show_logprobs=bool(body.logprobs))
             call.schema, tools = self._constraints(body, call)
-            messages = [message_dict(m) for m in body.messages]
+            messages = [m.for_template() for m in body.messages]
             ids = await self._encode(messages, "messages", tools)
             max_tokens = body.max_completion_tokens or body.max_tokens
             return await self._run(request, body, [ids], max_tokens, "messages", call)
@@ -113,7 +113,7 @@ class OpenAIRoutes:
             body = openai.parse(openai.TokenizeRequest, await request.body())
             self._check_model(body.model)
             if body.messages is not None:
-                ids = await self._encode([message_dict(m) for m in body.messages], "messages")
+                ids = await self._encode([m.for_template() for m in body.messages], "messages")
             elif body.prompt is not None:
                 ids = await self._encode(body.prompt, "prompt")
             else:
@@ -416,27 +416,6 @@ def whole(replies: list[Reply], events: list[Done | Failed], call: Call) -> JSON
     used = usage_of(replies, done)
     build = openai.chat_body if call.chat else openai.completion_body
     return JSONResponse(build(first.rid, first.created, first.model, out, used))
-
-
-def message_dict(message: openai.ChatMessage) -> dict[str, Any]:
-    """A chat message as templates read it."""
-    out: dict[str, Any] = {"role": message.role, "content": message.text()}
-    if message.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-                             for c in message.tool_calls]
-    if message.tool_call_id is not None:
-        out["tool_call_id"] = message.tool_call_id
-    if message.name is not None:
-        out["name"] = message.name
-    return out
-
-
-def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
 
 
 def latest(queue: asyncio.Queue, event: Event) -> Event:

@@ -26,7 +26,7 @@ from shard_contract.units import table_unit
 from shard_contract.wire import ShardEntry, ShardsResponse
 
 from ..api import GROUP, PLURAL, VERSION, WorkerSpec
-from ..objects.manifests import group_of_pod
+from ..objects.names import group_of_pod
 from ..reconcile.status import SEE_DEGRADED
 
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen: a --watch refresh on a terminal

@@ -24,7 +24,6 @@ from shard_operator.objects.manifests import (
     ROLE_LABEL,
     Context,
     Owner,
-    base_name,
     check,
     desired_objects,
     drift_patch,
@@ -34,6 +33,7 @@ from shard_operator.objects.manifests import (
     pod_name,
     profiling_pod,
 )
+from shard_operator.objects.names import base_name
 from shard_operator.planning.inventory import parse_devices
 from tests.operator.conftest import make_plan, make_spec, tiny_profile
 

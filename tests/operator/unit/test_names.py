@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shard_operator.objects.manifests import (
+from shard_operator.objects.names import (
     base_name,
     endpoint_name,
     group_name,

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from shard_contract.wire import GenerateRequest
-from shard_worker.grammar import Grammars
-from shard_worker.sampling import Sampler
+from shard_worker.engine.sampling import Sampler
+from shard_worker.serving.grammar import Grammars
 
 VOCAB = 32000
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},

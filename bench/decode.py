@@ -16,7 +16,7 @@ parameters), batch 1, a 32-token prompt and 64 new tokens, for float32, bfloat16
   (two cores read ~35 GB/s together most of the time here, ~55-60 in bursts), and the variant is
   measured again;
 * the bare matrix-vector products over those weights: torch's GEMV (`F.linear`) and ours
-  (`shard_worker.kernels`), with 1 and 2 threads, each beside a streaming read in the same process;
+  (`shard_worker.model.kernels`), with 1 and 2 threads, each beside a streaming read in the same process;
 * HF transformers' `generate` with 1 and 2 threads (float32, bfloat16);
 * our worker (`python -m shard_worker` ranks, started by the local launcher) at TP=1 with 1 and
   with 2 threads, TP=2 and PP=2 (one thread a rank), with the share of each decode step spent
@@ -107,7 +107,7 @@ def decode_weights(model_dir: str, dtype: str, quantization: str) -> list[tuple]
     import torch
     from safetensors import safe_open
 
-    from shard_worker.quant import quantize
+    from shard_worker.model.quant import quantize
 
     index = Path(model_dir) / "model.safetensors.index.json"
     files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()

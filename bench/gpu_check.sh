@@ -150,7 +150,7 @@ for name in ("transformers", "safetensors", "numpy", "tokenizers", "yaml", "jinj
         print(f"  {name}: missing ({err})")
         if name not in ("prometheus_client", "accelerate", "setproctitle"):  # not needed by these steps
             missing.append(name)
-for name in ("shard_contract.plan", "shard_operator.cli", "shard_worker.runtime", "shard_worker.rank"):
+for name in ("shard_contract.plan", "shard_operator.cli", "shard_worker.rank.runtime", "shard_worker.rank.lifecycle"):
     try:
         importlib.import_module(name)
         print(f"  {name}: {sys.modules[name].__file__}")

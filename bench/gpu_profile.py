@@ -64,7 +64,7 @@ def profile_ours(model_dir: str, dtype: str, tokens: int = 16) -> None:
     from shard_contract.env import WorkerEnv
     from shard_contract.wire import GenerateRequest
     from shard_operator.local.launcher import free_port, plan_local
-    from shard_worker.runtime import Worker
+    from shard_worker.rank.runtime import Worker
 
     os.environ.update({k: v for k, v in gpu_decode.LOOPBACK.items() if k not in os.environ})
     prompt = list(range(1, 33))

@@ -40,7 +40,7 @@ def child(rank: int, tp: int, pp: int, port: int, plan_file: str, model_dir: str
     from shard_contract.env import WorkerEnv
     from shard_contract.plan import Plan
     from shard_contract.wire import GenerateRequest
-    from shard_worker.runtime import Worker
+    from shard_worker.rank.runtime import Worker
 
     # every rank on the one device (local rank 0), gloo for the tensors too
     env = WorkerEnv(rank=rank, world_size=tp * pp, local_rank=0, master_addr="127.0.0.1", master_port=port,

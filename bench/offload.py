@@ -57,11 +57,11 @@ def child_read(model_dir: str, dtype: str, repeats: int) -> dict:
     import torch
 
     from shard_contract.plan import OffloadPlan
-    from shard_worker.accounting import Accounting
-    from shard_worker.config import ModelConfig
-    from shard_worker.dist import Comm, Topology
-    from shard_worker.model import Layout, Stage
-    from shard_worker.offload import Streamer
+    from shard_worker.comm.dist import Comm, Topology
+    from shard_worker.model.config import ModelConfig
+    from shard_worker.model.model import Layout, Stage
+    from shard_worker.model.offload import Streamer
+    from shard_worker.rank.accounting import Accounting
 
     torch.set_num_threads(1)
     config = ModelConfig.from_dir(model_dir)

@@ -59,7 +59,7 @@ SHM_ENV = "SHARD_SHM_COLLECTIVES"
 SHM_DIR_ENV = "SHARD_SHM_DIR"
 KERNEL_ENV = "SHARD_KERNEL"  # the CPU kernels: auto (the best this CPU runs), torch, or a level
 FUSED_LAYERS_ENV = "SHARD_FUSED_LAYERS"  # "0": CPU decoder layers in Python, not the fused C layer
-# How a rank runs its decode steps (shard_worker.graphs): auto, off, eager, cuda or compile.
+# How a rank runs its decode steps (shard_worker.engine.graphs): auto, off, eager, cuda or compile.
 DECODE_GRAPHS_ENV = "SHARD_DECODE_GRAPHS"
 
 # The worker's commands: one rank (`python -m shard_worker`), or a pod's ranks, one process each

@@ -17,7 +17,7 @@ from shard_operator.local.demo_model import write_demo_model
 from shard_operator.planning import PlanError, plan
 from shard_operator.planning.inventory import parse_devices
 from shard_operator.planning.profile import profile_model
-from shard_worker.tokenizer import TextCodec
+from shard_worker.serving.tokenizer import TextCodec
 
 from .conftest import TINY
 

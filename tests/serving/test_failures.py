@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from shard_operator.local.launcher import LocalGroup, free_port, plan_local
-from shard_worker.sequences import FAILED_ELSEWHERE
+from shard_worker.engine.sequences import FAILED_ELSEWHERE
 from tests.support.checkpoints import break_embedding
 
 from .conftest import InFlight, get, kill_all, wait_for, wait_group_ready

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from shard_contract.plan import PredictedBytes, RankPlan
 from shard_contract.wire import Completion, GenerateRequest, ResidentBytes
 from shard_operator.local.launcher import free_port
-from shard_worker.batcher import Done, EngineLoop, Failed, Pending, Sink, Step, Unavailable, take_batch, take_joiners
-from shard_worker.engine import RequestError
-from shard_worker.health import (
+from shard_worker.engine.engine import RequestError
+from shard_worker.engine.sequences import SequenceState
+from shard_worker.rank.health import (
     ForgedRecord,
     GroupKeyError,
     GroupMonitor,
@@ -27,9 +27,19 @@ from shard_worker.health import (
     memory_problems,
     read_group_key,
 )
-from shard_worker.rankmetrics import RankMetrics
-from shard_worker.sequences import SequenceState
-from shard_worker.servelog import Throughput
+from shard_worker.rank.rankmetrics import RankMetrics
+from shard_worker.serving.batcher import (
+    Done,
+    EngineLoop,
+    Failed,
+    Pending,
+    Sink,
+    Step,
+    Unavailable,
+    take_batch,
+    take_joiners,
+)
+from shard_worker.serving.servelog import Throughput
 
 MiB = 2**20
 

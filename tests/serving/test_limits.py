@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 
 from shard_contract.env import WorkerEnv
 from shard_operator.local.launcher import free_port
-from shard_worker.limits import BoundedBodies, server_limits
+from shard_worker.serving.limits import BoundedBodies, server_limits
 
 from .conftest import wait_for
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shard_worker import openai
-from shard_worker.openai import ApiError, ChatRequest, CompletionRequest
+from shard_worker.serving.openai import ApiError, ChatRequest, CompletionRequest
 
 
 def refused(model, body: bytes) -> ApiError:

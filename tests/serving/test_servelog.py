@@ -3,7 +3,7 @@ rates cover the work of their window, not the quiet around it."""
 
 from __future__ import annotations
 
-from shard_worker.servelog import Throughput, request_line
+from shard_worker.serving.servelog import Throughput, request_line
 
 
 def test_a_request_line_names_the_request_its_tokens_its_times_and_how_it_ended():

@@ -10,8 +10,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from shard_contract.wire import Completion
-from shard_worker.text import TextStream, find_stop
-from shard_worker.tokenizer import TextCodec
+from shard_worker.serving.text import TextStream, find_stop
+from shard_worker.serving.tokenizer import TextCodec
 
 
 def chars(ids: list[int]) -> str:
@@ -136,8 +136,8 @@ def test_with_a_real_tokenizer_the_deltas_add_up_to_the_decoded_text(codec, data
 def test_a_stream_behind_the_engine_catches_up_with_its_freshest_event():
     import asyncio
 
-    from shard_worker.batcher import Done, Failed, Step
-    from shard_worker.routes import latest
+    from shard_worker.serving.batcher import Done, Failed, Step
+    from shard_worker.serving.routes import latest
 
     async def drained(events: list) -> tuple:
         queue: asyncio.Queue = asyncio.Queue()

@@ -11,8 +11,8 @@ import shutil
 
 import pytest
 
-from shard_worker.textproc import TextError, TextWorkers
-from shard_worker.tokenizer import TextCodec
+from shard_worker.serving.textproc import TextError, TextWorkers
+from shard_worker.serving.tokenizer import TextCodec
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
 

@@ -69,8 +69,8 @@ def _run(env_json: str, plan_json: str, job: Any) -> dict:
     from shard_contract.env import WorkerEnv
     from shard_contract.plan import Plan
     from shard_contract.wire import GenerateRequest
-    from shard_worker.engine import Hooks
-    from shard_worker.runtime import Worker
+    from shard_worker.engine.engine import Hooks
+    from shard_worker.rank.runtime import Worker
 
     saved = dict(os.environ)
     os.environ.update(getattr(job, "env", None) or {})
@@ -113,8 +113,8 @@ def _run(env_json: str, plan_json: str, job: Any) -> dict:
 
 def _texts(worker):
     """The leader's text side (`text.Texts`) over the checkpoint's tokenizer."""
-    from shard_worker.text import Texts
-    from shard_worker.tokenizer import TextCodec
+    from shard_worker.serving.text import Texts
+    from shard_worker.serving.tokenizer import TextCodec
 
     codec = TextCodec.load(worker.env.model_dir)
     return Texts(codec.decode if codec is not None else None)
@@ -126,8 +126,8 @@ def _run_continuous(engine, job: ContinuousJob, texts) -> tuple[list, list[tuple
     in order: ("join", step, column, sequence index), ("finished", step, index, row) and ("cancel",
     step, index)."""
     from shard_contract.wire import GenerateRequest
-    from shard_worker.batcher import take_joiners
-    from shard_worker.engine import Hooks
+    from shard_worker.engine.engine import Hooks
+    from shard_worker.serving.batcher import take_joiners
 
     def parse(requests: list[dict]) -> list:
         return [GenerateRequest.model_validate(r) for r in requests]

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from shard_worker.dist import Comm, Pending, Topology
+from shard_worker.comm.dist import Comm, Pending, Topology
 
 
 class Deadlock(RuntimeError):

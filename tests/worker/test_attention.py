@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shard_worker.attention import additive, allowed_keys, attention_mask, grouped_attention
+from shard_worker.model.attention import additive, allowed_keys, attention_mask, grouped_attention
 
 
 def reference(q, keys, values, allowed):
@@ -101,12 +101,12 @@ def test_the_model_attention_reads_the_cache_in_place(checkpoint, decode):
     """A padded decode step and a prefill chunk after the first, through a real layer with 2 query
     heads per KV head: every operation that touches the cache is a view, the cache write, or the
     attention kernel."""
-    from shard_worker.accounting import Accounting
-    from shard_worker.config import ModelConfig
-    from shard_worker.dist import Comm, Topology
-    from shard_worker.kernels import torch_only
-    from shard_worker.loader import load_stage
-    from shard_worker.model import KVCache, Layout, Rotary, Stage, Step
+    from shard_worker.comm.dist import Comm, Topology
+    from shard_worker.model.config import ModelConfig
+    from shard_worker.model.kernels import torch_only
+    from shard_worker.model.loader import load_stage
+    from shard_worker.model.model import KVCache, Layout, Rotary, Stage, Step
+    from shard_worker.rank.accounting import Accounting
 
     model_dir = checkpoint("llama")  # 4 heads, 2 KV heads
     config, cpu = ModelConfig.from_dir(model_dir), torch.device("cpu")

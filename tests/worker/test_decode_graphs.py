@@ -1,4 +1,4 @@
-"""The decode step the GPU replays (`shard_worker.graphs`), proven on the CPU and, where CUDA is
+"""The decode step the GPU replays (`shard_worker.engine.graphs`), proven on the CPU and, where CUDA is
 there, on the device.
 
 On the CPU: the static step (device buffers only, a fixed number of columns read, rows computed
@@ -19,13 +19,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shard_contract.env import DECODE_GRAPHS_ENV
-from shard_worker.accounting import Accounting
-from shard_worker.config import ModelConfig
-from shard_worker.dist import Comm, Topology
-from shard_worker.graphs import DecodeGraphs, batch_buckets, chosen_mode, decode_forward, length_buckets
-from shard_worker.kernels import torch_only
-from shard_worker.loader import load_stage
-from shard_worker.model import KVCache, Layout, Rotary, Stage, Step
+from shard_worker.comm.dist import Comm, Topology
+from shard_worker.engine.graphs import DecodeGraphs, batch_buckets, chosen_mode, decode_forward, length_buckets
+from shard_worker.model.config import ModelConfig
+from shard_worker.model.kernels import torch_only
+from shard_worker.model.loader import load_stage
+from shard_worker.model.model import KVCache, Layout, Rotary, Stage, Step
+from shard_worker.rank.accounting import Accounting
 
 from .conftest import make_plan
 from .pool import ContinuousJob, GenerateJob

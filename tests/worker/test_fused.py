@@ -1,4 +1,4 @@
-"""The fused decode layers (`shard_worker.fused`: a decoder layer's decode step in one C call)
+"""The fused decode layers (`shard_worker.model.fused`: a decoder layer's decode step in one C call)
 compute what the Python layers compute, bit for bit: the hidden states after every layer and the
 keys and values written into the KV cache, for float32, bfloat16 and int8 weights, biases (Qwen2),
 sliding windows (Mistral), left-padded rows, and with two threads. TP=2 (through shared memory) is
@@ -35,11 +35,11 @@ def _run(model_dir, dtype: torch.dtype, quantization: str, use_fused: bool, pads
          units: list[tuple[int, int]] | None = None):
     """Prefill of the rows (left-padded by `pads`), then `steps` decode steps: the hidden states of
     every step, the KV cache, and how many layer steps ran fused."""
-    from shard_worker.accounting import Accounting
-    from shard_worker.config import ModelConfig
-    from shard_worker.dist import Comm, Topology
-    from shard_worker.loader import load_stage
-    from shard_worker.model import KVCache, Layout, Rotary, Stage, Step
+    from shard_worker.comm.dist import Comm, Topology
+    from shard_worker.model.config import ModelConfig
+    from shard_worker.model.loader import load_stage
+    from shard_worker.model.model import KVCache, Layout, Rotary, Stage, Step
+    from shard_worker.rank.accounting import Accounting
 
     config = ModelConfig.from_dir(model_dir)
     layout = Layout(config, tp=1, tp_rank=0, layers=(0, config.num_layers), embeds=True, has_lm_head=True)

@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch
 
-from shard_worker.quant import fake_quantize_activations, quantize
+from shard_worker.model.quant import fake_quantize_activations, quantize
 from tests.support.checkpoints import hf_config, load_hf, randomize
 
 from .conftest import make_plan

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shard_worker import int8mm
-from shard_worker.quant import fake_quantize_activations, quantize
+from shard_worker.model.quant import fake_quantize_activations, quantize
 
 
 def case(rows: int, n: int, k: int, dtype: torch.dtype, seed: int = 0):

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from shard_contract.wire import SEED_MAX, SEED_MIN, TEMPERATURE_MAX
-from shard_worker.sequences import FAILED_ELSEWHERE
+from shard_worker.engine.sequences import FAILED_ELSEWHERE
 from tests.support.checkpoints import break_embedding
 
 from .conftest import make_plan

@@ -1,4 +1,4 @@
-"""The decode kernels (`shard_worker.kernels`) against `F.linear`: every level this CPU runs and
+"""The decode kernels (`shard_worker.model.kernels`) against `F.linear`: every level this CPU runs and
 torch's own path, float32 / bfloat16 / int8 weights, 1-8 rows, shapes of real models and odd
 sizes (row tails of every length), rows split over 2 threads; and the fallback when the extension
 is absent. Every level this CPU runs is tested by name (`level=`), so a machine with AVX-512
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from shard_worker import kernels
-from shard_worker.quant import ACT_BLOCK, fake_quantize_activations, quantize, quantize_activations
+from shard_worker.model.quant import ACT_BLOCK, fake_quantize_activations, quantize, quantize_activations
 
 LEVELS = [*kernels.LEVELS, None]  # None: torch only
 SHAPES = [  # (out, in): in-features of the bench model (hidden 2048, MLP 5632) and Llama-3-8B,
@@ -198,7 +198,7 @@ import sys
 sys.modules["shard_worker._gemv"] = None  # as if it were never built
 import torch, torch.nn.functional as F
 from shard_worker import kernels
-from shard_worker.quant import fake_quantize_activations, quantize
+from shard_worker.model.quant import fake_quantize_activations, quantize
 assert kernels.LEVELS == [] and kernels.LEVEL is None and "not built" in kernels.describe()
 x, w = torch.randn(1, 50), torch.randn(30, 50)
 torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w))
@@ -252,7 +252,7 @@ print(os.waitpid(pid, 0)[1])
 def test_decode_first_columns_are_what_the_attention_mask_allows():
     """`first_columns` (our decode attention's key ranges) against `attention_mask` (torch's), for
     padded rows, padding queries, and windows that bite or not."""
-    from shard_worker.attention import attention_mask, first_columns
+    from shard_worker.model.attention import attention_mask, first_columns
 
     pads = torch.tensor([0, 3, 7, 12])
     for col in (0, 2, 5, 9, 12, 20):

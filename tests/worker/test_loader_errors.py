@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shard_contract.checkpoint import CheckpointError
-from shard_worker.accounting import Accounting
-from shard_worker.config import ModelConfig
-from shard_worker.dist import Comm, Topology
-from shard_worker.loader import load_stage
-from shard_worker.model import Layout, Stage
+from shard_worker.comm.dist import Comm, Topology
+from shard_worker.model.config import ModelConfig
+from shard_worker.model.loader import load_stage
+from shard_worker.model.model import Layout, Stage
+from shard_worker.rank.accounting import Accounting
 from tests.support.checkpoints import write_checkpoint
 from tests.support.malicious import CORPUS, write_attack
 

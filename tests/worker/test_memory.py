@@ -45,11 +45,11 @@ def test_resident_memory_matches_the_plan(big, tp, pp):
 
 LOAD_ONE_RANK = """
 import ctypes, json, sys, torch
-from shard_worker.accounting import Accounting, MemorySample
-from shard_worker.config import ModelConfig
-from shard_worker.dist import Comm, Topology
-from shard_worker.loader import load_stage
-from shard_worker.model import Layout, Stage
+from shard_worker.rank.accounting import Accounting, MemorySample
+from shard_worker.model.config import ModelConfig
+from shard_worker.comm.dist import Comm, Topology
+from shard_worker.model.loader import load_stage
+from shard_worker.model.model import Layout, Stage
 model_dir, dtype, quantization, tp, tp_rank = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 config = ModelConfig.from_dir(model_dir)
 layout = Layout(config, tp=tp, tp_rank=tp_rank, layers=(0, config.num_layers), embeds=True, has_lm_head=True)

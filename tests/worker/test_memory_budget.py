@@ -9,7 +9,7 @@ import pytest
 from shard_contract.plan import PredictedBytes
 from shard_contract.wire import GenerateRequest, GenerateTask
 from shard_operator.local.launcher import LaunchError, run_generate
-from shard_worker.runtime import MemoryBudgetExceeded, PlanMismatch, check_budget
+from shard_worker.rank.runtime import MemoryBudgetExceeded, PlanMismatch, check_budget
 
 from .conftest import make_plan
 

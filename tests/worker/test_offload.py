@@ -54,11 +54,11 @@ def _stages(model_dir, streamed, tp: int = 1, tp_rank: int = 0, dtype: torch.dty
             resident: bool = True):
     """A whole rank (every layer resident; None without `resident`) and one that streams
     `streamed`, both loaded, and the latter's accounting (a streamer still to be made)."""
-    from shard_worker.accounting import Accounting
-    from shard_worker.config import ModelConfig
-    from shard_worker.dist import Comm, Topology
-    from shard_worker.loader import load_stage
-    from shard_worker.model import Layout, Stage
+    from shard_worker.comm.dist import Comm, Topology
+    from shard_worker.model.config import ModelConfig
+    from shard_worker.model.loader import load_stage
+    from shard_worker.model.model import Layout, Stage
+    from shard_worker.rank.accounting import Accounting
 
     config = ModelConfig.from_dir(model_dir)
     layout = Layout(config, tp=tp, tp_rank=tp_rank, layers=(0, config.num_layers), embeds=True, has_lm_head=True)
@@ -86,7 +86,7 @@ def _borrow_and_compare(streamer, stage, whole, order) -> None:
 def test_every_borrow_gets_its_own_layer_whatever_the_order(deep, prefetch):
     """The prefetcher loads ahead in forward order; a forward pass that ends early (an error
     mid-stage) makes the next one ask out of that order, and it still gets the right weights."""
-    from shard_worker.offload import Streamer
+    from shard_worker.model.offload import Streamer
 
     off = streaming_plan(deep, 1, 1, 1.0, prefetch=prefetch).ranks[0].offload
     whole, stage, acct = _stages(deep, off.layers)
@@ -121,7 +121,7 @@ def test_a_cpu_rank_maps_what_it_can_and_copies_the_rest(scattered, tp_rank):
     """At TP=2 (row slices of q, k, v, gate and up; column slices of o and down): every slice whose
     data are aligned is a view of its mapped file, a column slice a strided one; every misaligned
     one is copied into the slot's staging, which is exactly what the plan predicts."""
-    from shard_worker.offload import Streamer
+    from shard_worker.model.offload import Streamer
 
     rank = streaming_plan(scattered, 2, 1, 1.0).rank_plan(0, tp_rank)
     off = rank.offload
@@ -155,7 +155,7 @@ def test_a_scattered_checkpoint_streams_what_resident_ranks_compute(pool, scatte
 def test_another_dtype_is_copied_into_staging(tmp_path):
     """A bfloat16 checkpoint run in float32: nothing can be computed on in place, every slice is
     converted into the slot's staging, the plan's staging: a layer per slot."""
-    from shard_worker.offload import Streamer
+    from shard_worker.model.offload import Streamer
 
     directory = write_checkpoint(tmp_path, "llama", seed=5, dtype="bfloat16", **{**SHAPE, "num_layers": 6})
     rank = streaming_plan(directory, 1, 1, 1.0, dtype="float32").ranks[0]
@@ -210,8 +210,8 @@ def test_a_cpu_rank_maps_a_few_layers_at_a_time(big):
     """A streamed layer's file pages are mapped into the process while it is in a slot, and out
     once its slot takes another layer (the page cache keeps them): through two passes over every
     layer, the rank's mapped file memory grows by about its slots' layers, not the model's."""
-    from shard_worker.accounting import proc_status
-    from shard_worker.offload import Streamer
+    from shard_worker.model.offload import Streamer
+    from shard_worker.rank.accounting import proc_status
 
     off = streaming_plan(big, 1, 1, 1.0, max_len=512).ranks[0].offload
     _, stage, acct = _stages(big, off.layers, resident=False)
@@ -234,10 +234,10 @@ def test_a_cpu_rank_maps_a_few_layers_at_a_time(big):
 def test_a_layer_is_mapped_in_and_out_with_or_without_populate_read(big, populate_read):
     """`FileMaps` maps a span's pages into the process and out again; a kernel before Linux 5.14
     has no MADV_POPULATE_READ, so the pages are read ahead and touched instead."""
-    from shard_worker.accounting import proc_status
-    from shard_worker.config import ModelConfig
-    from shard_worker.loader import Checkpoint
-    from shard_worker.offload import FileMaps
+    from shard_worker.model.config import ModelConfig
+    from shard_worker.model.loader import Checkpoint
+    from shard_worker.model.offload import FileMaps
+    from shard_worker.rank.accounting import proc_status
 
     entry = Checkpoint(big, ModelConfig.from_dir(big)).entry("model.layers.3.mlp.down_proj.weight")
     maps = FileMaps()

@@ -154,7 +154,7 @@ import ctypes, json, sys, torch
 from shard_contract.env import WorkerEnv
 from shard_contract.plan import Plan
 from shard_operator.local.launcher import free_port
-from shard_worker.runtime import Worker
+from shard_worker.rank.runtime import Worker
 plan, model_dir = Plan.from_json(open(sys.argv[1]).read()), sys.argv[2]
 ctypes.CDLL("libc.so.6").malloc_trim(0)  # free heap of the bare process is not counted
 env = WorkerEnv(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), tp_size=1, pp_size=1,
@@ -250,12 +250,12 @@ def test_a_streamer_lends_each_layer_its_weights_and_lets_go_of_everything_on_cl
     its layer's weights bit for bit; a GPU pins exactly the plan's bytes (one registered arena, no
     power-of-two rounding); the counters of a run of borrows are complete at the snapshot after
     it; and `close`, with copies possibly in flight, waits for them and unpins the arena."""
-    from shard_worker.accounting import Accounting, CudaClock
-    from shard_worker.config import ModelConfig
-    from shard_worker.dist import Comm, Topology
-    from shard_worker.loader import load_stage
-    from shard_worker.model import Layout, Stage
-    from shard_worker.offload import Streamer
+    from shard_worker.comm.dist import Comm, Topology
+    from shard_worker.model.config import ModelConfig
+    from shard_worker.model.loader import load_stage
+    from shard_worker.model.model import Layout, Stage
+    from shard_worker.model.offload import Streamer
+    from shard_worker.rank.accounting import Accounting, CudaClock
 
     off = streaming_plan(deep, 1, 1, 1.0, kind=kind_of(device), host_memory="1MiB").ranks[0].offload
     on = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")

@@ -10,7 +10,7 @@ from itertools import pairwise
 import pytest
 import torch
 
-from shard_worker.pinned import ALIGN, PinnedArena, aligned, arena_bytes
+from shard_worker.model.pinned import ALIGN, PinnedArena, aligned, arena_bytes
 
 
 class FakeCudart:
@@ -76,11 +76,11 @@ def test_a_refused_registration_says_so_and_nothing_is_unregistered():
 def test_a_gpu_rank_pins_what_its_plan_counts(tmp_path, host_memory, tier):
     """The arena of a streaming GPU rank holds its host-tier layers and, when it reads files, a
     buffer per slot: the plan's host_bytes less the page cache it counts for the files."""
-    from shard_worker.accounting import Accounting
-    from shard_worker.config import ModelConfig
-    from shard_worker.dist import Comm, Topology
-    from shard_worker.model import Layout, Stage
-    from shard_worker.offload import pinned_layers
+    from shard_worker.comm.dist import Comm, Topology
+    from shard_worker.model.config import ModelConfig
+    from shard_worker.model.model import Layout, Stage
+    from shard_worker.model.offload import pinned_layers
+    from shard_worker.rank.accounting import Accounting
     from tests.support.checkpoints import write_checkpoint
     from tests.support.offload import streaming_plan
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from shard_contract.env import WorkerEnv
-from shard_worker.dist import Topology
-from shard_worker.runtime import Worker
+from shard_worker.comm.dist import Topology
+from shard_worker.rank.runtime import Worker
 
 from .conftest import make_plan
 from .pool import ContinuousJob, _run_continuous, _texts

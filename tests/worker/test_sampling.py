@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from shard_contract.wire import SEED_MAX, SEED_MIN, TEMPERATURE_MAX, GenerateRequest
 from shard_worker import openai
-from shard_worker.sampling import FAILED, Sampler
-from shard_worker.sequences import FAILED_ELSEWHERE, Rows, Sequences
+from shard_worker.engine.sampling import FAILED, Sampler
+from shard_worker.engine.sequences import FAILED_ELSEWHERE, Rows, Sequences
 
 
 def reference(logits: torch.Tensor, request: GenerateRequest, generated: list[int]) -> torch.Tensor:

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shard_worker.kvblocks import BlockPool, block_hash, chain_hashes
-from shard_worker.scheduler import Scheduler, Seq, blocks_for
+from shard_worker.engine.kvblocks import BlockPool, block_hash, chain_hashes
+from shard_worker.engine.scheduler import Scheduler, Seq, blocks_for
 
 VOCAB = 50
 

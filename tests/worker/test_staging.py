@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from shard_worker.config import ModelConfig
-from shard_worker.loader import Checkpoint, LoadStats, PinnedStaging, SliceReader
-from shard_worker.model import Piece
+from shard_worker.model.config import ModelConfig
+from shard_worker.model.loader import Checkpoint, LoadStats, PinnedStaging, SliceReader
+from shard_worker.model.model import Piece
 
 
 class Events:

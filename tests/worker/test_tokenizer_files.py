@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from shard_contract.checkpoint import CheckpointError
-from shard_worker.tokenizer import MAX_RENDER_CHARS, MAX_TEMPLATE_BYTES, TemplateError, TextCodec, TokenizerError
+from shard_worker.serving.tokenizer import (
+    MAX_RENDER_CHARS,
+    MAX_TEMPLATE_BYTES,
+    TemplateError,
+    TextCodec,
+    TokenizerError,
+)
 from tests.support.capped import MiB, run_capped
 from tests.support.checkpoints import write_tokenizer
 
@@ -114,7 +120,7 @@ def test_a_hostile_template_fails_its_request_and_never_hangs(tmp_path, name):
 
 CAPPED_RENDER = """
 import json, sys
-from shard_worker.tokenizer import TemplateError, TextCodec
+from shard_worker.serving.tokenizer import TemplateError, TextCodec
 for directory in sys.argv[2:]:
     codec = TextCodec.load(directory)
     codec.render_seconds = 1.0 if directory == sys.argv[1] else 300.0

@@ -9,13 +9,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shard_contract.wire import GenerateRequest
-from shard_worker.attention import CAUSAL, attention_mask
-from shard_worker.config import ConfigError, ModelConfig
-from shard_worker.dist import Topology
-from shard_worker.model import rope_inv_freq
-from shard_worker.pipeline import prefill_units, split
-from shard_worker.sequences import SequenceState
-from shard_worker.text import TextStream
+from shard_worker.comm.dist import Topology
+from shard_worker.engine.pipeline import prefill_units, split
+from shard_worker.engine.sequences import SequenceState
+from shard_worker.model.attention import CAUSAL, attention_mask
+from shard_worker.model.config import ConfigError, ModelConfig
+from shard_worker.model.model import rope_inv_freq
+from shard_worker.serving.text import TextStream
 from tests.support.checkpoints import LLAMA3_ROPE, hf_config
 
 BASE = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
@@ -225,7 +225,7 @@ def test_the_planners_attention_workspace_is_what_the_masked_path_allocates(chec
     place)."""
     from shard_operator.planning.profile import profile_model
     from shard_operator.planning.sizing import attention_workspace_bytes
-    from shard_worker.model import Layout, Rotary, Step
+    from shard_worker.model.model import Layout, Rotary, Step
 
     model_dir = checkpoint("llama")  # 4 heads, 2 KV heads: at TP=4 one of each per rank
     config, batch, max_len, cpu = ModelConfig.from_dir(model_dir), 3, 40, torch.device("cpu")

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shard_worker.accounting import Accounting
-from shard_worker.config import ModelConfig
-from shard_worker.dist import Comm, Topology
-from shard_worker.loader import load_stage
-from shard_worker.model import KVCache, Layout, Rotary, Stage
-from shard_worker.warmup import WarmupOutOfMemory, largest_pass, warm_up
+from shard_worker.comm.dist import Comm, Topology
+from shard_worker.engine.warmup import WarmupOutOfMemory, largest_pass, warm_up
+from shard_worker.model.config import ModelConfig
+from shard_worker.model.loader import load_stage
+from shard_worker.model.model import KVCache, Layout, Rotary, Stage
+from shard_worker.rank.accounting import Accounting
 
 
 def one_rank(model_dir, batch: int, max_len: int) -> tuple[Stage, KVCache, Rotary]:

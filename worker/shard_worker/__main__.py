@@ -34,14 +34,14 @@ from shard_contract.env import EXIT_CONFIG, EXIT_FAILED, RESULT_ENV, TASK_ENV, W
 from shard_contract.plan import Plan
 from shard_contract.wire import GenerateResult, GenerateTask, RankReport, ShardEntry
 
-from .accounting import MemorySample
-from .config import ConfigError
-from .dist import RendezvousError
-from .engine import Hooks, RequestError
+from .comm.dist import RendezvousError
+from .engine.engine import Hooks, RequestError
 from .log import first_line, log
-from .runtime import PlanMismatch, Worker, freeze_loaded_objects
-from .text import Texts
-from .tokenizer import TextCodec
+from .model.config import ConfigError
+from .rank.accounting import MemorySample
+from .rank.runtime import PlanMismatch, Worker, freeze_loaded_objects
+from .serving.text import Texts
+from .serving.tokenizer import TextCodec
 
 # Errors whose message says it all: printed as one line, no traceback.
 KNOWN_ERRORS = (CheckpointError, ConfigError, RendezvousError, RequestError, PlanMismatch)
@@ -101,10 +101,10 @@ def run_task(worker: Worker, task_path: str, result_path: str) -> None:
 def serve(env: WorkerEnv, plan: Plan, baseline: MemorySample) -> int:
     """Run this rank's server until it is told to stop (SIGTERM, SIGINT, or the leader's shutdown);
     the process then exits with the status (0, or `exit_status(err)` when its load failed)."""
-    from .app import build_app
-    from .limits import BoundedBodies
-    from .rank import Rank
-    from .routes import OpenAIRoutes
+    from .rank.lifecycle import Rank
+    from .serving.app import build_app
+    from .serving.limits import BoundedBodies
+    from .serving.routes import OpenAIRoutes
 
     if not Path(env.model_dir).is_dir():
         log(env.rank, f"SHARD_MODEL_DIR {env.model_dir} is not a directory")
@@ -123,7 +123,8 @@ def serve(env: WorkerEnv, plan: Plan, baseline: MemorySample) -> int:
 def main() -> int:
     serving = not os.environ.get(TASK_ENV)
     if serving:  # before the baseline: the server's libraries belong to the bare process
-        from . import app, rank, routes  # noqa: F401 -- imported for their weight, used by serve()
+        from .rank import lifecycle  # noqa: F401 -- imported for their weight, used by serve()
+        from .serving import app, routes  # noqa: F401 -- imported for their weight, used by serve()
     baseline = MemorySample.take()  # the bare process: interpreter, torch, this package
     try:
         env = WorkerEnv.from_env()

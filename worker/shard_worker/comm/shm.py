@@ -23,7 +23,7 @@ import time
 import torch
 
 try:  # the decode kernels' extension runs an all-reduce round in one call (same protocol, same bits)
-    from . import _gemv
+    from .. import _gemv
 except ImportError:
     _gemv = None  # type: ignore[assignment]  # built without a compiler: torch's path
 

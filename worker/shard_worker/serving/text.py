@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 from shard_contract.wire import Completion, GenerateRequest
 
-from .log import first_line
+from ..log import first_line
 
 if TYPE_CHECKING:
-    from .sequences import SequenceState
+    from ..engine.sequences import SequenceState
 
 Decode = Callable[[list[int]], str]
 

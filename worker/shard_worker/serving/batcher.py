@@ -37,9 +37,9 @@ from dataclasses import dataclass
 
 from shard_contract.wire import Completion, GenerateRequest
 
-from .engine import Engine, Hooks, RequestError, SequenceState, fits_at
-from .log import first_line, log
-from .rankmetrics import RankMetrics
+from ..engine.engine import Engine, Hooks, RequestError, SequenceState, fits_at
+from ..log import first_line, log
+from ..rank.rankmetrics import RankMetrics
 from .servelog import Throughput, request_line
 
 MAX_WAITING = 256

@@ -25,10 +25,11 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from shard_contract.env import read_api_key
 from shard_contract.wire import Completion
 
-from . import __version__, choices, grammar, openai
+from .. import __version__
+from ..model.config import ModelConfig
+from ..rank.rankmetrics import RankMetrics
+from . import choices, grammar, openai
 from .batcher import Done, EngineLoop, Event, Failed, Pending, Sink, Step, Unavailable
-from .config import ModelConfig
-from .rankmetrics import RankMetrics
 from .text import TextStream
 from .textproc import TextError, TextWorkers
 from .tokenizer import TextCodec

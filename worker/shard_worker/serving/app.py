@@ -23,9 +23,9 @@ from fastapi.responses import JSONResponse, Response
 
 from shard_contract.wire import ShardsResponse
 
+from ..log import first_line
+from ..rank.health import Verdict
 from . import dashboard, openai
-from .health import Verdict
-from .log import first_line
 from .routes import OpenAIRoutes
 
 

@@ -31,11 +31,11 @@ from shard_contract.env import EXIT_FAILED, HOST_ENV, WorkerEnv
 from shard_contract.plan import Plan
 from shard_contract.wire import LoadProgress, RankReport, ShardEntry, ShardsResponse
 
+from ..log import first_line, log
+from ..serving.batcher import EngineLoop, Unavailable
+from ..serving.limits import ASGIApp, server_limits
 from .accounting import MemorySample
-from .batcher import EngineLoop, Unavailable
 from .health import Heartbeat, Record, Verdict, memory_problems, read_group_key
-from .limits import ASGIApp, server_limits
-from .log import first_line, log
 from .rankmetrics import RankMetrics
 from .runtime import Worker, freeze_loaded_objects
 

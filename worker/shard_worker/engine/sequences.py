@@ -17,7 +17,7 @@ import torch
 
 from shard_contract.wire import Completion, GenerateRequest
 
-from .grammar import Grammars
+from ..serving.grammar import Grammars
 from .logprobs import Extras
 from .sampling import FAILED, HostSampled, Sampler
 

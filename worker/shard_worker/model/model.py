@@ -26,10 +26,10 @@ import torch.nn.functional as F
 
 from shard_contract.sharding import kv_head_start, kv_heads_per_rank, tp_problem, vocab_rows_per_rank
 
+from ..comm.dist import Comm
 from . import kernels
 from .attention import MASKED, additive, allowed_keys, first_columns, grouped_attention, mask_kind
 from .config import ModelConfig
-from .dist import Comm
 from .fused import FusedDecode
 from .layers import ColumnParallelLinear, ParallelLMHead, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 

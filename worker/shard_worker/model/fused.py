@@ -25,8 +25,9 @@ import torch
 
 from shard_contract.env import FUSED_LAYERS_ENV
 
-from . import kernels, shm
-from .dist import Comm
+from ..comm import shm
+from ..comm.dist import Comm
+from . import kernels
 
 ENV = FUSED_LAYERS_ENV
 

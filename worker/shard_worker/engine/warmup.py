@@ -21,8 +21,8 @@ import torch
 
 from shard_contract.sharding import PREFILL_CHUNK
 
-from .accounting import proc_status
-from .model import KVCache, Rotary, Stage, Step
+from ..model.model import KVCache, Rotary, Stage, Step
+from ..rank.accounting import proc_status
 
 
 class WarmupOutOfMemory(MemoryError):

@@ -15,15 +15,15 @@ from shard_contract.env import WorkerEnv
 from shard_contract.plan import Plan, RankPlan
 from shard_contract.wire import RankReport, ResidentBytes
 
-from . import dist as dist_mod
+from ..comm import dist as dist_mod
+from ..comm.dist import Comm, Topology
+from ..engine.engine import Engine
+from ..engine.warmup import WarmupOutOfMemory, warm_up
+from ..model.config import ModelConfig
+from ..model.loader import load_stage
+from ..model.model import KVCache, Layout, Rotary, Stage
+from ..model.offload import Streamer
 from .accounting import Accounting, CudaClock, MemorySample
-from .config import ModelConfig
-from .dist import Comm, Topology
-from .engine import Engine
-from .loader import load_stage
-from .model import KVCache, Layout, Rotary, Stage
-from .offload import Streamer
-from .warmup import WarmupOutOfMemory, warm_up
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -36,9 +36,9 @@ import torch
 
 from shard_contract.env import DECODE_GRAPHS_ENV
 
-from . import kernels
-from .dist import Comm
-from .model import KVCache, Rotary, Stage, Step
+from ..comm.dist import Comm
+from ..model import kernels
+from ..model.model import KVCache, Rotary, Stage, Step
 
 ENV = DECODE_GRAPHS_ENV
 MODES = ("auto", "off", "eager", "cuda", "compile")

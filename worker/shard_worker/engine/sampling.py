@@ -35,8 +35,8 @@ import torch
 
 from shard_contract.wire import GenerateRequest
 
-from . import grammar
-from .log import first_line
+from ..log import first_line
+from ..serving import grammar
 
 FAILED = -1  # the token of a row whose sampling failed
 NOT_FINITE = "choosing its next token failed: the model's logits for this sequence are not finite"

@@ -41,7 +41,7 @@ import torch
 from shard_contract.sharding import PREFILL_CHUNK
 from shard_contract.wire import GenerateRequest
 
-from .dist import FORWARD_TAG, Comm, Pending
+from ..comm.dist import FORWARD_TAG, Comm, Pending
 
 RUN, STOP, JOIN = 1, 2, 3
 HEADER_INTS = 6

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from shard_contract.env import KERNEL_ENV
 
 try:
-    from . import _gemv
+    from .. import _gemv
 except ImportError:  # built without a C compiler: torch's kernels only
     _gemv = None
 from . import int8mm

@@ -30,12 +30,13 @@ import torch
 
 from shard_contract.wire import Completion, GenerateRequest
 
-from . import grammar, logprobs
-from .accounting import Accounting
-from .dist import Comm
+from ..comm.dist import Comm
+from ..log import log
+from ..model.model import KVCache, Rotary, Stage, Step
+from ..rank.accounting import Accounting
+from ..serving import grammar
+from . import logprobs
 from .graphs import DecodeGraphs, chosen_mode
-from .log import log
-from .model import KVCache, Rotary, Stage, Step
 from .pipeline import Join, Link, Unit, prefill_units
 from .sequences import Rows, Sequences, SequenceState
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..comm.dist import Comm
 from . import kernels
-from .dist import Comm
 from .kernels import linear
 
 

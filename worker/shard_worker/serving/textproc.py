@@ -4,7 +4,7 @@ Both can take long on hostile input (tokenizing grows faster than linearly with 
 template is a program), and both hold a Python thread's GIL for their whole run when done in
 process: the engine thread, which shares the GIL, would wait, and so would the event loop that
 answers `/health`. So the leader hands each request's text to one of a few child processes
-(`python -m shard_worker.textproc MODEL_DIR`, which import neither torch nor the server) and waits
+(`python -m shard_worker.serving.textproc MODEL_DIR`, which import neither torch nor the server) and waits
 for the token ids off its event loop. A child that runs past the request's time bound
 (SHARD_TEXT_TIMEOUT) is killed and replaced: that request fails alone, and the others go on.
 
@@ -68,7 +68,7 @@ class _Child:
 
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
-        self.proc = subprocess.Popen([sys.executable, "-m", "shard_worker.textproc", model_dir],
+        self.proc = subprocess.Popen([sys.executable, "-m", "shard_worker.serving.textproc", model_dir],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
         self.started = False
 
@@ -177,7 +177,7 @@ def _die_with_parent() -> None:
 
 
 def _work(codec: Any, job: dict[str, Any]) -> tuple[int, bytes]:
-    from .log import first_line
+    from ..log import first_line
     from .tokenizer import TemplateError
 
     max_chars = int(job["max_chars"])

@@ -75,7 +75,7 @@ READ_STREAMS = (1, 4)  # a read front to back, and 4 parts side by side (as a GE
 
 def stream_seconds(buffer, threads: int) -> float:
     """The faster of plain reads of `buffer` as 1 and as 4 sequential streams a thread."""
-    from shard_worker import kernels
+    from shard_worker.model import kernels
 
     best = float("inf")
     for streams in READ_STREAMS:
@@ -132,7 +132,7 @@ def child_matvec(model_dir: str, dtype: str, quantization: str, repeats: int) ->
     import torch
     import torch.nn.functional as F
 
-    from shard_worker import kernels
+    from shard_worker.model import kernels
 
     weights = decode_weights(model_dir, dtype, quantization)
     act = getattr(torch, dtype)

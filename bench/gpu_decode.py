@@ -189,7 +189,7 @@ def child_ours(device: str, model_dir: str, dtype: str, quantization: str, int8_
     from shard_contract.wire import GenerateRequest
     from shard_operator.local.launcher import free_port, plan_local
     from shard_operator.planning.profile import profile_model
-    from shard_worker import kernels
+    from shard_worker.model import kernels
     from shard_worker.rank.runtime import Worker
 
     vocab = profile_model(model_dir).shape.vocab_size

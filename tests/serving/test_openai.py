@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shard_worker import openai
+from shard_worker.serving import openai
 from shard_worker.serving.openai import ApiError, ChatRequest, CompletionRequest
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shard_worker import fused, kernels
+from shard_worker.model import fused, kernels
 from tests.support.checkpoints import write_checkpoint
 
 pytestmark = pytest.mark.skipif(kernels.LEVEL is None, reason="the decode kernels' extension is not built")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shard_worker import int8mm
+from shard_worker.model import int8mm
 from shard_worker.model.quant import fake_quantize_activations, quantize
 
 

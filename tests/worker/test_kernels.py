@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shard_worker import kernels
+from shard_worker.model import kernels
 from shard_worker.model.quant import ACT_BLOCK, fake_quantize_activations, quantize, quantize_activations
 
 LEVELS = [*kernels.LEVELS, None]  # None: torch only
@@ -197,7 +197,7 @@ def test_without_the_extension_torch_computes_everything():
 import sys
 sys.modules["shard_worker._gemv"] = None  # as if it were never built
 import torch, torch.nn.functional as F
-from shard_worker import kernels
+from shard_worker.model import kernels
 from shard_worker.model.quant import fake_quantize_activations, quantize
 assert kernels.LEVELS == [] and kernels.LEVEL is None and "not built" in kernels.describe()
 x, w = torch.randn(1, 50), torch.randn(30, 50)
@@ -216,7 +216,7 @@ print("ok")
 
 @pytest.mark.parametrize("setting,expected", [("torch", None), ("portable", "portable"), ("bogus", "error")])
 def test_shard_kernel_picks_the_path(setting, expected):
-    code = "from shard_worker import kernels; print(kernels.LEVEL)"
+    code = "from shard_worker.model import kernels; print(kernels.LEVEL)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**__import__("os").environ, "SHARD_KERNEL": setting})
     if not kernels.LEVELS:
@@ -234,7 +234,7 @@ def test_a_forked_child_starts_its_own_threads():
         pytest.skip("the extension is not built here")
     code = """
 import os, torch
-from shard_worker import kernels
+from shard_worker.model import kernels
 torch.set_num_threads(2)
 w, x = torch.randn(4096, 1024), torch.randn(1, 1024)
 kernels.linear(x, w)

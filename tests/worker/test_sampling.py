@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shard_contract.wire import SEED_MAX, SEED_MIN, TEMPERATURE_MAX, GenerateRequest
-from shard_worker import openai
 from shard_worker.engine.sampling import FAILED, Sampler
 from shard_worker.engine.sequences import FAILED_ELSEWHERE, Rows, Sequences
+from shard_worker.serving import openai
 
 
 def reference(logits: torch.Tensor, request: GenerateRequest, generated: list[int]) -> torch.Tensor:

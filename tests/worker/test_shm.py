@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from shard_worker import shm
+from shard_worker.comm import shm
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory collectives are x86-64 with /dev/shm only")
 

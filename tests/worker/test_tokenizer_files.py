@@ -151,7 +151,7 @@ def _mkdir(path: Path) -> Path:
 def test_the_text_worker_refuses_the_request_of_a_hostile_template_and_takes_the_next(tmp_path):
     """Where the leader renders templates (textproc, off the event loop): the endless template's
     request is refused with the reason, and the same codec answers the next request."""
-    from shard_worker import textproc
+    from shard_worker.serving import textproc
 
     codec = TextCodec.load(model(tmp_path, HOSTILE["nested loops"][0]))
     codec.render_seconds = 1.0

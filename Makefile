@@ -48,10 +48,13 @@ system-tools:
 
 # Binaries the tests run, fetched once per machine into ~/.cache/shard-operator (outside the
 # repository; SHARD_TEST_BIN_CACHE moves it): helm and kubectl (tests/support/k8s_binaries.py) and
-# checkov in a venv of its own (tests/packaging/scanner.py). Each step does nothing when it is there.
+# checkov and EleutherAI's lm-eval, each in a venv of its own (tests/packaging/scanner.py,
+# tests/serving/lmeval.py: both pin libraries the project's venv needs other versions of). Each
+# step does nothing when it is there.
 test-tools: $(STAMP)
 	$(PY) -m tests.support.k8s_binaries
 	$(PY) -m tests.packaging.scanner
+	$(PY) -m tests.serving.lmeval
 
 # ruff and mypy (configured in pyproject.toml) before any test: a finding fails `make test`.
 lint: $(STAMP)

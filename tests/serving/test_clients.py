@@ -18,6 +18,7 @@ import torch
 
 from tests.support.checkpoints import load_hf
 
+from . import lmeval
 from .conftest import shardctl_run, sharded_model_yaml
 
 openai = pytest.importorskip("openai")
@@ -190,45 +191,34 @@ def test_tokenize_detokenize_version_models_and_counters(server):
     assert {"/tokenize", "/detokenize", "/version", "/v1/completions"} <= set(spec["paths"])
 
 
-def test_lm_eval_local_completions_scores_a_local_task(server, model_dir, tmp_path):
-    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install lm-eval)")
-    from lm_eval.tasks import TaskManager
+def test_lm_eval_local_completions_scores_a_local_task(server, client, model_dir, hf, tmp_path):
+    """lm-eval (in its own venv: tests/serving/lmeval.py) scores lmeval_tasks/ through /v1/completions:
+    the loglikelihood of each of 6 choices it parsed equals HF's for the tokens it split off, and each
+    of 3 greedy answers cut at "." equals the server's own answer to the same token prompt."""
+    from transformers import AutoTokenizer
 
-    rows = [{"question": "The sky is", "choices": [" blue", " green"], "answer": 0},
-            {"question": "Fire is", "choices": [" cold", " hot"], "answer": 1},
-            {"question": "One plus one is", "choices": [" two", " three"], "answer": 0}]
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "tiny_choice.yaml").write_text(f"""task: tiny_choice
-dataset_path: json
-dataset_kwargs:
-  data_files: {{test: {tmp_path / 'data.jsonl'}}}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: answer
-metric_list:
-  - metric: acc
-""")
-    (tmp_path / "tiny_gen.yaml").write_text(f"""task: tiny_gen
-dataset_path: json
-dataset_kwargs:
-  data_files: {{test: {tmp_path / 'data.jsonl'}}}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{question}}}}"
-doc_to_target: "{{{{choices[answer]}}}}"
-generation_kwargs:
-  until: ["."]
-  max_gen_toks: 8
-metric_list:
-  - metric: exact_match
-""")
-    results = lm_eval.simple_evaluate(
-        model="local-completions", tasks=["tiny_choice", "tiny_gen"],
-        task_manager=TaskManager(include_path=str(tmp_path)),
+    out = lmeval.evaluate(
+        ["shard_choice", "shard_gen"], tmp_path,
         model_args=f"model=tiny,base_url={server.url}/v1/completions,tokenizer={model_dir},"
                    "tokenizer_backend=huggingface,num_concurrent=2,max_retries=1,batch_size=2")
-    scores = results["results"]
-    assert 0.0 <= scores["tiny_choice"]["acc,none"] <= 1.0
-    assert 0.0 <= scores["tiny_gen"]["exact_match,none"] <= 1.0
+    scores, samples = out["results"], out["samples"]
+    assert any(abs(scores["shard_choice"]["acc,none"] - k / 3) < 1e-9 for k in range(4))  # 3 questions
+    assert any(abs(scores["shard_gen"]["exact_match,none"] - k / 3) < 1e-9 for k in range(4))
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731 (as lm-eval's)
+    choices = [(arguments, resp) for sample in samples["shard_choice"]
+               for arguments, resp in zip(sample["arguments"], sample["filtered_resps"], strict=True)]
+    assert len(choices) == 6
+    for (context, continuation), (loglikelihood, _greedy) in choices:
+        whole, head = encode(context + continuation), encode(context)
+        logprobs = hf_logprobs(hf, whole)
+        expected = sum(logprobs[at - 1, whole[at]].item() for at in range(len(head), len(whole)))
+        assert abs(float(loglikelihood) - expected) < 1e-3, (context, continuation)
+
+    assert len(samples["shard_gen"]) == 3
+    for sample in samples["shard_gen"]:
+        (context, _kwargs), answer = sample["arguments"][0], sample["filtered_resps"][0]
+        ours = client.completions.create(model="tiny", prompt=encode(context), max_tokens=8, temperature=0,
+                                         stop=["."])
+        assert answer == ours.choices[0].text, context

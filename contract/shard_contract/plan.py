@@ -107,6 +107,10 @@ class RankPlan(BaseModel):
     usable_bytes: int = Field(description="capacity minus the headroom.")
     predicted_bytes: PredictedBytes
     offload: OffloadPlan | None = Field(None, description="The layers this rank streams; None: all resident.")
+    kv_cache_tokens: int = Field(0, ge=0, description=(
+        "Tokens of KV cache this rank holds (keys and values of its layers and KV heads for each): "
+        "the same on every rank of its group, the group's capacity. 0 in a plan written before the "
+        "field: maxBatchSize x maxModelLen (the Plan fills it in)."))
 
     @property
     def num_layers(self) -> int:
@@ -145,6 +149,10 @@ class Plan(BaseModel):
     memory_headroom: float
     nvls: bool = Field(False, description="NCCL's NVLS buffers are budgeted in each GPU rank's overhead "
                                           "(the spec turned NVLS on).")
+    kv_cache_memory_fraction: float | None = Field(None, description=(
+        "spec.serving.kvCacheMemoryFraction as asked (None: the default of each kind of device), "
+        "kept so that a spec that asks otherwise is planned again."))
+    kv_cache_memory: int | None = Field(None, description="spec.serving.kvCacheMemory in bytes, as asked.")
     groups: list[GroupPlan]
     ranks: list[RankPlan]
     reason: str = Field("", description="Why this TP x PP was chosen.")
@@ -153,11 +161,28 @@ class Plan(BaseModel):
     def world_size(self) -> int:
         return self.tensor_parallel * self.pipeline_parallel
 
+    def model_post_init(self, _context: object) -> None:
+        # a plan written before ranks carried their KV tokens reserved maxBatchSize x maxModelLen
+        for r in self.ranks:
+            if r.kv_cache_tokens == 0:
+                r.kv_cache_tokens = self.reserved_tokens
+
+    @property
+    def reserved_tokens(self) -> int:
+        """maxBatchSize sequences of maxModelLen tokens: a cache that holds every running sequence
+        at its longest."""
+        return self.max_batch_size * self.max_model_len
+
     @property
     def kv_cache_tokens(self) -> int:
-        """Tokens of KV cache one group holds: the prompts and generated tokens its running
-        sequences may hold at once (maxBatchSize rows of maxModelLen positions)."""
-        return self.max_batch_size * self.max_model_len
+        """Tokens of KV cache every group holds at least (each rank's `kv_cache_tokens`; they differ
+        between groups only on devices of different sizes): the prompts and generated tokens of its
+        sequences that fit at once."""
+        return min((r.kv_cache_tokens for r in self.ranks), default=self.reserved_tokens)
+
+    def group_kv_cache_tokens(self, replica: int) -> int:
+        """Tokens of KV cache one group holds (its ranks hold the same)."""
+        return min((r.kv_cache_tokens for r in self.group(replica)), default=self.reserved_tokens)
 
     @property
     def stages(self) -> list[StagePlan]:
@@ -183,8 +208,11 @@ class Plan(BaseModel):
 
     def group_hash(self, replica: int) -> str:
         """Identity of one group's placement: changes exactly when its pods must be replaced."""
+        # the KV tokens only when they are not the reservation every plan before them made, so
+        # that those groups keep their identity (and are not restarted by an upgrade)
         placement = [(r.rank, r.node, r.device, r.layers, r.tp_rank, r.stage)
                      + ((r.offload.layers, r.offload.file_layers, r.offload.prefetch) if r.offload else ())
+                     + ((r.kv_cache_tokens,) if r.kv_cache_tokens != self.reserved_tokens else ())
                      for r in self.group(replica)]
         key = json.dumps([self.model, self.profile_digest, self.dtype, self.quantization, self.tensor_parallel,
                           self.pipeline_parallel, self.max_model_len, self.max_batch_size, placement])

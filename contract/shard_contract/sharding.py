@@ -18,6 +18,15 @@ from typing import Protocol
 # Tokens of one prefill forward pass: longer prompts are prefilled in chunks of this many tokens,
 # so activation memory does not grow with maxModelLen.
 PREFILL_CHUNK = 512
+# The most tokens one forward pass computes (a step's prefill chunks and decodes together): the
+# planner sizes a rank's activations for it, so they do not grow with maxBatchSize beyond it.
+MAX_STEP_TOKENS = 8192
+
+
+def prefill_rows(max_batch: int, max_len: int) -> int:
+    """Rows of the largest forward pass: a prefill chunk of every running sequence, at most
+    MAX_STEP_TOKENS tokens (at least one row)."""
+    return max(1, min(max_batch, MAX_STEP_TOKENS // min(max_len, PREFILL_CHUNK)))
 
 
 class Heads(Protocol):

@@ -80,7 +80,9 @@ class ModelSpec(ApiModel):
     max_model_len: int | None = Field(None, ge=1, description=(
         "Longest sequence (prompt + generated) served; sizes the KV cache. Default: the model's "
         "max_position_embeddings, at most 4096."))
-    max_batch_size: int = Field(1, ge=1, description="Sequences decoded together; sizes the KV cache.")
+    max_batch_size: int | None = Field(None, ge=1, description=(
+        "The most sequences running at once (a cap: the KV cache is sized by spec.serving). "
+        "Default: 256 on GPUs, 1 on CPUs."))
 
 
 def inside(root: Path, path: str, field: str = "spec.model.path", within: str = "the volume") -> Path:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .base import API_VERSION, KIND, ApiModel, SpecError
 from .model import ModelSpec
 from .placement import Parallelism, Placement, Rollout
+from .serving import Serving
 from .status import ShardedModelStatus
 from .worker import WorkerSpec
 
@@ -26,6 +27,7 @@ class ShardedModelSpec(ApiModel):
     placement: Placement = Field(default_factory=Placement)
     rollout: Rollout = Field(default_factory=Rollout)
     worker: WorkerSpec = Field(default_factory=WorkerSpec)
+    serving: Serving = Field(default_factory=Serving)
 
     @model_validator(mode="after")
     def _offload_streams_checkpoint_weights(self) -> ShardedModelSpec:

@@ -25,8 +25,10 @@ class PlanSummary(ApiModel):
     max_predicted_bytes: int = 0
     predicted_step_seconds: float = Field(0.0, description="Estimated time of one decode step (the slowest "
                                                            "group's critical path through every stage).")
-    kv_cache_tokens: int = Field(0, description="Tokens of KV cache each group holds: what its running "
-                                                "sequences' prompts and generated tokens may take at once.")
+    kv_cache_tokens: int = Field(0, description=(
+        "Tokens of KV cache every group holds at least (the smallest group's; each shard says its "
+        "own): what its sequences' prompts and generated tokens may take at once, sized by "
+        "spec.serving from the memory the plan leaves free."))
 
 
 class ShardOffload(ApiModel):
@@ -56,7 +58,8 @@ class ShardStatus(ApiModel):
     predicted_bytes: int = 0
     quantization: Quantization = Field("none", description="How this shard's weights are stored (from its plan).")
     resident_bytes: int | None = None
-    kv_cache_tokens: int = Field(0, description="Tokens of KV cache this shard's group holds (the plan's).")
+    kv_cache_tokens: int = Field(0, description="Tokens of KV cache this shard's group holds (the plan's: "
+                                                "every rank of a group holds the same tokens).")
     offload: ShardOffload | None = None
     state: str = "Pending"
 

@@ -33,7 +33,7 @@ from shard_contract.env import ENV_NAMES, EXIT_CONFIG, RESULT_ENV, TASK_ENV, WOR
 from shard_contract.plan import Plan
 from shard_contract.wire import GenerateResult, GenerateTask
 
-from ..api import ModelSpec, Parallelism, ShardedModelSpec
+from ..api import ModelSpec, Parallelism, Serving, ShardedModelSpec
 from ..planning import plan as make_plan
 from ..planning.inventory import DeviceKind, local_inventory, parse_devices
 from ..planning.profile import profile_model
@@ -53,14 +53,15 @@ class LaunchError(RuntimeError):
 
 def plan_local(model_dir: str | os.PathLike[str], tp: int, pp: int, *, dtype: str = "auto",
                quantization: str = "none", max_model_len: int | None = None, max_batch_size: int = 1,
-               devices: str | None = None,
-               device_kind: DeviceKind = "cpu", layer_partition: list[int] | None = None) -> Plan:
+               devices: str | None = None, device_kind: DeviceKind = "cpu", layer_partition: list[int] | None = None,
+               kv_cache_memory_fraction: float | None = None) -> Plan:
     """Plan `model_dir` over TP x PP ranks of this machine (or the `devices` spec)."""
     profile = profile_model(model_dir)
     spec = ShardedModelSpec(
         model=ModelSpec(path=str(model_dir), dtype=dtype, quantization=quantization, max_model_len=max_model_len,
                         max_batch_size=max_batch_size),
-        parallelism=Parallelism(tensor=tp, pipeline=pp, layer_partition=layer_partition))
+        parallelism=Parallelism(tensor=tp, pipeline=pp, layer_partition=layer_partition),
+        serving=Serving(kv_cache_memory_fraction=kv_cache_memory_fraction))
     inventory = parse_devices(devices, kind=device_kind) if devices is not None else local_inventory(ranks=tp * pp)
     return make_plan(profile, spec, inventory)
 

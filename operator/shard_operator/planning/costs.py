@@ -9,14 +9,13 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from . import offload
+from . import kvcache, offload
 from .offload import OffloadStage
 from .profile import ModelProfile
 from .request import PlannerOptions, Request
 from .sizing import (
     Shard,
     activation_bytes,
-    kv_cache_bytes,
     layer_copied_bytes,
     layer_read_bytes,
     layer_streamed_bytes,
@@ -36,12 +35,14 @@ class StageModel:
     fixed_seconds: float
     layer_seconds: float
     usable: int
+    max_layers: int | None = None  # a bound of its own: the layers whose KV a fixed cache holds
 
     def capacity(self) -> int:
         """Most layers this stage can hold."""
         if self.fixed_bytes > self.usable:
             return -1
-        return (self.usable - self.fixed_bytes) // self.layer_bytes if self.layer_bytes else 10**9
+        most = (self.usable - self.fixed_bytes) // self.layer_bytes if self.layer_bytes else 10**9
+        return most if self.max_layers is None else min(most, self.max_layers)
 
     def seconds(self, n: int) -> float:
         return self.fixed_seconds + n * self.layer_seconds
@@ -101,11 +102,10 @@ class Costs:
         if key not in self._offload:
             model = self.stage_model(shape, tp, embeds, has_lm_head)
             profile, request = self.profile, self.request
-            one = Shard(tp=tp, layers=(0, 1), embeds=False, has_lm_head=False)
             layers = range(profile.shape.num_layers)  # alike in these families: take the largest
             self._offload[key] = OffloadStage(
-                kind=shape[2], usable=model.usable, fixed=model.fixed_bytes,
-                kv=kv_cache_bytes(profile, one, request.max_len, request.batch, request.dtype),
+                kind=shape[2], usable=model.usable, fixed=model.fixed_bytes, max_layers=model.max_layers,
+                kv=self.layer_kv_bytes(tp, shape[2]),
                 layer=self.layer_bytes(tp),
                 streamed=max(layer_streamed_bytes(profile, i, tp, request.dtype) for i in layers),
                 copied=max(layer_copied_bytes(profile, i, tp, request.dtype, shape[2]) for i in layers),
@@ -113,6 +113,15 @@ class Costs:
                 fixed_seconds=model.fixed_seconds, layer_seconds=model.layer_seconds,
                 host_rate=shape[3] * 1e9, file_rate=shape[4] * 1e9, request=request.offload)
         return self._offload[key]
+
+    def kv_policy(self, kind: str) -> kvcache.KvPolicy:
+        return kvcache.kv_policy(self.request, kind)
+
+    def layer_kv_bytes(self, tp: int, kind: str) -> int:
+        """The KV cache a layout must leave room for per layer on a rank of this kind: the
+        reservation, or one whole sequence in the share of the free memory the cache may take."""
+        r = self.request
+        return kvcache.token_bytes(self.profile, tp, 1, r.dtype) * kvcache.fit_tokens(self.kv_policy(kind), r)
 
     def overhead(self, kind: str, tp: int, pipeline: bool) -> int:
         """A rank's runtime beyond the model: the options' per kind, and NCCL's NVLS buffers when on."""
@@ -129,23 +138,24 @@ class Costs:
         memory, speed, kind = shape[:3]
         profile, request = self.profile, self.request
         empty = Shard(tp=tp, layers=(0, 0), embeds=embeds, has_lm_head=has_lm_head)
-        one = Shard(tp=tp, layers=(0, 1), embeds=False, has_lm_head=False)
         layer_bytes = self.layer_bytes(tp)
+        policy = self.kv_policy(kind)
         fixed = (weight_bytes(profile, empty, request.dtype)
                  + activation_bytes(profile, empty, request.max_len, request.batch, request.dtype)
-                 + self.overhead(kind, tp, not (embeds and has_lm_head)))
+                 + self.overhead(kind, tp, not (embeds and has_lm_head)) + kvcache.fixed_bytes(policy))
         bandwidth = speed * 1e12
         collective = self.options.transport.collective(kind,
                                                        pod_layout(request.pod_layout, kind, tp)) if tp > 1 else 0.0
         step = self.options.step
         return StageModel(
             fixed_bytes=fixed,
-            layer_bytes=layer_bytes + kv_cache_bytes(profile, one, request.max_len, request.batch, request.dtype),
+            layer_bytes=layer_bytes + self.layer_kv_bytes(tp, kind),
             fixed_seconds=(step.fixed_seconds(kind, weight_bytes(profile, empty, request.dtype), bandwidth)
                            + (embeds + has_lm_head) * collective),
             layer_seconds=(step.layer_seconds(kind, layer_bytes, self.layer_bytes(tp, "none"), bandwidth)
                            + 2 * collective),
             usable=int(memory * (1 - request.headroom)),
+            max_layers=kvcache.max_layers(policy, kvcache.token_bytes(profile, tp, 1, request.dtype), request),
         )
 
 

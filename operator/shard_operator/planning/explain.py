@@ -14,14 +14,14 @@ from shard_contract.plan import Plan
 from shard_contract.units import apart, count, exactly, human
 
 from ..api import OFFLOAD_INT8, ShardedModelSpec
-from . import offload
+from . import kvcache, offload
 from .advice import Asked, Fits, Suggestion, offer, suggestions
 from .costs import Costs, partition_layers
 from .inventory import Inventory
 from .profile import ModelProfile
-from .request import PlannerOptions, Request, Shortfall, resolve_request
+from .request import PlannerOptions, Request, Shortfall, pool_kind, resolve_request
 from .search import fitting, pick, places, to_plan
-from .sizing import Shard, activation_bytes, kv_cache_bytes, nvls_bytes, weight_bytes
+from .sizing import Shard, activation_bytes, nvls_bytes, weight_bytes
 
 STREAMING_FITS = "Streaming layers would fit it (planned): "
 
@@ -81,7 +81,7 @@ class _Question:
 
 @functools.lru_cache(maxsize=64)
 def _suggest(q: _Question, at_least: int, fitting: int = 0) -> tuple[Suggestion, ...]:
-    request = resolve_request(q.profile, q.spec)
+    request = resolve_request(q.profile, q.spec, pool_kind(q.inventory))
     whole = Shard(tp=1, layers=(0, q.profile.shape.num_layers), embeds=True, has_lm_head=True)
     asked = Asked(dtype=request.dtype, quantization=request.quantization, max_len=request.max_len,
                   batch=request.batch, weights={(d, k): weight_bytes(q.profile, whole, d, k)
@@ -135,11 +135,12 @@ def capacity_needed(profile: ModelProfile, request: Request, inventory: Inventor
                      options: PlannerOptions) -> Shortfall:
     whole = Shard(tp=1, layers=(0, profile.shape.num_layers), embeds=True, has_lm_head=True)
     kind = inventory.devices[0].kind
+    policy = kvcache.kv_policy(request, kind)
     per_device = options.runtime_overhead[kind] + nvls_bytes(request.nvls, kind, max(tps), False) + \
         activation_bytes(profile, Shard(tp=max(tps), layers=(0, 0), embeds=False, has_lm_head=False),
-                         request.max_len, request.batch, request.dtype)
-    return Shortfall(weights=weight_bytes(profile, whole, request.dtype, request.quantization),
-                     kv_cache=kv_cache_bytes(profile, whole, request.max_len, request.batch, request.dtype),
+                         request.max_len, request.batch, request.dtype) + kvcache.fixed_bytes(policy)
+    kv = kvcache.token_bytes(profile, 1, profile.shape.num_layers, request.dtype) * kvcache.fit_tokens(policy, request)
+    return Shortfall(weights=weight_bytes(profile, whole, request.dtype, request.quantization), kv_cache=kv,
                      per_device=per_device, devices=tuple(inventory.devices),
                      usable=tuple(int(d.memory_bytes * (1 - request.headroom)) for d in inventory.devices))
 
@@ -154,6 +155,11 @@ def _rank_minimum(profile: ModelProfile, request: Request, options: PlannerOptio
     stages = [costs.stage_model(shape, tp, i == 0, i == pp - 1) for i in range(pp)]
     counts = partition or partition_layers(stages, profile.shape.num_layers) or [profile.shape.num_layers]
     return max(s.fixed_bytes + n * s.layer_bytes for s, n in zip(stages, counts, strict=False))
+
+
+def _fixed_kv(request: Request, inventory: Inventory) -> str:
+    fixed = kvcache.fixed_bytes(kvcache.kv_policy(request, inventory.devices[0].kind))
+    return f" and its KV cache ({exactly(fixed)}, kvCacheMemory)" if fixed else ""
 
 
 def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: Request, inventory: Inventory,
@@ -186,9 +192,11 @@ def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: R
     needs, has = apart(need, sum(usable))
     facts.append(
         f"one replica needs at least {needs} across {count(len(usable), 'device')} ({exactly(weights)} "
-        f"of {_weights_phrase(request)} weights and {exactly(kv)} of KV cache for {request.max_len} tokens x "
-        f"{count(request.batch, 'sequence')} per replica, plus ~{exactly(per_device)} per device for runtime "
-        f"and activations); the pool has {has} usable ({inventory.describe()}, {request.headroom:.0%} headroom)"
+        f"of {_weights_phrase(request)} weights and {exactly(kv)} of KV cache for "
+        f"{kvcache.describe_need(kvcache.kv_policy(request, inventory.devices[0].kind), request)} per replica, "
+        f"plus ~{exactly(per_device)} per device for runtime and activations"
+        f"{_fixed_kv(request, inventory)}); the pool has {has} usable ({inventory.describe()}, "
+        f"{request.headroom:.0%} headroom)"
         + (f": {exactly(need - sum(usable))} short." if need > sum(usable)
            else ": enough in all, but no split of the layers fits these devices."))
     # What the spec asks that cannot be (streaming int8 weights) is the cause: it comes first.

@@ -72,6 +72,7 @@ class OffloadStage:
     host_rate: float  # bytes/s
     file_rate: float
     request: OffloadSettings
+    max_layers: int | None = None  # a fixed KV cache holds a whole sequence of no more layers
 
     def slots(self, streamed_layers: int) -> int:
         return min(self.request.prefetch, streamed_layers)
@@ -87,6 +88,8 @@ class OffloadStage:
     def at(self, n: int) -> Streaming | None:
         """The stage holding `n` layers: as many resident as fit (every one when all fit, none
         with policy always); None when even streaming cannot make it fit its memory or tiers."""
+        if self.max_layers is not None and n > self.max_layers:
+            return None
         compute = self.fixed_seconds + n * self.layer_seconds
         always = self.request.policy == "always"
         if not always and self.fixed + n * (self.kv + self.layer) <= self.usable:

@@ -74,13 +74,15 @@ def incompatibility(current: Plan, profile: ModelProfile, spec: ShardedModelSpec
     """Why the spec or checkpoint no longer allows the current plan (None: it still does)."""
     if current.profile_digest != profile.digest or current.model != profile.name:
         return "the checkpoint changed"
-    request = resolve_request(profile, spec)
+    request = resolve_request(profile, spec, "gpu" if any(r.kind == "gpu" for r in current.ranks) else "cpu")
     for what, old, new in (("dtype", current.dtype, request.dtype),
                            ("quantization", current.quantization, request.quantization),
                            ("maxModelLen", current.max_model_len, request.max_len),
                            ("maxBatchSize", current.max_batch_size, request.batch),
                            ("memoryHeadroom", current.memory_headroom, request.headroom),
-                           ("nccl.nvls", current.nvls, request.nvls)):
+                           ("nccl.nvls", current.nvls, request.nvls),
+                           ("serving.kvCacheMemoryFraction", current.kv_cache_memory_fraction, request.kv_fraction),
+                           ("serving.kvCacheMemory", current.kv_cache_memory, request.kv_bytes)):
         fell_back = what == "dtype" and spec.model.dtype == "auto" and AUTO_FALLBACK.get(str(new)) == old
         if old != new and not fell_back:
             return f"{what} changed from {old} to {new}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from shard_contract.plan import Plan, describe_layers
 from shard_contract.units import count, human, table_unit
 
+from ..api import DEFAULT_GPU_FRACTION
 from . import Considered, PlannerOptions
 from .inventory import Inventory
 from .profile import ModelProfile
@@ -26,6 +27,25 @@ def _replicas(plan: Plan) -> str:
     return count(plan.replicas, "replica")
 
 
+def kv_sizing(plan: Plan) -> str:
+    """How the plan sized the KV cache, in the spec's words."""
+    if plan.kv_cache_memory is not None:
+        return f"kvCacheMemory {human(plan.kv_cache_memory)} per rank"
+    if plan.kv_cache_memory_fraction is not None:
+        return f"kvCacheMemoryFraction {plan.kv_cache_memory_fraction:g} of the memory left free"
+    if any(r.kind == "gpu" for r in plan.ranks):
+        return f"{DEFAULT_GPU_FRACTION:g} of the memory left free (the GPU default)"
+    return "maxBatchSize x maxModelLen (the CPU default)"
+
+
+def kv_line(plan: Plan) -> str:
+    """'65536 tokens per group (16 sequences of maxModelLen; 0.9 of the memory left free ...)'."""
+    held = sorted({plan.group_kv_cache_tokens(g.replica) for g in plan.groups})
+    tokens = " to ".join(str(t) for t in (held[:1] + held[-1:] if len(held) > 1 else held)) or str(plan.kv_cache_tokens)
+    whole = min(held, default=plan.kv_cache_tokens) // plan.max_model_len
+    return (f"{tokens} tokens per group ({count(whole, 'whole sequence')} of maxModelLen; {kv_sizing(plan)})")
+
+
 def render_plan(plan: Plan, profile: ModelProfile | None = None, inventory: Inventory | None = None) -> str:
     lines = []
     if profile is not None:
@@ -35,9 +55,9 @@ def render_plan(plan: Plan, profile: ModelProfile | None = None, inventory: Inve
                      f"KV heads (profiled from {profile.source})")
     lines.append(f"decision {plan.reason}")
     weights = plan.dtype if plan.quantization == "none" else f"{plan.dtype} with {plan.quantization} weights"
-    lines.append(f"serving  {plan.max_model_len} tokens x {count(plan.max_batch_size, 'sequence')} in {weights}, "
-                 f"{plan.memory_headroom:.0%} headroom per device, {_replicas(plan)}, plan {plan.hash}")
-    lines.append(f"KV cache {plan.kv_cache_tokens} tokens per group")
+    lines.append(f"serving  up to {count(plan.max_batch_size, 'sequence')} of up to {plan.max_model_len} tokens in "
+                 f"{weights}, {plan.memory_headroom:.0%} headroom per device, {_replicas(plan)}, plan {plan.hash}")
+    lines.append(f"KV cache {kv_line(plan)}")
     if inventory is not None:
         lines.append(f"pool     {inventory.describe()}")
         for skipped in inventory.skipped:

@@ -14,13 +14,18 @@ from shard_contract.sharding import tp_problem, valid_tensor_degrees
 
 from ..api import ShardedModelSpec
 from .advice import Suggestion
-from .inventory import Device
+from .inventory import Device, Inventory
 from .profile import ModelProfile
 from .sizing import RUNTIME_OVERHEAD
 from .step import StepOverhead
 from .transport import Transport
 
 DEFAULT_MAX_MODEL_LEN = 4096
+# The most sequences running at once when the spec leaves maxBatchSize out. A GPU's KV cache holds
+# what its free memory allows and the cap only bounds a step's rows (vLLM's default max_num_seqs);
+# a CPU's cache is reserved for maxBatchSize whole sequences unless spec.serving says otherwise,
+# so its default stays one.
+DEFAULT_MAX_BATCH = {"gpu": 1, "cpu": 1}  # gpu: 256 once GPU_DEFAULT_FROM_FREE
 # `dtype: auto` of a bfloat16 checkpoint on GPUs without native bfloat16 (compute capability < 8.0)
 AUTO_FALLBACK = {"bfloat16": "float16"}
 
@@ -95,11 +100,19 @@ class Request:
     pod_layout: str = "auto"
     offload: OffloadSettings = OffloadSettings()
     nvls: bool = False  # spec.worker.nccl.nvls: NCCL's NVLS buffers are budgeted
+    kv_fraction: float | None = None  # spec.serving.kvCacheMemoryFraction
+    kv_bytes: int | None = None  # spec.serving.kvCacheMemory
 
 
-def resolve_request(profile: ModelProfile, spec: ShardedModelSpec) -> Request:
+def pool_kind(inventory: Inventory) -> str:
+    """The kind of device an unset maxBatchSize is resolved for: gpu when the pool has any."""
+    return "gpu" if any(d.kind == "gpu" for d in inventory.devices) else "cpu"
+
+
+def resolve_request(profile: ModelProfile, spec: ShardedModelSpec, kind: str = "gpu") -> Request:
     """What the spec asks for in numbers: dtype `auto` and an unset maxModelLen resolved against
-    the profile; a PlanError (InvalidSpec) for a length the model cannot take."""
+    the profile, an unset maxBatchSize by the kind of device it runs on (`kind`: gpu when the
+    pool has any); a PlanError (InvalidSpec) for a length the model cannot take."""
     dtype = profile.dtype if spec.model.dtype == "auto" else spec.model.dtype
     max_len = spec.model.max_model_len or min(profile.shape.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     if max_len > profile.shape.max_position_embeddings:
@@ -107,7 +120,8 @@ def resolve_request(profile: ModelProfile, spec: ShardedModelSpec) -> Request:
                         f"max_position_embeddings {profile.shape.max_position_embeddings}")
     off = spec.placement.offload
     return Request(dtype=dtype, quantization=spec.model.quantization, max_len=max_len,
-                   batch=spec.model.max_batch_size,
+                   batch=spec.model.max_batch_size or DEFAULT_MAX_BATCH[kind],
+                   kv_fraction=spec.serving.kv_cache_memory_fraction, kv_bytes=spec.serving.kv_cache_bytes,
                    replicas=spec.replicas, headroom=spec.placement.memory_headroom,
                    spread_replicas=spec.placement.topology.spread_replicas, pod_layout=spec.placement.pod_layout,
                    nvls=spec.worker.nccl.nvls,

@@ -8,21 +8,28 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from shard_contract.plan import GroupPlan, Plan, PredictedBytes, RankPlan, StagePlan
+from shard_contract.plan import GroupPlan, OffloadPlan, Plan, PredictedBytes, RankPlan, StagePlan
 from shard_contract.sharding import valid_tensor_degrees
 from shard_contract.units import count
 
 from ..api import ShardedModelSpec
-from . import offload
+from . import kvcache, offload
 from .blocks import Block, BlockPool, arrangements, make_blocks
 from .costs import Costs
 from .inventory import Inventory, SkippedNode
 from .profile import ModelProfile
-from .request import AUTO_FALLBACK, PlanError, PlannerOptions, Request, check_parallelism, resolve_request
+from .request import (
+    AUTO_FALLBACK,
+    PlanError,
+    PlannerOptions,
+    Request,
+    check_parallelism,
+    pool_kind,
+    resolve_request,
+)
 from .sizing import (
     Shard,
     activation_bytes,
-    kv_cache_bytes,
     layer_copied_bytes,
     layer_read_bytes,
     layer_streamed_bytes,
@@ -129,7 +136,7 @@ def prepare(profile: ModelProfile, spec: ShardedModelSpec,
             inventory: Inventory) -> tuple[Request, Inventory, list[int]]:
     """The request, the devices that can run it and the tensor degrees to try; a PlanError for a
     spec no pool could run."""
-    request = resolve_request(profile, spec)
+    request = resolve_request(profile, spec, pool_kind(inventory))
     check_parallelism(profile, spec)
     inventory = _running(inventory, spec.model.dtype)
     if not inventory.devices:
@@ -282,7 +289,7 @@ def to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, cos
     groups, ranks = [], []
     for replica, layout in enumerate(best.groups if request.replicas else []):
         starts = list(itertools.accumulate([0, *layout.counts]))
-        stages = []
+        stages, sized = [], []
         for stage, block in enumerate(layout.blocks):
             layers = (starts[stage], starts[stage + 1])
             stages.append(StagePlan(stage=stage, layers=layers, seconds_per_token=layout.stage_seconds[stage]))
@@ -292,18 +299,23 @@ def to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, cos
             predicted = PredictedBytes(
                 weights=weight_bytes(profile, shard, request.dtype, request.quantization)
                 - (sum(streamed[i] for i in off.layers) if off else 0),
-                kv_cache=kv_cache_bytes(profile, shard, request.max_len, request.batch, request.dtype),
+                kv_cache=0,
                 activations=activation_bytes(profile, shard, request.max_len, request.batch, request.dtype),
                 overhead=costs.overhead(block.kind, tp, pp > 1),
                 staging=off.prefetch * max(copied[block.kind][i] for i in off.layers) if off else 0)
+            sized.append((block, shard, off, predicted))
+        tokens = group_kv_tokens(profile, request, costs, tp, sized)
+        for stage, (block, shard, off, predicted) in enumerate(sized):
+            kv = kvcache.token_bytes(profile, tp, shard.layers[1] - shard.layers[0], request.dtype) * tokens
+            predicted = PredictedBytes(**{**predicted.model_dump(exclude={"total"}), "kv_cache": kv})
             for tp_rank, device in enumerate(block.devices):
                 ranks.append(RankPlan(
                     replica=replica, rank=stage * tp + tp_rank, stage=stage, tp_rank=tp_rank,
                     node=device.node, device=device.name, device_index=device.index, kind=device.kind,
-                    product=device.product, layers=layers, embeds=shard.embeds,
+                    product=device.product, layers=shard.layers, embeds=shard.embeds,
                     has_lm_head=shard.has_lm_head, capacity_bytes=device.memory_bytes,
                     usable_bytes=int(device.memory_bytes * (1 - request.headroom)),
-                    predicted_bytes=predicted, offload=off))
+                    predicted_bytes=predicted, offload=off, kv_cache_tokens=tokens))
         mean = sum(layout.stage_seconds) / pp
         groups.append(GroupPlan(replica=replica, stages=stages, imbalance=layout.bottleneck / mean - 1,
                                 critical_path_seconds=layout.critical_path))
@@ -314,7 +326,20 @@ def to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, cos
         tensor_parallel=tp, pipeline_parallel=pp,
         replicas=request.replicas, max_model_len=request.max_len, max_batch_size=request.batch,
         memory_headroom=request.headroom, nvls=request.nvls, groups=groups, ranks=ranks,
+        kv_cache_memory_fraction=request.kv_fraction, kv_cache_memory=request.kv_bytes,
         reason="; ".join(filter(None, [_reason(spec, best, found), offload.summary(ranks, request.offload.policy)])))
+
+
+def group_kv_tokens(profile: ModelProfile, request: Request, costs: Costs, tp: int,
+                    sized: list[tuple[Block, Shard, OffloadPlan | None, PredictedBytes]]) -> int:
+    """Tokens of KV cache a group's ranks hold: what its most constrained rank holds of what its
+    device leaves free below the headroom after its weights, activations, overhead and staging."""
+    held = []
+    for block, shard, _, predicted in sized:
+        usable = min(int(d.memory_bytes * (1 - request.headroom)) for d in block.devices)
+        per_token = kvcache.token_bytes(profile, tp, shard.layers[1] - shard.layers[0], request.dtype)
+        held.append(kvcache.rank_tokens(costs.kv_policy(block.kind), usable - predicted.total, per_token, request))
+    return min(held)
 
 
 def _reason(spec: ShardedModelSpec, best: Candidate, found: list[Candidate]) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shard_contract.sharding import PREFILL_CHUNK, kv_heads_per_rank, vocab_rows_per_rank
+from shard_contract.sharding import PREFILL_CHUNK, kv_heads_per_rank, prefill_rows, vocab_rows_per_rank
 from shard_contract.units import MiB
 
 from .profile import ModelProfile
@@ -133,14 +133,15 @@ def kv_cache_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: int
 
 
 def activation_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: int, dtype: str = "auto") -> int:
-    """Workspace of the largest forward pass: one prefill chunk of the whole batch through a layer.
+    """Workspace of the largest forward pass: one prefill chunk of every running sequence (at most
+    MAX_STEP_TOKENS tokens: `prefill_rows`) through a layer.
 
     Live at once: the residual stream and a normalised copy, the local q/k/v and attention output,
     the local gate/up/product of the MLP, what attention allocates on its masked path, and on the
     last stage the gathered float32 logits of the batch's last tokens.
     """
     tp, act = shard.tp, profile.dtype_bytes(dtype)
-    tokens = batch * min(max_len, PREFILL_CHUNK)
+    tokens = prefill_rows(batch, max_len) * min(max_len, PREFILL_CHUNK)
     q_local = profile.shape.num_heads // tp * profile.shape.head_dim
     kv_local = kv_heads_per_rank(profile.shape, tp) * profile.shape.head_dim
     per_token = (3 * profile.shape.hidden_size + 2 * q_local + 2 * kv_local
@@ -158,6 +159,6 @@ def attention_workspace_bytes(profile: ModelProfile, tp: int, max_len: int, batc
     memory-efficient kernels allocate no scores."""
     act = profile.dtype_bytes(dtype)
     heads, kv_heads = profile.shape.num_heads // tp, kv_heads_per_rank(profile.shape, tp)
-    cells = batch * min(max_len, PREFILL_CHUNK) * max_len
+    cells = prefill_rows(batch, max_len) * min(max_len, PREFILL_CHUNK) * max_len
     grouped = cells * (heads // kv_heads) * act if heads > kv_heads else 0
     return cells * (1 + act) + grouped

@@ -122,7 +122,7 @@ def _shards(obs: Observation, previous: dict[str, Any]) -> list[ShardStatus]:
                 quantization=plan.quantization if plan else "none",
                 resident_bytes=_stable(before.get((pod, rank)),
                                        measured.resident if measured else None) if pod else None,
-                kv_cache_tokens=plan.kv_cache_tokens if plan else 0,
+                kv_cache_tokens=rp.kv_cache_tokens if rp else 0,
                 offload=_offload(rp, measured, (shown.get((pod, rank)) or {}).get("offload") or {}),
                 state=rs.state if rs else "Missing"))
     return shards

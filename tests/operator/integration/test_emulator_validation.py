@@ -101,6 +101,11 @@ async def test_an_invalid_spec_is_422_with_a_cause_per_field_and_nothing_is_stor
      "spec.model.volume", "FieldValueInvalid", "Invalid value: give exactly one of pvc, hostPath or image"),
     (dict(model={"path": "tiny", "volume": {}}), "spec.model.volume", "FieldValueInvalid",
      "Invalid value: give exactly one of pvc, hostPath or image"),
+    # spec.serving: a fraction's bounds, and the CEL rule that allows one of the two sizes
+    (dict(serving={"kvCacheMemoryFraction": 1.5}), "spec.serving.kvCacheMemoryFraction", "FieldValueInvalid",
+     "Invalid value: 1.5: spec.serving.kvCacheMemoryFraction in body should be less than or equal to 1"),
+    (dict(serving={"kvCacheMemoryFraction": 0.5, "kvCacheMemory": "1Gi"}), "spec.serving", "FieldValueInvalid",
+     "Invalid value: give at most one of kvCacheMemoryFraction and kvCacheMemory"),
     # the int-or-"auto" rule, on a string
     (dict(parallelism={"pipeline": "max"}), "spec.parallelism.pipeline", "FieldValueInvalid",
      'Invalid value: "max": must be a positive integer or "auto"'),

@@ -37,7 +37,7 @@ from ..serving.limits import ASGIApp, server_limits
 from .accounting import MemorySample
 from .health import Heartbeat, Record, Verdict, memory_problems, read_group_key
 from .rankmetrics import RankMetrics
-from .runtime import Worker, freeze_loaded_objects
+from .runtime import Worker, cache_rows, freeze_loaded_objects
 
 GRACEFUL_SECONDS = 10  # in-flight requests get this long to finish on SIGTERM
 JOIN_SECONDS = 15.0
@@ -54,7 +54,7 @@ class Rank:
         self.rank_plan = plan.rank_plan(env.replica, env.rank)
         self.rank, self.leader = env.rank, env.rank == 0
         self.metrics = RankMetrics(env.model_name, env.replica, self.rank_plan, self.leader,
-                                   max_batch=plan.max_batch_size, max_len=plan.max_model_len)
+                                   max_batch=cache_rows(plan, self.rank_plan), max_len=plan.max_model_len)
         self.worker: Worker | None = None
         self.state, self.error = "loading", ""
         self.problems: list[str] = []
@@ -99,6 +99,13 @@ class Rank:
             raise Unavailable(verdict.reason or "the group is not ready")
         return self.loop
 
+    def kv_capacity(self) -> int:
+        """Tokens of KV cache the group holds: its plan's, or once loaded what its cache holds of
+        them (a contiguous cache holds whole maxModelLen rows)."""
+        if self.worker is None:
+            return self.plan.group_kv_cache_tokens(self.env.replica)
+        return self.worker.cache.batch * self.plan.max_model_len
+
     def shards(self) -> ShardsResponse:
         """`GET /v1/shards`: every rank of the plan, with its latest published report once it has
         loaded."""
@@ -116,7 +123,7 @@ class Rank:
         group = next(g for g in self.plan.groups if g.replica == self.env.replica)
         return ShardsResponse(model=self.env.model_name, replica=self.env.replica, ready=verdict.ready,
                               reason=verdict.reason, predicted_step_seconds=group.critical_path_seconds,
-                              kv_cache_tokens=self.plan.kv_cache_tokens,
+                              kv_cache_tokens=self.kv_capacity(),
                               kv_cache_used_tokens=self.loop.kv_tokens if self.loop is not None else 0, ranks=ranks)
 
     def exposition(self, ready: bool) -> bytes:
@@ -151,7 +158,7 @@ class Rank:
         try:
             if self.leader:
                 idle = max(1.0, min(30.0, self.env.rendezvous_timeout / 4))
-                self.loop = EngineLoop(worker.engine, self.plan.max_batch_size, self.plan.max_model_len,
+                self.loop = EngineLoop(worker.engine, worker.cache.batch, self.plan.max_model_len,
                                        self.metrics, idle_seconds=idle)
                 self.loop.run()
             else:

@@ -13,6 +13,7 @@ import torch
 
 from shard_contract.env import WorkerEnv
 from shard_contract.plan import Plan, RankPlan
+from shard_contract.sharding import prefill_rows
 from shard_contract.wire import RankReport, ResidentBytes
 
 from ..comm import dist as dist_mod
@@ -114,6 +115,14 @@ def freeze_loaded_objects() -> None:
     gc.freeze()
 
 
+def cache_rows(plan: Plan, rank_plan: RankPlan) -> int:
+    """Rows of the contiguous KV cache (one maxModelLen row per sequence): as many sequences as
+    the plan's tokens hold whole, at most maxBatchSize and the rows of the largest forward pass the
+    plan sized activations for (`prefill_rows`); at least one (the planner leaves room for one)."""
+    return max(1, min(rank_plan.kv_cache_tokens // plan.max_model_len,
+                      prefill_rows(plan.max_batch_size, plan.max_model_len)))
+
+
 @dataclass
 class Worker:
     env: WorkerEnv
@@ -178,7 +187,7 @@ class Worker:
             stage = Stage(layout, comm, dtype, device, plan.quantization, streamed=offload.layers if offload else ())
             stats = load_stage(stage, env.model_dir, progress)
             loaded = MemorySample.take(device)
-            cache = KVCache(layout.layers[1] - layout.layers[0], plan.max_batch_size, layout.kv_heads,
+            cache = KVCache(layout.layers[1] - layout.layers[0], cache_rows(plan, rank_plan), layout.kv_heads,
                             plan.max_model_len, config.head_dim, dtype, device)
             cached = MemorySample.take(device)
             if offload is not None:  # the staging slots (and a GPU's pinned host copies); started
@@ -191,7 +200,7 @@ class Worker:
             # Before ready: the plan's largest forward pass, so that its activations fail here
             # (a plan-level reason) rather than under the first big load.
             try:
-                warm = warm_up(stage, cache, rotary, plan.max_batch_size, plan.max_model_len)
+                warm = warm_up(stage, cache, rotary, cache.batch, plan.max_model_len)
             except WarmupOutOfMemory as err:
                 raise ActivationsDoNotFit(str(err)) from None
             peak = max(staged.peak_rss, MemorySample.take(device).peak_rss) - baseline.rss

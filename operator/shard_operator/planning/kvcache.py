@@ -1,0 +1,96 @@
+"""The KV cache's size on each rank, in tokens: from what the plan leaves free (a fraction of it,
+or a quantity of bytes), or, on a CPU whose spec says neither, maxBatchSize sequences of
+maxModelLen tokens. Pure.
+
+Every rank of a group holds the keys and values of the same tokens (its layers' share and its KV
+heads' share of each), so the rank that can hold the fewest bounds the group: two small GPUs are
+not one big one. A layout fits only if every rank holds at least one whole sequence (maxModelLen
+tokens); vLLM refuses to start on less, for the same reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from shard_contract.sharding import kv_heads_per_rank
+from shard_contract.units import count
+
+from ..api import DEFAULT_GPU_FRACTION
+from .profile import ModelProfile
+from .request import Request
+
+GPU_DEFAULT_FROM_FREE = False  # step 2 of issue 28 turns it on with maxBatchSize's GPU default
+
+
+@dataclass(frozen=True)
+class KvPolicy:
+    """How one kind of rank sizes its KV cache. `reserve`: maxBatchSize x maxModelLen tokens;
+    `fraction`: that share of its free memory; `bytes`: that many bytes."""
+
+    mode: Literal["reserve", "fraction", "bytes"]
+    fraction: float = 1.0
+    bytes: int = 0
+
+
+def kv_policy(request: Request, kind: str) -> KvPolicy:
+    """The spec's choice, else the default of this kind of device: 0.9 of a GPU's free memory; a
+    CPU's cache reserved for maxBatchSize sequences (its memory is the host's, shared with the page
+    cache and everything else, so it takes only what is asked)."""
+    if request.kv_bytes is not None:
+        return KvPolicy("bytes", bytes=request.kv_bytes)
+    if request.kv_fraction is not None:
+        return KvPolicy("fraction", fraction=request.kv_fraction)
+    if kind == "gpu" and GPU_DEFAULT_FROM_FREE:
+        return KvPolicy("fraction", fraction=DEFAULT_GPU_FRACTION)
+    return KvPolicy("reserve")
+
+
+def token_bytes(profile: ModelProfile, tp: int, layers: int, dtype: str) -> int:
+    """Bytes of one token's keys and values on a rank of `layers` decoder layers at tensor `tp`."""
+    shape = profile.shape
+    return layers * 2 * kv_heads_per_rank(shape, tp) * shape.head_dim * profile.dtype_bytes(dtype)
+
+
+def fit_tokens(policy: KvPolicy, request: Request) -> int:
+    """Tokens each layer's cache must have room for, for a layout to fit: the reservation, or one
+    whole sequence in the share of the free memory the cache may take (`bytes`: none, its quantity
+    is fixed; `max_layers` bounds it instead)."""
+    if policy.mode == "reserve":
+        return request.batch * request.max_len
+    if policy.mode == "fraction":
+        return math.ceil(request.max_len / policy.fraction)
+    return 0
+
+
+def fixed_bytes(policy: KvPolicy) -> int:
+    """What the cache takes whatever the rank's layers: the quantity asked for."""
+    return policy.bytes if policy.mode == "bytes" else 0
+
+
+def max_layers(policy: KvPolicy, layer_token_bytes: int, request: Request) -> int | None:
+    """The most layers whose cache of one whole sequence the quantity holds (None: no bound)."""
+    if policy.mode != "bytes" or layer_token_bytes <= 0:
+        return None
+    return policy.bytes // (layer_token_bytes * request.max_len)
+
+
+def rank_tokens(policy: KvPolicy, free: int, per_token: int, request: Request) -> int:
+    """Tokens a rank's cache holds: `free` is its usable memory less its weights, activations,
+    overhead and staging; `per_token` its bytes of one token's KV. Never more than the share of
+    `free` the policy gives (a reservation is what `fit_tokens` made room for)."""
+    if policy.mode == "reserve" or per_token <= 0:
+        return request.batch * request.max_len
+    budget = policy.bytes if policy.mode == "bytes" else int(policy.fraction * max(free, 0))
+    return max(budget, 0) // per_token
+
+
+def describe_need(policy: KvPolicy, request: Request) -> str:
+    """What a layout's KV cache must hold, in the words of an explanation: 'KV cache for ...'."""
+    if policy.mode == "reserve":
+        return f"{request.max_len} tokens x {count(request.batch, 'sequence')}"
+    if policy.mode == "fraction":
+        return (f"one sequence of {request.max_len} tokens in {policy.fraction:g} of the memory left free "
+                f"(kvCacheMemoryFraction)")
+    return f"one sequence of {request.max_len} tokens"

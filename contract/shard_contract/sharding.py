@@ -18,15 +18,17 @@ from typing import Protocol
 # Tokens of one prefill forward pass: longer prompts are prefilled in chunks of this many tokens,
 # so activation memory does not grow with maxModelLen.
 PREFILL_CHUNK = 512
-# The most tokens one forward pass computes (a step's prefill chunks and decodes together): the
-# planner sizes a rank's activations for it, so they do not grow with maxBatchSize beyond it.
-MAX_STEP_TOKENS = 8192
+# The most tokens one forward pass computes (a step's prefill chunks and decodes together), by the
+# kind of rank: the planner sizes a rank's activations for it, so they do not grow with
+# maxBatchSize beyond it. A GPU's is vLLM's max_num_batched_tokens on an H100; a CPU rank's
+# activations are host memory, and its bound lets 64 sequences prefill a chunk together.
+MAX_STEP_TOKENS = {"gpu": 8192, "cpu": 32768}
 
 
-def prefill_rows(max_batch: int, max_len: int) -> int:
+def prefill_rows(max_batch: int, max_len: int, kind: str = "gpu") -> int:
     """Rows of the largest forward pass: a prefill chunk of every running sequence, at most
-    MAX_STEP_TOKENS tokens (at least one row)."""
-    return max(1, min(max_batch, MAX_STEP_TOKENS // min(max_len, PREFILL_CHUNK)))
+    MAX_STEP_TOKENS[kind] tokens (at least one row)."""
+    return max(1, min(max_batch, MAX_STEP_TOKENS[kind] // min(max_len, PREFILL_CHUNK)))
 
 
 class Heads(Protocol):

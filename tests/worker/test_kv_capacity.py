@@ -22,12 +22,12 @@ def _with_tokens(plan: Plan, tokens: int) -> Plan:
     (4, 64, 4 * 64, 4),  # the reservation: maxBatchSize rows
     (4, 64, 2 * 64 + 63, 2),  # whole rows only
     (4, 64, 10**9, 4),  # more tokens than rows can use: the cap
-    (256, 4096, 10**9, MAX_STEP_TOKENS // 512),  # the largest pass the plan sized activations for
+    (256, 4096, 10**9, MAX_STEP_TOKENS["cpu"] // 512),  # the largest pass the plan sized activations for
 ])
 def test_cache_rows(checkpoint, batch, max_len, tokens, rows):
     plan = _with_tokens(make_plan(checkpoint("llama"), 1, 1, max_len=64, batch=4), tokens)
     plan = plan.model_copy(update={"max_batch_size": batch, "max_model_len": max_len})
-    assert cache_rows(plan, plan.ranks[0]) == rows == min(prefill_rows(batch, max_len), tokens // max_len)
+    assert cache_rows(plan, plan.ranks[0]) == rows == min(prefill_rows(batch, max_len, "cpu"), tokens // max_len)
 
 
 @pytest.mark.slow

@@ -141,7 +141,7 @@ class Costs:
         layer_bytes = self.layer_bytes(tp)
         policy = self.kv_policy(kind)
         fixed = (weight_bytes(profile, empty, request.dtype)
-                 + activation_bytes(profile, empty, request.max_len, request.batch, request.dtype)
+                 + activation_bytes(profile, empty, request.max_len, request.batch, request.dtype, kind)
                  + self.overhead(kind, tp, not (embeds and has_lm_head)) + kvcache.fixed_bytes(policy))
         bandwidth = speed * 1e12
         collective = self.options.transport.collective(kind,

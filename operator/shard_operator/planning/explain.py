@@ -138,7 +138,7 @@ def capacity_needed(profile: ModelProfile, request: Request, inventory: Inventor
     policy = kvcache.kv_policy(request, kind)
     per_device = options.runtime_overhead[kind] + nvls_bytes(request.nvls, kind, max(tps), False) + \
         activation_bytes(profile, Shard(tp=max(tps), layers=(0, 0), embeds=False, has_lm_head=False),
-                         request.max_len, request.batch, request.dtype) + kvcache.fixed_bytes(policy)
+                         request.max_len, request.batch, request.dtype, kind) + kvcache.fixed_bytes(policy)
     kv = kvcache.token_bytes(profile, 1, profile.shape.num_layers, request.dtype) * kvcache.fit_tokens(policy, request)
     return Shortfall(weights=weight_bytes(profile, whole, request.dtype, request.quantization), kv_cache=kv,
                      per_device=per_device, devices=tuple(inventory.devices),

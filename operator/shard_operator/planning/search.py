@@ -300,7 +300,8 @@ def to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, cos
                 weights=weight_bytes(profile, shard, request.dtype, request.quantization)
                 - (sum(streamed[i] for i in off.layers) if off else 0),
                 kv_cache=0,
-                activations=activation_bytes(profile, shard, request.max_len, request.batch, request.dtype),
+                activations=activation_bytes(profile, shard, request.max_len, request.batch, request.dtype,
+                                             block.kind),
                 overhead=costs.overhead(block.kind, tp, pp > 1),
                 staging=off.prefetch * max(copied[block.kind][i] for i in off.layers) if off else 0)
             sized.append((block, shard, off, predicted))

@@ -132,25 +132,27 @@ def kv_cache_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: int
     return n_layers * per_token_layer * max_len * batch
 
 
-def activation_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: int, dtype: str = "auto") -> int:
+def activation_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: int, dtype: str = "auto",
+                     kind: str = "gpu") -> int:
     """Workspace of the largest forward pass: one prefill chunk of every running sequence (at most
-    MAX_STEP_TOKENS tokens: `prefill_rows`) through a layer.
+    MAX_STEP_TOKENS of its kind: `prefill_rows`) through a layer.
 
     Live at once: the residual stream and a normalised copy, the local q/k/v and attention output,
     the local gate/up/product of the MLP, what attention allocates on its masked path, and on the
     last stage the gathered float32 logits of the batch's last tokens.
     """
     tp, act = shard.tp, profile.dtype_bytes(dtype)
-    tokens = prefill_rows(batch, max_len) * min(max_len, PREFILL_CHUNK)
+    tokens = prefill_rows(batch, max_len, kind) * min(max_len, PREFILL_CHUNK)
     q_local = profile.shape.num_heads // tp * profile.shape.head_dim
     kv_local = kv_heads_per_rank(profile.shape, tp) * profile.shape.head_dim
     per_token = (3 * profile.shape.hidden_size + 2 * q_local + 2 * kv_local
                  + 3 * profile.shape.intermediate_size // tp) * act
     logits = batch * profile.shape.vocab_size * 4 * 2 if shard.has_lm_head else 0
-    return tokens * per_token + attention_workspace_bytes(profile, tp, max_len, batch, dtype) + logits
+    return tokens * per_token + attention_workspace_bytes(profile, tp, max_len, batch, dtype, kind) + logits
 
 
-def attention_workspace_bytes(profile: ModelProfile, tp: int, max_len: int, batch: int, dtype: str = "auto") -> int:
+def attention_workspace_bytes(profile: ModelProfile, tp: int, max_len: int, batch: int, dtype: str = "auto",
+                              kind: str = "gpu") -> int:
     """What the worker's attention allocates beyond q/k/v when it needs a mask (padding, a sliding
     window, a prefill chunk after the first): the chunk's boolean mask and its additive copy in the
     runtime dtype, and, with several query heads per KV head, that copy repeated over the group (the
@@ -159,6 +161,6 @@ def attention_workspace_bytes(profile: ModelProfile, tp: int, max_len: int, batc
     memory-efficient kernels allocate no scores."""
     act = profile.dtype_bytes(dtype)
     heads, kv_heads = profile.shape.num_heads // tp, kv_heads_per_rank(profile.shape, tp)
-    cells = prefill_rows(batch, max_len) * min(max_len, PREFILL_CHUNK) * max_len
+    cells = prefill_rows(batch, max_len, kind) * min(max_len, PREFILL_CHUNK) * max_len
     grouped = cells * (heads // kv_heads) * act if heads > kv_heads else 0
     return cells * (1 + act) + grouped

@@ -72,7 +72,7 @@ def test_infeasible_exits_2_with_the_reason_on_stderr(capsys):
     code, out, err = run(capsys, "plan", "-f", str(EXAMPLES / "llama-70b.yaml"), "--devices", "a:24GiB*2")
     assert code == 2 and out == ""
     assert err.startswith("shardctl: InsufficientCapacity: llama-3-70b does not fit")
-    assert "To make it fit (each checked by planning again): add 18 more devices of 24.0 GiB (gpu) to node a" in err
+    assert "To make it fit (each checked by planning again): add 14 more devices of 24.0 GiB (gpu) to node a" in err
 
 
 # The operator's planner_options: more runtime memory per GPU rank, a slow collective inside a pod.
@@ -138,12 +138,12 @@ def test_invalid_parallelism_is_bad_input_not_infeasible(capsys, tmp_path):
 
 
 def test_replicas_that_do_not_all_fit_print_the_plan_of_those_that_do_and_exit_2(capsys):
-    code, out, err = run(capsys, "plan", "-f", str(EXAMPLES / "llama-70b.yaml"), "--devices", "a:80GiB*4")
+    code, out, err = run(capsys, "plan", "-f", str(EXAMPLES / "llama-70b.yaml"), "--devices", "a:80GiB*3")
     assert code == 2
     assert "1 of 2 replicas (the others do not fit)" in out and "group 0: critical path" in out
     assert "group 1" not in out
-    assert err.startswith("shardctl: InsufficientCapacity: 2 replicas wanted, 1 fits: tensor=4 x pipeline=1 x 2 "
-                          "replicas needs 8 devices, tensor-parallel ranks on one node; the pool has 4")
+    assert err.startswith("shardctl: InsufficientCapacity: 2 replicas wanted, 1 fits: tensor=2 x pipeline=1 x 2 "
+                          "replicas needs 4 devices, tensor-parallel ranks on one node; the pool has 3")
 
 
 def test_impossible_parallelism_is_named_before_the_devices_are_looked_at(capsys, tmp_path):

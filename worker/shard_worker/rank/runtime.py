@@ -120,7 +120,7 @@ def cache_rows(plan: Plan, rank_plan: RankPlan) -> int:
     the plan's tokens hold whole, at most maxBatchSize and the rows of the largest forward pass the
     plan sized activations for (`prefill_rows`); at least one (the planner leaves room for one)."""
     return max(1, min(rank_plan.kv_cache_tokens // plan.max_model_len,
-                      prefill_rows(plan.max_batch_size, plan.max_model_len)))
+                      prefill_rows(plan.max_batch_size, plan.max_model_len, rank_plan.kind)))
 
 
 @dataclass

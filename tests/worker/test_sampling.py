@@ -12,9 +12,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shard_contract.wire import SEED_MAX, SEED_MIN, TEMPERATURE_MAX, GenerateRequest
-from shard_worker.engine.sampling import FAILED, Sampler
+from shard_worker.engine.sampling import FAILED, HostStaging, Sampler, staging_for
 from shard_worker.engine.sequences import FAILED_ELSEWHERE, Rows, Sequences
 from shard_worker.serving import openai
 
@@ -272,3 +273,57 @@ def test_a_failed_token_ends_its_sequence_with_why_and_feeds_a_valid_token():
     assert seqs.live_span() == (0, 1) and seqs.free_rows() == [1]
 
 
+
+
+# ---------------------------------------------------------------- the step's one copy to the host
+class Copies(TorchDispatchMode):
+    """Each copy_ dispatched, as whether it writes into `staging`'s memory."""
+
+    def __init__(self, staging: HostStaging):
+        super().__init__()
+        self.lo = staging.bytes.data_ptr()
+        self.hi = self.lo + staging.bytes.numel()
+        self.into_staging: list[bool] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default:
+            self.into_staging.append(self.lo <= args[0].data_ptr() < self.hi)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("logprobs", [None, 0, 3])
+def test_a_cuda_ranks_step_copy_is_one_copy_into_its_staging(logprobs):
+    """The structure of a CUDA rank's host copy, on the CPU: with a staging (unpinned: no CUDA
+    here), `to_host` copies once, into the staging's memory, and reads what a plain copy reads
+    (tokens, log-probabilities, alternatives)."""
+    requests = [GenerateRequest(prompt_ids=[1], temperature=1.0, seed=r, logprobs=logprobs) for r in range(3)]
+    sampled = sampler_for(requests).sample(RECORDED[:3])
+    plain = sampled.to_host()
+    sampled.staging = HostStaging(3, pin=False)
+    with Copies(sampled.staging) as seen:
+        staged = sampled.to_host()
+    assert staged == plain and seen.into_staging == [True]
+    with Copies(sampled.staging) as seen:  # again: the same memory, one copy
+        assert sampled.to_host() == plain and seen.into_staging == [True]
+
+
+def test_a_cpu_rank_has_no_staging():
+    """Its tensors are on the host already: `to_host` reads them (no copy)."""
+    assert staging_for(torch.device("cpu"), 4) is None
+    sampled = sampler_for([GenerateRequest(prompt_ids=[1])]).sample(RECORDED[:1])
+    assert sampled.staging is None
+    with Copies(HostStaging(1, pin=False)) as seen:
+        assert sampled.to_host().tokens == [int(RECORDED[0].argmax())]
+    assert seen.into_staging == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_step_copy_lands_in_pinned_memory():
+    """A seed draws the same tokens on the device as on the host; the copy lands pinned."""
+    requests = [GenerateRequest(prompt_ids=[1], temperature=1.0, seed=r, logprobs=2) for r in range(3)]
+    on_host = sampler_for(requests).sample(RECORDED[:3]).to_host()
+    sampled = sampler_for(requests).sample(RECORDED[:3].cuda())
+    assert sampled.staging is not None and sampled.staging.bytes.is_pinned()
+    on_device = sampled.to_host()
+    assert on_device.tokens == on_host.tokens
+    assert on_device.logprob == pytest.approx(on_host.logprob, abs=1e-5)

@@ -4,7 +4,9 @@ top_p, presence/frequency/repetition penalties and logit_bias, each row with its
 `Sampler` keeps per-row parameters as device tensors (uploaded once when a row changes, never per
 step) and, only when a row asks for penalties, per-row token counts on the device. `sample` never
 synchronises with the host: it returns device tensors, and `Sampled.to_host` is the step's one
-device-to-host copy (the tokens, and the log-probabilities when a row asked for them).
+device-to-host copy (the tokens, and the log-probabilities when a row asked for them); on a CUDA
+rank it lands in pinned host memory (`HostStaging`): one asynchronous DMA the host then waits for,
+instead of a copy through a pageable bounce buffer.
 
 Randomness is counter-based: a row's draw at its t-th token is a hash of (seed, t, token id), an
 exponential race (`argmax(log p + Gumbel)`, the Gumbel-max trick) over the kept tokens. So a seed
@@ -33,9 +35,10 @@ from typing import Any
 
 import torch
 
-from shard_contract.wire import GenerateRequest
+from shard_contract.wire import MAX_LOGPROBS, GenerateRequest
 
 from ..log import first_line
+from ..model.pinned import PinnedArena
 from ..serving import grammar
 
 FAILED = -1  # the token of a row whose sampling failed
@@ -73,28 +76,72 @@ def gumbel(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor, voc
     return (-torch.log(-torch.log(u))).double()
 
 
+class HostStaging:
+    """Pinned host memory where a CUDA rank's step copy lands: as many 8-byte values as the largest
+    packed step of `rows` rows (token, its log-probability, MAX_LOGPROBS alternatives and theirs).
+    One per device for the process's life (`staging_for`): pinning registers memory with CUDA,
+    and each generate makes a new Sampler."""
+
+    COLUMNS = 2 + 2 * MAX_LOGPROBS
+
+    def __init__(self, rows: int, pin: bool = True, cudart: Any = None):
+        self.rows = rows
+        self.arena = PinnedArena(rows * self.COLUMNS * 8, pin=pin, cudart=cudart)
+        self.bytes = self.arena.take((rows * self.COLUMNS * 8,), torch.uint8)
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (8-byte values, at most `rows` x COLUMNS) copied into the pinned memory, the copy
+        waited for: a contiguous view, valid until the next copy."""
+        out = self.bytes[:t.numel() * 8].view(t.dtype).view(t.shape)
+        out.copy_(t, non_blocking=True)
+        if t.device.type == "cuda":
+            torch.cuda.current_stream(t.device).synchronize()
+        return out
+
+
+_STAGING: dict[torch.device, HostStaging] = {}
+
+
+def staging_for(device: torch.device, rows: int) -> HostStaging | None:
+    """The process's pinned landing memory for `device` (None off CUDA), grown to `rows`."""
+    if device.type != "cuda":
+        return None
+    held = _STAGING.get(device)
+    if held is None or held.rows < rows:
+        if held is not None:
+            torch.cuda.synchronize(device)  # no copy may still be landing in the old one
+            held.arena.close()
+        held = _STAGING[device] = HostStaging(rows)
+    return held
+
+
 @dataclass
 class Sampled:
     """One sampling step's results, on the logits' device. tokens [rows] (FAILED where a row
-    failed); with logprobs, the chosen tokens' [rows] and the `top` most likely [rows, top]."""
+    failed); with logprobs, the chosen tokens' [rows] and the `top` most likely [rows, top].
+    `staging`: the pinned memory the host copy lands in (a CUDA rank's)."""
 
     tokens: torch.Tensor
     logprob: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
+    staging: HostStaging | None = None
 
     def to_host(self) -> HostSampled:
         """Everything, in one device-to-host copy."""
         if self.logprob is None:
-            return HostSampled(self.tokens.cpu().tolist())
+            return HostSampled(self._host(self.tokens).tolist())
         assert self.top_ids is not None and self.top_logprobs is not None
         top = self.top_ids.shape[1]
         # float64 holds every token id exactly.
-        packed = torch.cat([self.tokens.double()[:, None], self.logprob.double()[:, None],
-                            self.top_ids.double(), self.top_logprobs.double()], dim=1).cpu()
+        packed = self._host(torch.cat([self.tokens.double()[:, None], self.logprob.double()[:, None],
+                                       self.top_ids.double(), self.top_logprobs.double()], dim=1))
         return HostSampled([int(t) for t in packed[:, 0].tolist()], packed[:, 1].tolist(),
                            [list(zip((int(i) for i in ids), lps, strict=True)) for ids, lps in
                             zip(packed[:, 2:2 + top].tolist(), packed[:, 2 + top:].tolist(), strict=True)])
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        return self.staging.copy(t) if self.staging is not None else t.cpu()
 
 
 @dataclass
@@ -120,6 +167,7 @@ class Sampler:
         self._bias: dict[int, dict[int, float]] = {}
         self._dirty = True
         self._device: torch.device | None = None
+        self._staging: HostStaging | None = None
         self._dev_floats = self._dev_ints = torch.empty(0)
         self._dev_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.steps = torch.zeros(capacity, dtype=torch.int64)  # tokens each row has drawn
@@ -173,6 +221,7 @@ class Sampler:
     def _sync(self, device: torch.device, vocab: int) -> None:
         if self._device != device:
             self._device, self._dirty = device, True
+            self._staging = staging_for(device, self.capacity)
             self.steps = self.steps.to(device)
             self.counts = self.in_prompt = None
             self._pending_prompts = {r: list(q.prompt_ids) for r, q in enumerate(self.requests)
@@ -224,12 +273,12 @@ class Sampler:
             self.counts[r0:r0 + n].scatter_add_(1, tokens.clamp(min=0)[:, None],
                                                  torch.ones(n, 1, dtype=torch.int32, device=logits.device))
         if top is None:
-            return Sampled(tokens)
+            return Sampled(tokens, staging=self._staging)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         chosen = logprobs.gather(1, tokens.clamp(min=0)[:, None])[:, 0]
         top = min(top, vocab)
         top_lp, top_ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], tokens[:, None][:, :0])
-        return Sampled(tokens, chosen, top_ids, top_lp)
+        return Sampled(tokens, chosen, top_ids, top_lp, self._staging)
 
     def _grammar_mask(self, logits: torch.Tensor, r0: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The constrained rows' allowed tokens [rows, V] on the device, and which rows have none

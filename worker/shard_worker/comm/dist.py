@@ -123,6 +123,7 @@ class Comm:
         self.tp_ranks = topo.stage_ranks(topo.stage)
         self.shm = shm_group
         self.raw = False  # within `captured()`
+        self.tape: list[tuple[str, int]] | None = None  # within `recording()`: the raw collectives issued
 
     @contextmanager
     def captured(self, on: bool = True) -> Iterator[None]:
@@ -134,6 +135,16 @@ class Comm:
             yield
         finally:
             self.raw = before
+
+    @contextmanager
+    def recording(self) -> Iterator[list[tuple[str, int]]]:
+        """Within: each raw collective's (op, bytes) in issue order, as `communicating` would count
+        them: what a captured graph replays, to be counted at each replay (`Accounting.replayed`)."""
+        before, self.tape = self.tape, []
+        try:
+            yield self.tape
+        finally:
+            self.tape = before
 
     # ------------------------------------------------------------ tensor parallel
     def _parts(self, t: torch.Tensor) -> list[torch.Tensor]:
@@ -153,6 +164,8 @@ class Comm:
         if self.topo.tp == 1:
             return
         if self.raw:
+            if self.tape is not None:
+                self.tape.append(("all_reduce", t.numel() * t.element_size()))
             dist.all_reduce(t, group=self.tp_group)
             return
         with self.acct.communicating("all_reduce", t.numel() * t.element_size()):
@@ -173,6 +186,8 @@ class Comm:
             return t
         t = t.contiguous()
         if self.raw:
+            if self.tape is not None:
+                self.tape.append(("all_gather", t.numel() * t.element_size() * self.topo.tp))
             out = torch.empty((self.topo.tp, *t.shape), dtype=t.dtype, device=t.device)
             dist.all_gather_into_tensor(out, t, group=self.tp_group)
             return torch.cat(out.unbind(0), dim=-1)

@@ -25,6 +25,11 @@ backend is NCCL (or TP = 1), else `off`: a CPU rank keeps the fused C layers (`f
 Each step's inputs reach the buffers without a host synchronisation: the column by a fill (a
 scalar kernel argument), the ids from the device tensor the sampler returned, the padding only
 when a row changes hands. The engine then copies the sampled ids to the host once (pinned).
+
+The collectives inside a graph are recorded when it is captured (`Comm.recording`; in compile
+mode by one eager run of the bucket's step, since inductor's graph runs them unseen) and counted
+at every replay (`Accounting.replayed`): their bytes by construction, their time inside the
+replay's compute span (one launch runs kernels and collectives together).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from ..model.model import KVCache, Rotary, Stage, Step
 ENV = DECODE_GRAPHS_ENV
 MODES = ("auto", "off", "eager", "cuda", "compile")
 MIN_LENGTH = 256  # the shortest context bucket: below it, reading more columns costs nothing
+Tape = tuple[tuple[str, int], ...]  # a step's collectives: (op, bytes) in issue order
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -111,7 +117,8 @@ class DecodeGraphs:
         self.column = torch.zeros(1, dtype=torch.int64, device=device)
         self.pads = torch.zeros(top, dtype=torch.int64, device=device)
         self._pads_host = torch.zeros(top, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._graphs: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor, Tape]] = {}
+        self._tapes: dict[tuple[int, int], Tape] = {}  # compile mode: each bucket's collectives
         self._seen: set[tuple[int, int]] = set()
         self._pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self._compiled: Callable[..., torch.Tensor] | None = None
@@ -134,11 +141,15 @@ class DecodeGraphs:
         rows, length = smallest(self.batches, r1), smallest(self.lengths, col + 1)
         self._inputs(r0, r1, col, x, pads)
         if self.mode == "cuda":
-            replay, out = self._graph(rows, length)
+            replay, out, tape = self._graph(rows, length)
             replay()
+            self.comm.acct.replayed(tape)
         else:  # eager, or compiled (inductor's CUDA graphs replay inside the call)
+            if self.mode == "compile" and (rows, length) not in self._tapes:
+                self._tapes[rows, length] = self._record(rows, length)
             self._seen.add((rows, length))
             out = self._forward(rows, length)
+            self.comm.acct.replayed(self._tapes.get((rows, length), ()))  # eager: counted as they ran
         return out[r0:r1] if self.stage.lm_head is not None else out[r0:r1].clone()
 
     def capture_all(self, col: int = 0) -> None:
@@ -162,7 +173,7 @@ class DecodeGraphs:
             self._pads_host[:n].copy_(pads)
             self.pads[:n].copy_(self._pads_host[:n], non_blocking=True)
 
-    def _graph(self, rows: int, length: int) -> tuple[Callable[[], None], torch.Tensor]:
+    def _graph(self, rows: int, length: int) -> tuple[Callable[[], None], torch.Tensor, Tape]:
         key = (rows, length)
         if key not in self._graphs:
             self._graphs[key] = self._make(rows, length)
@@ -173,13 +184,21 @@ class DecodeGraphs:
         with self.comm.captured(self.mode != "eager"):
             return fn(self.stage, self.cache, self.rotary, self.x[:rows], self.column, self.pads, rows, length)
 
-    def _make(self, rows: int, length: int) -> tuple[Callable[[], None], torch.Tensor]:
+    def _record(self, rows: int, length: int) -> Tape:
+        """The collectives of the bucket's step, by one eager run of it (it writes the cache
+        column that the compiled run then writes again, the same values)."""
+        with self.comm.recording() as tape, self.comm.captured():
+            decode_forward(self.stage, self.cache, self.rotary, self.x[:rows], self.column, self.pads, rows, length)
+        return tuple(tape)
+
+    def _make(self, rows: int, length: int) -> tuple[Callable[[], None], torch.Tensor, Tape]:
         side = torch.cuda.Stream(device=self.stage.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: lazy initialisations stay out of the graph
             self._forward(rows, length)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with self.comm.recording() as tape, torch.cuda.graph(graph, pool=self._pool,
+                                                             capture_error_mode="thread_local"):
             out = self._forward(rows, length)
-        return graph.replay, out
+        return graph.replay, out, tuple(tape)

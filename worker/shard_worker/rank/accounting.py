@@ -195,6 +195,15 @@ class Accounting:
             self._counters.comm_bytes[op] += nbytes
             self._counters.comm_seconds[op] += seconds
 
+    def replayed(self, collectives: list[tuple[str, int]] | tuple[tuple[str, int], ...]) -> None:
+        """The collectives of a replayed graph (recorded when it was captured: `Comm.recording`):
+        their bytes count as sent. Their time cannot be told apart from the graph's kernels (one
+        launch runs them all), so it stays in the compute span around the replay: a captured
+        step's communication seconds read 0, its compute seconds hold them."""
+        with self._lock:
+            for op, nbytes in collectives:
+                self._counters.comm_bytes[op] += nbytes
+
     def communicated(self, op: str, nbytes: int, seconds: float) -> None:
         """A collective its caller timed (inside a C call: `fused.py`), counted as `communicating`
         counts one: its time is not the open compute span's."""

@@ -11,42 +11,87 @@ T256 float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* int8 weights (AVX2): 16 a step, widened to int16; a block's last columns in scalar code, added
- * to lane 0 of its integer sums */
+/* the dot product of int8 weights and quantized x over [i, end), in scalar code */
 INLINE int32_t dot_i8(const int8_t *w, const int16_t *x, int64_t i, int64_t end) {
     int32_t sum = 0;
     for (; i < end; i++) sum += w[i] * x[i];
     return sum;
 }
-#define VEC __m256i
-#define WVEC __m256i
-#define ZERO _mm256_setzero_si256()
-#define FVEC __m256
-#define FZERO _mm256_setzero_ps()
-#define FSET1 _mm256_set1_ps
-#define FFMA _mm256_fmadd_ps
-#define FCVT _mm256_cvtepi32_ps
-#define SUM(acc) hsum256(acc)
-#define TAIL(r, b) 0.0f
-#define FMA(acc, w, x) _mm256_add_epi32(acc, _mm256_madd_epi16(w, x))
-#define W(r) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wp + (row + r) * ldw + i)))
-#define X(b) _mm256_loadu_si256((const __m256i *)(xq + b * kpad + i))
-#define TAIL_ROW(r, b) \
-    if (R > r) a##r##b = _mm256_add_epi32(a##r##b, _mm256_zextsi128_si256(_mm_cvtsi32_si128(dot_i8(wp + (row + r) * ldw, xq + b * kpad, i, end))));
-#define TAIL_COL(b)                                                            \
-    if (M > b) {                                                               \
-        TAIL_ROW(0, b) TAIL_ROW(1, b) TAIL_ROW(2, b) TAIL_ROW(3, b)            \
-        TAIL_ROW(4, b) TAIL_ROW(5, b) TAIL_ROW(6, b) TAIL_ROW(7, b)            \
+
+/* 16 columns from i of R rows of int8 weights wp (widened to int16) times M vectors of quantized
+ * x xq, added to the integer sums (vpmaddwd, vpaddd) */
+T256 void step_256_i8(__m256i acc[MAX_R][MAX_M], const int8_t *wp, int64_t ldw, const int16_t *xq, int64_t kpad,
+                      int64_t row, const int R, const int M, int64_t i) {
+    __m256i w[MAX_R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) w[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wp + (row + r) * ldw + i)));
+#pragma GCC unroll 8
+    for (int b = 0; b < M; b++) {
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * kpad + i));
+        __asm__("" : "+v"(xv));  /* one load into a register, not one memory operand a product */
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) acc[r][b] = _mm256_add_epi32(acc[r][b], _mm256_madd_epi16(w[r], xv));
     }
-#define STEPS_256                                                              \
-    if (end - i == QBLOCK) {                                                   \
-        PREFETCH_ROWS TILE_MUL i += 16; TILE_MUL i += 16; TILE_MUL i += 16; TILE_MUL i += 16; \
-        PREFETCH_ROWS TILE_MUL i += 16; TILE_MUL i += 16; TILE_MUL i += 16; TILE_MUL i += 16; \
-    }                                                                          \
-    for (; i + 16 <= end; i += 16) TILE_STEP                                   \
-    if (i < end) { TAIL_COL(0) TAIL_COL(1) TAIL_COL(2) TAIL_COL(3) TAIL_COL(4) TAIL_COL(5) TAIL_COL(6) TAIL_COL(7) }
-T256 void block_256_i8(const Job *j, int64_t row, const int R, const int M, const int wtype) { I8_BLOCKS(STEPS_256) }
-#define ROWS_FOR(M) ((M) == 1 ? 4 : (M) <= 2 ? 2 : 1)
-T256FN void rows_256_i8(const Job *j, int64_t r0, int64_t r1) { DISPATCH_M(block_256_i8, W_I8); }
+}
+
+/* Rows [row, row + R) times M vectors: each block's integer sums (its last columns in scalar
+ * code, added to lane 0), times its scales, added to the float32 sums of the blocks so far */
+T256 void tile_256_i8(const Job *j, int64_t row, const int R, const int M, const int wtype) {
+    (void)wtype;  /* W_I8 */
+    __m256 f[MAX_R][MAX_M];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int b = 0; b < M; b++) f[r][b] = _mm256_setzero_ps();
+    /* locals: GCC reloads a field at every step otherwise */
+    const int64_t k = j->k, ldw = j->ldw, kpad = j->kpad, nblk = j->nblk;
+    const int8_t *wp = (const int8_t *)j->w;
+    const int16_t *xq = j->xq;
+    const float *xs = j->xs;
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const int64_t end = (blk + 1) * QBLOCK < k ? (blk + 1) * QBLOCK : k;
+        __m256i a[MAX_R][MAX_M];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+            for (int b = 0; b < M; b++) a[r][b] = _mm256_setzero_si256();
+        int64_t i = blk * QBLOCK;
+        if (end - i == QBLOCK) {  /* a whole block in eight steps, a prefetch every fourth */
+#pragma GCC unroll 8
+            for (int s = 0; s < QBLOCK / 16; s++, i += 16) {
+                if (s % 4 == 0) prefetch_rows(j, row, R, i, W_I8);
+                step_256_i8(a, wp, ldw, xq, kpad, row, R, M, i);
+            }
+        }
+        for (; i + 16 <= end; i += 16) {
+            prefetch_next(j, row, R, i, W_I8);
+            step_256_i8(a, wp, ldw, xq, kpad, row, R, M, i);
+        }
+        if (i < end) {
+#pragma GCC unroll 8
+            for (int b = 0; b < M; b++)
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    const int32_t tail = dot_i8(wp + (row + r) * ldw, xq + b * kpad, i, end);
+                    a[r][b] = _mm256_add_epi32(a[r][b], _mm256_zextsi128_si256(_mm_cvtsi32_si128(tail)));
+                }
+        }
+#pragma GCC unroll 8
+        for (int b = 0; b < M; b++) {
+            const __m256 s = _mm256_set1_ps(xs[b * nblk + blk]);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) f[r][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][b]), s, f[r][b]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int b = 0; b < M; b++)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) store(j, b, row + r, hsum256(f[r][b]) + 0.0f);
+}
+
+static const int8_t ROWS_256_I8[MAX_M + 1] = {0, 4, 2, 1, 1, 1, 1, 1, 1};
+T256FN void rows_256_i8(const Job *j, int64_t r0, int64_t r1) {
+    rows_in_tiles(j, r0, r1, tile_256_i8, ROWS_256_I8, W_I8);
+}
 
 #endif

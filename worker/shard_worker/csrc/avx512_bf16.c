@@ -3,26 +3,51 @@
 #if X86
 #include "tile.h"
 
-#define VEC __m512
-#define ZERO _mm512_setzero_ps()
-#define SUM(acc) _mm512_reduce_add_ps(acc)
-#define TAIL(r, b) 0.0f
-/* AVX512_BF16: pairs of bf16 weights times pairs of bf16 inputs, 32 a step, float32 sums */
-#define WVEC __m512bh
-#define FMA(acc, w, x) _mm512_dpbf16_ps(acc, w, x)
-#define LOAD32(p) (full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(mask, p))
-#define W(r) (__m512bh)LOAD32(wp + (row + r) * ldw + i)
-#define X(b) (__m512bh)LOAD32(xp + b * ldx + i)
-TBF void block_bf16dp(const Job *j, int64_t row, const int R, const int M, const int wtype) {
-    (void)wtype;
-    DECLARE_ACCS
-    const int64_t k = j->k, ldx = j->ldx, ldw = j->ldw;
-    const uint16_t *wp = (const uint16_t *)j->w, *xp = (const uint16_t *)j->x;
-    MASKED_LOOP(32, __mmask32, 0xffffffffu, (1ull << (k - i)) - 1)  /* zeroed tail lanes add nothing */
-    TILE_STORE(a)
+/* 32 bfloat16 values from p: all (`full`, a constant) or only the `mask` lanes (zeroed tail lanes
+ * add nothing) */
+TBF __m512bh load32_bf16(const uint16_t *p, const int full, __mmask32 mask) {
+    return (__m512bh)(full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(mask, p));
 }
 
-#define ROWS_FOR(M) ((M) == 1 ? 8 : (M) <= 2 ? 4 : (M) <= 4 ? 3 : 2)  /* as the float32 tiles */
+/* 32 columns from i of R rows times M vectors: pairs of bfloat16 weights times pairs of bfloat16
+ * inputs, float32 sums added to acc */
+TBF void step_bf16dp(const Job *j, __m512 acc[MAX_R][MAX_M], int64_t row, const int R, const int M, int64_t i,
+                     const int full, __mmask32 mask) {
+    const int64_t ldw = j->ldw, ldx = j->ldx;  /* locals: GCC reloads a field at every step otherwise */
+    const uint16_t *wp = (const uint16_t *)j->w, *xp = (const uint16_t *)j->x;
+    prefetch_next(j, row, R, i, W_BF16);
+    __m512bh w[MAX_R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) w[r] = load32_bf16(wp + (row + r) * ldw + i, full, mask);
+#pragma GCC unroll 8
+    for (int b = 0; b < M; b++) {
+        __m512bh xv = load32_bf16(xp + b * ldx + i, full, mask);
+        __asm__("" : "+v"(xv));  /* one load into a register, not one memory operand a product */
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], w[r], xv);
+    }
+}
+
+/* Rows [row, row + R) times M vectors: 32 columns a step with plain loads, then the rows' tail
+ * with `mask` lanes */
+TBF void tile_bf16dp(const Job *j, int64_t row, const int R, const int M, const int wtype) {
+    (void)wtype;  /* W_BF16 */
+    __m512 acc[MAX_R][MAX_M];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int b = 0; b < M; b++) acc[r][b] = _mm512_setzero_ps();
+    const int64_t k = j->k;
+    int64_t i = 0;
+    for (; i + 32 <= k; i += 32) step_bf16dp(j, acc, row, R, M, i, 1, 0xffffffffu);
+    if (i < k) step_bf16dp(j, acc, row, R, M, i, 0, (__mmask32)((1ull << (k - i)) - 1));
+#pragma GCC unroll 8
+    for (int b = 0; b < M; b++)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) store(j, b, row + r, _mm512_reduce_add_ps(acc[r][b]) + 0.0f);
+}
+
+static const int8_t ROWS_BF16DP[MAX_M + 1] = {0, 8, 4, 3, 3, 2, 2, 2, 2};  /* as the float32 tiles */
 
 /* One vector (decode at batch 1): row after row, each row one sequential stream summed in 4
  * accumulators side by side, the weights ROW_PREFETCH bytes ahead fetched into L2. With nothing
@@ -64,7 +89,7 @@ TBFFN void rows_bf16dp(const Job *j, int64_t r0, int64_t r1) {
         rows_bf16dp_one(j, r0, r1);
         return;
     }
-    DISPATCH_M(block_bf16dp, W_BF16);
+    rows_in_tiles(j, r0, r1, tile_bf16dp, ROWS_BF16DP, W_BF16);
 }
 
 #endif

@@ -19,9 +19,10 @@
  * is thread 0).
  *
  * The files, one job each, share this header: portable.c, avx2.c, avx2_i8.c, avx512.c,
- * avx512_bf16.c and avx512_i8.c (the matrix-vector kernels per instruction set, the register
- * tile they instantiate in tile.h), matmul.c (which kernel, x prepared, rows split over threads),
- * pool.c (the thread pool), step.c (RMSNorm, SwiGLU, attention), shm_reduce.c (the shared-memory
+ * avx512_bf16.c and avx512_i8.c (the matrix-vector kernels per instruction set: each writes its
+ * register tile as inline functions of its own loads and products; tile.h holds what the tiles
+ * share, the prefetch and the rows split into tiles), matmul.c (which kernel, x prepared, rows
+ * split over threads), pool.c (the thread pool), step.c (RMSNorm, SwiGLU, attention), shm_reduce.c (the shared-memory
  * all-reduce), layer.c (a whole decoder layer; its plan in layer.h), read.c (the plain read, the
  * limit) and module.c (the Python glue). Functions shared between files are hidden from other
  * extension modules.
@@ -49,7 +50,7 @@ enum { PORTABLE = 0, AVX2 = 1, AVX512 = 2, AVX512_VNNI = 3, AVX512_BF16 = 4, LEV
 #define MAX_M 8
 /* int8 weights: x's columns share a scale by blocks of QBLOCK (a multiple of 32: a block is
  * whole vectors but in its last one); its values are int16 in [-QMAX, QMAX] */
-#define QBLOCK 128  /* STEPS_512 and STEPS_256 unroll a block: 4 x 32 and 8 x 16 columns */
+#define QBLOCK 128  /* the int8 tiles unroll a block: 4 x 32 (AVX-512) and 8 x 16 (AVX2) columns */
 #define QMAX 32767
 #define QEXP_MIN (-100)  /* blocks whose largest |x| is below 2^-101 are quantized as if it were */
 
@@ -120,6 +121,12 @@ INLINE float pow2(int e) {  /* 2^e for e in [-126, 127] */
 INLINE float x_at(const Job *j, int64_t b, int64_t i) {
     return j->xtype == X_F32 ? ((const float *)j->x)[b * j->ldx + i]
                              : bf16_to_f32(((const uint16_t *)j->x)[b * j->ldx + i]);
+}
+
+/* row b of x */
+INLINE const void *x_row(const Job *j, int64_t b) {
+    return j->xtype == X_F32 ? (const void *)((const float *)j->x + b * j->ldx)
+                             : (const void *)((const uint16_t *)j->x + b * j->ldx);
 }
 
 /* A block's scale from the largest bits of its |x| (ordered as the magnitudes, NaN above inf);

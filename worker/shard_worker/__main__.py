@@ -101,7 +101,7 @@ def run_task(worker: Worker, task_path: str, result_path: str) -> None:
 def serve(env: WorkerEnv, plan: Plan, baseline: MemorySample) -> int:
     """Run this rank's server until it is told to stop (SIGTERM, SIGINT, or the leader's shutdown);
     the process then exits with the status (0, or `exit_status(err)` when its load failed)."""
-    from .rank.lifecycle import Rank
+    from .rank.lifecycle import Rank, RankProbes
     from .serving.app import build_app
     from .serving.limits import BoundedBodies
     from .serving.routes import OpenAIRoutes
@@ -111,9 +111,9 @@ def serve(env: WorkerEnv, plan: Plan, baseline: MemorySample) -> int:
         return EXIT_CONFIG
     try:
         rank = Rank(env, plan, baseline, KNOWN_ERRORS, exit_status)
-        api = OpenAIRoutes(env.model_name, env.model_dir, plan.max_model_len, env.api_key_file, rank.ready_loop,
+        api = OpenAIRoutes(env.model_name, env.model_dir, plan.max_model_len, env.api_key_file, rank.ready_link,
                            rank.metrics, text_timeout=env.text_timeout) if rank.leader else None
-        app = BoundedBodies(build_app(env.model_name, rank, api), env.max_body_bytes, env.read_timeout)
+        app = BoundedBodies(build_app(env.model_name, RankProbes(rank), api), env.max_body_bytes, env.read_timeout)
     except Exception as err:  # noqa: BLE001 -- no such rank in the plan; an unreadable tokenizer or API key
         log(env.rank, f"cannot serve: {first_line(err)}")
         return EXIT_CONFIG

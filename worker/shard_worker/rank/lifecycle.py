@@ -32,7 +32,7 @@ from shard_contract.plan import Plan
 from shard_contract.wire import LoadProgress, RankReport, ShardEntry, ShardsResponse
 
 from ..log import first_line, log
-from ..serving.batcher import EngineLoop, Unavailable
+from ..serving.batcher import EngineLoop, LocalLink, Unavailable
 from ..serving.limits import ASGIApp, server_limits
 from .accounting import MemorySample
 from .health import Heartbeat, Record, Verdict, memory_problems, read_group_key
@@ -105,6 +105,10 @@ class Rank:
         if self.worker is None:
             return self.plan.group_kv_cache_tokens(self.env.replica)
         return self.worker.cache.batch * self.plan.max_model_len
+
+    def ready_link(self) -> LocalLink:
+        """The routes' link to the leader's engine loop in this process (`ready_loop`'s)."""
+        return LocalLink(self.ready_loop())
 
     def shards(self) -> ShardsResponse:
         """`GET /v1/shards`: every rank of the plan, with its latest published report once it has
@@ -202,3 +206,23 @@ class Rank:
         sys.stderr.flush()
         os._exit(self.exit_code)
 
+
+
+class RankProbes:
+    """`app.Probes` of a rank whose app runs in the rank's own process."""
+
+    def __init__(self, rank: Rank):
+        self._rank, self.rank = rank, rank.rank
+
+    @property
+    def state(self) -> str:
+        return self._rank.state
+
+    def verdict(self) -> Verdict:
+        return self._rank.verdict()
+
+    async def shards(self) -> ShardsResponse:
+        return self._rank.shards()
+
+    async def exposition(self, ready: bool) -> bytes:
+        return self._rank.exposition(ready)

@@ -10,7 +10,9 @@ request's own failure is its answer alone: an OpenAI error body.
 
 The app knows the rank through `Probes` only (its verdict, its shards, its metrics), and the
 OpenAI routes as a ready-made router: `__main__` composes the rank, the routes and this app, so
-no module here imports the rank's lifecycle back.
+no module here imports the rank's lifecycle back. The probes are the rank itself when the app runs
+in the engine's process (`lifecycle.RankProbes`), or the engine process's reports across a pipe
+when it runs in the leader's HTTP process (`remote.EngineClient`).
 """
 
 from __future__ import annotations
@@ -30,15 +32,16 @@ from .routes import OpenAIRoutes
 
 
 class Probes(Protocol):
-    """What the app asks of its rank: all of it cheap and non-blocking (the event loop answers
-    `/health` with it)."""
+    """What the app asks of its rank: the verdict and state at once, without blocking (the event
+    loop answers `/health` with them); the shards and the metrics may take a round trip."""
 
     rank: int
-    state: str  # loading, ready, failed, broken
 
+    @property
+    def state(self) -> str: ...  # loading, ready, failed, broken
     def verdict(self) -> Verdict: ...
-    def shards(self) -> ShardsResponse: ...
-    def exposition(self, ready: bool) -> bytes: ...
+    async def shards(self) -> ShardsResponse: ...
+    async def exposition(self, ready: bool) -> bytes: ...
 
 
 def build_app(model: str, probes: Probes, api: OpenAIRoutes | None = None) -> FastAPI:
@@ -74,11 +77,11 @@ def build_app(model: str, probes: Probes, api: OpenAIRoutes | None = None) -> Fa
 
     @app.get("/v1/shards", include_in_schema=False)
     async def shards() -> ShardsResponse:
-        return probes.shards()
+        return await probes.shards()
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
-        body = probes.exposition(probes.verdict().ready)
+        body = await probes.exposition(probes.verdict().ready)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     if api is not None:

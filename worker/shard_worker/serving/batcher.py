@@ -16,9 +16,9 @@ A request whose client hangs up (`cancel`) leaves the queue, or stops at the nex
 and frees its row (`Hooks.cancelled`); so does one whose text met a stop string (`stop`: the
 leader's text side finds them, `text.py`).
 
-Only the engine thread touches torch.distributed. The HTTP side talks to it through `Sink`s:
-each request's events (`Step`, then one `Done` or `Failed`) are handed to its asyncio loop, never
-awaited by the engine.
+Only the engine thread touches torch.distributed. The HTTP side talks to it through `Sink`s
+(`events.py`): each request's events (`Step`, then one `Done` or `Failed`) are handed to its
+asyncio loop, or to the pipe to the leader's HTTP process, never awaited by the engine.
 
 Every request that was queued is logged once when it ends (`servelog.request_line`), and while
 the engine works a throughput line every 10 s; the gauges of running and waiting requests and of
@@ -27,20 +27,21 @@ the KV cache's use are set at every step.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from shard_contract.wire import Completion, GenerateRequest
 
 from ..engine.engine import Engine, Hooks, RequestError, SequenceState, fits_at
 from ..log import first_line, log
 from ..rank.rankmetrics import RankMetrics
+from .events import Done, Event, Failed, Mailbox, Pending, Sink, Step, Unavailable, mailbox
 from .servelog import Throughput, request_line
+
+__all__ = ["Done", "EngineLoop", "Event", "Failed", "LocalLink", "Mailbox", "Pending", "Sink", "Step",
+           "Unavailable", "mailbox", "take_batch", "take_joiners"]
 
 MAX_WAITING = 256
 # When the engine is free and a request arrives, wait this long for others to arrive with it:
@@ -49,14 +50,6 @@ MAX_WAITING = 256
 # prompt must fit before the current column, which a batch started alone is short of).
 GATHER_SECONDS = 0.02
 LEADER = 0  # the rank the engine loop runs on, in its log lines
-
-
-class Unavailable(Exception):
-    """The group cannot take the request: it is lost, shutting down, or too busy."""
-
-    def __init__(self, reason: str, status: int = 503):
-        super().__init__(reason)
-        self.reason, self.status = reason, status
 
 
 def take_batch(waiting: Sequence[GenerateRequest], max_batch: int, max_len: int) -> int:
@@ -85,144 +78,6 @@ def take_joiners(waiting: Sequence[GenerateRequest], free_rows: int, col: int, m
         if fits_at(request, col, max_len):
             chosen.append(i)
     return chosen
-
-
-@dataclass(frozen=True)
-class Step:
-    """A streaming request's tokens so far (all of them), and their log-probabilities when asked."""
-
-    tokens: list[int]
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-
-
-@dataclass(frozen=True)
-class Done:
-    """The request is answered."""
-
-    completion: Completion
-
-
-@dataclass(frozen=True)
-class Failed:
-    """The request ends without an answer: refused (400), failed alone (500), or the group cannot
-    run it (503)."""
-
-    status: int
-    reason: str
-
-
-Event = Step | Done | Failed
-
-
-class Mailbox:
-    """Events for one asyncio loop, handed over with one wake-up however many sinks post before
-    the loop runs: the engine thread posts a Step to every streaming request each step, and one
-    `call_soon_threadsafe` (a write to the loop's self-pipe) a step costs it less than one a
-    request."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.lock = threading.Lock()
-        self.items: list[tuple[asyncio.Queue, Event]] = []
-
-    def post(self, queue: asyncio.Queue, event: Event) -> None:
-        with self.lock:
-            self.items.append((queue, event))
-            if len(self.items) > 1:  # a delivery is already on its way
-                return
-        try:
-            self.loop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:  # the loop is closed: the server has gone
-            pass
-
-    def _deliver(self) -> None:
-        with self.lock:
-            items, self.items = self.items, []
-        for queue, event in items:
-            queue.put_nowait(event)
-
-
-_MAILBOXES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
-_MAILBOXES_LOCK = threading.Lock()
-
-
-def mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
-    """The one mailbox of `loop`."""
-    with _MAILBOXES_LOCK:
-        box = _MAILBOXES.get(loop)
-        if box is None:
-            box = _MAILBOXES[loop] = Mailbox(loop)
-        return box
-
-
-class Sink:
-    """Where one request's events go. Called from the engine thread (or the health monitor),
-    delivered on the request's asyncio loop; after the first final event (Done, Failed), silent.
-    `stream`: its Step events are delivered too (a streamed answer, or one with stop strings,
-    which the text side watches for)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool):
-        self.loop, self.stream = loop, stream
-        self.mailbox = mailbox(loop)
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.arrived = time.monotonic()
-        self.first_token_at: float | None = None
-        self.last_token_at: float | None = None
-        self.generated = 0  # tokens its sequence has taken so far
-        self._closed = False
-        self._lock = threading.Lock()
-
-    def _post(self, event: Event) -> None:
-        self.mailbox.post(self.queue, event)
-
-    def step(self, tokens: list[int], logprobs: list[float] | None = None,
-             top_logprobs: list[list[tuple[int, float]]] | None = None) -> int:
-        """Its sequence's tokens so far (all of them, with their log-probabilities when asked);
-        returns how many are new."""
-        with self._lock:
-            new, self.generated = len(tokens) - self.generated, len(tokens)
-            self.last_token_at = time.monotonic()
-            if self.first_token_at is None:
-                self.first_token_at = self.last_token_at
-            if self.stream and not self._closed:
-                asked = logprobs is not None and top_logprobs is not None
-                self._post(Step(list(tokens), list(logprobs) if asked else None,  # type: ignore[arg-type]
-                                list(top_logprobs) if asked else None))  # type: ignore[arg-type]
-        return new
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _close(self) -> bool:
-        """Mark the request ended; False when it had ended already (only the first end counts)."""
-        with self._lock:
-            closed, self._closed = self._closed, True
-        return not closed
-
-    def done(self, completion: Completion) -> bool:
-        if not self._close():
-            return False
-        self._post(Done(completion))
-        return True
-
-    def abandon(self) -> bool:
-        """The client has gone: deliver nothing more. False when it was answered already."""
-        return self._close()
-
-    def fail(self, reason: str, status: int = 503) -> bool:
-        if not self._close():
-            return False
-        self._post(Failed(status, reason))
-        return True
-
-
-@dataclass(eq=False)  # each is one client's request: compared by identity
-class Pending:
-    request: GenerateRequest
-    sink: Sink
-    id: str  # as its answer names it (cmpl-..., chatcmpl-...), for the log
 
 
 class EngineLoop:
@@ -449,3 +304,25 @@ class EngineLoop:
                 self.engine.shutdown()  # the followers leave `follow()` and exit
             except Exception:  # noqa: BLE001 -- they are already gone (stopped with us): nothing to tell
                 pass
+
+
+class LocalLink:
+    """`events.Link` to an engine loop in this process (the HTTP side and the engine in one)."""
+
+    def __init__(self, loop: EngineLoop):
+        self.loop = loop
+
+    async def submit(self, pendings: list[Pending]) -> None:
+        try:
+            for pending in pendings:
+                self.loop.submit(pending)
+        except Unavailable:
+            for pending in pendings:
+                self.loop.cancel(pending)
+            raise
+
+    def cancel(self, pending: Pending) -> None:
+        self.loop.cancel(pending)
+
+    def stop(self, pending: Pending) -> None:
+        self.loop.stop(pending)

@@ -10,7 +10,7 @@ and the page costs it four small GETs per viewer every 2 s.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from importlib.resources import files
 
 from fastapi import APIRouter
@@ -22,7 +22,7 @@ from shard_contract.wire import ShardsResponse
 PAGE = files(__package__).joinpath("dashboard.html").read_text()
 
 
-def router(shards: Callable[[], ShardsResponse]) -> APIRouter:
+def router(shards: Callable[[], Awaitable[ShardsResponse]]) -> APIRouter:
     """The page and its picture of the group that `shards()` describes."""
     routes = APIRouter()
 
@@ -32,7 +32,7 @@ def router(shards: Callable[[], ShardsResponse]) -> APIRouter:
 
     @routes.get("/dashboard/layout.svg")
     async def layout() -> Response:
-        group = shards()
+        group = await shards()
         svg = group_svg(group.ranks, title=f"{group.model} · group {group.replica}", reason=group.reason)
         return Response(svg, media_type="image/svg+xml", headers={"Cache-Control": "no-store"})
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a mask is built: the leader's HTTP process only checks schemas
+    import torch
 
 JSON_OBJECT = json.dumps({"type": "object"})  # response_format json_object: any JSON object
 
@@ -83,5 +84,7 @@ def fill(matchers: list[Any], bitmask: torch.Tensor) -> list[int]:
 
 def allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """The bitmask [rows, words] (on the logits' device) as booleans [rows, vocab]."""
+    import torch
+
     bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
     return ((bitmask[:, :, None] >> bits) & 1).view(bitmask.shape[0], -1)[:, :vocab].bool()

@@ -2,10 +2,11 @@
 /v1/completions` and `POST /v1/chat/completions` (when the model has a chat template), behind
 the API key when SHARD_API_KEY_FILE names one.
 
-A request is read and checked (`openai.py`), queued on the engine loop (`batcher.py`), and
-answered from its events (`Step`, then `Done` or `Failed`): as one body, or as server-sent
-events while it is generated. A client that hangs up has its request cancelled, so the group
-stops generating for nobody.
+A request is read and checked (`openai.py`), queued on the engine loop through a `Link` (the
+loop in this process, or in the engine process across a pipe: `events.py`), and answered from its
+events (`Step`, then `Done` or `Failed`): as one body, or as server-sent events while it is
+generated. A client that hangs up has its request cancelled, so the group stops generating for
+nobody. Torch-free: the leader's HTTP process (`front.py`) runs these routes apart from the engine.
 """
 
 from __future__ import annotations
@@ -27,9 +28,8 @@ from shard_contract.wire import Completion
 
 from .. import __version__
 from ..model.config import ModelConfig
-from ..rank.rankmetrics import RankMetrics
 from . import choices, grammar, openai
-from .batcher import Done, EngineLoop, Event, Failed, Pending, Sink, Step, Unavailable
+from .events import Done, Event, Failed, Link, Outcomes, Pending, Sink, Step, Unavailable
 from .text import TextStream
 from .textproc import TextError, TextWorkers
 from .tokenizer import TextCodec
@@ -39,14 +39,15 @@ ERRORS = (400, 401, 404, 429, 500, 503)  # the statuses a route answers with Ope
 
 class OpenAIRoutes:
     """The OpenAI routes of a group's leader: its model's tokenizer and chat template, its API key.
-    `ready_loop()` is the leader's engine loop once the group is ready to take requests (else it
-    raises Unavailable); `metrics` counts each request's outcome. Loading the tokenizer or the API
-    key raises when they cannot be read."""
+    `ready_link()` is the link to the leader's engine loop once the group is ready to take requests
+    (else it raises Unavailable); `metrics` counts the requests refused here. Loading the tokenizer
+    or the API key raises when they cannot be read."""
 
     def __init__(self, model: str, model_dir: str, max_len: int, api_key_file: str | None,
-                 ready_loop: Callable[[], EngineLoop], metrics: RankMetrics, text_timeout: float = 10.0):
+                 ready_link: Callable[[], Link], metrics: Outcomes, text_timeout: float = 10.0):
         self.model, self.model_dir, self.max_len = model, model_dir, max_len
-        self.ready_loop, self.metrics = ready_loop, metrics
+        self.ready_link, self.metrics = ready_link, metrics
+        self.vocab_size = ModelConfig.from_dir(model_dir).vocab_size
         self.codec = TextCodec.load(model_dir)
         # Text longer than this cannot fit the context: refused before anyone tokenizes it.
         self.max_chars = self.codec.max_prompt_chars(max_len) if self.codec is not None else 0
@@ -57,8 +58,7 @@ class OpenAIRoutes:
 
     def schemas(self) -> dict[str, Any]:
         """The request schemas with this group's limits (its vocabulary is known before it loads)."""
-        vocab = ModelConfig.from_dir(self.model_dir).vocab_size
-        return openai.request_schemas(self.model, vocab, self.max_len)
+        return openai.request_schemas(self.model, self.vocab_size, self.max_len)
 
     def _authorize(self, credentials: HTTPAuthorizationCredentials | None = Depends(
             HTTPBearer(auto_error=False, description="The API key (SHARD_API_KEY_FILE)"))) -> None:
@@ -127,9 +127,8 @@ class OpenAIRoutes:
             self._check_model(body.model)
             if self.codec is None:
                 raise openai.ApiError(400, "tokens: this model has no tokenizer.json", param="tokens")
-            vocab = ModelConfig.from_dir(self.model_dir).vocab_size
-            if any(t >= vocab for t in body.tokens):
-                raise openai.ApiError(400, f"tokens: ids must lie in [0, {vocab})", param="tokens")
+            if any(t >= self.vocab_size for t in body.tokens):
+                raise openai.ApiError(400, f"tokens: ids must lie in [0, {self.vocab_size})", param="tokens")
             return {"prompt": self.codec.decode(body.tokens)}
 
         @router.get("/version")
@@ -204,11 +203,10 @@ class OpenAIRoutes:
         """Queue each choice of each prompt on the engine loop and answer them."""
         rid = f"{'chatcmpl' if call.chat else 'cmpl'}-{uuid.uuid4().hex}"
         replies: list[Reply] = []
-        loop = None
         try:
-            loop = self.ready_loop()
+            loop = self.ready_link()
             for p, ids in enumerate(prompts):
-                base = openai.to_generate(body, ids, max_len=self.max_len, vocab_size=loop.engine.config.vocab_size,
+                base = openai.to_generate(body, ids, max_len=self.max_len, vocab_size=self.vocab_size,
                                           max_tokens=max_tokens, has_tokenizer=self.codec is not None,
                                           param=param, logprobs=call.logprobs, prompt_logprobs=call.echo and
                                           call.logprobs is not None, json_schema=call.schema)
@@ -219,12 +217,8 @@ class OpenAIRoutes:
                                   Pending(generate, sink, f"{rid}-{p}-{j}" if len(prompts) * call.best_of > 1
                                           else rid))
                     replies.append(reply)
-            for reply in replies:
-                loop.submit(reply.pending)
+            await loop.submit([reply.pending for reply in replies])
         except Unavailable as err:
-            for reply in replies:
-                if loop is not None:
-                    loop.cancel(reply.pending)
             raise openai.unavailable(err.reason, err.status) from None
         if body.stream:
             return StreamingResponse(streamed(loop, replies, body.include_usage),
@@ -313,7 +307,7 @@ class Reply:
                                            logprobs)
         return f"data: {json.dumps(data)}\n\n"
 
-    async def events(self, loop: EngineLoop) -> AsyncIterator[str | Completion]:
+    async def events(self, loop: Link) -> AsyncIterator[str | Completion]:
         """Server-sent events of this choice: a chunk per step that adds text, the last one (then
         the final Completion itself, for usage); or an error body."""
         pending, answered = self.pending, False
@@ -353,7 +347,7 @@ class Reply:
                 loop.cancel(pending)
 
 
-async def streamed(loop: EngineLoop, replies: list[Reply], include_usage: bool) -> AsyncIterator[str]:
+async def streamed(loop: Link, replies: list[Reply], include_usage: bool) -> AsyncIterator[str]:
     """The chunks of every choice as they come, then usage if asked, and [DONE]."""
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -429,7 +423,7 @@ def latest(queue: asyncio.Queue, event: Event) -> Event:
     return event
 
 
-def stepped(loop: EngineLoop, pending: Pending, text: TextStream) -> Failed | None:
+def stepped(loop: Link, pending: Pending, text: TextStream) -> Failed | None:
     """After `text` took a Step: a text that met a stop string has its sequence stopped at the
     engine's next step boundary (the engine then answers it, finish reason "stop"); a text that
     could not be decoded fails its request now."""
@@ -449,7 +443,7 @@ def settled(event: Done | Failed) -> Done | Failed:
     return event
 
 
-async def _settle(loop: EngineLoop, pending: Pending, text: TextStream) -> Done | Failed:
+async def _settle(loop: Link, pending: Pending, text: TextStream) -> Done | Failed:
     """A choice's answer. Its Step events (it has stop strings) go to `text`, which may stop it."""
     while True:
         event = latest(pending.sink.queue, await pending.sink.queue.get())
@@ -462,7 +456,7 @@ async def _settle(loop: EngineLoop, pending: Pending, text: TextStream) -> Done 
             return failed
 
 
-async def _answers(request: Request, loop: EngineLoop, replies: list[Reply]) -> list[Done | Failed] | None:
+async def _answers(request: Request, loop: Link, replies: list[Reply]) -> list[Done | Failed] | None:
     """Every choice's answer, or None when the client disconnects first: the choices are then
     cancelled, so the group stops generating for nobody."""
     gone: asyncio.Future[Any] = asyncio.ensure_future(_disconnected(request))

@@ -61,6 +61,10 @@ KERNEL_ENV = "SHARD_KERNEL"  # the CPU kernels: auto (the best this CPU runs), t
 FUSED_LAYERS_ENV = "SHARD_FUSED_LAYERS"  # "0": CPU decoder layers in Python, not the fused C layer
 # How a rank runs its decode steps (shard_worker.engine.graphs): auto, off, eager, cuda or compile.
 DECODE_GRAPHS_ENV = "SHARD_DECODE_GRAPHS"
+# "0": the leader serves HTTP from its engine's process instead of an HTTP process of its own.
+HTTP_PROCESS_ENV = "SHARD_HTTP_PROCESS"
+# The leader's HTTP process's end of its pipe to the engine process (set by the engine process).
+ENGINE_FD_ENV = "SHARD_ENGINE_FD"
 
 # The worker's commands: one rank (`python -m shard_worker`), or a pod's ranks, one process each
 # (`python -m shard_worker.launch --local-ranks N`).

@@ -2,9 +2,11 @@
 (`shard_contract.env.WorkerEnv`) and the Plan file it names. The same entry point runs in a
 pod and as a local process of `shardctl`.
 
-Without SHARD_TASK, every rank serves HTTP: `serve` composes the rank's lifecycle (`rank.py`),
-its app (`app.py`: health, readiness and metrics on all) and, on rank 0, the OpenAI-compatible
-routes (`routes.py`). With it, the leader (rank 0) runs that one-shot task and
+Without SHARD_TASK, every rank serves HTTP: `serve` composes the rank's lifecycle
+(`rank/lifecycle.py`) and its app (`serving/app.py`: health, readiness and metrics on all). The
+leader (rank 0) serves them and the OpenAI-compatible routes (`serving/routes.py`) from an HTTP
+process of its own (`serving/front.py`, unless SHARD_HTTP_PROCESS=0), so that HTTP work never
+takes the engine's GIL. With it, the leader (rank 0) runs that one-shot task and
 writes the result to SHARD_RESULT; every other rank follows the leader's commands until it says
 shutdown. `ps` shows each rank as `shard-worker model=... group=... rank=... port=...`.
 """
@@ -30,7 +32,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from shard_contract.checkpoint import CheckpointError
-from shard_contract.env import EXIT_CONFIG, EXIT_FAILED, RESULT_ENV, TASK_ENV, WorkerEnv, WorkerEnvError
+from shard_contract.env import (
+    EXIT_CONFIG,
+    EXIT_FAILED,
+    HTTP_PROCESS_ENV,
+    RESULT_ENV,
+    TASK_ENV,
+    WorkerEnv,
+    WorkerEnvError,
+)
 from shard_contract.plan import Plan
 from shard_contract.wire import GenerateResult, GenerateTask, RankReport, ShardEntry
 
@@ -111,6 +121,8 @@ def serve(env: WorkerEnv, plan: Plan, baseline: MemorySample) -> int:
         return EXIT_CONFIG
     try:
         rank = Rank(env, plan, baseline, KNOWN_ERRORS, exit_status)
+        if rank.leader and os.environ.get(HTTP_PROCESS_ENV, "1") != "0":
+            return rank.serve_apart()  # the routes are built (and checked) by the HTTP process
         api = OpenAIRoutes(env.model_name, env.model_dir, plan.max_model_len, env.api_key_file, rank.ready_link,
                            rank.metrics, text_timeout=env.text_timeout) if rank.leader else None
         app = BoundedBodies(build_app(env.model_name, RankProbes(rank), api), env.max_body_bytes, env.read_timeout)

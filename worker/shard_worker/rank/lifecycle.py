@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -65,6 +67,7 @@ class Rank:
                                    on_rejected=self._rejected)
         self.exit_code = 0
         self.server: uvicorn.Server | None = None
+        self.stopped = threading.Event()  # the rank is to stop (its main thread waits for it apart)
         self.engine_thread = threading.Thread(target=self._engine, name="engine", daemon=True)
 
     # ------------------------------------------------------------ state
@@ -136,6 +139,7 @@ class Rank:
 
     def _stop_serving(self, code: int) -> None:
         self.exit_code = code
+        self.stopped.set()
         if self.server is not None:
             self.server.should_exit = True
 
@@ -191,10 +195,49 @@ class Rank:
             self.server.run()
         except SystemExit as err:  # uvicorn could not bind the port
             self.exit_code = int(err.code or 1)
+        self._leave()
+
+    def serve_apart(self) -> NoReturn:
+        """The leader with its HTTP server in a process of its own (`serving/front.py`), which it
+        talks to through `bridge.Bridge`: this process keeps the engine, its batcher and
+        torch.distributed, and the heartbeat. When the HTTP process exits, the rank stops (exit 1,
+        or the HTTP process's own status when it could not serve, such as 78 for an unreadable
+        tokenizer); when this process dies, the kernel ends the HTTP process."""
+        from ..serving import front
+        from .bridge import Bridge
+
+        ours, theirs = socket.socketpair()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stopped.set())
+        http = front.spawn(theirs)  # from the main thread, which lives until the process exits
+        theirs.close()
+        bridge = Bridge(ours, self)
+        bridge.start()
+        self.heartbeat.start()
+        self.engine_thread.start()
+        while not self.stopped.wait(0.2):
+            if http.poll() is not None:
+                log(self.env.rank, f"the HTTP process exited with status {http.returncode}")
+                self.exit_code = http.returncode if http.returncode and http.returncode > 0 else 1
+                break
+        if http.poll() is None:  # let it answer its in-flight requests, which the engine serves meanwhile
+            http.terminate()
+            try:
+                http.wait(front.GRACEFUL_SECONDS + 5)
+            except subprocess.TimeoutExpired:
+                http.kill()
+                http.wait()
+        bridge.gone.wait(5)  # its open requests are cancelled
+        self._leave(bridge.close)
+
+    def _leave(self, *closing: Callable[[], None]) -> NoReturn:
+        """Finish the leader's batch, tell the followers, and exit with `exit_code`."""
         if self.loop is not None:
             self.loop.close()  # the engine thread finishes its batch, then tells the followers
         # only a leader's batch is worth waiting for
         self.engine_thread.join(JOIN_SECONDS if self.loop is not None else 0.5)
+        for close in closing:
+            close()
         self.heartbeat.stop()
         # A thread still running is blocked in a collective with a lost group (or this is a
         # follower stopped while its leader lives): nothing to tear down cleanly.

@@ -12,7 +12,11 @@ that a drift of the machine's load cancels):
 
 The step time is the leader's own: decode seconds / decode steps of the generate (its report's
 `last_generate`, read from /v1/shards after each batch). Printed: the median over rounds of each,
-their ratio, and tokens/s as the clients saw them.
+their ratio, and tokens/s as the clients saw them, and the machine's load average.
+
+Each of `--modes` is one group, served in turn: `apart` (the leader's HTTP server in a process of
+its own, the default) and `together` (SHARD_HTTP_PROCESS=0: its event loop on a thread of the
+engine's process, sharing its GIL), so one run compares both.
 
     .venv/bin/python bench/http_step.py                  # demo model, 5 rounds of 32 x 64 tokens
     .venv/bin/python bench/http_step.py --tiny --rounds 10   # a 2-layer model: steps of a few ms
@@ -33,6 +37,7 @@ from pathlib import Path
 
 import httpx
 
+from shard_contract.env import HTTP_PROCESS_ENV
 from shard_operator.local.demo_model import DemoShape, write_demo_model
 from shard_operator.local.launcher import LocalGroup, free_port, plan_local
 from shard_operator.local.run import wait_ready
@@ -79,7 +84,10 @@ async def batch(url: str, prompts: list[list[int]], max_tokens: int, stream: boo
             "step_ms": 1000 * last.get("decode_seconds", float("nan")) / max(1, steps), "steps": steps}
 
 
-def run(model_dir: Path, rounds: int, max_tokens: int, vocab: int, threads: int) -> list[dict]:
+MODES = {"apart": "1", "together": "0"}  # SHARD_HTTP_PROCESS
+
+
+def run(model_dir: Path, rounds: int, max_tokens: int, vocab: int, threads: int, mode: str) -> list[dict]:
     plan = plan_local(model_dir, 1, 1, max_model_len=256, max_batch_size=CLIENTS, devices="localhost:4GiB*1",
                       device_kind="cpu")
     port = free_port()
@@ -88,19 +96,28 @@ def run(model_dir: Path, rounds: int, max_tokens: int, vocab: int, threads: int)
     rows = []
     with tempfile.TemporaryDirectory() as tmp, LocalGroup(plan, model_dir, tmp, leader_port=port,
                                                           threads_per_rank=threads,
-                                                          extra_env={"SHARD_HOST": "127.0.0.1"}) as group:
+                                                          extra_env={"SHARD_HOST": "127.0.0.1",
+                                                                     HTTP_PROCESS_ENV: MODES[mode]}) as group:
         wait_ready(group, url, 300)
         asyncio.run(batch(url, prompts[:2], 4, False))  # warm up
         for r in range(rounds):
             for stream in ((False, True) if r % 2 == 0 else (True, False)):  # ABBA: drift cancels
-                rows.append(asyncio.run(batch(url, prompts, max_tokens, stream)) | {"load": os.getloadavg()[0]})
+                rows.append(asyncio.run(batch(url, prompts, max_tokens, stream)) | {"load": os.getloadavg()[0],
+                                                                                     "mode": mode})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
 
 def summary(rows: list[dict]) -> str:
+    parts = [(mode, [r for r in rows if r["mode"] == mode]) for mode in MODES]
+    return "\n\n".join(f"{mode} ({HTTP_PROCESS_ENV}={MODES[mode]}):\n" + summary_of(part)
+                       for mode, part in parts if part)
+
+
+def summary_of(rows: list[dict]) -> str:
     quiet = [r["step_ms"] for r in rows if not r["stream"]]
     loud = [r["step_ms"] for r in rows if r["stream"]]
+    loads = [r["load"] for r in rows]
     lines = ["| answers | rounds | leader's step (ms, median) | min / max | tokens/s (median) | mean steps |",
              "|---|---|---|---|---|---|"]
     for name, stream, values in (("whole (quiet HTTP side)", False, quiet), ("32 streaming clients", True, loud)):
@@ -108,7 +125,8 @@ def summary(rows: list[dict]) -> str:
         steps = [r["steps"] for r in rows if r["stream"] == stream]
         lines.append(f"| {name} | {len(values)} | {statistics.median(values):.2f} | {min(values):.2f} / "
                      f"{max(values):.2f} | {statistics.median(tps):.0f} | {statistics.mean(steps):.0f} |")
-    lines.append(f"\nstreaming / quiet step time: {statistics.median(loud) / statistics.median(quiet):.3f}")
+    lines.append(f"\nstreaming / quiet step time: {statistics.median(loud) / statistics.median(quiet):.3f} "
+                 f"(load average {min(loads):.1f}-{max(loads):.1f})")
     return "\n".join(lines)
 
 
@@ -121,6 +139,7 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model of hidden size 64: steps of a few "
                         "ms, where the HTTP side's share is largest")
     parser.add_argument("--quick", action="store_true", help="a tiny model, 1 round: checks the script")
+    parser.add_argument("--modes", default="apart,together", help="comma-separated: apart, together")
     args = parser.parse_args()
     if args.quick or args.tiny:
         model_dir = write_demo_model(Path(tempfile.mkdtemp()) / "tiny", DemoShape(layers=2, hidden=64, intermediate=128,
@@ -132,7 +151,8 @@ def main() -> int:
         if not (model_dir / "config.json").is_file():
             write_demo_model(model_dir, DemoShape(), overwrite=True)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    rows = run(model_dir, args.rounds, args.max_tokens, vocab, args.threads)
+    rows = [row for mode in args.modes.split(",")
+            for row in run(model_dir, args.rounds, args.max_tokens, vocab, args.threads, mode)]
     print(summary(rows))
     return 0
 

@@ -1,11 +1,13 @@
 """One serving rank's life: its state, its threads, its signals and its exit.
 
 A rank serves HTTP (the app `__main__` composes from `app.py` and `routes.py`) from the moment
-it starts, while its engine thread joins the group
-and loads. Threads of one rank: uvicorn's event loop on the main thread (it owns SIGTERM /
-SIGINT); the engine thread, which joins the group, loads, and then runs batches (leader: the
-`batcher.EngineLoop`) or follows the leader's commands (others); and the heartbeat thread
-(`health.py`). Only the engine thread touches torch.distributed.
+it starts, while its engine thread joins the group and loads. Threads of one rank: uvicorn's
+event loop on the main thread (it owns SIGTERM / SIGINT); the engine thread, which joins the
+group, loads, and then runs batches (leader: the `batcher.EngineLoop`) or follows the leader's
+commands (others); and the heartbeat thread (`health.py`). Only the engine thread touches
+torch.distributed. The leader serves HTTP from a process of its own instead (`serve_apart`:
+`serving/front.py`, reached through `bridge.py`); its main thread then only handles signals and
+watches that process.
 
 A rank stops on SIGTERM / SIGINT (the leader first finishes its batch and tells the followers),
 when the leader says shutdown (a follower), or when it fails to load; it exits 0, or when it

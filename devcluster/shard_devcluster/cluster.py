@@ -45,8 +45,8 @@ from .processkubelet import ProcessKubelet, _die_with_parent
 from .proxy import ServiceProxy
 
 if TYPE_CHECKING:  # the emulator is loaded only when the cluster runs one (not when attached)
+    from .apirules import Faults
     from .controlplane import ControlPlane
-    from .emulator import Faults
 
 T = TypeVar("T")
 

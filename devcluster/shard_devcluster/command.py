@@ -81,7 +81,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _faults(text: str):
-    from .emulator import Faults  # (loads the emulator: only when asked)
+    from .apirules import Faults  # (loads kmock: only when asked)
 
     try:
         return Faults.parse(text)

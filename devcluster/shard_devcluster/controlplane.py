@@ -33,7 +33,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from .emulator import ApiError, FidelityEmulator, now
+from .apirules import ApiError, now
+from .emulator import FidelityEmulator
 from .scheduling import holds_resources, place, requests
 from .tables import dig
 

@@ -43,83 +43,32 @@ first, resource limits other than the GPU memory, exec/tcp probes, pods of other
 from __future__ import annotations
 
 import asyncio
-import base64
 import ctypes
 import itertools
 import logging
 import os
 import platform
-import re
 import shutil
 import signal
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from shard_contract.env import ENV_NAMES, HOST_ENV
-from shard_contract.units import MiB
-from shard_operator.planning.inventory import MEMORY_LABEL
+from shard_contract.env import HOST_ENV
 
 from .kubeapi import SMP, ApiStatusError, Informer, KubeApi, microtime, path, timestamp
 from .kubeletserver import KubeletServer, LogBuffer
 from .network import ClusterNetwork, container_port, taken_ports
+from .podsetup import HOST_IP, PodError, PodSetup, Sandbox, expand
 
 log = logging.getLogger("shard_devcluster")
 
 PODS, NODES, LEASES = "v1/pods", "v1/nodes", "coordination.k8s.io/v1/leases"
 NODE_LEASE_NAMESPACE = "kube-node-lease"
-HOST_IP = "127.0.0.1"  # every node's address: the kubelet's endpoint listens there
 LOG_TAIL_BYTES = 2048  # what FallbackToLogsOnError keeps of the log as the termination message
 RETRY_SECONDS = (1, 2, 4, 8, 10)  # a container that cannot be created is tried again after these
-
-
-class PodError(Exception):
-    """Why a pod's container cannot start (its waiting reason and message)."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason, self.message = reason, message
-
-
-@dataclass
-class Sandbox:
-    """One pod this kubelet runs, and the status it reports for it."""
-
-    uid: str
-    namespace: str
-    name: str
-    node: str
-    ip: str                    # the pod IP, as the API shows it
-    local: str                 # where its processes listen on this machine
-    directory: Path
-    container: dict[str, Any]
-    logs: LogBuffer = field(default_factory=LogBuffer)
-    proc: asyncio.subprocess.Process | None = None
-    phase: str = "Pending"
-    state: dict[str, Any] = field(default_factory=lambda: {"waiting": {"reason": "ContainerCreating"}})
-    ready: bool = False
-    started_at: str = ""
-    start_time: str = field(default_factory=timestamp)
-    reason: dict[str, str] = field(default_factory=dict)  # the pod's own reason and message
-    transitions: dict[str, tuple[str, str]] = field(default_factory=dict)  # condition -> (status, since)
-    lost: bool = False         # its node is gone: nobody reports on it any more
-    deleting: bool = False     # the pod is being deleted: the process is being stopped
-    killed_by: str = ""        # why the kubelet killed the process (a failed probe)
-    main: asyncio.Task | None = None      # starts the process, then collects its output
-    stopper: asyncio.Task | None = None   # stops it after the pod's deletion
-    tasks: list[asyncio.Task] = field(default_factory=list)  # its probes
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    def condition(self, type_: str, ok: bool) -> dict[str, Any]:
-        """A pod condition whose lastTransitionTime moves only when its status does."""
-        status = str(ok)
-        old = self.transitions.get(type_)
-        if old is None or old[0] != status:
-            self.transitions[type_] = old = (status, timestamp())
-        return {"type": type_, "status": status, "lastProbeTime": None, "lastTransitionTime": old[1]}
 
 
 def _die_with_parent() -> None:
@@ -128,24 +77,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-
-
-_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
-
-
-def expand(value: str, env: dict[str, str]) -> str:
-    """Kubernetes' $(VAR) references in a command or its arguments: the container's own env vars
-    are substituted, unknown ones are left as written, and $$ is a literal $."""
-    def one(match: re.Match[str]) -> str:
-        if match.group(0) == "$$":
-            return "$"
-        return env.get(match.group(1), match.group(0))
-    return _REFERENCE.sub(one, value)
-
-
-def _requests_gpu(container: dict[str, Any]) -> bool:
-    limits = (container.get("resources") or {}).get("limits") or {}
-    return any(key.endswith("/gpu") and str(value) not in ("0", "") for key, value in limits.items())
 
 
 def _ready(obj: dict[str, Any]) -> str | None:
@@ -170,6 +101,7 @@ class ProcessKubelet:
         # the machine's /dev/shm, which here every pod would share.
         self.shm_env = shm_env
         self.renew_seconds, self.lease_seconds = renew_seconds, lease_seconds
+        self.setup = PodSetup(api, network, self.host_root, self.extra_env, bind_env, shm_env, dns_wait)
         self.sandboxes: dict[tuple[str, str], Sandbox] = {}
         self.server = KubeletServer(self._find_logs, self.workdir / ".kubelet")
         self.nodes = Informer(api, NODES, self._on_node, label_selector=node_selector)
@@ -362,15 +294,15 @@ class ProcessKubelet:
             return
         for attempt in itertools.count():
             try:
-                mounts = await self._volumes(pod, sandbox)
-                env = await self._environment(pod, container, node, sandbox, mounts)
+                mounts = await self.setup.volumes(pod, sandbox)
+                env = await self.setup.environment(pod, container, node, sandbox, mounts)
                 break
             except PodError as err:
                 sandbox.state = {"waiting": {"reason": err.reason, "message": err.message}}
                 await self._report(sandbox)
                 await asyncio.sleep(RETRY_SECONDS[min(attempt, len(RETRY_SECONDS) - 1)])
         defined = {e["name"]: env[e["name"]] for e in container.get("env") or [] if e.get("name") in env}
-        argv = [self._path(expand(a, defined), mounts)
+        argv = [PodSetup.path(expand(a, defined), mounts)
                 for a in list(container.get("command") or []) + list(container.get("args") or [])]
         if not argv:
             sandbox.state = {"waiting": {"reason": "CreateContainerConfigError",
@@ -381,7 +313,7 @@ class ProcessKubelet:
             argv[0] = sys.executable
         try:
             sandbox.proc = await asyncio.create_subprocess_exec(
-                *argv, env=env, cwd=self._path(container.get("workingDir") or "", mounts) or str(sandbox.directory),
+                *argv, env=env, cwd=PodSetup.path(container.get("workingDir") or "", mounts) or str(sandbox.directory),
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
                 preexec_fn=_die_with_parent)
         except (OSError, ValueError) as err:
@@ -520,100 +452,6 @@ class ProcessKubelet:
             log.debug("pod %s/%s: status not written: %s", ns, name, err)
             return False
 
-    # ---------------------------------------------------------------- what the process sees
-    async def _volumes(self, pod: dict, sandbox: Sandbox) -> dict[str, str]:
-        """Mount path -> local directory, for the first container's volumeMounts."""
-        spec, ns = pod.get("spec") or {}, pod["metadata"]["namespace"]
-        local: dict[str, Path] = {}
-        for volume in spec.get("volumes") or []:
-            vname = volume["name"]
-            here = sandbox.directory / "volumes" / vname
-            if "hostPath" in volume:
-                where = self.host_root / volume["hostPath"]["path"].lstrip("/")
-                if volume["hostPath"].get("type") == "Directory" and not where.is_dir():
-                    raise PodError("CreateContainerConfigError",
-                                   f"hostPath {volume['hostPath']['path']} is not a directory on the node ({where})")
-                local[vname] = where
-            elif "configMap" in volume or "secret" in volume:
-                await self._project(volume, ns, here)
-                local[vname] = here
-            elif "emptyDir" in volume:
-                here.mkdir(parents=True, exist_ok=True)
-                local[vname] = here
-            elif "persistentVolumeClaim" in volume:  # claims are directories under the host root
-                local[vname] = self.host_root / "pvc" / volume["persistentVolumeClaim"]["claimName"]
-            else:
-                raise PodError("CreateContainerConfigError", f"volume {vname}: only hostPath, configMap, secret, "
-                               "emptyDir and persistentVolumeClaim volumes run here")
-        sandbox.directory.mkdir(parents=True, exist_ok=True)
-        mounts = {}
-        for mount in sandbox.container.get("volumeMounts") or []:
-            if mount["name"] in local:
-                mounts[mount["mountPath"]] = str(local[mount["name"]] / mount.get("subPath", ""))
-        return mounts
-
-    async def _project(self, volume: dict, ns: str, here: Path) -> None:
-        """Write a configMap's or a Secret's keys (a Secret's decoded from base64) as files with the
-        volume's mode (0644 unless it says otherwise), as the kubelet does."""
-        if "configMap" in volume:
-            source, kind, name = volume["configMap"], "configmaps", volume["configMap"]["name"]
-        else:
-            source, kind, name = volume["secret"], "secrets", volume["secret"]["secretName"]
-        try:
-            obj = await self.api.get(path(f"v1/{kind}", ns, name))
-        except (TimeoutError, ApiStatusError, aiohttp.ClientError) as err:
-            raise PodError("CreateContainerConfigError", f"{kind[:-1]} {name}: {err}") from None
-        if obj is None:
-            raise PodError("CreateContainerConfigError", f"{kind[:-1]} {name} not found")
-        data = {k: v.encode() if kind == "configmaps" else base64.b64decode(v)
-                for k, v in (obj.get("data") or {}).items()}
-        here.mkdir(parents=True, exist_ok=True)
-        for item in source.get("items") or [{"key": k, "path": k} for k in data]:
-            target = here / item["path"]
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data.get(item["key"], b""))
-            target.chmod(item.get("mode", source.get("defaultMode", 0o644)))
-
-    @staticmethod
-    def _path(value: str, mounts: dict[str, str]) -> str:
-        """A container path as this machine sees it (the longest mount that holds it)."""
-        for inside in sorted(mounts, key=len, reverse=True):
-            root = inside.rstrip("/")
-            if value == inside or value.startswith(root + "/"):
-                return mounts[inside].rstrip("/") + value[len(root):]
-        return value
-
-    async def _environment(self, pod: dict, container: dict, node: dict, sandbox: Sandbox,
-                           mounts: dict[str, str]) -> dict[str, str]:
-        meta = pod["metadata"]
-        fields = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"], "metadata.uid": meta["uid"],
-                  "status.podIP": sandbox.local, "status.hostIP": HOST_IP, "spec.nodeName": sandbox.node}
-        env = {**os.environ, **self.extra_env}
-        for e in container.get("env") or []:
-            if "value" in e:
-                env[e["name"]] = self._path(str(e["value"]), mounts)
-            elif ((e.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath") in fields:
-                env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
-        env.update(HOSTNAME=meta["name"], POD_NAME=meta["name"], POD_NAMESPACE=meta["namespace"],
-                   POD_IP=sandbox.local, **dict.fromkeys(self.bind_env, sandbox.local))
-        if self.shm_env and "/dev/shm" in mounts:
-            env[self.shm_env] = mounts["/dev/shm"]
-        labels = (node.get("metadata") or {}).get("labels") or {}
-        if MEMORY_LABEL in labels and _requests_gpu(container):
-            env[ENV_NAMES["memory_budget_bytes"]] = str(int(labels[MEMORY_LABEL]) * MiB)
-        if (master := ENV_NAMES["master_addr"]) in env:  # torch's rendezvous: a DNS name, resolved as the process would
-            env[master] = await self._resolve(env[master])
-        return env
-
-    async def _resolve(self, name: str) -> str:
-        """The local address of a DNS name; waits for it to exist (its pod may start later)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.dns_wait
-        while (address := self.network.resolve(name)) is None:
-            if loop.time() > deadline:
-                raise PodError("CreateContainerError", f"{name} did not resolve within {self.dns_wait:.0f}s")
-            await asyncio.sleep(0.05)
-        return self.network.local(address)
 
     # ---------------------------------------------------------------- probes
     async def _get(self, sandbox: Sandbox, probe: dict) -> bool:

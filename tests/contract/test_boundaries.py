@@ -71,7 +71,8 @@ def test_the_fast_tier_does_not_load_the_dev_cluster():
               "code = pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', 'tests/contract', "
               "'tests/operator/unit'])\n"
               "print(sorted(m for m in sys.modules if m.startswith(('shard_devcluster.emulator', "
-              "'shard_devcluster.apiserver', 'shard_devcluster.controlplane'))))\n"
+              "'shard_devcluster.apiserver', 'shard_devcluster.controlplane', 'shard_devcluster.store', "
+              "'shard_devcluster.writes', 'shard_devcluster.reads'))))\n"
               "sys.exit(code)\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from shard_devcluster.emulator import ApiError
+from shard_devcluster.apirules import ApiError
 from shard_devcluster.kubeletserver import KubeletServer, LogBuffer
 
 PODS, NODES, LEASES = "v1/pods", "v1/nodes", "coordination.k8s.io/v1/leases"

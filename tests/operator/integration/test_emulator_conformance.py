@@ -13,8 +13,8 @@ import aiohttp
 import aiohttp.web
 import pytest
 
+from shard_devcluster.apirules import Faults
 from shard_devcluster.apiserver import serve
-from shard_devcluster.emulator import Faults
 from shard_devcluster.kubeletserver import KubeletServer, LogBuffer
 
 NS = "default"

@@ -9,8 +9,8 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
+from shard_devcluster.apirules import ApiError
 from shard_devcluster.apiserver import SM, serve
-from shard_devcluster.emulator import ApiError
 
 SMS = "/apis/sharding.dev/v1alpha1/namespaces/default/shardedmodels"
 WIDGETS = "/apis/test.dev/v1/namespaces/default/widgets"

@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from shard_contract.env import WorkerEnv
 from shard_contract.plan import Plan
 from shard_contract.units import quantity
+from shard_devcluster.apirules import Faults
 from shard_devcluster.apiserver import SM
-from shard_devcluster.emulator import Faults
 from shard_operator.api import parse_spec
 from shard_operator.metrics import ControllerCollector
 from shard_operator.objects.manifests import PLAN_KEY, Context, Owner, desired_objects, drift_patch, plan_record_name

@@ -11,10 +11,24 @@ clients send prompts of token ids, greedy, EOS ignored.
 2. A long prompt (1900 tokens) joining 8 running short streams: the short streams' longest
    inter-token gap while it joins, against the same streams without it; the long one's TTFT.
 3. 32 requests sharing a 1k-token system prompt (each with its own short tail), 8 at a time:
-   TTFT with the prefix cache on (after one request has filled it) and off (llama-server:
-   `cache_prompt`; ours: the engine's prefix cache, where it has one).
+   TTFT with the prefix cached (after one request has filled it), against the same requests each
+   with a 1k-token system prompt of its own (nothing to reuse, whatever the server's flags).
 4. More requests than the KV cache holds at once (4x the parallel sequences, each as long as a
    sequence may be): all answered? and the preemptions our /metrics counts.
+5. Ours only: the KV cache the leader holds (its report's allocated bytes) against the memory its
+   plan leaves free (usable less weights, activations, overhead and staging); our group is planned
+   with spec.serving.kvCacheMemoryFraction 0.9.
+
+At the end it prints issue 28's goals as ratios of this one run, each with its target: tokens/s
+ours / llama-server at every client count (>= 1), the short streams' longest gap with the long
+prompt joining / without it (<= 2, each server), a shared prefix's TTFT uncached / cached (>= 3,
+each server), and KV cache held / free memory (>= 0.9, ours). A goal whose inputs were not
+measured (a server skipped, a phase past the budget) says so.
+
+The whole run is bounded: `--budget SECONDS` (default 1500) is split between the servers, each
+phase is given what is left of its server's share (a phase that cannot start or finish in it is
+recorded as not run), and `--quick` shortens every phase (2 s per client count, shorter scenarios:
+a smoke run of a few minutes).
 
 llama-server is built from llama-cpp-python's source, as bench/decode.py's peers are (once, kept
 in ~/.cache/shard-operator):
@@ -30,6 +44,7 @@ sources) with this interpreter. Usage:
     nice .venv/bin/python bench/serve_peer.py [--clients 1,4,16,64] [--seconds 20] [--skip-peer]
                                               [--scenarios long,prefix,overflow] [--out FILE.json]
                                               [--skip-ours] [--combine OURS.json PEER.json]
+                                              [--quick] [--budget SECONDS]
 """
 
 from __future__ import annotations
@@ -62,6 +77,30 @@ SERVER = Path(os.environ.get("LLAMA_SERVER", CACHE / "server-build" / "bin" / "l
 MAX_LEN = 2048
 LONG_PROMPT = 1900
 SYSTEM_PROMPT = 1024
+KV_FRACTION = 0.9  # ours: spec.serving.kvCacheMemoryFraction
+# issue 28's goals: (name, what, target, at least?)
+GOALS = {"tokens_per_s": 1.0, "long_gap": 2.0, "prefix_ttft": 3.0, "kv_of_free": 0.9}
+
+
+class Budget:
+    """What is left of a share of the run's time."""
+
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+
+def bounded(budget: Budget, coro, least: float = 5.0) -> dict | float | list | None:
+    """Run `coro` within what is left of `budget`; None when too little is left or it ran past it."""
+    if budget.left() < least:
+        coro.close()
+        return None
+    try:
+        return asyncio.run(asyncio.wait_for(coro, budget.left()))
+    except TimeoutError:
+        return None
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -91,8 +130,9 @@ class Server:
 
 
 async def stream(http: httpx.AsyncClient, server: Server, prompt: list[int], max_tokens: int,
-                 cache: bool = True) -> dict:
-    """One streaming request: its start, the (time, tokens) of each chunk, and its end."""
+                 cache: bool = True, first: asyncio.Event | None = None) -> dict:
+    """One streaming request: its start, the (time, tokens) of each chunk, and its end; `first` is
+    set at its first tokens."""
     path, body = server.body(prompt, max_tokens, cache)
     start, events = time.monotonic(), []
     async with http.stream("POST", path, json=body) as response:
@@ -103,6 +143,8 @@ async def stream(http: httpx.AsyncClient, server: Server, prompt: list[int], max
             n = server.tokens(json.loads(line[6:]))
             if n:
                 events.append((time.monotonic(), n))
+                if first is not None:
+                    first.set()
     return {"start": start, "end": time.monotonic(), "events": events, "tokens": sum(n for _, n in events),
             "ttft": (events[0][0] if events else time.monotonic()) - start}
 
@@ -142,36 +184,42 @@ def throughput_row(server: Server, clients: int, results: list[dict]) -> dict:
             "itl_p50": percentile(itl, 0.5), "itl_p99": percentile(itl, 0.99), "load": os.getloadavg()[0]}
 
 
-async def long_joins(server: Server, vocab: int, with_long: bool) -> dict:
+async def long_joins(server: Server, vocab: int, with_long: bool, short_tokens: int = 96) -> dict:
     """8 short streams; with `with_long`, a 1900-token prompt joins once each has its first token."""
     rng = random.Random(7)
     async with httpx.AsyncClient(base_url=server.url, timeout=900) as http:
-        shorts = [asyncio.create_task(stream(http, server, prompt_of(rng, 16, vocab), 96)) for _ in range(8)]
+        started = [asyncio.Event() for _ in range(8)]
+        shorts = [asyncio.create_task(stream(http, server, prompt_of(rng, 16, vocab), short_tokens, first=e))
+                  for e in started]
         long = None
         if with_long:
-            await asyncio.sleep(1.0)
+            await asyncio.gather(*(e.wait() for e in started))
             long = await stream(http, server, prompt_of(rng, LONG_PROMPT, vocab), 8)
         done = await asyncio.gather(*shorts)
     return {"worst_gap": max(max(gaps(r), default=0.0) for r in done),
             "long_ttft": long["ttft"] if long else None}
 
 
-async def shared_prefix(server: Server, vocab: int, cache: bool) -> float:
-    """Mean TTFT of 32 requests (8 at a time) that share a 1k-token system prompt."""
+async def shared_prefix(server: Server, vocab: int, cached: bool, rounds: int = 4) -> float:
+    """Mean TTFT of 8 x `rounds` requests (8 at a time) whose prompts are a 1k-token system prompt
+    and a short tail. Cached: one system prompt for all, after one request has filled the cache;
+    uncached: a system prompt of the same length of its own for each request, so no server finds
+    a prefix to reuse (the same requests' work, whatever a server's flags)."""
     rng = random.Random(11)
     system = prompt_of(rng, SYSTEM_PROMPT, vocab)
     async with httpx.AsyncClient(base_url=server.url, timeout=900) as http:
-        await stream(http, server, system + [5, 6, 7], 2, cache)  # fills the cache (when there is one)
+        await stream(http, server, system + [5, 6, 7], 2)  # fills the cache (when there is one)
         ttfts = []
-        for _ in range(4):
-            batch = [stream(http, server, system + prompt_of(rng, 8, vocab)[1:], 4, cache) for _ in range(8)]
+        for _ in range(rounds):
+            heads = [system if cached else prompt_of(rng, SYSTEM_PROMPT, vocab) for _ in range(8)]
+            batch = [stream(http, server, head + prompt_of(rng, 8, vocab)[1:], 4) for head in heads]
             ttfts += [r["ttft"] for r in await asyncio.gather(*batch)]
     return sum(ttfts) / len(ttfts)
 
 
-async def overflow(server: Server, vocab: int, parallel: int, max_len: int) -> dict:
+async def overflow(server: Server, vocab: int, parallel: int, max_len: int, factor: int = 4) -> dict:
     rng = random.Random(13)
-    n = 4 * parallel
+    n = factor * parallel
     async with httpx.AsyncClient(base_url=server.url, timeout=1800) as http:
         results = await asyncio.gather(*(stream(http, server, prompt_of(rng, max_len // 2, vocab), max_len // 4)
                                          for _ in range(n)), return_exceptions=True)
@@ -187,16 +235,29 @@ def counter(url: str, name: str) -> float:
     return float("nan")
 
 
+def kv_of_free(url: str) -> dict:
+    """The leader's KV cache against the memory its plan leaves free (scenario 5)."""
+    shards = httpx.get(url + "/v1/shards", timeout=30).json()
+    entry = shards["ranks"][0]
+    plan, report = entry["plan"], entry.get("report") or {}
+    p = plan["predicted_bytes"]
+    free = plan["usable_bytes"] - (p["weights"] + p["activations"] + p["overhead"] + p.get("staging", 0))
+    held = (report.get("allocated_bytes") or {}).get("kv_cache", 0)
+    return {"free_bytes": free, "planned_kv_bytes": p["kv_cache"], "held_kv_bytes": held,
+            "planned_tokens": plan["kv_cache_tokens"], "held_tokens": shards["kv_cache_tokens"],
+            "planned_of_free": p["kv_cache"] / free, "held_of_free": held / free}
+
+
 @contextmanager
-def ours(model_dir: Path, parallel: int, threads: int, max_len: int) -> Iterator[Server]:
+def ours(model_dir: Path, parallel: int, threads: int, max_len: int, ready_seconds: float = 600) -> Iterator[Server]:
     plan = plan_local(model_dir, 1, 1, max_model_len=max_len, max_batch_size=parallel,
-                      devices="localhost:16GiB", device_kind="cpu")
+                      devices="localhost:16GiB", device_kind="cpu", kv_cache_memory_fraction=KV_FRACTION)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp, LocalGroup(plan, model_dir, tmp, leader_port=port,
                                                           threads_per_rank=threads,
                                                           extra_env={"SHARD_HOST": "127.0.0.1"}) as group:
-        wait_ready(group, url, 600)
+        wait_ready(group, url, max(ready_seconds, 30))
         yield Server("shard-operator", url, llama=False)
 
 
@@ -210,14 +271,15 @@ def gguf_of(model_dir: Path, kind: str) -> Path:
 
 
 @contextmanager
-def llama_server(gguf: Path, parallel: int, threads: int, max_len: int) -> Iterator[Server]:
+def llama_server(gguf: Path, parallel: int, threads: int, max_len: int,
+                 ready_seconds: float = 300) -> Iterator[Server]:
     port = free_port()
     cmd = [str(SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
            "-tb", str(threads), "-np", str(parallel), "-c", str(parallel * max_len), "-cb", "--no-webui"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + max(ready_seconds, 30)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"llama-server exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
@@ -233,28 +295,64 @@ def llama_server(gguf: Path, parallel: int, threads: int, max_len: int) -> Itera
         proc.wait(30)
 
 
-def run_server(make, args, vocab: int, parallel: int) -> dict:
-    out: dict = {"throughput": [], "scenarios": {}}
-    with make(parallel) as server:
-        asyncio.run(load(server, 1, 0, 4, vocab))  # one request first: both warm up
+def run_server(make, args, vocab: int, parallel: int, budget: Budget) -> dict:
+    """Every phase on one server, each within what is left of `budget` (a phase past it: None)."""
+    out: dict = {"throughput": [], "scenarios": {}, "budget_seconds": budget.left()}
+    with make(parallel, budget.left()) as server:
+        bounded(budget, load(server, 1, 0, 4, vocab))  # one request first: both warm up
         for clients in args.clients:
-            out["throughput"].append(throughput_row(server, clients, asyncio.run(
-                load(server, clients, args.seconds, args.max_tokens, vocab))))
-            print(json.dumps(out["throughput"][-1]), file=sys.stderr, flush=True)
+            results = bounded(budget, load(server, clients, args.seconds, args.max_tokens, vocab), args.seconds + 5)
+            if results:
+                out["throughput"].append(throughput_row(server, clients, results))
+                print(json.dumps(out["throughput"][-1]), file=sys.stderr, flush=True)
         s = out["scenarios"]
         if "long" in args.scenarios:
-            s["long_alone"] = asyncio.run(long_joins(server, vocab, False))
-            s["long_joined"] = asyncio.run(long_joins(server, vocab, True))
+            s["long_alone"] = bounded(budget, long_joins(server, vocab, False, args.short_tokens))
+            s["long_joined"] = bounded(budget, long_joins(server, vocab, True, args.short_tokens))
         if "prefix" in args.scenarios:
-            s["prefix_ttft_cached"] = asyncio.run(shared_prefix(server, vocab, True))
-            s["prefix_ttft_uncached"] = asyncio.run(shared_prefix(server, vocab, False))
+            s["prefix_ttft_cached"] = bounded(budget, shared_prefix(server, vocab, True, args.prefix_rounds))
+            s["prefix_ttft_uncached"] = bounded(budget, shared_prefix(server, vocab, False, args.prefix_rounds))
         if "overflow" in args.scenarios:
             before = counter(server.url, "shard_preemptions") if not server.llama else float("nan")
-            s["overflow"] = asyncio.run(overflow(server, vocab, parallel, args.overflow_len))
-            s["overflow"]["preemptions"] = (counter(server.url, "shard_preemptions") - before) if not server.llama \
-                else None
+            s["overflow"] = bounded(budget, overflow(server, vocab, parallel, args.overflow_len, args.overflow_factor))
+            if s["overflow"] is not None:
+                s["overflow"]["preemptions"] = (counter(server.url, "shard_preemptions") - before) \
+                    if not server.llama else None
+        if not server.llama:
+            out["kv"] = kv_of_free(server.url)
         print(json.dumps({server.name: s}), file=sys.stderr, flush=True)
+    out["seconds"] = out.pop("budget_seconds") - budget.left()
     return out
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def goals(results: dict) -> list[tuple[str, float | None, str, bool | None]]:
+    """Issue 28's goals as ratios of this run: (what, value, target, met); None where not measured."""
+    rows = []
+    ours_, peer = results.get("shard-operator"), results.get("llama-server")
+    if ours_ and peer:
+        theirs = {r["clients"]: r["tokens_per_s"] for r in peer["throughput"]}
+        for r in ours_["throughput"]:
+            value = ratio(r["tokens_per_s"], theirs.get(r["clients"]))
+            rows.append((f"tokens/s ours / llama-server, {r['clients']} clients", value, ">= 1",
+                         None if value is None else value >= GOALS["tokens_per_s"]))
+    for name, out in results.items():
+        s = out["scenarios"]
+        alone, joined = s.get("long_alone"), s.get("long_joined")
+        value = ratio(joined and joined["worst_gap"], alone and alone["worst_gap"])
+        rows.append((f"{name}: short streams' longest gap, 2k prompt joining / alone", value, "<= 2",
+                     None if value is None else value <= GOALS["long_gap"]))
+        value = ratio(s.get("prefix_ttft_uncached"), s.get("prefix_ttft_cached"))
+        rows.append((f"{name}: 1k shared prefix TTFT, uncached / cached", value, ">= 3",
+                     None if value is None else value >= GOALS["prefix_ttft"]))
+    if ours_ and ours_.get("kv"):
+        value = ours_["kv"]["held_of_free"]
+        rows.append(("shard-operator: KV cache held / free memory of its plan", value, ">= 0.9",
+                     value >= GOALS["kv_of_free"]))
+    return rows
 
 
 def table(results: dict) -> str:
@@ -272,6 +370,12 @@ def table(results: dict) -> str:
                          f"{x['tokens_per_s'] / y['tokens_per_s']:.2f}")
     for name, out in results.items():
         lines.append(f"\n{name} scenarios: {json.dumps(out['scenarios'])}")
+        if out.get("kv"):
+            lines.append(f"{name} KV cache: {json.dumps(out['kv'])}")
+    lines += ["", "Issue 28's goals, ratios of this run:", "", "| goal | ratio | target | met |", "|---|---|---|---|"]
+    for what, value, target, met in goals(results):
+        shown = "not measured" if value is None else f"{value:.2f}"
+        lines.append(f"| {what} | {shown} | {target} | {'-' if met is None else 'yes' if met else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -286,6 +390,13 @@ def main() -> int:
                         help="the GGUF's: the same as the model's (the demo model: float32)")
     parser.add_argument("--scenarios", default="long,prefix,overflow")
     parser.add_argument("--overflow-len", type=int, default=96, help="scenario 4: prompt + new tokens of each request")
+    parser.add_argument("--overflow-factor", type=int, default=4, help="scenario 4: requests per parallel sequence")
+    parser.add_argument("--short-tokens", type=int, default=96, help="scenario 2: tokens of each short stream")
+    parser.add_argument("--prefix-rounds", type=int, default=4, help="scenario 3: rounds of 8 requests")
+    parser.add_argument("--budget", type=float, default=1500.0,
+                        help="seconds for the whole run, split between the servers (each phase within what is left)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: 2 s per client count, 16 tokens, shorter scenarios, a 600 s budget")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--skip-ours", action="store_true")
     parser.add_argument("--out", type=Path)
@@ -295,6 +406,10 @@ def main() -> int:
     if args.combine:
         print(table({k: v for path in args.combine for k, v in json.loads(path.read_text()).items()}))
         return 0
+    if args.quick:
+        args.seconds, args.max_tokens, args.short_tokens, args.prefix_rounds = 2.0, 16, 32, 1
+        args.overflow_len, args.overflow_factor = 48, 2
+        args.budget = min(args.budget, 600.0)
     args.clients = [int(c) for c in args.clients.split(",")]
     args.scenarios = [s for s in args.scenarios.split(",") if s]
     model_dir = args.model or REPO / ".cache" / "demo-model"
@@ -302,15 +417,18 @@ def main() -> int:
         write_demo_model(model_dir, DemoShape(), overwrite=True)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     parallel = max(args.clients)
+    start, servers = time.monotonic(), 2 - args.skip_ours - args.skip_peer
     results = {} if args.skip_ours else {
-        "shard-operator": run_server(lambda p: ours(model_dir, p, args.threads, MAX_LEN), args, vocab, parallel)}
+        "shard-operator": run_server(lambda p, ready: ours(model_dir, p, args.threads, MAX_LEN, ready), args, vocab,
+                                     parallel, Budget(args.budget / max(servers, 1)))}
     if not args.skip_peer:
         if not SERVER.is_file():
             print(f"no {SERVER}: see this script's docstring", file=sys.stderr)
         else:
             gguf = gguf_of(model_dir, args.dtype)
-            results["llama-server"] = run_server(lambda p: llama_server(gguf, p, args.threads, MAX_LEN), args,
-                                                 vocab, parallel)
+            left = args.budget - (time.monotonic() - start)
+            results["llama-server"] = run_server(lambda p, ready: llama_server(gguf, p, args.threads, MAX_LEN, ready),
+                                                 args, vocab, parallel, Budget(left))
     print(table(results))
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

@@ -162,7 +162,7 @@ async def test_probes_set_readiness_and_a_failed_liveness_probe_kills_the_contai
     assert running["phase"] == "Running" and not ready(running)
     await asyncio.sleep(1.0)  # (so that a transition time a second later would differ)
     (data / "ready").write_text("ok")
-    await eventually(lambda: _is(cluster, "p", True), timeout=10)
+    await eventually(lambda: _is(cluster, "p", True), timeout=60)
     became = await status(cluster, "p")
     since = {c["type"]: c["lastTransitionTime"] for c in became["conditions"]}
     transitions = {c["type"]: c["lastTransitionTime"] for c in running["conditions"]}
@@ -170,9 +170,9 @@ async def test_probes_set_readiness_and_a_failed_liveness_probe_kills_the_contai
     # The process started when it started, whenever it turned Ready.
     assert became["containerStatuses"][0]["state"] == running["containerStatuses"][0]["state"]
     (data / "ready").unlink()
-    await eventually(lambda: _is(cluster, "p", False), timeout=10)
+    await eventually(lambda: _is(cluster, "p", False), timeout=60)
     (data / "alive").unlink()
-    st = await eventually(lambda: _phase(cluster, "p", "Failed"), timeout=10)
+    st = await eventually(lambda: _phase(cluster, "p", "Failed"), timeout=60)
     term = st["containerStatuses"][0]["state"]["terminated"]
     assert term["exitCode"] == -signal.SIGKILL and term["message"] == "Liveness probe failed 2 times"
 
@@ -201,8 +201,8 @@ async def test_a_lost_node_takes_its_processes_and_its_pods_go_after_the_quarant
 
     async def collected():  # ... until the pod GC deletes it
         return await cluster.emu.k8s_get("v1/pods", "default", "on-b") is None
-    await eventually(collected, timeout=10)
-    await eventually(lambda: cluster.network.resolve("on-b.grp.default.svc") is None, timeout=10)
+    await eventually(collected, timeout=60)
+    await eventually(lambda: cluster.network.resolve("on-b.grp.default.svc") is None, timeout=60)
     st = await status(cluster, "nowhere")  # the scheduler's account of why it waits
     assert st["phase"] == "Pending" and st["conditions"][0]["message"] == \
         "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity/selector."
@@ -217,7 +217,7 @@ async def test_a_deleted_pod_is_stopped_then_deleted_for_good_and_a_missing_host
     assert deleting["metadata"]["deletionGracePeriodSeconds"] == 30  # the API server keeps it, Terminating
     assert await asyncio.wait_for(proc.wait(), 10) == -signal.SIGTERM
 
-    await eventually(gone_pod(cluster, "p"), timeout=10)  # the kubelet's final delete, with grace 0
+    await eventually(gone_pod(cluster, "p"), timeout=60)  # the kubelet's final delete, with grace 0
     assert started
 
     missing = pod("q", "a", volumes=[{"name": "m", "hostPath": {"path": "/no/such", "type": "Directory"}}],
@@ -227,10 +227,10 @@ async def test_a_deleted_pod_is_stopped_then_deleted_for_good_and_a_missing_host
     async def waiting():
         st = await status(cluster, "q")
         return ((st.get("containerStatuses") or [{}])[0].get("state") or {}).get("waiting", {}).get("message")
-    assert "hostPath /no/such is not a directory" in await eventually(waiting, timeout=10)
+    assert "hostPath /no/such is not a directory" in await eventually(waiting, timeout=60)
     sandbox = cluster.kubelet.sandboxes[("default", "q")]
     await cluster.emu.k8s_delete("v1/pods", "default", "q")  # never started: it goes with its sandbox
-    await eventually(gone_pod(cluster, "q"), timeout=10)
+    await eventually(gone_pod(cluster, "q"), timeout=60)
     assert ("default", "q") not in cluster.kubelet.sandboxes and not sandbox.directory.exists()
 
 
@@ -256,11 +256,11 @@ async def test_a_service_routes_to_ready_endpoints_and_retries_a_dead_one(cluste
     for name in ("w0", "w1"):  # w2 never becomes ready: it gets no traffic
         (data_dir(cluster, name) / "ready").write_text(name)
     for name in ("w0", "w1", "w3"):
-        await eventually(lambda: _is(cluster, name, True), timeout=10)
+        await eventually(lambda: _is(cluster, name, True), timeout=60)
     # A Service without a selector (as the `kubernetes` one) has endpoints the proxy does not know of.
     await cluster.emu.k8s_create("v1/services", "default", {"metadata": {"name": "manual"}, "spec": {
         "ports": [{"port": 443}]}})
-    url = await eventually(lambda: cluster.service_url("web"), timeout=10)
+    url = await eventually(lambda: cluster.service_url("web"), timeout=60)
     assert url == f"http://{cluster.network.local(created['spec']['clusterIP'])}:80"
     assert {key[1] for _, key in cluster.proxy.listeners.values()} == {"web"}  # headless: names only
     async with httpx.AsyncClient() as http:
@@ -329,10 +329,10 @@ async def test_a_service_never_replays_a_post_that_reached_an_endpoint(cluster):
         endpoint = pod(name, "a", labels={"app": "api"})
         endpoint["spec"]["containers"][0]["command"] = ["python", "-c", RECORDER, "/data"]
         await cluster.emu.k8s_create("v1/pods", "default", endpoint)
-        await eventually(lambda: _is(cluster, name, True), timeout=10)
+        await eventually(lambda: _is(cluster, name, True), timeout=60)
         ip = cluster.network.local((await status(cluster, name))["podIP"])
         await eventually(lambda: _answers(f"http://{ip}:8000/"), timeout=30)
-    url = await eventually(lambda: cluster.service_url("api"), timeout=10)
+    url = await eventually(lambda: cluster.service_url("api"), timeout=60)
 
     def seen(name: str) -> list[str]:
         path = data_dir(cluster, name) / "seen"
@@ -354,7 +354,7 @@ async def test_a_service_never_replays_a_post_that_reached_an_endpoint(cluster):
         deaf = pod("e2", "a", labels={"app": "api"})
         deaf["spec"]["containers"][0]["command"] = ["python", "-c", "import time; time.sleep(600)"]
         await cluster.emu.k8s_create("v1/pods", "default", deaf)
-        await eventually(lambda: _is(cluster, "e2", True), timeout=10)
+        await eventually(lambda: _is(cluster, "e2", True), timeout=60)
         before = len(seen("e0")) + len(seen("e1"))
         answers = [(await http.post(url + "/v1/completions", json={"prompt": "x"})).status_code for _ in range(6)]
         assert answers == [200] * 6 and len(seen("e0")) + len(seen("e1")) - before == 6
@@ -481,7 +481,7 @@ async def test_a_port_taken_on_every_address_fails_the_pod_with_the_reason(clust
         blocked = pod("blocked", "a")
         blocked["spec"]["containers"][0]["ports"] = [{"name": "http", "containerPort": port}]
         await cluster.emu.k8s_create("v1/pods", "default", blocked)
-        st = await eventually(lambda: _phase(cluster, "blocked", "Failed"), timeout=10)
+        st = await eventually(lambda: _phase(cluster, "blocked", "Failed"), timeout=60)
     assert st["reason"] == "PortInUse" and f"port {port} is taken on every address" in st["message"]
     assert st["containerStatuses"][0]["state"]["terminated"]["reason"] == "PortInUse"
     assert cluster.network.resolve("blocked.grp.default.svc") is None

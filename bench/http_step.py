@@ -12,11 +12,16 @@ that a drift of the machine's load cancels):
 
 The step time is the leader's own: decode seconds / decode steps of the generate (its report's
 `last_generate`, read from /v1/shards after each batch). Printed: the median over rounds of each,
-their ratio, and tokens/s as the clients saw them, and the machine's load average.
+their ratio, and tokens/s as the clients saw them, and the machine's load average; and the CPU
+seconds spent during the batch, per decode step (/proc/PID/task/*/stat), by the engine thread, by
+the other threads of the engine's process (what takes the engine thread's GIL: the event loop when
+HTTP is served there, the pipe's threads when apart) and by the HTTP process: unlike wall time on
+a loaded machine, what a thread itself computed hardly grows with the load, so it shows where the
+HTTP work runs and what of it can still hold the engine's GIL.
 
-Each of `--modes` is one group, served in turn: `apart` (the leader's HTTP server in a process of
-its own, the default) and `together` (SHARD_HTTP_PROCESS=0: its event loop on a thread of the
-engine's process, sharing its GIL), so one run compares both.
+Each of `--modes` is one group, all up at once and their batches interleaved: `apart` (the
+leader's HTTP server in a process of its own, the default) and `together` (SHARD_HTTP_PROCESS=0:
+its event loop on a thread of the engine's process, sharing its GIL), so one run compares both.
 
     .venv/bin/python bench/http_step.py                  # demo model, 5 rounds of 32 x 64 tokens
     .venv/bin/python bench/http_step.py --tiny --rounds 10   # a 2-layer model: steps of a few ms
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -69,41 +75,89 @@ async def last_generate(http: httpx.AsyncClient) -> dict:
     return (leader.get("report") or {}).get("last_generate", {})
 
 
-async def batch(url: str, prompts: list[list[int]], max_tokens: int, stream: bool) -> dict:
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of process `pid` so far."""
+    out = {}
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(stat.parent.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def leader_processes(group: LocalGroup) -> tuple[int, int | None]:
+    """The leader's engine process and its HTTP process (None when it serves in one)."""
+    engine = group.ranks[0].process.pid
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == engine and (stat.parent / "cmdline").read_bytes().startswith(b"shard-worker-http"):
+                return engine, int(stat.parent.name)
+        except OSError:
+            continue
+    return engine, None
+
+
+def cpu_split(before: dict[int, float], after: dict[int, float]) -> tuple[float, float]:
+    """(the busiest thread's CPU seconds between two samples, the other threads' together): in the
+    leader's engine process the busiest is the engine thread, and the others are what holds its
+    GIL besides it (the event loop when HTTP is served there; the pipe's threads when apart)."""
+    grown = sorted(after[t] - before.get(t, 0.0) for t in after)
+    return (grown[-1], sum(grown[:-1])) if grown else (0.0, 0.0)
+
+
+async def batch(url: str, prompts: list[list[int]], max_tokens: int, stream: bool,
+                pids: tuple[int, int | None] = (0, None)) -> dict:
+    engine, front = pids
     async with httpx.AsyncClient(base_url=url, timeout=600,
                                  limits=httpx.Limits(max_connections=CLIENTS + 4)) as http:
         before = await last_generate(http)
+        threads, http_cpu = thread_cpu(engine), sum(thread_cpu(front).values()) if front else 0.0
         start = time.monotonic()
         tokens = await asyncio.gather(*(one(http, p, max_tokens, stream) for p in prompts))
         seconds = time.monotonic() - start
+        engine_thread, others = cpu_split(threads, thread_cpu(engine))
+        http_cpu = (sum(thread_cpu(front).values()) if front else 0.0) - http_cpu
         deadline = time.monotonic() + 60  # the report comes with the next heartbeat
         while (last := await last_generate(http)) == before and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-    steps = last.get("decode_steps", 0)
+    steps = max(1, last.get("decode_steps", 0))
     return {"stream": stream, "tokens": sum(tokens), "seconds": seconds, "tokens_per_s": sum(tokens) / seconds,
-            "step_ms": 1000 * last.get("decode_seconds", float("nan")) / max(1, steps), "steps": steps}
+            "step_ms": 1000 * last.get("decode_seconds", float("nan")) / steps, "steps": steps,
+            "engine_thread_cpu_ms": 1000 * engine_thread / steps, "beside_cpu_ms": 1000 * others / steps,
+            "http_cpu_ms": 1000 * http_cpu / steps}
 
 
 MODES = {"apart": "1", "together": "0"}  # SHARD_HTTP_PROCESS
 
 
-def run(model_dir: Path, rounds: int, max_tokens: int, vocab: int, threads: int, mode: str) -> list[dict]:
+def run(model_dir: Path, rounds: int, max_tokens: int, vocab: int, threads: int, modes: list[str]) -> list[dict]:
+    """Both modes' groups up at once (an idle one waits on a condition), their batches interleaved
+    ABBA in both the mode and the answers, so that a drift of the machine's load cancels."""
     plan = plan_local(model_dir, 1, 1, max_model_len=256, max_batch_size=CLIENTS, devices="localhost:4GiB*1",
                       device_kind="cpu")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     prompts = [[1] + [(7 * i + 11 * j) % (vocab - 3) + 3 for j in range(15)] for i in range(CLIENTS)]
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, LocalGroup(plan, model_dir, tmp, leader_port=port,
-                                                          threads_per_rank=threads,
-                                                          extra_env={"SHARD_HOST": "127.0.0.1",
-                                                                     HTTP_PROCESS_ENV: MODES[mode]}) as group:
-        wait_ready(group, url, 300)
-        asyncio.run(batch(url, prompts[:2], 4, False))  # warm up
+    with contextlib.ExitStack() as stack:
+        served = {}
+        for mode in modes:
+            port = free_port()
+            tmp = stack.enter_context(tempfile.TemporaryDirectory())
+            group = stack.enter_context(LocalGroup(plan, model_dir, tmp, leader_port=port, threads_per_rank=threads,
+                                                   extra_env={"SHARD_HOST": "127.0.0.1",
+                                                              HTTP_PROCESS_ENV: MODES[mode]}))
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(group, url, 300)
+            asyncio.run(batch(url, prompts[:2], 4, False))  # warm up
+            served[mode] = (url, leader_processes(group))
+        order = [(mode, stream) for mode in modes for stream in (False, True)]
         for r in range(rounds):
-            for stream in ((False, True) if r % 2 == 0 else (True, False)):  # ABBA: drift cancels
-                rows.append(asyncio.run(batch(url, prompts, max_tokens, stream)) | {"load": os.getloadavg()[0],
-                                                                                     "mode": mode})
+            for mode, stream in (order if r % 2 == 0 else order[::-1]):
+                url, pids = served[mode]
+                rows.append(asyncio.run(batch(url, prompts, max_tokens, stream, pids))
+                            | {"load": os.getloadavg()[0], "mode": mode})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
@@ -118,13 +172,17 @@ def summary_of(rows: list[dict]) -> str:
     quiet = [r["step_ms"] for r in rows if not r["stream"]]
     loud = [r["step_ms"] for r in rows if r["stream"]]
     loads = [r["load"] for r in rows]
-    lines = ["| answers | rounds | leader's step (ms, median) | min / max | tokens/s (median) | mean steps |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| answers | rounds | leader's step (ms, median) | min / max | tokens/s (median) | mean steps | CPU ms a "
+             "step: engine thread / beside it in its process / HTTP process (median) |",
+             "|---|---|---|---|---|---|---|"]
     for name, stream, values in (("whole (quiet HTTP side)", False, quiet), ("32 streaming clients", True, loud)):
         tps = [r["tokens_per_s"] for r in rows if r["stream"] == stream]
         steps = [r["steps"] for r in rows if r["stream"] == stream]
+        cpu = [statistics.median(r[k] for r in rows if r["stream"] == stream)
+               for k in ("engine_thread_cpu_ms", "beside_cpu_ms", "http_cpu_ms")]
         lines.append(f"| {name} | {len(values)} | {statistics.median(values):.2f} | {min(values):.2f} / "
-                     f"{max(values):.2f} | {statistics.median(tps):.0f} | {statistics.mean(steps):.0f} |")
+                     f"{max(values):.2f} | {statistics.median(tps):.0f} | {statistics.mean(steps):.0f} | "
+                     f"{cpu[0]:.2f} / {cpu[1]:.2f} / {cpu[2]:.2f} |")
     lines.append(f"\nstreaming / quiet step time: {statistics.median(loud) / statistics.median(quiet):.3f} "
                  f"(load average {min(loads):.1f}-{max(loads):.1f})")
     return "\n".join(lines)
@@ -151,8 +209,7 @@ def main() -> int:
         if not (model_dir / "config.json").is_file():
             write_demo_model(model_dir, DemoShape(), overwrite=True)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    rows = [row for mode in args.modes.split(",")
-            for row in run(model_dir, args.rounds, args.max_tokens, vocab, args.threads, mode)]
+    rows = run(model_dir, args.rounds, args.max_tokens, vocab, args.threads, args.modes.split(","))
     print(summary(rows))
     return 0
 

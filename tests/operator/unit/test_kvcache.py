@@ -247,3 +247,22 @@ def test_the_capacity_grows_with_memory(data):
     assert large is not None
     if [s_.layers for s_ in small.stages] == [s_.layers for s_ in large.stages]:
         assert large.kv_cache_tokens >= small.kv_cache_tokens
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_quantity_is_never_exceeded_and_fits_below_the_headroom(data):
+    profile = data.draw(small_llamas())
+    inventory = data.draw(pools())
+    quantity = data.draw(st.integers(1, 2048)) * 2**20
+    max_len = data.draw(st.sampled_from([256, 1024]))
+    s = spec(model={"maxModelLen": max_len}, serving={"kvCacheMemory": f"{quantity // 2**20}Mi"})
+    p = _try(profile, s, inventory)
+    if p is None:
+        return
+    for r in p.ranks:
+        assert max_len <= r.kv_cache_tokens == p.group_kv_cache_tokens(r.replica)
+        assert r.predicted_bytes.kv_cache <= quantity and r.predicted_bytes.total <= r.usable_bytes
+    # the most constrained rank of each group holds all but less than a token of the quantity
+    for g in p.groups:
+        assert min(quantity - r.predicted_bytes.kv_cache - per_token(profile, p, r) for r in p.group(g.replica)) < 0

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shard_worker.rank.metrics import FAMILIES
 from shard_worker.rank.rankmetrics import LEADER_FAMILIES
-from tests.support.processes import alive, rank_port
+from tests.support.processes import alive, children, cmdline, rank_port
 
 from .conftest import KILLERS, check_killer, get, shardctl_run, sharded_model_yaml, wait_for
 
@@ -307,10 +307,14 @@ def test_every_rank_is_named_in_ps_and_exposes_its_metrics(server):
 
 
 def test_sigterm_stops_every_rank(server):
-    """Last: `shardctl run` stopped by SIGTERM leaves no process behind."""
+    """Last: `shardctl run` stopped by SIGTERM leaves no process behind: neither its ranks nor the
+    leader's HTTP process and tokenizer processes."""
     ranks = server.ranks()
     assert len(ranks) == 2
+    (http,) = [pid for pid in children(ranks[0]) if cmdline(pid).startswith(b"shard-worker-http ")]
+    helpers = [http, *children(http)]
+    assert len(helpers) == 3  # the HTTP process and its two tokenizer processes
     server.proc.send_signal(signal.SIGTERM)
     server.proc.communicate(timeout=60)
     assert server.proc.returncode == 128 + signal.SIGTERM
-    assert not any(alive(pid) for pid in ranks.values())
+    assert not any(alive(pid) for pid in [*ranks.values(), *helpers])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -15,6 +16,8 @@ import threading
 import pytest
 
 from shard_contract.wire import Completion, ShardsResponse
+from shard_operator.local.launcher import free_port, plan_local
+from shard_operator.local.run import run_local
 from shard_worker.rank.bridge import Bridge
 from shard_worker.rank.health import Verdict
 from shard_worker.serving import ipc
@@ -253,3 +256,20 @@ def test_the_leader_serves_from_a_process_of_its_own_and_each_dies_with_the_othe
         engine = server.ranks()[0]
         os.kill(http_process(engine), signal.SIGKILL)
         wait_for("the rank exits", lambda: not alive(engine), timeout=60)
+
+
+@pytest.mark.slow
+def test_a_leader_whose_http_process_cannot_read_the_tokenizer_exits_78(tiny_model, tmp_path):
+    """The HTTP process checks the tokenizer (the engine never reads it) and exits with
+    EXIT_CONFIG; the rank exits with that status, so `shardctl run` does not restart it."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "tokenizer.json").write_text("{")
+    plan = plan_local(model, 1, 1, max_model_len=64, devices="localhost:1GiB", device_kind="cpu")
+    lines: list[str] = []
+    code = run_local(plan, model, port=free_port(), restarts=2, ready_timeout=120, out=lines.append,
+                     err=lines.append, log_dir=tmp_path / "logs")
+    text = "\n".join(lines)
+    assert code == 3, text
+    assert "rank 0 exited with status 78 (a restart would fail the same way)" in text, text
+    assert "cannot serve: " in text and "the HTTP process exited with status 78" in text, text

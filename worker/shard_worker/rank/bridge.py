@@ -8,8 +8,9 @@ list under a lock (`ForwardSink`): it never encodes, never writes and never wait
 process. When that process falls behind, its requests' Steps pile up as one delta each (the writer
 coalesces them), so what waits is bounded by the running requests' tokens.
 
-When the pipe ends (the HTTP process exited), every request it had open is cancelled, as when a
-client hangs up, and `gone` is set for the rank's main thread, which then stops the rank.
+When the pipe ends (the HTTP process exited, or either side broke it), every request it had open
+is cancelled, as when a client hangs up, and `gone` is set for the rank's main thread, which then
+stops the rank.
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ class Bridge:
         try:
             while (message := ipc.read_frame(self.sock)) is not None:
                 self._handle(message)
-        except (OSError, ValueError, KeyError, TypeError) as err:  # FrameError and pydantic's are ValueErrors
-            why = f"the pipe broke: {first_line(err)}"
+        except Exception as err:  # noqa: BLE001 -- a broken pipe or frame, or a bug: the rank stops either way
+            why = f"the pipe broke: {type(err).__name__}: {first_line(err)}"
         if not self.closing:
             log(self.rank.rank, f"the HTTP process is gone ({why}): its open requests are cancelled")
         with self.cond:
@@ -195,6 +196,10 @@ class Bridge:
                     self.sock.sendall(b"".join(frames))
                 if closing:
                     return
-        except OSError as err:  # the HTTP process is gone: the reader sees it too
+        except Exception as err:  # noqa: BLE001 -- gone, or a frame that cannot be sent: end the pipe
             if not self.closing:
-                log(self.rank.rank, f"cannot write to the HTTP process: {first_line(err)}")
+                log(self.rank.rank, f"cannot write to the HTTP process: {type(err).__name__}: {first_line(err)}")
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)  # both processes see the pipe end, and stop
+            except OSError:
+                pass

@@ -218,9 +218,17 @@ class Rank:
         self.heartbeat.start()
         self.engine_thread.start()
         while not self.stopped.wait(0.2):
+            if bridge.gone.is_set():  # the pipe ended: the HTTP process exited (or cannot serve)
+                try:
+                    http.wait(2)
+                except subprocess.TimeoutExpired:
+                    pass
             if http.poll() is not None:
                 log(self.env.rank, f"the HTTP process exited with status {http.returncode}")
                 self.exit_code = http.returncode if http.returncode and http.returncode > 0 else 1
+                break
+            if bridge.gone.is_set():
+                self.exit_code = 1
                 break
         if http.poll() is None:  # let it answer its in-flight requests, which the engine serves meanwhile
             http.terminate()

@@ -17,6 +17,7 @@ from shard_contract.plan import PredictedBytes, RankPlan
 from shard_contract.wire import Completion, GenerateRequest, ResidentBytes
 from shard_operator.local.launcher import free_port
 from shard_worker.engine.engine import RequestError
+from shard_worker.engine.kvblocks import Blocks
 from shard_worker.engine.sequences import SequenceState
 from shard_worker.rank.health import (
     ForgedRecord,
@@ -356,6 +357,7 @@ class ScriptedEngine:
 
     def __init__(self, scripts):
         self.scripts, self.batches, self.heartbeats, self.shut = list(scripts), [], 0, False
+        self.blocks = Blocks(num_blocks=64, block_size=16)  # the paged KV cache's bookkeeping: room for all
         self.release, self.finish, self.tick = threading.Event(), threading.Event(), threading.Semaphore(0)
         self.joined: list[tuple[int, int]] = []  # (column, sequence index)
         self.cancelled: list[list[int]] = []  # what hooks.cancelled() said at each step boundary

@@ -141,7 +141,8 @@ def _run_continuous(engine, job: ContinuousJob, texts) -> tuple[list, list[tuple
 
     def admit(free_rows: int, col: int) -> list:
         waiting.extend(arrivals.pop(steps[0], []))
-        chosen = take_joiners(waiting, free_rows, col, engine.max_len)
+        chosen = take_joiners(waiting, free_rows, col, engine.max_len, engine.blocks.needed,
+                              engine.blocks.pool.free_blocks)
         joining = [waiting[i] for i in chosen]
         for i in reversed(chosen):
             del waiting[i]

@@ -74,6 +74,7 @@ class CacheReads(TorchDispatchMode):
         super().__init__()
         self.storages = {t.untyped_storage().data_ptr() for t in watched}
         self.readers: list[str] = []
+        self.gathered: list[torch.Tensor] = []  # what the index reads produced, as attention sees it
 
     def _aliases(self, t) -> bool:
         return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.storages
@@ -89,6 +90,8 @@ class CacheReads(TorchDispatchMode):
                 math = torch._fused_sdp_choice(*args, **kwargs) == torch.nn.attention.SDPBackend.MATH
                 name += ":math" if math else ":fused"
             self.readers.append(name)
+            if name == "index":
+                self.gathered.append(out.transpose(0, 1))  # [kv_heads, rows, columns, head_dim] as update returns it
             outs = out if isinstance(out, (list, tuple)) else (out,)
             for o in outs:  # a view stays watched: what reads it reads the cache
                 if isinstance(o, torch.Tensor) and func.overloadpacket.__name__ in IN_PLACE - {"copy_", "index_copy_"}:
@@ -97,10 +100,13 @@ class CacheReads(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "later-chunk"])
-def test_the_model_attention_reads_the_cache_in_place(checkpoint, decode):
+def test_the_model_attention_reads_the_cache_once_by_its_slots(checkpoint, decode):
     """A padded decode step and a prefill chunk after the first, through a real layer with 2 query
-    heads per KV head: every operation that touches the cache is a view, the cache write, or the
-    attention kernel."""
+    heads per KV head, on torch's path: the paged pool is read once per layer for K and once for V,
+    by the slots of the rows' block tables (an index: torch has no paged read in place; the CPU
+    decode kernel reads the pool in place, test_paging.py), into [rows, kv_heads, columns,
+    head_dim], never expanded to the query heads; every other operation that touches the pool is
+    a view or the write of the step's own keys and values."""
     from shard_worker.comm.dist import Comm, Topology
     from shard_worker.model.config import ModelConfig
     from shard_worker.model.kernels import torch_only
@@ -124,5 +130,7 @@ def test_the_model_attention_reads_the_cache_in_place(checkpoint, decode):
         assert isinstance(step.masks[None], torch.Tensor)  # padded: the masked path
         with CacheReads(cache.k, cache.v) as reads:
             stage.forward(ids[:, c0:c1], step, cache)
-    assert "scaled_dot_product_attention:fused" in reads.readers, reads.readers
-    assert set(reads.readers) <= IN_PLACE, f"the cache was read by {sorted(set(reads.readers) - IN_PLACE)}"
+    assert set(reads.readers) <= IN_PLACE | {"index"}, f"the cache was read by {sorted(set(reads.readers) - IN_PLACE)}"
+    assert reads.readers.count("index") == 2 * config.num_layers, reads.readers
+    assert [tuple(t.shape) for t in reads.gathered] == [(2, layout.kv_heads, c1, config.head_dim)] * (
+        2 * config.num_layers)

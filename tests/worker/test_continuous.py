@@ -115,3 +115,24 @@ def test_rows_whose_sequences_finished_are_not_computed_at_the_edges(pool, check
     assert output.decode_steps == 9
     assert output.decode_rows == 2 * 2 + 7 * 1  # both rows for the short one's 2 steps, then one
     assert results[1]["output"].decode_rows == output.decode_rows  # the TP peer computed the same
+
+
+SHARED = [(7 * i + 3) % 240 + 2 for i in range(40)]  # a system prompt: two full KV blocks of 16 and a bit
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])
+def test_a_joiner_takes_a_shared_prompts_cached_blocks_and_answers_as_alone(pool, checkpoint, tp, pp):
+    """The paged KV cache's prefix cache on real ranks: a joiner whose prompt starts with the
+    running sequence's prompt takes its full blocks (32 tokens) from the prefix cache, computes
+    only the rest (on every stage, reading the shared blocks through its block table), and
+    answers what it answers alone; a request that asks for its prompt's log-probabilities
+    computes its whole prompt."""
+    model_dir = checkpoint("llama-4layers")
+    plan = make_plan(model_dir, tp, pp, max_len=128, batch=3)
+    first = {"prompt_ids": SHARED + [5, 6, 7], "max_new_tokens": 12, "ignore_eos": True}
+    joiner = {"prompt_ids": SHARED + [9, 4], "max_new_tokens": 6, "ignore_eos": True}
+    echo = {**joiner, "prompt_logprobs": True, "max_new_tokens": 3}
+    results = pool.run(plan, model_dir, ContinuousJob([first], arrivals={2: [joiner, echo]}))
+    completions = results[0]["output"].completions
+    assert [c.cached_tokens for c in completions] == [0, 32, 0]
+    assert [c.token_ids for c in completions] == [alone(pool, model_dir, plan, r) for r in (first, joiner, echo)]

@@ -1,5 +1,6 @@
-"""A rank holds the KV cache its plan sizes (spec.serving): the contiguous cache of today's engine
-holds the whole maxModelLen rows that fit the plan's tokens, never more than the plan predicts."""
+"""A rank holds the KV cache its plan sizes (spec.serving): the paged cache's pool holds the plan's
+tokens in whole blocks of 16 (and the two reserved blocks, ZERO and TRASH: model/paging.py), and
+maxBatchSize caps the sequences that run at once."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from shard_contract.plan import Plan
 from shard_contract.sharding import MAX_STEP_TOKENS, prefill_rows
 from shard_contract.wire import GenerateRequest, GenerateTask
 from shard_operator.local.launcher import plan_local, run_generate
-from shard_worker.rank.runtime import cache_rows
+from shard_worker.rank.runtime import cache_rows, cache_tokens
 
 from .conftest import make_plan
 
@@ -20,14 +21,15 @@ def _with_tokens(plan: Plan, tokens: int) -> Plan:
 
 @pytest.mark.parametrize("batch, max_len, tokens, rows", [
     (4, 64, 4 * 64, 4),  # the reservation: maxBatchSize rows
-    (4, 64, 2 * 64 + 63, 2),  # whole rows only
+    (4, 64, 2 * 64 + 63, 4),  # fewer tokens: the rows share the blocks there are (admission waits for them)
     (4, 64, 10**9, 4),  # more tokens than rows can use: the cap
     (256, 4096, 10**9, MAX_STEP_TOKENS["cpu"] // 512),  # the largest pass the plan sized activations for
 ])
 def test_cache_rows(checkpoint, batch, max_len, tokens, rows):
     plan = _with_tokens(make_plan(checkpoint("llama"), 1, 1, max_len=64, batch=4), tokens)
     plan = plan.model_copy(update={"max_batch_size": batch, "max_model_len": max_len})
-    assert cache_rows(plan, plan.ranks[0]) == rows == min(prefill_rows(batch, max_len, "cpu"), tokens // max_len)
+    assert cache_rows(plan, plan.ranks[0]) == rows == min(prefill_rows(batch, max_len, "cpu"), batch)
+    assert cache_tokens(plan, plan.ranks[0]) == tokens
 
 
 @pytest.mark.slow
@@ -50,4 +52,5 @@ def test_a_fraction_of_a_cpu_budget_sizes_the_cache_the_rank_allocates(checkpoin
     assert all(len(c.token_ids) == 3 for c in result.completions)
     (entry,) = result.ranks
     assert entry.report is not None
-    assert entry.report.allocated_bytes["kv_cache"] == 2 * 64 * per_token <= rank.predicted_bytes.kv_cache
+    # the plan's tokens in whole blocks, and the two reserved ones
+    assert entry.report.allocated_bytes["kv_cache"] == (-(-rank.kv_cache_tokens // 16) + 2) * 16 * per_token

@@ -231,10 +231,14 @@ typedef struct {
     int xtype;
     const void *qkv;              /* [n, (heads + 2 kv_heads) * hd]: q, k, v of each row */
     const void *cos, *sin;        /* [n, hd]: the rope of each row's position, in the dtype */
-    void *kc, *vc;                /* the layer's cache from row r0: [rows, kv_heads, max_len, hd] */
-    int64_t cache_row, cache_head; /* their strides, in elements (a column is hd) */
+    void *kc, *vc;                /* the layer's cache from row r0: [rows, kv_heads, max_len, hd]; or, with
+                                   * `slots`, the layer's paged pool [kv_heads, slots, hd] */
+    int64_t cache_row, cache_head; /* their strides, in elements (a column is hd; paged: a slot is cache_row) */
     const int64_t *first;         /* [n]: the first column each row attends to */
     int64_t col;                  /* the step's column: its k and v are written there */
+    const int64_t *slots;         /* paged (or NULL): [n, ld_slots], the pool slot of each of a row's columns */
+    int64_t ld_slots;             /* (its block table, expanded once a step for every layer) */
+    const int64_t *wslot;         /* paged: [n], the slot the step's k and v are written to */
     void *out;                    /* [n, heads * hd] */
     int64_t n, heads, kv_heads, hd;
     float scale;

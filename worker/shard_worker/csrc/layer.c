@@ -22,8 +22,9 @@ const char *layer_problem(const LayerPlan *p) {
         || p->inter < 1)
         return "bad sizes";
     if (!p->in_norm || !p->post_norm || !p->k_cache || !p->v_cache) return "a norm weight or a cache is missing";
-    if (p->cache_rows < 1 || p->cache_len < 1 || p->cache_head < p->head_dim * p->cache_len
-        || p->cache_row < p->cache_head * p->kv_heads)
+    if (p->cache_len == 0 ? p->cache_rows < 1 || p->cache_row < p->head_dim || p->cache_head < p->cache_row * p->cache_rows
+                          : p->cache_rows < 1 || p->cache_len < 1 || p->cache_head < p->head_dim * p->cache_len
+                            || p->cache_row < p->cache_head * p->kv_heads)
         return "the KV cache's strides do not fit its shape";
     if (p->shm_size > 1 && (!p->shm_slots || !p->shm_flags || p->shm_rank < 0 || p->shm_rank >= p->shm_size
                             || p->shm_flag_stride < 1 || h * esize > p->shm_slot_bytes))
@@ -46,9 +47,11 @@ static int reduce(const LayerPlan *p, void *y, int64_t n, int64_t *round, double
 }
 
 /* x [n, hidden] (in place): the layer's decode step for rows [r0, r0 + n) of its cache at column
+ * `col` (paged, `slots` non-NULL: each row's columns live at the pool slots it names, see Attn)
  * `col`. Returns 0; -1 when memory ran out; or 1 + the peer that missed an all-reduce. */
 int decode_layer_run(const LayerPlan *p, void *x, int64_t n, int64_t col, const int64_t *first, const void *cos,
-                     const void *sin, int64_t r0, int threads, int level, int64_t *round, double *comm) {
+                     const void *sin, int64_t r0, const int64_t *slots, int64_t ld_slots, const int64_t *wslot,
+                     int threads, int level, int64_t *round, double *comm) {
     const int xt = (int)p->xtype, wt = (int)p->wtype;
     const int64_t h = p->hidden, hd = p->head_dim, q = p->heads * hd, kv = p->kv_heads * hd, inter = p->inter;
     const int64_t nqkv = q + 2 * kv, esize = xt == X_F32 ? 4 : 2;
@@ -63,9 +66,12 @@ int decode_layer_run(const LayerPlan *p, void *x, int64_t n, int64_t col, const 
     if (gemv_run(wt, xt, p->qkv_w, p->qkv_scale, hbuf, qkv, nqkv, h, p->qkv_ldw, n, h, nqkv, threads, level))
         goto oom;
     if (p->qkv_bias) add_rows_run(level, xt, qkv, p->qkv_bias, n, nqkv, 0);
-    const Attn a = {xt, qkv, cos, sin, (char *)p->k_cache + r0 * p->cache_row * esize,
-                    (char *)p->v_cache + r0 * p->cache_row * esize, p->cache_row, p->cache_head, first, col, att,
-                    n, p->heads, p->kv_heads, hd, (float)(1.0 / __builtin_sqrt((double)hd))};
+    const int64_t from = slots ? 0 : r0 * p->cache_row * esize;  /* paged: the slots say where each row is */
+    const Attn a = {.xtype = xt, .qkv = qkv, .cos = cos, .sin = sin, .kc = (char *)p->k_cache + from,
+                    .vc = (char *)p->v_cache + from, .cache_row = p->cache_row, .cache_head = p->cache_head,
+                    .first = first, .col = col, .slots = slots, .ld_slots = ld_slots, .wslot = wslot, .out = att,
+                    .n = n, .heads = p->heads, .kv_heads = p->kv_heads, .hd = hd,
+                    .scale = (float)(1.0 / __builtin_sqrt((double)hd))};
     if (attend_run(&a, threads, level)) goto oom;
     if (gemv_run(wt, xt, p->o_w, p->o_scale, att, out, h, q, p->o_ldw, n, q, h, threads, level)) goto oom;
     int missed = reduce(p, out, n, round, comm);

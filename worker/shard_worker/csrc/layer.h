@@ -17,7 +17,8 @@ typedef struct {
     const void *o_w; int64_t o_ldw; const void *o_scale, *o_bias;
     const void *gate_up_w; int64_t gate_up_ldw; const void *gate_up_scale, *gate_up_bias;
     const void *down_w; int64_t down_ldw; const void *down_scale, *down_bias;
-    /* the layer's KV cache [rows, kv_heads, len, head_dim]: its strides in elements */
+    /* the layer's KV cache [rows, kv_heads, len, head_dim]: its strides in elements; or (cache_len 0)
+     * its paged pool [kv_heads, cache_rows slots, head_dim]: cache_row a slot's stride, cache_head a head's */
     void *k_cache, *v_cache;
     int64_t cache_rows, cache_row, cache_head, cache_len;
     /* the TP ranks' shared-memory group (shm.ShmGroup); shm_size 1: none */
@@ -28,7 +29,8 @@ typedef struct {
 
 const char *layer_problem(const LayerPlan *p);
 int decode_layer_run(const LayerPlan *p, void *x, int64_t n, int64_t col, const int64_t *first, const void *cos,
-                     const void *sin, int64_t r0, int threads, int level, int64_t *round, double *comm);
+                     const void *sin, int64_t r0, const int64_t *slots, int64_t ld_slots, const int64_t *wslot,
+                     int threads, int level, int64_t *round, double *comm);
 
 #pragma GCC visibility pop
 #endif

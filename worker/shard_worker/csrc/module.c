@@ -55,16 +55,18 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
 }
 static PyObject *py_attend(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long qkv, cs, sn, kc, vc, first, out;
+    unsigned long long qkv, cs, sn, kc, vc, first, out, slots, wslot;
     int xtype, threads, level;
-    long long n, heads, kv_heads, hd, cache_row, cache_head, col;
+    long long n, heads, kv_heads, hd, cache_row, cache_head, col, ld_slots;
     double scale;
-    if (!PyArg_ParseTuple(args, "iKKKKKKKLLLLLLLdii", &xtype, &qkv, &cs, &sn, &kc, &vc, &first, &out, &n, &heads,
-                          &kv_heads, &hd, &cache_row, &cache_head, &col, &scale, &threads, &level))
+    if (!PyArg_ParseTuple(args, "iKKKKKKKLLLLLLLKLKdii", &xtype, &qkv, &cs, &sn, &kc, &vc, &first, &out, &n, &heads,
+                          &kv_heads, &hd, &cache_row, &cache_head, &col, &slots, &ld_slots, &wslot, &scale, &threads,
+                          &level))
         return NULL;
-    Attn a = {xtype, (const void *)(uintptr_t)qkv, (const void *)(uintptr_t)cs, (const void *)(uintptr_t)sn,
-              (void *)(uintptr_t)kc, (void *)(uintptr_t)vc, cache_row, cache_head, (const int64_t *)(uintptr_t)first,
-              col, (void *)(uintptr_t)out, n, heads, kv_heads, hd, (float)scale};
+    Attn a = {.xtype = xtype, .qkv = PTR(qkv), .cos = PTR(cs), .sin = PTR(sn), .kc = PTR(kc), .vc = PTR(vc),
+              .cache_row = cache_row, .cache_head = cache_head, .first = (const int64_t *)PTR(first), .col = col,
+              .slots = (const int64_t *)PTR(slots), .ld_slots = ld_slots, .wslot = (const int64_t *)PTR(wslot),
+              .out = PTR(out), .n = n, .heads = heads, .kv_heads = kv_heads, .hd = hd, .scale = (float)scale};
     if (!attend_valid(&a, n) || level < 0 || level >= LEVELS || !supported[level]) {
         PyErr_SetString(PyExc_ValueError, "attend: unsupported dtype, shape or level");
         return NULL;
@@ -155,14 +157,17 @@ static PyObject *py_layer_problem(PyObject *self, PyObject *args) {
 static PyObject *py_decode_layer(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *obj;
-    unsigned long long x, first, cos, sin;
-    long long n, col, r0, round;
+    unsigned long long x, first, cos, sin, slots, wslot;
+    long long n, col, r0, round, ld_slots;
     int threads, level;
     LayerPlan p;
-    if (!PyArg_ParseTuple(args, "OKLLKKKLiiL", &obj, &x, &n, &col, &first, &cos, &sin, &r0, &threads, &level, &round)
+    if (!PyArg_ParseTuple(args, "OKLLKKKLKLKiiL", &obj, &x, &n, &col, &first, &cos, &sin, &r0, &slots, &ld_slots,
+                          &wslot, &threads, &level, &round)
         || plan_from(obj, &p) < 0)
         return NULL;
-    if (n < 1 || n > MAX_M || r0 < 0 || r0 + n > p.cache_rows || col < 0 || col >= p.cache_len || level < 0
+    const int paged = slots != 0;  /* then the plan's cache is a pool of slots, and the slots say where rows are */
+    if (n < 1 || n > MAX_M || r0 < 0 || col < 0 || level < 0
+        || (paged ? !wslot || ld_slots <= col : r0 + n > p.cache_rows || col >= p.cache_len)
         || level >= LEVELS || !supported[level] || layer_problem(&p)
         || (p.shm_size > 1 && n * p.hidden * (p.xtype ? 2 : 4) > p.shm_slot_bytes)) {
         PyErr_SetString(PyExc_ValueError, "decode_layer: unsupported rows, column, level or plan");
@@ -172,7 +177,8 @@ static PyObject *py_decode_layer(PyObject *self, PyObject *args) {
     double comm = 0.0;
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = decode_layer_run(&p, PTR(x), n, col, (const int64_t *)PTR(first), PTR(cos), PTR(sin), r0, threads, level,
+    status = decode_layer_run(&p, PTR(x), n, col, (const int64_t *)PTR(first), PTR(cos), PTR(sin), r0,
+                              (const int64_t *)PTR(slots), ld_slots, (const int64_t *)PTR(wslot), threads, level,
                               &rounds, &comm);
     Py_END_ALLOW_THREADS
     if (status < 0) return PyErr_NoMemory();
@@ -213,7 +219,8 @@ static PyMethodDef methods[] = {
      "linear(wtype, xtype, w, scale, x, y, n, k, m, ldx, ldy, threads, level): y = x W^T (* scale), by pointers"},
     {"attend", py_attend, METH_VARARGS,
      "attend(xtype, qkv, cos, sin, k_cache, v_cache, first, out, n, heads, kv_heads, head_dim, cache_row, cache_head, "
-     "col, scale, threads, level): one decode step's attention (rope, cache write, softmax(q k / scale) v)"},
+     "col, slots, ld_slots, wslot, scale, threads, level): one decode step's attention (rope, cache write, "
+     "softmax(q k / scale) v); slots 0: a contiguous cache, else a paged pool read through each row's slots"},
     {"shm_all_reduce", py_shm_all_reduce, METH_VARARGS,
      "shm_all_reduce(xtype, t, numel, slots, slot_bytes, flags, flag_stride, size, rank, round, timeout) -> peer "
      "that missed the timeout or -1: one round of shm.ShmGroup.all_reduce"},

@@ -229,15 +229,17 @@ INLINE void attend_one(const Attn *a, int64_t b, int64_t g, float *work) {
     const int64_t hd = a->hd, group = a->heads / a->kv_heads, width = (a->heads + 2 * a->kv_heads) * hd;
     const int64_t first = a->first[b], len = a->col + 1 - first;
     float *q = work, *acc = q + group * hd, *k = acc + group * hd, *v = k + hd, *score = v + hd;
-    const int64_t head = b * a->cache_row + g * a->cache_head;
+    const int64_t head = a->slots ? g * a->cache_head : b * a->cache_row + g * a->cache_head;
+    const int64_t *slot = a->slots ? a->slots + b * a->ld_slots : NULL;  /* paged: column -> pool slot */
+    const int64_t at = a->slots ? head + a->wslot[b] * a->cache_row : head + a->col * hd;
     rope(k, a, b, b * width + (a->heads + g) * hd);
     for (int64_t i = 0; i < hd; i++) {
-        store1(a->xtype, a->kc, head + a->col * hd + i, k[i]);
-        store1(a->xtype, a->vc, head + a->col * hd + i, load1(a->xtype, a->qkv, b * width + (a->heads + a->kv_heads + g) * hd + i));
+        store1(a->xtype, a->kc, at + i, k[i]);
+        store1(a->xtype, a->vc, at + i, load1(a->xtype, a->qkv, b * width + (a->heads + a->kv_heads + g) * hd + i));
     }
     for (int64_t j = 0; j < group; j++) rope(q + j * hd, a, b, b * width + (g * group + j) * hd);
     for (int64_t c = 0; c < len; c++) {
-        to_float(k, a->xtype, a->kc, head + (first + c) * hd, hd);
+        to_float(k, a->xtype, a->kc, head + (slot ? slot[first + c] * a->cache_row : (first + c) * hd), hd);
         for (int64_t j = 0; j < group; j++) score[j * len + c] = dot(q + j * hd, k, hd) * a->scale;
     }
     for (int64_t j = 0; j < group; j++) {  /* softmax, in place; a NaN score makes the head's output NaN */
@@ -265,7 +267,7 @@ INLINE void attend_one(const Attn *a, int64_t b, int64_t g, float *work) {
     }
     memset(acc, 0, (size_t)(group * hd) * sizeof(float));
     for (int64_t c = 0; c < len; c++) {
-        to_float(v, a->xtype, a->vc, head + (first + c) * hd, hd);
+        to_float(v, a->xtype, a->vc, head + (slot ? slot[first + c] * a->cache_row : (first + c) * hd), hd);
         for (int64_t j = 0; j < group; j++) add_scaled(acc + j * hd, score[j * len + c], v, hd);
     }
     for (int64_t j = 0; j < group; j++)
@@ -329,8 +331,9 @@ static void attend_part(void *p, int i, int nt) {  /* (row, KV head) pairs, spli
 /* the shapes attend_run takes */
 int attend_valid(const Attn *a, int64_t n) {
     return !(a->xtype < X_F32 || a->xtype > X_BF16 || n < 1 || a->kv_heads < 1 || a->heads % a->kv_heads
-             || a->hd < 2 || a->hd % 2 || a->col < 0 || a->cache_head < a->hd * (a->col + 1)
-             || a->cache_row < a->cache_head * a->kv_heads);
+             || a->hd < 2 || a->hd % 2 || a->col < 0
+             || (a->slots ? a->ld_slots <= a->col || !a->wslot || a->cache_row < a->hd || a->cache_head < a->hd
+                          : a->cache_head < a->hd * (a->col + 1) || a->cache_row < a->cache_head * a->kv_heads));
 }
 
 /* One decode step's attention (see py_attend), split over `threads`; 0, or -1 when memory ran out */

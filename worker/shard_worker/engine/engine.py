@@ -33,11 +33,13 @@ from shard_contract.wire import Completion, GenerateRequest
 from ..comm.dist import Comm
 from ..log import log
 from ..model.model import KVCache, Rotary, Stage, Step
+from ..model.paging import RESERVED_BLOCKS, TRASH_BLOCK
 from ..rank.accounting import Accounting
 from ..serving import grammar
 from . import logprobs
 from .graphs import DecodeGraphs, chosen_mode
-from .pipeline import Join, Link, Unit, prefill_units
+from .kvblocks import Blocks
+from .pipeline import Free, Join, Link, Unit, prefill_units
 from .sequences import Rows, Sequences, SequenceState
 
 
@@ -97,6 +99,10 @@ class Engine:
         # decode steps replayed from captured graphs (graphs.py), or None: the eager step
         mode = chosen_mode(stage, comm)
         self.graphs = DecodeGraphs(stage, cache, rotary, comm, mode) if mode != "off" else None
+        # The paged KV cache's bookkeeping (kvblocks.py): the leader's alone decides which blocks
+        # each sequence holds; the other ranks hear it with the requests and joins.
+        self.blocks = Blocks(cache.num_blocks, cache.block_size, decides=comm.topo.rank == 0,
+                             first_id=RESERVED_BLOCKS)
 
     def grammars(self) -> grammar.Grammars | None:
         """The model's tokenizer for constrained decoding (built on the first request that needs it)."""
@@ -110,6 +116,10 @@ class Engine:
         if n + request.max_new_tokens - 1 > self.max_len:
             raise RequestError(f"prompt of {n} tokens + {request.max_new_tokens} new tokens exceeds maxModelLen "
                                f"{self.max_len}")
+        if self.blocks.needed(request) > self.cache.num_blocks:
+            raise RequestError(f"prompt of {n} tokens + {request.max_new_tokens} new tokens needs "
+                               f"{self.blocks.needed(request)} KV blocks of {self.cache.block_size} tokens; this "
+                               f"rank's KV cache holds {self.cache.num_blocks}")
         bad = [t for t in request.prompt_ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
@@ -134,6 +144,10 @@ class Engine:
             if longest + r.max_new_tokens - 1 > self.max_len:
                 raise RequestError(f"request {i}: prompt of {len(r.prompt_ids)} tokens (the batch is padded to "
                                    f"{longest}) + {r.max_new_tokens} new tokens exceeds maxModelLen {self.max_len}")
+        need = sum(self.blocks.needed(r) for r in requests)
+        if need > self.blocks.pool.free_blocks:
+            raise RequestError(f"{len(requests)} sequences need {need} KV blocks; {self.blocks.pool.free_blocks} of "
+                               f"this rank's {self.cache.num_blocks} are free")
 
     def generate(self, requests: list[GenerateRequest], return_logits: bool = False,
                  hooks: Hooks | None = None) -> Output:
@@ -143,9 +157,10 @@ class Engine:
         self.validate(requests)
         if hooks is not None and return_logits:
             raise ValueError("logits are returned for a fixed batch only")
+        places = [self.blocks.reserve(r) for r in requests]
         self.comm.broadcast_json({"op": "generate", "requests": [r.model_dump() for r in requests],
-                                  "return_logits": return_logits, "continuous": hooks is not None})
-        out = self._generate(requests, return_logits, hooks, continuous=hooks is not None)
+                                  "places": places, "return_logits": return_logits, "continuous": hooks is not None})
+        out = self._generate(requests, places, return_logits, hooks, continuous=hooks is not None)
         assert out is not None
         return out
 
@@ -171,30 +186,34 @@ class Engine:
                 return
             if op == "generate":
                 requests = [GenerateRequest.model_validate(r) for r in command["requests"]]
-                self._generate(requests, command["return_logits"], continuous=command["continuous"])
+                places = [(list(b), int(st)) for b, st in command["places"]]
+                self._generate(requests, places, command["return_logits"], continuous=command["continuous"])
             elif op == "report":
                 self.comm.gather_json(self.report())
             elif op != "noop":
                 raise RuntimeError(f"unknown command {op!r} from the leader")
 
     # ------------------------------------------------------------ every rank
-    def _generate(self, requests: list[GenerateRequest], return_logits: bool, hooks: Hooks | None = None,
-                  continuous: bool = False) -> Output | None:
+    def _generate(self, requests: list[GenerateRequest], places: list[tuple[list[int], int]], return_logits: bool,
+                  hooks: Hooks | None = None, continuous: bool = False) -> Output | None:
         start, before = time.perf_counter(), self.acct.snapshot()
         prompt_cols = max(len(r.prompt_ids) for r in requests)
         self._prompt_cols, self._decode_mark = prompt_cols, None
-        rows = Rows(self.cache.batch, sampler=self.topo.is_last, grammars=self.grammars)
-        for row, r in enumerate(requests):
-            rows.place(row, r, prompt_cols - len(r.prompt_ids))
-        with torch.inference_mode():
-            if self.graphs is not None:  # a replayed step reads columns past its own (graphs.py)
-                self.cache.clear(slice(0, len(requests)), slice(prompt_cols, None))
-            if self.topo.is_first:
-                out = self._drive(requests, rows, return_logits, hooks, continuous)
-            else:
-                self._relay(rows, return_logits)
-                out = None
-            self.link.flush()
+        rows = Rows(self.cache.batch, sampler=self.topo.is_last, grammars=self.grammars,
+                    blocks_per_row=self.cache.blocks_per_row)
+        for row, (r, (blocks, first)) in enumerate(zip(requests, places, strict=True)):
+            rows.place(row, r, prompt_cols - len(r.prompt_ids), blocks, first)
+            self.blocks.hold(row, blocks)
+        try:
+            with torch.inference_mode():
+                if self.topo.is_first:
+                    out = self._drive(requests, rows, return_logits, hooks, continuous)
+                else:
+                    self._relay(rows, return_logits)
+                    out = None
+                self.link.flush()
+        finally:
+            self.blocks.release_all()  # the leader's: every sequence of this generate has ended
         after, end = self.acct.snapshot(), time.perf_counter()
         self.last_generate = {"seconds": end - start, **after.minus(before).summary()}
         if self._decode_mark is not None:  # the same figures for the decode steps alone
@@ -207,8 +226,7 @@ class Engine:
         self.last_output = out
         return out
 
-    def _forward(self, unit: Unit, x: torch.Tensor,
-                 pads: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _forward(self, unit: Unit, x: torch.Tensor, rows: Rows) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The unit through this stage: its hidden states [rows, cols, H] (None for a replayed
         decode step on the last stage), and on the last stage after an emitting unit the float32
         logits [rows, vocab] of its last column (else None)."""
@@ -217,10 +235,10 @@ class Engine:
         logits_here = self.topo.is_last and unit.emits
         with self.acct.computing():
             if self.graphs is not None and unit.cols == 1:  # a decode step, replayed
-                out = self.graphs.run(unit.r0, unit.r1, unit.c0, x, pads)
+                out = self.graphs.run(unit.r0, unit.r1, unit.c0, x, rows.pads, rows.tables)
                 return (None, out) if self.topo.is_last else (out, None)
-            step = Step.build(unit.r0, unit.r1, unit.c0, unit.c1, pads, self.rotary, self.stage.windows,
-                              self.stage.dtype, self.stage.device)
+            step = Step.build(unit.r0, unit.r1, unit.c0, unit.c1, rows.pads, self.rotary, self.stage.windows,
+                              self.stage.dtype, self.stage.device, tables=rows.tables, starts=rows.starts)
             hidden = self.stage.forward(x, step, self.cache)
             return hidden, self.stage.logits(hidden[:, -1]) if logits_here else None
 
@@ -247,7 +265,7 @@ class Engine:
         last = self.topo.is_last
         emitted: list[tuple[Unit, torch.Tensor, torch.Tensor | None]] = []
         for unit, ids in work:
-            hidden, logits = self._forward(unit, ids.to(self.stage.device, non_blocking=True), rows.pads)
+            hidden, logits = self._forward(unit, ids.to(self.stage.device, non_blocking=True), rows)
             if not last:
                 self.link.send_unit(unit, hidden)
             else:
@@ -274,8 +292,13 @@ class Engine:
         vocab = self.config.vocab_size if return_logits else None
         seqs = Sequences(self.cache.batch, self.config.eos_token_ids, self.stage.device)
         out = Output(completions=[], prefill_seconds=0.0, decode_seconds=0.0, decode_steps=0)
-        first = [seqs.start(row, r).row for row, r in enumerate(requests)]
+        first = []
+        for row, r in enumerate(requests):
+            seq = seqs.start(row, r)
+            seq.cached_tokens = int(rows.starts[row])
+            first.append(row)
         tokens, logits = self._prefill(requests, rows, vocab)
+        self.blocks.computed(range(len(requests)))
         out.logits += [logits.cpu()] if logits is not None else []
         out.prefill_seconds = time.perf_counter() - start
         seqs.feed(first, tokens)
@@ -312,7 +335,9 @@ class Engine:
         ids = torch.zeros(len(requests), prompt_cols, dtype=torch.int64)
         for i, r in enumerate(requests):
             ids[i, int(rows.pads[i]):] = torch.tensor(r.prompt_ids)
-        units = prefill_units((0, len(requests)), (0, prompt_cols), self.topo.pp)
+        # what every row took from the prefix cache is not computed again (when all of them took some)
+        c0 = int((rows.pads + rows.starts)[:len(requests)].min())
+        units = prefill_units((0, len(requests)), (c0, prompt_cols), self.topo.pp)
         return self._pass([(u, ids[u.r0:u.r1, u.c0:u.c1]) for u in units], rows, vocab)
 
     def _report(self, took: list[SequenceState], hooks: Hooks | None) -> None:
@@ -330,58 +355,76 @@ class Engine:
         or were cancelled), left-padded so that their prompts end at `col`, and are prefilled (each
         row alone); their first tokens become their inputs to the decode step at `col`. Returns
         their rows and first tokens."""
-        newcomers = self._orders(seqs, col, hooks) if continuous else []
+        self._free_finished(seqs, rows)
+        newcomers = self._orders(seqs, rows, col, hooks) if continuous else []
         if not newcomers:
             return [], []
         work, joined = [], seqs.free_rows()[:len(newcomers)]
-        for row, request in zip(joined, newcomers, strict=False):
+        for row, (request, (blocks, first)) in zip(joined, newcomers, strict=False):
             pad = col - len(request.prompt_ids)
-            self._take_row(rows, Join(row, pad, request))
-            seqs.start(row, request)
+            self._take_row(rows, Join(row, pad, request, tuple(blocks), first))
+            seqs.start(row, request).cached_tokens = first
             prompt = torch.tensor([request.prompt_ids])
-            work += [(u, prompt[:, u.c0 - pad:u.c1 - pad]) for u in prefill_units((row, row + 1), (pad, col),
+            # the positions the prefix cache gave it are not computed again
+            work += [(u, prompt[:, u.c0 - pad:u.c1 - pad]) for u in prefill_units((row, row + 1), (pad + first, col),
                                                                                    self.topo.pp)]
         tokens, _ = self._pass(work, rows, None)
+        self.blocks.computed(joined)
         seqs.feed(joined, tokens)
         return joined, tokens.tolist()
 
     def _take_row(self, rows: Rows, join: Join) -> None:
-        """A joiner takes its row on this rank (and is passed on down the pipeline). Its prefill
-        writes columns [pad, col); the columns before, masked, still hold the row's previous
-        sequence (NaN if it failed): they are zeroed, one row's padding across this rank's layers.
-        (A new batch needs none of this: its prefill writes every column of its rows, padding too.)"""
-        rows.place(join.row, join.request, join.pad)
-        # a replayed step reads the row's columns past its own too (graphs.py): all of them
-        self.cache.clear(join.row, self.cache.max_len if self.graphs is not None else join.pad)
+        """A joiner takes its row on this rank (and is passed on down the pipeline): its padding,
+        its block table and first own position. Its prefill writes its own positions; what the
+        row's previous sequence left is in blocks it no longer holds (paging.py)."""
+        rows.place(join.row, join.request, join.pad, join.blocks, join.start)
+        self.blocks.hold(join.row, list(join.blocks))
         if not self.topo.is_last:
             self.link.send_join(join)
 
-    def _orders(self, seqs: Sequences, col: int, hooks: Hooks | None) -> list[GenerateRequest]:
+    def _free_finished(self, seqs: Sequences, rows: Rows) -> None:
+        """Every first-stage rank, at a step boundary: the rows whose sequences have stopped let go
+        of their blocks (the leader's pool takes them back; their full prompt blocks stay in the
+        prefix cache), here and down the pipeline, before anyone joins."""
+        for row, seq in enumerate(seqs.by_row):
+            if seq is not None and seq.finished and bool((rows.tables[row] != TRASH_BLOCK).any()):
+                rows.free(row)
+                self.blocks.release(row)
+                if not self.topo.is_last:
+                    self.link.send_free(row)
+
+    def _orders(self, seqs: Sequences, rows: Rows, col: int,
+                hooks: Hooks | None) -> list[tuple[GenerateRequest, tuple[list[int], int]]]:
         """A step boundary's orders: the sequences whose clients left or whose text met a stop
-        string stop, then newcomers are
-        admitted into the free rows. The leader asks its batcher; its first-stage TP peers hear
-        both from the leader (one small message a step: they must all run the same units).
-        Returns the newcomers."""
+        string stop (and let go of their blocks), then newcomers are admitted into the free rows,
+        each with the KV blocks the leader reserved for it. The leader asks its batcher; its
+        first-stage TP peers hear all of it from the leader (one small message a step: they must
+        all run the same units). Returns the newcomers and their places (blocks, first own position)."""
         orders: dict[str, Any] | None = None
-        chosen: list[GenerateRequest] = []
+        chosen: list[tuple[GenerateRequest, tuple[list[int], int]]] = []
         if hooks is not None:
             cancelled, stopped = hooks.cancelled(), hooks.stopped()
             seqs.cancel(cancelled)
             for seq in seqs.stop(stopped):
                 hooks.finished(seq, seq.completion())
+            self._free_finished(seqs, rows)
             free = len(seqs.free_rows())
-            chosen = hooks.admit(free, col)
-            if len(chosen) > free or not all(fits_at(r, col, self.max_len) for r in chosen):
-                raise ValueError(f"the batcher admitted {len(chosen)} requests into {free} free rows at column "
-                                 f"{col}, not all of which fit")
+            admitted = hooks.admit(free, col)
+            if len(admitted) > free or not all(fits_at(r, col, self.max_len) for r in admitted) \
+                    or sum(self.blocks.needed(r) for r in admitted) > self.blocks.pool.free_blocks:
+                raise ValueError(f"the batcher admitted {len(admitted)} requests into {free} free rows at column "
+                                 f"{col} and {self.blocks.pool.free_blocks} free KV blocks, not all of which fit")
+            chosen = [(r, self.blocks.reserve(r)) for r in admitted]
             if cancelled or stopped or chosen:
-                orders = {"cancel": cancelled, "stop": stopped, "join": [r.model_dump() for r in chosen]}
+                orders = {"cancel": cancelled, "stop": stopped,
+                          "join": [[r.model_dump(), place] for r, place in chosen]}
         if self.topo.tp > 1:
             sent = self.comm.broadcast_in_stage(orders)
             if hooks is None and sent is not None:
                 seqs.cancel(sent["cancel"])
                 seqs.stop(sent["stop"])
-                chosen = [GenerateRequest.model_validate(r) for r in sent["join"]]
+                self._free_finished(seqs, rows)
+                chosen = [(GenerateRequest.model_validate(r), (list(b), int(st))) for r, (b, st) in sent["join"]]
         return chosen
 
     def _relay(self, rows: Rows, return_logits: bool) -> None:
@@ -392,8 +435,13 @@ class Engine:
             if isinstance(got, Join):
                 self._take_row(rows, got)
                 continue
+            if isinstance(got, Free):
+                rows.free(got.row)
+                if not last:
+                    self.link.send_free(got.row)
+                continue
             unit, received = got
-            hidden, logits = self._forward(unit, received, rows.pads)
+            hidden, logits = self._forward(unit, received, rows)
             if not last:
                 self.link.send_unit(unit, hidden)
                 continue

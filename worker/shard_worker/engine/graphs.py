@@ -3,16 +3,18 @@
 A decode step (one token for each of a few rows) does microseconds of work per kernel and ~40
 kernels a layer: launched one by one from Python, the GPU waits on the host. Here the step is a
 function of persistent device buffers only (`decode_forward`: the input ids or hidden states,
-the step's cache column, each row's left padding; the KV cache and the weights it closes over),
+the step's cache column, each row's left padding and block table; the KV cache and the weights it closes over),
 captured once per (batch bucket, context bucket) and replayed:
 
 - batch buckets 1, 2, 4, ... up to maxBatchSize: a step of rows [r0, r1) replays the bucket that
   covers rows [0, r1); the rows it computes beyond those asked for (free, finished, never used)
   write their own cache rows at the step's column and are otherwise ignored;
 - context buckets 256, 512, ... up to maxModelLen: attention reads that many columns, those past
-  the step's own masked out. A masked value is still multiplied by 0, and 0 x NaN is NaN, so in
-  graph mode the engine zeroes a row's columns past its prompt when a sequence takes it (what a
-  failed sequence left there cannot poison the next).
+  the step's own masked out, and read from the ZERO block (a masked value is still multiplied by
+  0, and 0 x NaN is NaN: what a failed sequence left in a block cannot poison the next).
+
+The KV cache is paged (`paging.py`): the rows' block tables are a device buffer too, and the step
+reads and writes the pool through them.
 
 `mode` (SHARD_DECODE_GRAPHS): `cuda` captures the eager step with `torch.cuda.CUDAGraph` (one
 memory pool shared by every graph; the tensor-parallel all-reduces are captured too: NCCL
@@ -44,6 +46,7 @@ from shard_contract.env import DECODE_GRAPHS_ENV
 from ..comm.dist import Comm
 from ..model import kernels
 from ..model.model import KVCache, Rotary, Stage, Step
+from ..model.paging import TRASH_BLOCK
 
 ENV = DECODE_GRAPHS_ENV
 MODES = ("auto", "off", "eager", "cuda", "compile")
@@ -86,13 +89,14 @@ def chosen_mode(stage: Stage, comm: Comm, env: str | None = None) -> str:
 
 
 def decode_forward(stage: Stage, cache: KVCache, rotary: Rotary, x: torch.Tensor, column: torch.Tensor,
-                   pads: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+                   pads: torch.Tensor, tables: torch.Tensor, rows: int, length: int) -> torch.Tensor:
     """One decode step of cache rows [0, rows) at device column `column` [1], attending over
-    `length` columns: ids [rows, 1] (first stage) or hidden states [rows, 1, H] -> hidden states
-    [rows, 1, H], or, on the last stage, float32 logits [rows, vocab]. Torch operators on device
-    tensors only: no host value is read, so it can be captured, replayed and compiled."""
+    `length` columns through the rows' block tables `tables`: ids [rows, 1] (first stage) or hidden
+    states [rows, 1, H] -> hidden states [rows, 1, H], or, on the last stage, float32 logits [rows,
+    vocab]. Torch operators on device tensors only: no host value is read, so it can be captured,
+    replayed and compiled."""
     with kernels.torch_only():
-        step = Step.captured(rows, length, column, pads, rotary, stage.windows, stage.dtype)
+        step = Step.captured(rows, length, column, pads, rotary, stage.windows, stage.dtype, tables)
         hidden = stage.forward(x, step, cache)
         return hidden if stage.lm_head is None else stage.logits(hidden[:, -1])
 
@@ -117,13 +121,17 @@ class DecodeGraphs:
         self.column = torch.zeros(1, dtype=torch.int64, device=device)
         self.pads = torch.zeros(top, dtype=torch.int64, device=device)
         self._pads_host = torch.zeros(top, dtype=torch.int64, pin_memory=device.type == "cuda")
+        # the rows' block tables (paging.py), on the device; a free row's is all TRASH
+        trash = torch.full_like(cache.contiguous, TRASH_BLOCK)
+        self.tables = trash.to(device)
+        self._tables_host = trash.pin_memory() if device.type == "cuda" else trash
         self._graphs: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor, Tape]] = {}
         self._tapes: dict[tuple[int, int], Tape] = {}  # compile mode: each bucket's collectives
         self._seen: set[tuple[int, int]] = set()
         self._pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self._compiled: Callable[..., torch.Tensor] | None = None
         if mode == "compile":
-            for t in [*stage.tensors().values(), cache.k, cache.v, self.x, self.column, self.pads]:
+            for t in [*stage.tensors().values(), cache.k, cache.v, self.x, self.column, self.pads, self.tables]:
                 torch._dynamo.mark_static_address(t)
             self._compiled = torch.compile(decode_forward, mode="reduce-overhead" if device.type == "cuda" else None,
                                            fullgraph=True, dynamic=False)
@@ -133,13 +141,15 @@ class DecodeGraphs:
         """Buckets captured (cuda) or run (eager, compile) so far."""
         return len(self._graphs) + len(self._seen)
 
-    def run(self, r0: int, r1: int, col: int, x: torch.Tensor, pads: torch.Tensor) -> torch.Tensor:
+    def run(self, r0: int, r1: int, col: int, x: torch.Tensor, pads: torch.Tensor,
+            tables: torch.Tensor) -> torch.Tensor:
         """The decode step of rows [r0, r1) at column `col`: x [r1 - r0, 1] ids or [r1 - r0, 1, H]
-        hidden states (on the device, or a host tensor copied in), `pads` every row's padding on the
-        host. Returns hidden states [r1 - r0, 1, H] (a copy: a later replay overwrites the graph's
-        output) or the last stage's logits [r1 - r0, vocab] (a view, valid until the next step)."""
+        hidden states (on the device, or a host tensor copied in), `pads` and `tables` every row's
+        padding and block table on the host. Returns hidden states [r1 - r0, 1, H] (a copy: a later
+        replay overwrites the graph's output) or the last stage's logits [r1 - r0, vocab] (a view,
+        valid until the next step)."""
         rows, length = smallest(self.batches, r1), smallest(self.lengths, col + 1)
-        self._inputs(r0, r1, col, x, pads)
+        self._inputs(r0, r1, col, x, pads, tables)
         if self.mode == "cuda":
             replay, out, tape = self._graph(rows, length)
             replay()
@@ -165,13 +175,16 @@ class DecodeGraphs:
                     self._seen.add((rows, length))
                     self._forward(rows, length)
 
-    def _inputs(self, r0: int, r1: int, col: int, x: torch.Tensor, pads: torch.Tensor) -> None:
+    def _inputs(self, r0: int, r1: int, col: int, x: torch.Tensor, pads: torch.Tensor, tables: torch.Tensor) -> None:
         self.column.fill_(col)  # a scalar argument of a fill kernel: no copy, no host wait
         self.x[r0:r1].copy_(x, non_blocking=True)
         n = pads.shape[0]
         if not torch.equal(self._pads_host[:n], pads):  # rows changed hands: host tensors, no device wait
             self._pads_host[:n].copy_(pads)
             self.pads[:n].copy_(self._pads_host[:n], non_blocking=True)
+        if not torch.equal(self._tables_host[:n], tables):  # a row took or let go of blocks
+            self._tables_host[:n].copy_(tables)
+            self.tables[:n].copy_(self._tables_host[:n], non_blocking=True)
 
     def _graph(self, rows: int, length: int) -> tuple[Callable[[], None], torch.Tensor, Tape]:
         key = (rows, length)
@@ -182,13 +195,15 @@ class DecodeGraphs:
     def _forward(self, rows: int, length: int) -> torch.Tensor:
         fn = self._compiled or decode_forward
         with self.comm.captured(self.mode != "eager"):
-            return fn(self.stage, self.cache, self.rotary, self.x[:rows], self.column, self.pads, rows, length)
+            return fn(self.stage, self.cache, self.rotary, self.x[:rows], self.column, self.pads, self.tables, rows,
+                      length)
 
     def _record(self, rows: int, length: int) -> Tape:
         """The collectives of the bucket's step, by one eager run of it (it writes the cache
         column that the compiled run then writes again, the same values)."""
         with self.comm.recording() as tape, self.comm.captured():
-            decode_forward(self.stage, self.cache, self.rotary, self.x[:rows], self.column, self.pads, rows, length)
+            decode_forward(self.stage, self.cache, self.rotary, self.x[:rows], self.column, self.pads, self.tables,
+                           rows, length)
         return tuple(tape)
 
     def _make(self, rows: int, length: int) -> tuple[Callable[[], None], torch.Tensor, Tape]:

@@ -122,3 +122,68 @@ class BlockPool:
     def reset_prefix_cache(self) -> None:
         for block in list(self.cached.values()):
             self._uncache(block)
+
+
+class Blocks:
+    """The engine's side of the pool: the blocks each cache row's sequence holds (reserved when
+    it is admitted, for its prompt and every token it may generate, so a running sequence never
+    waits for a block), its prompt's prefix keys, and the prefix cache's lookups and offers.
+    Only the leader (`decides`) holds a pool's references; elsewhere every call but `needed` is
+    a no-op (those ranks hear the leader's decisions)."""
+
+    def __init__(self, num_blocks: int, block_size: int, decides: bool = True, prefix_caching: bool = True,
+                 first_id: int = 0):
+        self.pool = BlockPool(num_blocks, block_size, prefix_caching)
+        self.block_size, self.decides = block_size, decides
+        self.first_id = first_id  # the cache's id of the pool's block 0 (the cache reserves blocks before it)
+        self.held: dict[int, tuple[list[int], list[bytes], int]] = {}  # row -> blocks, prompt keys, cached blocks
+        self.unplaced: list[tuple[list[int], list[bytes], int]] = []  # reserved, no row yet
+
+    def needed(self, request) -> int:
+        """Blocks a request holds while it runs (at most: a prefix-cache hit takes fewer free ones)."""
+        return -(-(len(request.prompt_ids) + request.max_new_tokens - 1) // self.block_size)
+
+    def reserve(self, request) -> tuple[list[int], int]:
+        """The blocks of an admitted request, its cached prompt blocks first (none when it asks
+        for its prompt's log-probabilities: those are computed in its prefill), and its first own
+        position. RuntimeError when too few are free (admission checks `needed` first)."""
+        if not self.decides:
+            raise RuntimeError("only the leader reserves KV blocks")
+        prompt = request.prompt_ids
+        keys = chain_hashes(prompt, self.block_size)
+        usable = (len(prompt) - 1) // self.block_size  # never the last prompt token: its logits are needed
+        hit = [] if request.prompt_logprobs else self.pool.lookup(keys[:usable])
+        got = self.pool.allocate(self.needed(request) - len(hit))
+        if got is None:
+            self.pool.release(hit)
+            raise RuntimeError(f"{self.needed(request)} KV blocks reserved with {self.pool.free_blocks} free")
+        blocks = [b + self.first_id for b in hit + got]
+        self.unplaced.append((blocks, keys, len(hit)))
+        return blocks, len(hit) * self.block_size
+
+    def hold(self, row: int, blocks: list[int]) -> None:
+        """The reservation `blocks` now belongs to `row`'s sequence."""
+        for i, entry in enumerate(self.unplaced):
+            if entry[0] == list(blocks):
+                self.held[row] = self.unplaced.pop(i)
+                return
+
+    def computed(self, rows) -> None:
+        """The prompts of `rows` are prefilled on every rank: their full blocks join the prefix cache."""
+        for row in rows:
+            if row in self.held:
+                blocks, keys, cached = self.held[row]
+                for b in range(cached, len(keys)):
+                    self.pool.cache(blocks[b] - self.first_id, keys[b])
+
+    def release(self, row: int) -> None:
+        entry = self.held.pop(row, None)
+        if entry is not None:
+            self.pool.release([b - self.first_id for b in entry[0]])
+
+    def release_all(self) -> None:
+        for row in list(self.held):
+            self.release(row)
+        for blocks, _, _ in self.unplaced:
+            self.pool.release([b - self.first_id for b in blocks])
+        self.unplaced.clear()

@@ -7,7 +7,10 @@ states to the next stage, which runs the same unit and passes it on. The last st
 emitting unit into tokens and sends them back to the first stage. A JOIN header, followed by the
 request as JSON, says that a request takes a row of a running batch (continuous batching): every
 stage sets the row's left padding, the last stage its sampling parameters and seeded generator.
-A STOP header ends the generation on every stage. The downstream stages need no other message:
+The JOIN also carries the row's block table and its first own position (paged KV cache: the
+leader decides where each sequence's KV lives; every rank writes its share there), and a FREE
+header says that a row's sequence let go of its blocks (the row writes TRASH until it is taken
+again). A STOP header ends the generation on every stage. The downstream stages need no other message:
 each unit describes itself.
 
 A prefill is cut into micro-batches (rows) and chunks (columns), so the first stage computes the
@@ -43,7 +46,7 @@ from shard_contract.wire import GenerateRequest
 
 from ..comm.dist import FORWARD_TAG, Comm, Pending
 
-RUN, STOP, JOIN = 1, 2, 3
+RUN, STOP, JOIN, FREE = 1, 2, 3, 4
 HEADER_INTS = 6
 
 
@@ -66,11 +69,21 @@ class Unit:
 
 @dataclass(frozen=True)
 class Join:
-    """`request` takes `row` of the running batch, its prompt starting at column `pad`."""
+    """`request` takes `row` of the running batch, its prompt starting at column `pad`, its KV in
+    `blocks` (its block table), the first `start` positions from the prefix cache."""
 
     row: int
     pad: int
     request: GenerateRequest
+    blocks: tuple[int, ...] = ()
+    start: int = 0
+
+
+@dataclass(frozen=True)
+class Free:
+    """The sequence in `row` let go of its KV blocks."""
+
+    row: int
 
 
 def split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -137,30 +150,37 @@ class Link:
         self._isend(hidden.contiguous(), self.topo.next, FORWARD_TAG)
 
     def send_join(self, join: Join) -> None:
-        payload = torch.frombuffer(bytearray(join.request.model_dump_json().encode()), dtype=torch.uint8)
-        self._send_header(JOIN, join.row, join.pad, payload.numel())
+        body = json.dumps({"request": join.request.model_dump(mode="json"), "blocks": list(join.blocks)})
+        payload = torch.frombuffer(bytearray(body.encode()), dtype=torch.uint8)
+        self._send_header(JOIN, join.row, join.pad, payload.numel(), join.start)
         self._isend(payload.to(self.device), self.topo.next, FORWARD_TAG)
+
+    def send_free(self, row: int) -> None:
+        self._send_header(FREE, row)
 
     def send_stop(self) -> None:
         self._send_header(STOP)
         self.flush()
 
-    def recv(self) -> tuple[Unit, torch.Tensor] | Join | None:
-        """The next unit and its hidden states from the previous stage, or a join; None at STOP."""
+    def recv(self) -> tuple[Unit, torch.Tensor] | Join | Free | None:
+        """The next unit and its hidden states from the previous stage, a join or a free; None at STOP."""
         header = self.comm.recv(self._ints([0] * HEADER_INTS), self.topo.prev, FORWARD_TAG)
         kind, *args = (int(v) for v in header.tolist())
         if kind == STOP:
             return None
         if kind == JOIN:
-            return self._recv_join(*args[:3])
+            return self._recv_join(*args[:4])
+        if kind == FREE:
+            return Free(args[0])
         unit = Unit(*args[:4], emits=bool(args[4]))
         hidden = torch.empty(unit.rows, unit.cols, self.hidden_size, dtype=self.dtype, device=self.device)
         return unit, self.comm.recv(hidden, self.topo.prev, FORWARD_TAG)
 
-    def _recv_join(self, row: int, pad: int, size: int) -> Join:
+    def _recv_join(self, row: int, pad: int, size: int, start: int) -> Join:
         payload = self.comm.recv(torch.empty(size, dtype=torch.uint8, device=self.device), self.topo.prev,
                                  FORWARD_TAG)
-        return Join(row, pad, GenerateRequest.model_validate_json(bytes(payload.cpu().numpy())))
+        body = json.loads(bytes(payload.cpu().numpy()))
+        return Join(row, pad, GenerateRequest.model_validate(body["request"]), tuple(body["blocks"]), start)
 
     # ------------------------------------------------------------ tokens back (control group)
     def send_tokens(self, tokens: torch.Tensor, logits: torch.Tensor | None) -> None:

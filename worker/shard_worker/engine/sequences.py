@@ -10,13 +10,14 @@ masked values are still multiplied by 0, and a failed sequence's may be NaN).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from shard_contract.wire import Completion, GenerateRequest
 
+from ..model.paging import TRASH_BLOCK
 from ..serving.grammar import Grammars
 from .logprobs import Extras
 from .sampling import FAILED, HostSampled, Sampler
@@ -31,6 +32,7 @@ class SequenceState:
 
     def __init__(self, request: GenerateRequest, eos_ids: tuple[int, ...], index: int = 0, row: int = 0):
         self.request, self.index, self.row = request, index, row
+        self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else set(eos_ids))
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
@@ -70,12 +72,14 @@ class SequenceState:
     def completion(self) -> Completion:
         """What this sequence answers, in token ids (the leader's text side adds the text)."""
         if self.error is not None:
-            return Completion(token_ids=self.tokens, finish_reason="error", error=self.error)
+            return Completion(token_ids=self.tokens, finish_reason="error", error=self.error,
+                              cached_tokens=self.cached_tokens)
         asked = self.request.logprobs is not None
         return Completion(token_ids=self.tokens, finish_reason=self.finish_reason or "length",
                           logprobs=self.logprobs if asked else None, top_logprobs=self.top_logprobs if asked else None,
                           prompt_logprobs=self.prompt_logprobs if self.request.prompt_logprobs else None,
-                          prompt_top_logprobs=self.prompt_top_logprobs if self.request.prompt_logprobs else None)
+                          prompt_top_logprobs=self.prompt_top_logprobs if self.request.prompt_logprobs else None,
+                          cached_tokens=self.cached_tokens)
 
 
 class Rows:
@@ -85,22 +89,36 @@ class Rows:
     last running sequence (a finished row between them is computed, its results ignored until it
     is reused)."""
 
-    def __init__(self, capacity: int, sampler: bool, grammars: Callable[[], Grammars | None] = lambda: None):
+    def __init__(self, capacity: int, sampler: bool, grammars: Callable[[], Grammars | None] = lambda: None,
+                 blocks_per_row: int = 1):
         self.pads = torch.zeros(capacity, dtype=torch.int64)
+        # each row's block table (paging.py: all TRASH while no sequence holds the row) and the
+        # first position it computes (those before came from the prefix cache)
+        self.tables = torch.full((capacity, blocks_per_row), TRASH_BLOCK, dtype=torch.int64)
+        self.starts = torch.zeros(capacity, dtype=torch.int64)
         self.requests: list[GenerateRequest | None] = [None] * capacity
         self.sampling = Sampler(capacity, grammars) if sampler else None
         self.extras = Extras()  # log-probabilities asked for: computed on the last stage, taken on the first
         self.failures: dict[int, str] = {}
         self.sampler, self.used = sampler, 0
 
-    def place(self, row: int, request: GenerateRequest, pad: int) -> None:
+    def place(self, row: int, request: GenerateRequest, pad: int, blocks: Sequence[int] = (), start: int = 0) -> None:
+        """A sequence takes `row`: its prompt starts at column `pad`, its KV lives in `blocks` (its
+        block table), of which the first `start` positions came from the prefix cache."""
         self.pads[row] = pad
+        self.tables[row] = TRASH_BLOCK
+        self.tables[row, :len(blocks)] = torch.tensor(list(blocks), dtype=torch.int64)
+        self.starts[row] = start
         self.requests[row] = request
         self.failures.pop(row, None)
         self.extras.clear(row)
         if self.sampling is not None:
             self.sampling.place(row, request)
         self.used = max(self.used, row + 1)
+
+    def free(self, row: int) -> None:
+        """The row's sequence has let go of its blocks: whatever computes the row writes TRASH."""
+        self.tables[row] = TRASH_BLOCK
 
     def choose(self, r0: int, logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, str], HostSampled]:
         """The next tokens (a host tensor) of rows [r0, r0 + len(logits)), the rows whose sampling

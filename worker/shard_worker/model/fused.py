@@ -82,8 +82,12 @@ class FusedDecode:
         if cache is not self._cache:
             self._plans, self._cache = {}, cache
         self._step = step
+        reads, writes = cache.maps(step)
+        if reads.device.type != "cpu":
+            return False
         self._tables = (step.cos.contiguous(), step.sin.contiguous(),
-                        {w: f.to(torch.int64).contiguous() for w, f in step.firsts.items()})
+                        {w: f.to(torch.int64).contiguous() for w, f in step.firsts.items()},
+                        reads.to(torch.int64).contiguous(), writes.to(torch.int64).contiguous())
         return True
 
     def run(self, layer, slot: int, x: torch.Tensor) -> torch.Tensor | None:
@@ -92,12 +96,13 @@ class FusedDecode:
         plan = self._plan(layer, slot, x.dtype)
         if plan is None:
             return None
-        step, (cos, sin, firsts) = self._step, self._tables
+        step, (cos, sin, firsts, reads, writes) = self._step, self._tables
         group = self._group
         rounds = group.round if group is not None else 0
         missed, seconds = kernels._gemv.decode_layer(
             plan, x.data_ptr(), x.shape[0], step.c0, firsts[layer.attn.window].data_ptr(), cos.data_ptr(),
-            sin.data_ptr(), step.r0, torch.get_num_threads(), self._level, rounds)
+            sin.data_ptr(), step.r0, reads.data_ptr(), reads.shape[1], writes.data_ptr(), torch.get_num_threads(),
+            self._level, rounds)
         if group is not None:
             group.round += 2
             if missed >= 0:
@@ -135,11 +140,11 @@ class FusedDecode:
             fields.update({f"{name}_w": p.weight.data_ptr(), f"{name}_ldw": p.weight.stride(0),
                            f"{name}_scale": p.scale.data_ptr() if p.scale is not None else 0,
                            f"{name}_bias": p.bias.data_ptr() if p.bias is not None else 0})
-        k, v = cache.k[slot], cache.v[slot]
-        if k.stride() != v.stride() or k.stride()[2:] != (attn.head_dim, 1):
+        k, v = cache.k[slot], cache.v[slot]  # the layer's pool [kv_heads, slots, head_dim], read through the slots
+        if k.stride() != v.stride() or k.stride()[1:] != (attn.head_dim, 1):
             return None
-        fields.update({"k_cache": k.data_ptr(), "v_cache": v.data_ptr(), "cache_rows": k.shape[0],
-                       "cache_row": k.stride(0), "cache_head": k.stride(1), "cache_len": k.shape[2]})
+        fields.update({"k_cache": k.data_ptr(), "v_cache": v.data_ptr(), "cache_rows": k.shape[1],
+                       "cache_row": k.stride(1), "cache_head": k.stride(0), "cache_len": 0})
         if group is not None:
             fields.update({"shm_slots": group.slots.data_ptr(), "shm_flags": group.flags.data_ptr(),
                            "shm_size": group.size, "shm_rank": group.rank, "shm_timeout": group.timeout})

@@ -200,24 +200,32 @@ def silu_mul(gate_up: torch.Tensor, level: str | None = "default") -> torch.Tens
 
 
 def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           first: torch.Tensor, col: int, heads: int, kv_heads: int,
-           level: str | None = "default") -> torch.Tensor | None:
+           first: torch.Tensor, col: int, heads: int, kv_heads: int, level: str | None = "default",
+           slots: torch.Tensor | None = None, wslots: torch.Tensor | None = None) -> torch.Tensor | None:
     """One decode step's attention for rows [n] of one layer: rope (HF's, `cos` / `sin` [n, ...,
     head_dim] in qkv's dtype) on q and k; k and v written into the caches (this layer's [rows,
     kv_heads, max_len, head_dim], from the step's first row) at column `col`; then each query
     head's softmax(q k^T / sqrt(head_dim)) v over the cached columns [first[row], col] of its KV
-    head. `qkv`: [n, 1, (heads + 2 kv_heads) head_dim]. Returns [n, 1, heads * head_dim], or None
-    where ours does not apply (the caller uses torch). `level` as for `linear`."""
+    head. Paged (`slots` [n, >= col + 1] and `wslots` [n, 1], int64): the caches are this layer's
+    pools [kv_heads, slots, head_dim], row b's column c is read in place at slot slots[b, c], and
+    its k and v are written at wslots[b] (`paging.slot_maps`). `qkv`: [n, 1, (heads + 2 kv_heads)
+    head_dim]. Returns [n, 1, heads * head_dim], or None where ours does not apply (the caller
+    uses torch). `level` as for `linear`."""
     level = _default() if level == "default" else level
     n, hd = qkv.shape[0], k_cache.shape[-1]
     if not (_step_ops(qkv, level) and qkv.is_contiguous() and qkv.shape[1] == 1 and k_cache.dtype == qkv.dtype
-            and k_cache.stride()[2:] == (hd, 1) and v_cache.stride() == k_cache.stride()):
+            and k_cache.stride()[-2:] == (hd, 1) and v_cache.stride() == k_cache.stride()
+            and (slots is None or (wslots is not None and slots.device.type == "cpu"))):
         return None
     out = torch.empty(n, 1, heads * hd, dtype=qkv.dtype)
     cos, sin, first = cos.contiguous(), sin.contiguous(), first.to(torch.int64).contiguous()
+    paged, row, head = (0, 0, 0), k_cache.stride(0), k_cache.stride(1)
+    if slots is not None and wslots is not None:  # a pool [kv_heads, slots, head_dim]: a slot's stride, a head's
+        slots, wslots = slots.to(torch.int64).contiguous(), wslots.to(torch.int64).contiguous()
+        paged, row, head = (slots.data_ptr(), slots.shape[1], wslots.data_ptr()), k_cache.stride(1), k_cache.stride(0)
     _gemv.attend(_XTYPES[qkv.dtype], qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
-                 v_cache.data_ptr(), first.data_ptr(), out.data_ptr(), n, heads, kv_heads, hd, k_cache.stride(0),
-                 k_cache.stride(1), col, hd**-0.5, torch.get_num_threads(), LEVELS.index(level))
+                 v_cache.data_ptr(), first.data_ptr(), out.data_ptr(), n, heads, kv_heads, hd, row, head, col,
+                 *paged, hd**-0.5, torch.get_num_threads(), LEVELS.index(level))
     return out
 
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from shard_contract.sharding import kv_head_start, kv_heads_per_rank, tp_problem, vocab_rows_per_rank
 
 from ..comm.dist import Comm
-from . import kernels
+from . import kernels, paging
 from .attention import MASKED, additive, allowed_keys, first_columns, grouped_attention, mask_kind
 from .config import ModelConfig
 from .fused import FusedDecode
@@ -148,7 +148,11 @@ class Step:
     (see `attention_mask`). `firsts`: a decode step's first allowed column per row, on the host,
     for the CPU kernels (see `first_columns`). A captured decode step (`Step.captured`) has no
     host column: `column` [1] is a device tensor, the keys and values are written there
-    (index_copy_) and attention reads `length` columns, masked past the step's own."""
+    and attention reads `length` columns, masked past the step's own.
+
+    `reads` [N, length] and `writes` [N, c1 - c0]: the pool slot of each column the pass attends
+    to and computes, from its rows' block tables (`paging.slot_maps`; every layer uses them). A
+    pass built without tables gets the cache's contiguous ones (`KVCache.maps`)."""
 
     r0: int
     r1: int
@@ -160,16 +164,26 @@ class Step:
     firsts: dict[int | None, torch.Tensor] | None = None
     column: torch.Tensor | None = None
     length: int = 0
+    reads: torch.Tensor | None = None
+    writes: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.length = self.length or self.c1
 
+    @property
+    def fresh(self) -> bool:
+        """A first chunk: the keys it attends to are its own, just computed (no cache read)."""
+        return self.c0 == 0 and self.column is None
+
     @classmethod
     def build(cls, r0: int, r1: int, c0: int, c1: int, pads: torch.Tensor, rotary: Rotary,
               windows: set[int | None], dtype: torch.dtype, device: torch.device,
-              device_pads: torch.Tensor | None = None) -> Step:
+              device_pads: torch.Tensor | None = None, tables: torch.Tensor | None = None,
+              starts: torch.Tensor | None = None) -> Step:
         """`pads`: every row's padding on the host (the decisions); `device_pads` the same on the
-        device, if the caller keeps it there (else copied from `pads`)."""
+        device, if the caller keeps it there (else copied from `pads`). `tables` [rows, blocks]
+        and `starts` [rows]: every row's block table and first own position, on the host (see
+        `paging`); without them, the cache's contiguous tables."""
         rows = pads[r0:r1]
         dev_rows = (device_pads[r0:r1] if device_pads is not None
                     else rows.to(device, non_blocking=True))
@@ -180,59 +194,77 @@ class Step:
             kind = mask_kind(rows, c0, c1, w)
             masks[w] = additive(allowed_keys(dev_rows, c0, c1 - c0, c1, w), dtype) if kind == MASKED else kind
         firsts = {w: first_columns(rows, c0, w) for w in windows} if c1 - c0 == 1 else None
-        return cls(r0, r1, c0, c1, cos, sin, masks, firsts)
+        step = cls(r0, r1, c0, c1, cos, sin, masks, firsts)
+        if tables is not None:
+            own = starts[r0:r1] if starts is not None else torch.zeros_like(rows)
+            reads, writes = paging.slot_maps(tables[r0:r1], rows, own, c0, c1)
+            step.reads, step.writes = reads.to(device, non_blocking=True), writes.to(device, non_blocking=True)
+        return step
 
     @classmethod
     def captured(cls, rows: int, length: int, column: torch.Tensor, pads: torch.Tensor, rotary: Rotary,
-                 windows: set[int | None], dtype: torch.dtype) -> Step:
+                 windows: set[int | None], dtype: torch.dtype, tables: torch.Tensor) -> Step:
         """A decode step of rows [0, rows) at device column `column` [1], attending over `length`
-        cache columns, from device tensors only (no host value: it can be captured and replayed)."""
+        cache columns through the rows' block tables `tables` [>= rows, blocks], from device
+        tensors only (no host value: it can be captured and replayed)."""
         positions = (column - pads[:rows]).clamp(min=0).unsqueeze(1)  # [rows, 1]
         cos, sin = rotary.at(positions, dtype)
         masks: dict[int | None, torch.Tensor | str | None] = {
             w: additive(allowed_keys(pads[:rows], column, 1, length, w), dtype) for w in windows}
-        return cls(0, rows, 0, 1, cos, sin, masks, None, column, length)
+        reads, writes = paging.captured_maps(tables[:rows], pads[:rows], column, length)
+        return cls(0, rows, 0, 1, cos, sin, masks, None, column, length, reads, writes)
 
 
 class KVCache:
-    """Keys and values of this rank's layers and KV heads for `batch` rows and `max_len` columns,
-    allocated (and zeroed, so resident) once: k and v [layers, batch, kv_heads, max_len, head_dim].
+    """Keys and values of this rank's layers and KV heads, paged: a pool of `num_blocks` blocks of
+    `paging.BLOCK_SIZE` positions (and the reserved ZERO and TRASH blocks), allocated (and zeroed,
+    so resident) once: k and v [layers, kv_heads, slots, head_dim]. Which blocks a row holds is
+    its block table (the engine's; see `paging`). `tokens`: the positions the pool holds (the
+    plan's kvCacheTokens; by default `batch` x `max_len`, every row at its longest).
 
     What a forward pass asks of a cache (all of it): `update(layer, step, k, v)` stores the step's
     keys and values and returns what attention reads, [rows, kv_heads, step.length, head_dim]
-    views (`grouped_attention` takes any strided view and never copies it); `clear(row, cols)`;
-    `batch` and `max_len`; and, for the fused CPU layers and the replayed steps, `k` and `v`."""
+    (`grouped_attention` takes any strided view); `batch` (rows: the most sequences at once) and
+    `max_len`; `maps(step)` (the slots of the step's columns); and, for the fused CPU layers and
+    the replayed steps, the pools `k` and `v`."""
 
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        shape = (layers, batch, kv_heads, max_len, head_dim)
+                 dtype: torch.dtype, device: torch.device, tokens: int | None = None):
+        self.block_size = paging.BLOCK_SIZE
+        self.num_blocks = max(1, paging.blocks_for(tokens if tokens is not None else batch * max_len))
+        slots = (self.num_blocks + paging.RESERVED_BLOCKS) * self.block_size
+        shape = (layers, kv_heads, slots, head_dim)  # a head's positions side by side, as an unpaged cache's
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.batch, self.max_len = batch, max_len
+        self.blocks_per_row = paging.blocks_for(max_len)
+        self.contiguous = paging.contiguous_tables(batch, max_len, self.num_blocks)
 
     @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
-    def update(self, layer: int, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the step's keys/values (k, v [rows, kv_heads, c1 - c0, head_dim]) at its columns;
-        return its rows' cached keys and values, columns [0, step.length), as views."""
-        kc, vc = self.k[layer, step.r0:step.r1], self.v[layer, step.r0:step.r1]
-        if step.column is not None:  # a captured step: its column is a device tensor
-            kc.index_copy_(2, step.column, k)
-            vc.index_copy_(2, step.column, v)
-        else:
-            kc[:, :, step.c0:step.c1] = k
-            vc[:, :, step.c0:step.c1] = v
-        return kc[:, :, :step.length], vc[:, :, :step.length]
+    def maps(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's read and write maps (built now from the contiguous tables if it has none)."""
+        if step.reads is None or step.writes is None:
+            pads = torch.zeros(step.r1 - step.r0, dtype=torch.int64)
+            reads, writes = paging.slot_maps(self.contiguous[step.r0:step.r1], pads, pads, step.c0, step.c1)
+            step.reads, step.writes = reads.to(self.k.device), writes.to(self.k.device)
+        return step.reads, step.writes
 
-    def clear(self, row: int | slice, cols: int | slice) -> None:
-        """Zero columns `cols` ([0, cols) for an int) of `row` in every layer. Attention masks them
-        out but still multiplies their values by 0, and 0 x NaN (or inf) is NaN: what a failed
-        sequence left there would poison the row's next one."""
-        cols = slice(0, cols) if isinstance(cols, int) else cols
-        self.k[:, row, :, cols].zero_()
-        self.v[:, row, :, cols].zero_()
+    def update(self, layer: int, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the step's keys/values (k, v [rows, kv_heads, c1 - c0, head_dim]) in their slots;
+        return its rows' keys and values of columns [0, step.length): a first chunk's own (no
+        read), else the pool's slots of those columns (indexed: torch has no paged read in place;
+        the CPU decode kernel reads the pool in place)."""
+        reads, writes = self.maps(step)
+        n, kv, s, d = k.shape
+        at = writes.reshape(-1)
+        self.k[layer].index_copy_(1, at, k.transpose(0, 1).reshape(kv, n * s, d))
+        self.v[layer].index_copy_(1, at, v.transpose(0, 1).reshape(kv, n * s, d))
+        if step.fresh:
+            return k, v
+        return self.k[layer][:, reads].transpose(0, 1), self.v[layer][:, reads].transpose(0, 1)
 
 
 # ---------------------------------------------------------------- layers
@@ -250,9 +282,9 @@ class Attention:
         n, s, _ = x.shape
         qkv = self.qkv(x)
         if step.firsts is not None:  # a decode step: our kernel where it applies, in one call
-            out = kernels.attend(qkv, step.cos, step.sin, cache.k[layer, step.r0:step.r1],
-                                 cache.v[layer, step.r0:step.r1], step.firsts[self.window], step.c0, self.heads,
-                                 self.kv_heads)
+            reads, writes = cache.maps(step)
+            out = kernels.attend(qkv, step.cos, step.sin, cache.k[layer], cache.v[layer], step.firsts[self.window],
+                                 step.c0, self.heads, self.kv_heads, slots=reads, wslots=writes)
             if out is not None:
                 return self.o(out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -116,11 +116,16 @@ def freeze_loaded_objects() -> None:
 
 
 def cache_rows(plan: Plan, rank_plan: RankPlan) -> int:
-    """Rows of the contiguous KV cache (one maxModelLen row per sequence): as many sequences as
-    the plan's tokens hold whole, at most maxBatchSize and the rows of the largest forward pass the
-    plan sized activations for (`prefill_rows`); at least one (the planner leaves room for one)."""
-    return max(1, min(rank_plan.kv_cache_tokens // plan.max_model_len,
-                      prefill_rows(plan.max_batch_size, plan.max_model_len, rank_plan.kind)))
+    """Rows of the paged KV cache (the most sequences that run at once; each holds only the blocks
+    it needs): maxBatchSize, at most the rows of the largest forward pass the plan sized
+    activations for (`prefill_rows`); at least one."""
+    return max(1, min(plan.max_batch_size, prefill_rows(plan.max_batch_size, plan.max_model_len, rank_plan.kind)))
+
+
+def cache_tokens(plan: Plan, rank_plan: RankPlan) -> int:
+    """Positions of the paged KV cache's pool: the fewest any rank of the group has (the leader's
+    block ids must exist on every rank)."""
+    return min(r.kv_cache_tokens for r in plan.group(rank_plan.replica))
 
 
 @dataclass
@@ -187,8 +192,9 @@ class Worker:
             stage = Stage(layout, comm, dtype, device, plan.quantization, streamed=offload.layers if offload else ())
             stats = load_stage(stage, env.model_dir, progress)
             loaded = MemorySample.take(device)
+            # paged: the group's KV tokens in blocks (every rank holds the blocks the leader hands out)
             cache = KVCache(layout.layers[1] - layout.layers[0], cache_rows(plan, rank_plan), layout.kv_heads,
-                            plan.max_model_len, config.head_dim, dtype, device)
+                            plan.max_model_len, config.head_dim, dtype, device, tokens=cache_tokens(plan, rank_plan))
             cached = MemorySample.take(device)
             if offload is not None:  # the staging slots (and a GPU's pinned host copies); started
                 # now, since the warm-up's forward pass below waits on the layers it streams

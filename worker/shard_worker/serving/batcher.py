@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from shard_contract.wire import Completion, GenerateRequest
 
@@ -52,30 +52,39 @@ GATHER_SECONDS = 0.02
 LEADER = 0  # the rank the engine loop runs on, in its log lines
 
 
-def take_batch(waiting: Sequence[GenerateRequest], max_batch: int, max_len: int) -> int:
+def take_batch(waiting: Sequence[GenerateRequest], max_batch: int, max_len: int,
+               blocks: Callable[[GenerateRequest], int] = lambda r: 0, free_blocks: int = 0) -> int:
     """How many requests from the front of the queue form the next batch (at least one).
 
     First come, first served: the batch grows until the next request would not fit, because the
     batch is padded to its longest prompt and every sequence needs padded prompt + new tokens - 1
-    cache positions.
+    cache columns, and the KV blocks it holds (`blocks`: its prompt and new tokens, unpadded)
+    must be among the `free_blocks` (the head always fits an idle cache: `Engine.check`).
     """
-    longest, most_new = 0, 0
+    longest, most_new, taken = 0, 0, 0
     for n, request in enumerate(waiting[:max_batch]):
         longest = max(longest, len(request.prompt_ids))
         most_new = max(most_new, request.max_new_tokens)
-        if n > 0 and longest + most_new - 1 > max_len:
+        taken += blocks(request)
+        if n > 0 and (longest + most_new - 1 > max_len or taken > free_blocks):
             return n
     return max(1, min(len(waiting), max_batch))
 
 
-def take_joiners(waiting: Sequence[GenerateRequest], free_rows: int, col: int, max_len: int) -> list[int]:
+def take_joiners(waiting: Sequence[GenerateRequest], free_rows: int, col: int, max_len: int,
+                 blocks: Callable[[GenerateRequest], int] = lambda r: 0, free_blocks: int = 0) -> list[int]:
     """The positions in the queue of the requests that join a running batch at decode column
-    `col`: in queue order, every one that fits, while rows are free."""
+    `col`: in queue order, every one that fits the columns left, while rows are free and their KV
+    blocks are among the `free_blocks`; the first whose blocks are not stops the others (it waits
+    for blocks to free up, and no one overtakes it)."""
     chosen: list[int] = []
     for i, request in enumerate(waiting):
         if len(chosen) == free_rows:
             break
         if fits_at(request, col, max_len):
+            free_blocks -= blocks(request)
+            if free_blocks < 0:
+                break
             chosen.append(i)
     return chosen
 
@@ -97,6 +106,7 @@ class EngineLoop:
         self.started = threading.Event()
         self.throughput = Throughput()
         self.kv_tokens = 0  # KV-cache positions the running requests took at the latest step
+        self._prefix_seen = (0, 0)  # the prefix cache's block lookups and hits counted so far
 
     # ------------------------------------------------------------ any thread
     def submit(self, pending: Pending) -> None:
@@ -187,7 +197,8 @@ class EngineLoop:
                 return None
             if not self.waiting:
                 return []
-            n = take_batch([p.request for p in self.waiting], self.max_batch, self.max_len)
+            n = take_batch([p.request for p in self.waiting], self.max_batch, self.max_len, self.engine.blocks.needed,
+                           self.engine.blocks.pool.free_blocks)
             self.running = [self.waiting.popleft() for _ in range(n)]
             self.metrics.waiting(len(self.waiting))
         self._started(self.running)
@@ -216,7 +227,8 @@ class EngineLoop:
         with self.cond:
             if not self.waiting or self.closing or self.lost:
                 return []
-            chosen = take_joiners([p.request for p in self.waiting], free_rows, col, self.max_len)
+            chosen = take_joiners([p.request for p in self.waiting], free_rows, col, self.max_len,
+                                  self.engine.blocks.needed, self.engine.blocks.pool.free_blocks)
             joining = [self.waiting[i] for i in chosen]
             for i in reversed(chosen):
                 del self.waiting[i]
@@ -280,6 +292,10 @@ class EngineLoop:
         the KV-cache positions they take, and the throughput line when one is due."""
         self.metrics.running(running, kv_tokens)
         self.kv_tokens = kv_tokens
+        pool = self.engine.blocks.pool  # the paged KV cache: blocks held, and the prefix cache's lookups
+        self.metrics.kv_blocks(pool.used_blocks, pool.free_blocks)
+        self.metrics.scheduled(0, pool.queries - self._prefix_seen[0], pool.hits - self._prefix_seen[1])
+        self._prefix_seen = (pool.queries, pool.hits)
         line = self.throughput.line(time.monotonic(), running, len(self.waiting), self.max_batch, kv_tokens,
                                     self.max_batch * self.max_len)
         if line is not None:

@@ -53,7 +53,8 @@ class RankMetrics:
                 for value in values:
                     self.m.get(name, **({label: value} if label else {}))
             self.m.get("shard_kv_cache_capacity_rows").set(max_batch)
-            self.m.get("shard_kv_cache_capacity_tokens").set(max_batch * max_len)
+            # the paged pool's positions (the plan's tokens), whatever rows there are
+            self.m.get("shard_kv_cache_capacity_tokens").set(rank_plan.kv_cache_tokens or max_batch * max_len)
 
     # ------------------------------------------------------------ the leader's requests
     def waiting(self, n: int) -> None:

@@ -75,7 +75,8 @@ def step(graphs: DecodeGraphs, acct: Accounting, col: int) -> tuple[dict[str, in
     """One decode step of every row at `col`: the bytes per op and the seconds it counted."""
     before = acct.snapshot()
     with torch.inference_mode():
-        graphs.run(0, ROWS, col, torch.full((ROWS, 1), 5), torch.zeros(ROWS, dtype=torch.int64))
+        graphs.run(0, ROWS, col, torch.full((ROWS, 1), 5), torch.zeros(ROWS, dtype=torch.int64),
+                   graphs.cache.contiguous)
     after = acct.snapshot()
     return ({op: after.comm_bytes[op] - before.comm_bytes[op] for op in after.comm_bytes
              if after.comm_bytes[op] != before.comm_bytes[op]}, after.comm_total - before.comm_total)

@@ -186,6 +186,9 @@ class ShardsResponse(BaseModel):
     kv_cache_tokens: int = Field(0, description="Tokens of KV cache the group holds (its capacity).")
     kv_cache_used_tokens: int = Field(0, description="Of those, the tokens its running requests held at the "
                                                      "latest step.")
+    prefix_cache_queries: int = Field(0, description="Prompt KV blocks looked up in the prefix cache since the "
+                                                     "leader started.")
+    prefix_cache_hits: int = Field(0, description="Of those, the blocks found: their prefill was not computed again.")
     ranks: list[ShardEntry]
 
     def measured_by_rank(self) -> dict[int, Measured]:

@@ -261,6 +261,24 @@ def test_models_and_shards(server):
     assert health == {"status": "ok", "rank": 0, "reason": ""}
 
 
+def test_a_shared_prompt_prefix_is_computed_once_and_reported(server):
+    """The paged KV cache's prefix cache over HTTP: a prompt of 40 tokens answered, then the same
+    prompt again takes its two full blocks (32 tokens) from the cache, answers the same, and says
+    so in usage, /v1/shards and /metrics."""
+    prompt = [(7 * i + 3) % 200 + 1 for i in range(40)]
+    before = get(server.url + "/v1/shards").json()
+    first = server.complete(prompt=prompt, max_tokens=4, temperature=0, ignore_eos=True)
+    again = server.complete(prompt=prompt, max_tokens=4, temperature=0, ignore_eos=True)
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    shards = get(server.url + "/v1/shards").json()
+    assert shards["prefix_cache_hits"] - before["prefix_cache_hits"] == 2
+    assert shards["prefix_cache_queries"] - before["prefix_cache_queries"] == 4
+    hits = scrape(int(server.url.rsplit(":", 1)[1]))["shard_prefix_cache_hits"].samples
+    assert next(s.value for s in hits if s.name == "shard_prefix_cache_hits_total") >= 2
+
+
 def scrape(port: int) -> dict:
     text = get(f"http://127.0.0.1:{port}/metrics").text
     return {f.name: f for f in text_string_to_metric_families(text)}

@@ -105,11 +105,11 @@ class Rank:
         return self.loop
 
     def kv_capacity(self) -> int:
-        """Tokens of KV cache the group holds: its plan's, or once loaded what its cache holds of
-        them (a contiguous cache holds whole maxModelLen rows)."""
+        """Tokens of KV cache the group holds: its plan's, or once loaded what its paged pool holds
+        for sequences (whole blocks)."""
         if self.worker is None:
             return self.plan.group_kv_cache_tokens(self.env.replica)
-        return self.worker.cache.batch * self.plan.max_model_len
+        return self.worker.cache.num_blocks * self.worker.cache.block_size
 
     def ready_link(self) -> LocalLink:
         """The routes' link to the leader's engine loop in this process (`ready_loop`'s)."""
@@ -130,10 +130,13 @@ class Rank:
             ranks.append(ShardEntry(plan=rp, report=RankReport.model_validate(record.report) if record.report else None,
                                     alive=alive, state=record.state, problems=record.problems, load_progress=progress))
         group = next(g for g in self.plan.groups if g.replica == self.env.replica)
+        pool = self.loop.engine.blocks.pool if self.loop is not None else None  # the leader's paged KV cache
         return ShardsResponse(model=self.env.model_name, replica=self.env.replica, ready=verdict.ready,
                               reason=verdict.reason, predicted_step_seconds=group.critical_path_seconds,
                               kv_cache_tokens=self.kv_capacity(),
-                              kv_cache_used_tokens=self.loop.kv_tokens if self.loop is not None else 0, ranks=ranks)
+                              kv_cache_used_tokens=self.loop.kv_tokens if self.loop is not None else 0,
+                              prefix_cache_queries=pool.queries if pool is not None else 0,
+                              prefix_cache_hits=pool.hits if pool is not None else 0, ranks=ranks)
 
     def exposition(self, ready: bool) -> bytes:
         """`GET /metrics`: every family, up to date with this rank's measurements."""

@@ -322,3 +322,24 @@ def test_compiled_step_on_cuda_equals_eager(checkpoint):
             got = graphs.run(0, 3, col, tokens, pads, graphs.cache.contiguous).clone()
         assert torch.equal(got.argmax(-1), want.argmax(-1)), f"column {col}"
         tokens = want.argmax(-1, keepdim=True)
+
+
+@cuda
+def test_the_steps_host_copy_lands_in_pinned_memory():
+    """The sampler's one device-to-host copy of a step (ids and log-probabilities) lands in pinned
+    memory, and a seed draws on the device what it draws on the host."""
+    from shard_contract.wire import GenerateRequest
+    from shard_worker.engine.sampling import Sampler
+
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(7)) * 3
+    requests = [GenerateRequest(prompt_ids=[1], temperature=1.0, seed=r, logprobs=2) for r in range(3)]
+    samplers = [Sampler(3), Sampler(3)]
+    for sampler in samplers:
+        for row, request in enumerate(requests):
+            sampler.place(row, request)
+    on_host = samplers[0].sample(logits).to_host()
+    sampled = samplers[1].sample(logits.cuda())
+    assert sampled.staging is not None and sampled.staging.bytes.is_pinned()
+    on_device = sampled.to_host()
+    assert on_device.tokens == on_host.tokens
+    assert on_device.logprob == pytest.approx(on_host.logprob, abs=1e-5)

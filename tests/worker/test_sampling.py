@@ -315,15 +315,3 @@ def test_a_cpu_rank_has_no_staging():
     with Copies(HostStaging(1, pin=False)) as seen:
         assert sampled.to_host().tokens == [int(RECORDED[0].argmax())]
     assert seen.into_staging == []
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_cuda_the_step_copy_lands_in_pinned_memory():
-    """A seed draws the same tokens on the device as on the host; the copy lands pinned."""
-    requests = [GenerateRequest(prompt_ids=[1], temperature=1.0, seed=r, logprobs=2) for r in range(3)]
-    on_host = sampler_for(requests).sample(RECORDED[:3]).to_host()
-    sampled = sampler_for(requests).sample(RECORDED[:3].cuda())
-    assert sampled.staging is not None and sampled.staging.bytes.is_pinned()
-    on_device = sampled.to_host()
-    assert on_device.tokens == on_host.tokens
-    assert on_device.logprob == pytest.approx(on_host.logprob, abs=1e-5)

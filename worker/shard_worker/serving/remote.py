@@ -167,9 +167,9 @@ class EngineClient:
                           "request": pending.request.model_dump(mode="json")})
         try:
             answer = await self._ask({"op": "submit", "items": items})
-        except Unavailable:
+        except Unavailable:  # gone, or no answer in time: what it may still queue runs for nobody
             for pending in pendings:
-                self._drop(pending)
+                self.cancel(pending)
             raise
         if answer["status"]:
             for pending in pendings:

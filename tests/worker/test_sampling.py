@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shard_contract.wire import SEED_MAX, SEED_MIN, TEMPERATURE_MAX, GenerateRequest
-from shard_worker.engine.sampling import FAILED, HostStaging, Sampler, staging_for
+from shard_worker.engine.sampling import FAILED, HostStaging, Sampler, staging_for, uniform
 from shard_worker.engine.sequences import FAILED_ELSEWHERE, Rows, Sequences
 from shard_worker.serving import openai
 
@@ -315,3 +315,12 @@ def test_a_cpu_rank_has_no_staging():
     with Copies(HostStaging(1, pin=False)) as seen:
         assert sampled.to_host().tokens == [int(RECORDED[0].argmax())]
     assert seen.into_staging == []
+
+
+def test_the_noise_is_finite_for_every_hash():
+    """The hash's extremes give a uniform strictly inside (0, 1), so the Gumbel noise is finite:
+    +inf noise on a token a grammar masked (-inf) made NaN, and argmax took it."""
+    h = torch.tensor([0, 1, 2**31, 2**32 - 512, 2**32 - 1], dtype=torch.int64)
+    u = uniform(h)
+    assert bool(((u > 0) & (u < 1)).all())
+    assert bool(torch.isfinite(-torch.log(-torch.log(u))).all())

@@ -70,10 +70,16 @@ def gumbel(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor, voc
     row = _mix(_mix(_mix(seed_lo) ^ seed_hi) ^ (step & _MASK))[:, None]
     ids = _mix(torch.arange(vocab, device=step.device, dtype=torch.int64) * 0x9E3779B1 & _MASK)[None, :]
     h = _mix(_mix(row ^ ids) ^ (row >> 7))
-    # 24 bits, exact in float32, in (0, 1) and never 0 or 1; float32 because torch's CPU log is
-    # vectorised in float32 and some 40 times slower in float64 (17 ms at a 32k vocabulary).
-    u = ((h >> 8).float() + 0.5) * 2.0 ** -24
-    return (-torch.log(-torch.log(u))).double()
+    return (-torch.log(-torch.log(uniform(h)))).double()
+
+
+def uniform(h: torch.Tensor) -> torch.Tensor:
+    """Hashes [0, 2^32) as float32 in (0, 1), never 0 or 1: 23 bits plus a half, exact in float32
+    (24 bits plus a half rounded the top value to 1.0, whose noise is +inf: a masked token's
+    -inf + inf is NaN, which argmax takes, so a JSON schema's row drew a token its grammar
+    refused). float32 because torch's CPU log is vectorised in float32 and some 40 times slower in
+    float64 (17 ms at a 32k vocabulary)."""
+    return ((h >> 9).float() + 0.5) * 2.0 ** -23
 
 
 class HostStaging:

@@ -39,8 +39,8 @@ from shard_contract.wire import GenerateRequest
 from shard_operator.local import demo_model
 from shard_operator.local.launcher import LocalGroup, free_port, plan_local
 from shard_operator.local.run import wait_ready
+from shard_worker.engine.grammar import Grammars
 from shard_worker.engine.sampling import Sampler
-from shard_worker.serving.grammar import Grammars
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))

@@ -61,7 +61,7 @@ def child_read(model_dir: str, dtype: str, repeats: int) -> dict:
     from shard_worker.model.config import ModelConfig
     from shard_worker.model.model import Layout, Stage
     from shard_worker.model.offload import Streamer
-    from shard_worker.rank.accounting import Accounting
+    from shard_worker.telemetry.accounting import Accounting
 
     torch.set_num_threads(1)
     config = ModelConfig.from_dir(model_dir)

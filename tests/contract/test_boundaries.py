@@ -95,6 +95,20 @@ OPERATOR_LAYERS = {
 }
 
 
+# The worker's packages by domain, likewise: a rank (rank/, __main__) assembles the HTTP side
+# (serving/) and the engine; the engine runs the model; telemetry (counters, heartbeats, metrics)
+# and `log` sit below everything, so any layer can count and report without reaching up.
+WORKER_LAYERS = {
+    "log": set(),
+    "telemetry": {"log"},
+    "comm": {"log", "telemetry"},
+    "model": {"log", "telemetry", "comm"},
+    "engine": {"log", "telemetry", "comm", "model"},
+    "serving": {"log", "telemetry", "model", "engine"},
+    "rank": {"log", "telemetry", "comm", "model", "engine", "serving"},
+}
+
+
 def module_name(path: Path, root: Path) -> str:
     parts = list(path.relative_to(root.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -159,12 +173,20 @@ def test_the_circle_finder_sees_a_circle_and_only_one():
     assert circles({"a": {"b"}, "b": set()}) == []
 
 
-def test_the_operator_packages_import_only_the_layers_below_them():
-    root = REPO / "operator" / "shard_operator"
+def layer_offenders(package: str, layers: dict[str, set[str]], composers: set[str]) -> list[str]:
+    """Imports from one folder of `package` into another that its layer may not reach."""
+    root = REPO / PACKAGES[package] / package
     edges = imports_within(root)
     domain = {m: m.split(".")[1] for m in edges if m.count(".") >= 1}
-    assert set(OPERATOR_LAYERS) | {"cli", "__main__"} >= set(domain.values()), sorted(set(domain.values()))
-    offenders = sorted(f"{m} imports {d}" for m, ds in edges.items() for d in ds
-                       if m in domain and d in domain and domain[m] != domain[d]
-                       and domain[m] in OPERATOR_LAYERS and domain[d] not in OPERATOR_LAYERS[domain[m]])
-    assert not offenders, offenders
+    assert set(layers) | composers >= set(domain.values()), sorted(set(domain.values()))
+    return sorted(f"{m} imports {d}" for m, ds in edges.items() for d in ds
+                  if m in domain and d in domain and domain[m] != domain[d]
+                  and domain[m] in layers and domain[d] not in layers[domain[m]])
+
+
+def test_the_operator_packages_import_only_the_layers_below_them():
+    assert layer_offenders("shard_operator", OPERATOR_LAYERS, {"cli", "__main__"}) == []
+
+
+def test_the_worker_packages_import_only_the_layers_below_them():
+    assert layer_offenders("shard_worker", WORKER_LAYERS, {"__main__", "launch"}) == []

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shard_operator.metrics import ControllerCollector
-from shard_worker.rank.metrics import FAMILIES, LABELS, WorkerMetrics
+from shard_worker.telemetry.metrics import FAMILIES, LABELS, WorkerMetrics
 
 from .chart import CHART, one
 
@@ -130,7 +130,7 @@ def test_exported_names_follow_prometheus_conventions():
     assert "shard_group_ready" in names
 
 
-@pytest.mark.parametrize("module", ["shard_worker.rank.metrics", "shard_operator.metrics"])
+@pytest.mark.parametrize("module", ["shard_worker.telemetry.metrics", "shard_operator.metrics"])
 def test_neither_plane_exposes_created_series(module):
     """Each in a process of its own (the setting is process-wide): once a plane's metrics module is
     imported, its counters and histograms have no `_created` series."""

@@ -11,7 +11,7 @@ import yaml
 
 from shard_operator.reconcile.handlers import kopf_settings
 from shard_operator.settings import Settings
-from shard_worker.rank.metrics import FAMILIES
+from shard_worker.telemetry.metrics import FAMILIES
 
 from .chart import CHART, REPO, SIZING_COMMAND
 

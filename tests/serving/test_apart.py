@@ -19,11 +19,11 @@ from shard_contract.wire import Completion, ShardsResponse
 from shard_operator.local.launcher import free_port, plan_local
 from shard_operator.local.run import run_local
 from shard_worker.rank.bridge import Bridge
-from shard_worker.rank.health import Verdict
 from shard_worker.serving import ipc
 from shard_worker.serving.batcher import EngineLoop
 from shard_worker.serving.events import Done, Failed, Pending, Sink, Step, Unavailable
 from shard_worker.serving.remote import EngineClient
+from shard_worker.telemetry.health import Verdict
 from tests.support.processes import alive, children, cmdline
 
 from .conftest import get, shardctl_run, sharded_model_yaml, wait_for

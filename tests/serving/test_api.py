@@ -15,8 +15,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shard_worker.rank.metrics import FAMILIES
-from shard_worker.rank.rankmetrics import LEADER_FAMILIES
+from shard_worker.telemetry.metrics import FAMILIES
+from shard_worker.telemetry.rankmetrics import LEADER_FAMILIES
 from tests.support.processes import alive, children, cmdline, rank_port
 
 from .conftest import KILLERS, check_killer, get, shardctl_run, sharded_model_yaml, wait_for

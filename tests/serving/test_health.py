@@ -19,16 +19,6 @@ from shard_operator.local.launcher import free_port
 from shard_worker.engine.engine import RequestError
 from shard_worker.engine.kvblocks import Blocks
 from shard_worker.engine.sequences import SequenceState
-from shard_worker.rank.health import (
-    ForgedRecord,
-    GroupKeyError,
-    GroupMonitor,
-    Heartbeat,
-    Record,
-    memory_problems,
-    read_group_key,
-)
-from shard_worker.rank.rankmetrics import RankMetrics
 from shard_worker.serving.batcher import (
     Done,
     EngineLoop,
@@ -41,6 +31,16 @@ from shard_worker.serving.batcher import (
     take_joiners,
 )
 from shard_worker.serving.servelog import Throughput
+from shard_worker.telemetry.health import (
+    ForgedRecord,
+    GroupKeyError,
+    GroupMonitor,
+    Heartbeat,
+    Record,
+    memory_problems,
+    read_group_key,
+)
+from shard_worker.telemetry.rankmetrics import RankMetrics
 
 MiB = 2**20
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from shard_worker.rank.accounting import Accounting, HostClock
+from shard_worker.telemetry.accounting import Accounting, HostClock
 
 
 class Mark:

@@ -112,7 +112,7 @@ def test_the_model_attention_reads_the_cache_once_by_its_slots(checkpoint, decod
     from shard_worker.model.kernels import torch_only
     from shard_worker.model.loader import load_stage
     from shard_worker.model.model import KVCache, Layout, Rotary, Stage, Step
-    from shard_worker.rank.accounting import Accounting
+    from shard_worker.telemetry.accounting import Accounting
 
     model_dir = checkpoint("llama")  # 4 heads, 2 KV heads
     config, cpu = ModelConfig.from_dir(model_dir), torch.device("cpu")

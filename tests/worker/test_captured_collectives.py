@@ -22,7 +22,7 @@ from shard_worker.engine.graphs import DecodeGraphs
 from shard_worker.model.config import ModelConfig
 from shard_worker.model.loader import load_stage
 from shard_worker.model.model import KVCache, Layout, Rotary, Stage
-from shard_worker.rank.accounting import Accounting
+from shard_worker.telemetry.accounting import Accounting
 
 ROWS, MAX_LEN = 3, 24
 

@@ -26,7 +26,7 @@ from shard_worker.model.kernels import torch_only
 from shard_worker.model.loader import load_stage
 from shard_worker.model.model import KVCache, Layout, Rotary, Stage, Step
 from shard_worker.model.paging import slot_maps
-from shard_worker.rank.accounting import Accounting
+from shard_worker.telemetry.accounting import Accounting
 
 from .conftest import make_plan
 from .pool import ContinuousJob, GenerateJob

@@ -39,7 +39,7 @@ def _run(model_dir, dtype: torch.dtype, quantization: str, use_fused: bool, pads
     from shard_worker.model.config import ModelConfig
     from shard_worker.model.loader import load_stage
     from shard_worker.model.model import KVCache, Layout, Rotary, Stage, Step
-    from shard_worker.rank.accounting import Accounting
+    from shard_worker.telemetry.accounting import Accounting
 
     config = ModelConfig.from_dir(model_dir)
     layout = Layout(config, tp=1, tp_rank=0, layers=(0, config.num_layers), embeds=True, has_lm_head=True)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shard_worker.rank.accounting import MemorySample
 from shard_worker.rank.runtime import agreed_dtype, resident_bytes
+from shard_worker.telemetry.accounting import MemorySample
 
 GiB = 2**30
 

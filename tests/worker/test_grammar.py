@@ -13,8 +13,8 @@ import torch
 
 from shard_contract.wire import GenerateRequest
 from shard_operator.local.demo_model import train_tokenizer
+from shard_worker.engine.grammar import JSON_OBJECT, Grammars, grammar_of
 from shard_worker.engine.sampling import FAILED, Sampler
-from shard_worker.serving.grammar import JSON_OBJECT, Grammars, grammar_of
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 130},

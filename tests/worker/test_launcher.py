@@ -18,7 +18,7 @@ from shard_contract.wire import GenerateRequest, GenerateTask
 from shard_operator.local.launcher import LaunchError, LocalGroup, free_port, run_generate
 from shard_worker.__main__ import name_process
 from shard_worker.comm.dist import RendezvousError, Topology, init_comm
-from shard_worker.rank.accounting import Accounting
+from shard_worker.telemetry.accounting import Accounting
 from tests.support.processes import children, is_worker, shardctl
 
 from .conftest import make_plan

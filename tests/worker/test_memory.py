@@ -45,7 +45,7 @@ def test_resident_memory_matches_the_plan(big, tp, pp):
 
 LOAD_ONE_RANK = """
 import ctypes, json, sys, torch
-from shard_worker.rank.accounting import Accounting, MemorySample
+from shard_worker.telemetry.accounting import Accounting, MemorySample
 from shard_worker.model.config import ModelConfig
 from shard_worker.comm.dist import Comm, Topology
 from shard_worker.model.loader import load_stage

@@ -58,7 +58,7 @@ def _stages(model_dir, streamed, tp: int = 1, tp_rank: int = 0, dtype: torch.dty
     from shard_worker.model.config import ModelConfig
     from shard_worker.model.loader import load_stage
     from shard_worker.model.model import Layout, Stage
-    from shard_worker.rank.accounting import Accounting
+    from shard_worker.telemetry.accounting import Accounting
 
     config = ModelConfig.from_dir(model_dir)
     layout = Layout(config, tp=tp, tp_rank=tp_rank, layers=(0, config.num_layers), embeds=True, has_lm_head=True)
@@ -211,7 +211,7 @@ def test_a_cpu_rank_maps_a_few_layers_at_a_time(big):
     once its slot takes another layer (the page cache keeps them): through two passes over every
     layer, the rank's mapped file memory grows by about its slots' layers, not the model's."""
     from shard_worker.model.offload import Streamer
-    from shard_worker.rank.accounting import proc_status
+    from shard_worker.telemetry.accounting import proc_status
 
     off = streaming_plan(big, 1, 1, 1.0, max_len=512).ranks[0].offload
     _, stage, acct = _stages(big, off.layers, resident=False)
@@ -237,7 +237,7 @@ def test_a_layer_is_mapped_in_and_out_with_or_without_populate_read(big, populat
     from shard_worker.model.config import ModelConfig
     from shard_worker.model.loader import Checkpoint
     from shard_worker.model.offload import FileMaps
-    from shard_worker.rank.accounting import proc_status
+    from shard_worker.telemetry.accounting import proc_status
 
     entry = Checkpoint(big, ModelConfig.from_dir(big)).entry("model.layers.3.mlp.down_proj.weight")
     maps = FileMaps()

@@ -255,7 +255,7 @@ def test_a_streamer_lends_each_layer_its_weights_and_lets_go_of_everything_on_cl
     from shard_worker.model.loader import load_stage
     from shard_worker.model.model import Layout, Stage
     from shard_worker.model.offload import Streamer
-    from shard_worker.rank.accounting import Accounting, CudaClock
+    from shard_worker.telemetry.accounting import Accounting, CudaClock
 
     off = streaming_plan(deep, 1, 1, 1.0, kind=kind_of(device), host_memory="1MiB").ranks[0].offload
     on = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")

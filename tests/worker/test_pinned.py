@@ -80,7 +80,7 @@ def test_a_gpu_rank_pins_what_its_plan_counts(tmp_path, host_memory, tier):
     from shard_worker.model.config import ModelConfig
     from shard_worker.model.model import Layout, Stage
     from shard_worker.model.offload import pinned_layers
-    from shard_worker.rank.accounting import Accounting
+    from shard_worker.telemetry.accounting import Accounting
     from tests.support.checkpoints import write_checkpoint
     from tests.support.offload import streaming_plan
 

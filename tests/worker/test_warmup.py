@@ -11,7 +11,7 @@ from shard_worker.engine.warmup import WarmupOutOfMemory, largest_pass, warm_up
 from shard_worker.model.config import ModelConfig
 from shard_worker.model.loader import load_stage
 from shard_worker.model.model import KVCache, Layout, Rotary, Stage
-from shard_worker.rank.accounting import Accounting
+from shard_worker.telemetry.accounting import Accounting
 
 
 def one_rank(model_dir, batch: int, max_len: int) -> tuple[Stage, KVCache, Rotary]:

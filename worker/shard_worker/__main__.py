@@ -48,10 +48,10 @@ from .comm.dist import RendezvousError
 from .engine.engine import Hooks, RequestError
 from .log import first_line, log
 from .model.config import ConfigError
-from .rank.accounting import MemorySample
 from .rank.runtime import PlanMismatch, Worker, freeze_loaded_objects
 from .serving.text import Texts
 from .serving.tokenizer import TextCodec
+from .telemetry.accounting import MemorySample
 
 # Errors whose message says it all: printed as one line, no traceback.
 KNOWN_ERRORS = (CheckpointError, ConfigError, RendezvousError, RequestError, PlanMismatch)

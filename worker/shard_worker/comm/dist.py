@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from shard_contract.env import SHM_DIR_ENV, SHM_ENV, WorkerEnv
 
-from ..rank.accounting import Accounting
+from ..telemetry.accounting import Accounting
 from . import shm
 
 FORWARD_TAG, RETURN_TAG = 1, 2  # activations downstream (tensor backend); tokens back (control group)

@@ -34,9 +34,8 @@ from ..comm.dist import Comm
 from ..log import log
 from ..model.model import KVCache, Rotary, Stage, Step
 from ..model.paging import RESERVED_BLOCKS, TRASH_BLOCK
-from ..rank.accounting import Accounting
-from ..serving import grammar
-from . import logprobs
+from ..telemetry.accounting import Accounting
+from . import grammar, logprobs
 from .graphs import DecodeGraphs, chosen_mode
 from .kvblocks import Blocks
 from .pipeline import Free, Join, Link, Unit, prefill_units

@@ -39,7 +39,7 @@ from shard_contract.wire import MAX_LOGPROBS, GenerateRequest
 
 from ..log import first_line
 from ..model.pinned import PinnedArena
-from ..serving import grammar
+from . import grammar
 
 FAILED = -1  # the token of a row whose sampling failed
 NOT_FINITE = "choosing its next token failed: the model's logits for this sequence are not finite"

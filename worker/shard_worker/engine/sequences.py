@@ -18,7 +18,7 @@ import torch
 from shard_contract.wire import Completion, GenerateRequest
 
 from ..model.paging import TRASH_BLOCK
-from ..serving.grammar import Grammars
+from .grammar import Grammars
 from .logprobs import Extras
 from .sampling import FAILED, HostSampled, Sampler
 

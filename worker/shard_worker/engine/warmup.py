@@ -22,7 +22,7 @@ import torch
 from shard_contract.sharding import PREFILL_CHUNK
 
 from ..model.model import KVCache, Rotary, Stage, Step
-from ..rank.accounting import proc_status
+from ..telemetry.accounting import proc_status
 
 
 class WarmupOutOfMemory(MemoryError):

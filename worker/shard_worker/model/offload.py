@@ -57,7 +57,7 @@ import torch
 
 from shard_contract.plan import OffloadPlan
 
-from ..rank.accounting import Accounting
+from ..telemetry.accounting import Accounting
 from .loader import TORCH_DTYPES, Checkpoint, Entry, LoadStats, SliceReader
 from .model import PROJECTIONS, DecoderLayer, Piece, Stage
 from .pinned import PinnedArena, arena_bytes

@@ -26,8 +26,8 @@ from ..log import first_line, log
 from ..serving import ipc
 from ..serving.batcher import EngineLoop
 from ..serving.events import Done, Event, Failed, Pending, Sink, Unavailable
-from .health import Verdict
-from .rankmetrics import OUTCOMES, RankMetrics
+from ..telemetry.health import Verdict
+from ..telemetry.rankmetrics import OUTCOMES, RankMetrics
 
 
 class Served(Protocol):

@@ -38,9 +38,9 @@ from shard_contract.wire import LoadProgress, RankReport, ShardEntry, ShardsResp
 from ..log import first_line, log
 from ..serving.batcher import EngineLoop, LocalLink, Unavailable
 from ..serving.limits import ASGIApp, server_limits
-from .accounting import MemorySample
-from .health import Heartbeat, Record, Verdict, memory_problems, read_group_key
-from .rankmetrics import RankMetrics
+from ..telemetry.accounting import MemorySample
+from ..telemetry.health import Heartbeat, Record, Verdict, memory_problems, read_group_key
+from ..telemetry.rankmetrics import RankMetrics
 from .runtime import Worker, cache_rows, freeze_loaded_objects
 
 GRACEFUL_SECONDS = 10  # in-flight requests get this long to finish on SIGTERM

@@ -24,7 +24,7 @@ from ..model.config import ModelConfig
 from ..model.loader import load_stage
 from ..model.model import KVCache, Layout, Rotary, Stage
 from ..model.offload import Streamer
-from .accounting import Accounting, CudaClock, MemorySample
+from ..telemetry.accounting import Accounting, CudaClock, MemorySample
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

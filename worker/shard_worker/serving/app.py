@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from shard_contract.wire import ShardsResponse
 
 from ..log import first_line
-from ..rank.health import Verdict
+from ..telemetry.health import Verdict
 from . import dashboard, openai
 from .routes import OpenAIRoutes
 

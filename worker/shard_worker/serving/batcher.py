@@ -36,7 +36,7 @@ from shard_contract.wire import Completion, GenerateRequest
 
 from ..engine.engine import Engine, Hooks, RequestError, SequenceState, fits_at
 from ..log import first_line, log
-from ..rank.rankmetrics import RankMetrics
+from ..telemetry.rankmetrics import RankMetrics
 from .events import Done, Event, Failed, Mailbox, Pending, Sink, Step, Unavailable, mailbox
 from .servelog import Throughput, request_line
 

@@ -24,7 +24,7 @@ from typing import Any
 from shard_contract.wire import ShardsResponse
 
 from ..log import log
-from ..rank.health import Verdict
+from ..telemetry.health import Verdict
 from . import ipc
 from .events import Failed, Pending, Step, Unavailable
 

@@ -27,8 +27,9 @@ from shard_contract.env import read_api_key
 from shard_contract.wire import Completion
 
 from .. import __version__
+from ..engine import grammar
 from ..model.config import ModelConfig
-from . import choices, grammar, openai
+from . import choices, openai
 from .events import Done, Event, Failed, Link, Outcomes, Pending, Sink, Step, Unavailable
 from .text import TextStream
 from .textproc import TextError, TextWorkers

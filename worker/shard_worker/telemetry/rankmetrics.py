@@ -8,17 +8,24 @@ recorded by the leader as requests finish.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from prometheus_client import generate_latest
 
 from shard_contract.plan import RankPlan
 
-from .accounting import COMM_OPS
+from .accounting import COMM_OPS, Accounting
 from .metrics import WorkerMetrics
 
-if TYPE_CHECKING:
-    from .runtime import Worker
+
+class Measured(Protocol):
+    """What a scrape reads of a loaded rank (`rank.runtime.Worker`), named here so that telemetry
+    stays below the packages that assemble a rank."""
+
+    acct: Accounting
+    load_seconds: float
+
+    def report(self) -> dict[str, Any]: ...
 
 OUTCOMES = ("completed", "rejected", "failed", "cancelled")  # cancelled: the client went away
 # Families only the leader records (it alone sees requests); the other ranks expose them empty.
@@ -116,7 +123,7 @@ class RankMetrics:
         else:
             self.m.get(name, **labels)  # exposed at zero
 
-    def exposition(self, worker: Worker | None, ready: bool) -> bytes:
+    def exposition(self, worker: Measured | None, ready: bool) -> bytes:
         """The text format of every family, brought up to date with `worker`'s measurements."""
         with self._lock:
             self.m.get("shard_group_ready").set(1 if ready else 0)

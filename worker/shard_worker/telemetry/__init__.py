@@ -1,0 +1,1 @@
+"""shard_worker.telemetry."""

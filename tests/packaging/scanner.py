@@ -8,16 +8,15 @@ tests.packaging.scanner`), like the helm and kubectl binaries; a test only looks
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
+from ..support import toolvenv
+
 VERSION = "3.3.30"
-CACHE = Path(os.environ.get("SHARD_TEST_BIN_CACHE", Path.home() / ".cache" / "shard-operator" / "bin")).parent
-VENV = CACHE / f"checkov-{VERSION}"
+VENV = toolvenv.CACHE / f"checkov-{VERSION}"
 # No calls home: no version check, no policy download from the vendor's platform.
 OFFLINE_ENV = {"CKV_SKIP_PACKAGE_UPDATE_CHECK": "true", "BC_SKIP_MAPPING": "TRUE", "LOG_LEVEL": "WARNING"}
 
@@ -31,19 +30,7 @@ def checkov_python() -> Path:
 
 def install() -> Path:
     """Make checkov's venv if this machine has none (about a minute); its python."""
-    python = VENV / "bin" / "python"
-    stamp = VENV / ".installed"
-    if stamp.exists():
-        return python
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / f"checkov-{VERSION}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent installs wait for one installer
-        if not stamp.exists():
-            subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
-            subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                            f"checkov=={VERSION}"], check=True, timeout=900)
-            stamp.touch()
-    return python
+    return toolvenv.ensure(f"checkov-{VERSION}", [f"checkov=={VERSION}"], timeout=900)
 
 
 def scan(directory: Path, config: Path) -> list[dict]:

@@ -13,7 +13,6 @@ standard library is imported at the top, lm_eval inside `_evaluate`.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
@@ -22,8 +21,6 @@ from pathlib import Path
 
 VERSION = "0.4.13"
 REQUIREMENTS = [f"lm-eval[api]=={VERSION}", "transformers==5.25.0"]
-CACHE = Path(os.environ.get("SHARD_TEST_BIN_CACHE", Path.home() / ".cache" / "shard-operator" / "bin")).parent
-VENV = CACHE / f"lm-eval-{VERSION}"
 TASKS = Path(__file__).with_name("lmeval_tasks")  # the task YAMLs and their data, relative to it
 # Nothing from the hubs: the task's data is a local JSON file, the tokenizer a local directory.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -32,19 +29,9 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_
 
 def install() -> Path:
     """Make lm-eval's venv if this machine has none (a few minutes the first time); its python."""
-    python = VENV / "bin" / "python"
-    stamp = VENV / ".installed"
-    if stamp.exists():
-        return python
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / f"lm-eval-{VERSION}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent installs wait for one installer
-        if not stamp.exists():
-            subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
-            subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                            *REQUIREMENTS], check=True, timeout=1200)
-            stamp.touch()
-    return python
+    from tests.support import toolvenv  # here, not at the top: lm-eval's venv runs this file as a script
+
+    return toolvenv.ensure(f"lm-eval-{VERSION}", REQUIREMENTS, timeout=1200)
 
 
 def evaluate(tasks: list[str], workdir: Path, *, model_args: str, timeout: float = 900) -> dict:

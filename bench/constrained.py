@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,14 +36,14 @@ import torch
 
 from shard_contract.wire import GenerateRequest
 from shard_operator.local import demo_model
-from shard_operator.local.launcher import LocalGroup, free_port, plan_local
-from shard_operator.local.run import wait_ready
+from shard_operator.local.launcher import plan_local
 from shard_worker.engine.grammar import Grammars
 from shard_worker.engine.sampling import Sampler
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 import decode
+from served import served
 
 VOCAB = 32000
 # Long enough that most answers reach max_tokens (8 tags of up to 16 characters), as a free one does.
@@ -144,13 +143,8 @@ async def batch(url: str, rows: int, max_tokens: int, schema: bool, seed: int) -
 def end_to_end(model_dir: Path, rounds: int, max_tokens: int, threads: int, dtype: str) -> list[dict]:
     plan = plan_local(model_dir, 1, 1, dtype=dtype, max_model_len=512, max_batch_size=4,
                       devices="localhost:8GiB*1", device_kind="cpu")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     results = []
-    with tempfile.TemporaryDirectory() as tmp, LocalGroup(plan, model_dir, tmp, leader_port=port,
-                                                          threads_per_rank=threads,
-                                                          extra_env={"SHARD_HOST": "127.0.0.1"}) as group:
-        wait_ready(group, url, 900)
+    with served(plan, model_dir, threads=threads, ready_seconds=900) as (url, _):
         asyncio.run(batch(url, 1, 8, True, 999))  # warm up: the grammar's tokenizer, the first steps
         asyncio.run(batch(url, 1, 8, False, 999))
         for r in range(rounds):

@@ -45,10 +45,12 @@ import httpx
 
 from shard_contract.env import HTTP_PROCESS_ENV
 from shard_operator.local.demo_model import DemoShape, write_demo_model
-from shard_operator.local.launcher import LocalGroup, free_port, plan_local
-from shard_operator.local.run import wait_ready
+from shard_operator.local.launcher import LocalGroup, plan_local
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from served import served
+
 CLIENTS = 32
 NEVER = "\u2603\u2603\u2603"  # a stop string no demo-model text holds
 
@@ -141,21 +143,16 @@ def run(model_dir: Path, rounds: int, max_tokens: int, vocab: int, threads: int,
     prompts = [[1] + [(7 * i + 11 * j) % (vocab - 3) + 3 for j in range(15)] for i in range(CLIENTS)]
     rows = []
     with contextlib.ExitStack() as stack:
-        served = {}
+        leaders = {}
         for mode in modes:
-            port = free_port()
-            tmp = stack.enter_context(tempfile.TemporaryDirectory())
-            group = stack.enter_context(LocalGroup(plan, model_dir, tmp, leader_port=port, threads_per_rank=threads,
-                                                   extra_env={"SHARD_HOST": "127.0.0.1",
-                                                              HTTP_PROCESS_ENV: MODES[mode]}))
-            url = f"http://127.0.0.1:{port}"
-            wait_ready(group, url, 300)
+            url, group = stack.enter_context(served(plan, model_dir, threads=threads, ready_seconds=300,
+                                                    env={HTTP_PROCESS_ENV: MODES[mode]}))
             asyncio.run(batch(url, prompts[:2], 4, False))  # warm up
-            served[mode] = (url, leader_processes(group))
+            leaders[mode] = (url, leader_processes(group))
         order = [(mode, stream) for mode in modes for stream in (False, True)]
         for r in range(rounds):
             for mode, stream in (order if r % 2 == 0 else order[::-1]):
-                url, pids = served[mode]
+                url, pids = leaders[mode]
                 rows.append(asyncio.run(batch(url, prompts, max_tokens, stream, pids))
                             | {"load": os.getloadavg()[0], "mode": mode})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)

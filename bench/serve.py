@@ -37,10 +37,12 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from shard_operator.local.demo_model import DemoShape, write_demo_model
-from shard_operator.local.launcher import LocalGroup, free_port, plan_local
-from shard_operator.local.run import wait_ready
+from shard_operator.local.launcher import plan_local
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from served import served
+
 POLL_SECONDS = 1.0  # the page polls every 2 s; a viewer polling every second is the harder case
 
 
@@ -115,13 +117,8 @@ def run_layout(model_dir: Path, tp: int, threads: int, clients_list: list[int], 
     """Every client count, once per entry of `pollers` in turn (None: no dashboard open)."""
     plan = plan_local(model_dir, tp, 1, max_model_len=256, max_batch_size=max(clients_list),
                       devices="localhost:4GiB*2", device_kind="cpu")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, LocalGroup(plan, model_dir, tmp, leader_port=port,
-                                                          threads_per_rank=threads,
-                                                          extra_env={"SHARD_HOST": "127.0.0.1"}) as group:
-        wait_ready(group, url, 300)
+    with served(plan, model_dir, threads=threads, ready_seconds=300) as (url, _):
         asyncio.run(load(url, 1, 0, 8, vocab))  # warm up: one request
         for clients, poll_period in [(c, p) for c in clients_list for p in pollers]:
             count0, sum0 = batch_stats(url)

@@ -57,7 +57,6 @@ import os
 import random
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -68,10 +67,12 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from shard_operator.local.demo_model import DemoShape, write_demo_model
-from shard_operator.local.launcher import LocalGroup, free_port, plan_local
-from shard_operator.local.run import wait_ready
+from shard_operator.local.launcher import free_port, plan_local
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from served import served
+
 CACHE = Path.home() / ".cache" / "shard-operator"
 SERVER = Path(os.environ.get("LLAMA_SERVER", CACHE / "server-build" / "bin" / "llama-server"))
 MAX_LEN = 2048
@@ -252,12 +253,7 @@ def kv_of_free(url: str) -> dict:
 def ours(model_dir: Path, parallel: int, threads: int, max_len: int, ready_seconds: float = 600) -> Iterator[Server]:
     plan = plan_local(model_dir, 1, 1, max_model_len=max_len, max_batch_size=parallel,
                       devices="localhost:16GiB", device_kind="cpu", kv_cache_memory_fraction=KV_FRACTION)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory() as tmp, LocalGroup(plan, model_dir, tmp, leader_port=port,
-                                                          threads_per_rank=threads,
-                                                          extra_env={"SHARD_HOST": "127.0.0.1"}) as group:
-        wait_ready(group, url, max(ready_seconds, 30))
+    with served(plan, model_dir, threads=threads, ready_seconds=max(ready_seconds, 30)) as (url, _):
         yield Server("shard-operator", url, llama=False)
 
 

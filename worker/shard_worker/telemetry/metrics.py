@@ -53,7 +53,7 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "shard_requests_waiting": ("gauge", "Requests waiting to be batched (leader only).", ()),
     "shard_kv_cache_used_tokens": ("gauge", "KV-cache positions the running requests' prompts and generated "
                                             "tokens take (leader only).", ()),
-    "shard_kv_cache_capacity_tokens": ("gauge", "KV-cache positions there are: maxBatchSize rows x maxModelLen "
+    "shard_kv_cache_capacity_tokens": ("gauge", "KV-cache positions the paged pool holds: the plan's kvCacheTokens "
                                                 "(leader only).", ()),
     "shard_kv_cache_capacity_rows": ("gauge", "KV-cache rows there are: maxBatchSize, the most requests that run "
                                               "at once (leader only).", ()),

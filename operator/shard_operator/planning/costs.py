@@ -16,6 +16,7 @@ from .request import PlannerOptions, Request
 from .sizing import (
     Shard,
     activation_bytes,
+    kv_token_bytes,
     layer_copied_bytes,
     layer_read_bytes,
     layer_streamed_bytes,
@@ -121,7 +122,7 @@ class Costs:
         """The KV cache a layout must leave room for per layer on a rank of this kind: the
         reservation, or one whole sequence in the share of the free memory the cache may take."""
         r = self.request
-        return kvcache.token_bytes(self.profile, tp, 1, r.dtype) * kvcache.fit_tokens(self.kv_policy(kind), r)
+        return kv_token_bytes(self.profile, tp, 1, r.dtype) * kvcache.fit_tokens(self.kv_policy(kind), r)
 
     def overhead(self, kind: str, tp: int, pipeline: bool) -> int:
         """A rank's runtime beyond the model: the options' per kind, and NCCL's NVLS buffers when on."""
@@ -155,7 +156,7 @@ class Costs:
             layer_seconds=(step.layer_seconds(kind, layer_bytes, self.layer_bytes(tp, "none"), bandwidth)
                            + 2 * collective),
             usable=int(memory * (1 - request.headroom)),
-            max_layers=kvcache.max_layers(policy, kvcache.token_bytes(profile, tp, 1, request.dtype), request),
+            max_layers=kvcache.max_layers(policy, kv_token_bytes(profile, tp, 1, request.dtype), request),
         )
 
 

@@ -21,7 +21,7 @@ from .inventory import Inventory
 from .profile import ModelProfile
 from .request import PlannerOptions, Request, Shortfall, pool_kind, resolve_request
 from .search import fitting, pick, places, to_plan
-from .sizing import Shard, activation_bytes, nvls_bytes, weight_bytes
+from .sizing import Shard, activation_bytes, kv_token_bytes, nvls_bytes, weight_bytes
 
 STREAMING_FITS = "Streaming layers would fit it (planned): "
 
@@ -139,7 +139,7 @@ def capacity_needed(profile: ModelProfile, request: Request, inventory: Inventor
     per_device = options.runtime_overhead[kind] + nvls_bytes(request.nvls, kind, max(tps), False) + \
         activation_bytes(profile, Shard(tp=max(tps), layers=(0, 0), embeds=False, has_lm_head=False),
                          request.max_len, request.batch, request.dtype, kind) + kvcache.fixed_bytes(policy)
-    kv = kvcache.token_bytes(profile, 1, profile.shape.num_layers, request.dtype) * kvcache.fit_tokens(policy, request)
+    kv = kv_token_bytes(profile, 1, profile.shape.num_layers, request.dtype) * kvcache.fit_tokens(policy, request)
     return Shortfall(weights=weight_bytes(profile, whole, request.dtype, request.quantization), kv_cache=kv,
                      per_device=per_device, devices=tuple(inventory.devices),
                      usable=tuple(int(d.memory_bytes * (1 - request.headroom)) for d in inventory.devices))

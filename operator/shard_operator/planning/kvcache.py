@@ -14,11 +14,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from shard_contract.sharding import kv_heads_per_rank
 from shard_contract.units import count
 
 from ..api import DEFAULT_GPU_FRACTION
-from .profile import ModelProfile
 from .request import Request
 
 GPU_DEFAULT_FROM_FREE = False  # step 2 of issue 28 turns it on with maxBatchSize's GPU default
@@ -45,12 +43,6 @@ def kv_policy(request: Request, kind: str) -> KvPolicy:
     if kind == "gpu" and GPU_DEFAULT_FROM_FREE:
         return KvPolicy("fraction", fraction=DEFAULT_GPU_FRACTION)
     return KvPolicy("reserve")
-
-
-def token_bytes(profile: ModelProfile, tp: int, layers: int, dtype: str) -> int:
-    """Bytes of one token's keys and values on a rank of `layers` decoder layers at tensor `tp`."""
-    shape = profile.shape
-    return layers * 2 * kv_heads_per_rank(shape, tp) * shape.head_dim * profile.dtype_bytes(dtype)
 
 
 def fit_tokens(policy: KvPolicy, request: Request) -> int:

@@ -30,6 +30,7 @@ from .request import (
 from .sizing import (
     Shard,
     activation_bytes,
+    kv_token_bytes,
     layer_copied_bytes,
     layer_read_bytes,
     layer_streamed_bytes,
@@ -307,7 +308,7 @@ def to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, cos
             sized.append((block, shard, off, predicted))
         tokens = group_kv_tokens(profile, request, costs, tp, sized)
         for stage, (block, shard, off, predicted) in enumerate(sized):
-            kv = kvcache.token_bytes(profile, tp, shard.layers[1] - shard.layers[0], request.dtype) * tokens
+            kv = kv_token_bytes(profile, tp, shard.layers[1] - shard.layers[0], request.dtype) * tokens
             predicted = PredictedBytes(**{**predicted.model_dump(exclude={"total"}), "kv_cache": kv})
             for tp_rank, device in enumerate(block.devices):
                 ranks.append(RankPlan(
@@ -338,7 +339,7 @@ def group_kv_tokens(profile: ModelProfile, request: Request, costs: Costs, tp: i
     held = []
     for block, shard, _, predicted in sized:
         usable = min(int(d.memory_bytes * (1 - request.headroom)) for d in block.devices)
-        per_token = kvcache.token_bytes(profile, tp, shard.layers[1] - shard.layers[0], request.dtype)
+        per_token = kv_token_bytes(profile, tp, shard.layers[1] - shard.layers[0], request.dtype)
         held.append(kvcache.rank_tokens(costs.kv_policy(block.kind), usable - predicted.total, per_token, request))
     return min(held)
 

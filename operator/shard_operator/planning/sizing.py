@@ -124,12 +124,15 @@ def weight_bytes(profile: ModelProfile, shard: Shard, dtype: str = "auto", quant
     return layers + outside_layers_numel(profile, shard) * profile.dtype_bytes(dtype)
 
 
+def kv_token_bytes(profile: ModelProfile, tp: int, layers: int, dtype: str = "auto") -> int:
+    """Bytes of one token's keys and values on a rank of `layers` decoder layers at tensor `tp`."""
+    shape = profile.shape
+    return layers * 2 * kv_heads_per_rank(shape, tp) * shape.head_dim * profile.dtype_bytes(dtype)
+
+
 def kv_cache_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: int, dtype: str = "auto") -> int:
     """Keys and values for every layer of the shard, its KV heads, `max_len` tokens, `batch` rows."""
-    n_layers = shard.layers[1] - shard.layers[0]
-    shape = profile.shape
-    per_token_layer = 2 * kv_heads_per_rank(shape, shard.tp) * shape.head_dim * profile.dtype_bytes(dtype)
-    return n_layers * per_token_layer * max_len * batch
+    return kv_token_bytes(profile, shard.tp, shard.layers[1] - shard.layers[0], dtype) * max_len * batch
 
 
 def activation_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: int, dtype: str = "auto",

@@ -16,10 +16,10 @@ from shard_operator.api import SpecError, parse_spec
 from shard_operator.api.crd import build_crd
 from shard_operator.planning import PlanError, PlannerOptions, plan
 from shard_operator.planning.inventory import Device, Inventory, parse_devices
-from shard_operator.planning.kvcache import token_bytes
 from shard_operator.planning.profile import profile_from_config
 from shard_operator.planning.replan import incompatibility
 from shard_operator.planning.report import render_plan
+from shard_operator.planning.sizing import kv_token_bytes
 
 LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -39,7 +39,7 @@ def free_of(p: Plan, r) -> int:
 
 
 def per_token(profile, p: Plan, r) -> int:
-    return token_bytes(profile, p.tensor_parallel, r.layers[1] - r.layers[0], p.dtype)
+    return kv_token_bytes(profile, p.tensor_parallel, r.layers[1] - r.layers[0], p.dtype)
 
 
 # ---------------------------------------------------------------- the modes (tables)

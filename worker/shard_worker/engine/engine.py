@@ -291,11 +291,9 @@ class Engine:
         vocab = self.config.vocab_size if return_logits else None
         seqs = Sequences(self.cache.batch, self.config.eos_token_ids, self.stage.device)
         out = Output(completions=[], prefill_seconds=0.0, decode_seconds=0.0, decode_steps=0)
-        first = []
         for row, r in enumerate(requests):
-            seq = seqs.start(row, r)
-            seq.cached_tokens = int(rows.starts[row])
-            first.append(row)
+            seqs.start(row, r).cached_tokens = int(rows.starts[row])
+        first = list(range(len(requests)))
         tokens, logits = self._prefill(requests, rows, vocab)
         self.blocks.computed(range(len(requests)))
         out.logits += [logits.cpu()] if logits is not None else []

@@ -19,17 +19,8 @@ from shard_operator.local.launcher import free_port
 from shard_worker.engine.engine import RequestError
 from shard_worker.engine.kvblocks import Blocks
 from shard_worker.engine.sequences import SequenceState
-from shard_worker.serving.batcher import (
-    Done,
-    EngineLoop,
-    Failed,
-    Pending,
-    Sink,
-    Step,
-    Unavailable,
-    take_batch,
-    take_joiners,
-)
+from shard_worker.serving.batcher import EngineLoop, take_batch, take_joiners
+from shard_worker.serving.events import Done, Failed, Pending, Sink, Step, Unavailable
 from shard_worker.serving.servelog import Throughput
 from shard_worker.telemetry.health import (
     ForgedRecord,

@@ -136,7 +136,7 @@ def test_with_a_real_tokenizer_the_deltas_add_up_to_the_decoded_text(codec, data
 def test_a_stream_behind_the_engine_catches_up_with_its_freshest_event():
     import asyncio
 
-    from shard_worker.serving.batcher import Done, Failed, Step
+    from shard_worker.serving.events import Done, Failed, Step
     from shard_worker.serving.routes import latest
 
     async def drained(events: list) -> tuple:

@@ -36,7 +36,8 @@ from shard_contract.plan import Plan
 from shard_contract.wire import LoadProgress, RankReport, ShardEntry, ShardsResponse
 
 from ..log import first_line, log
-from ..serving.batcher import EngineLoop, LocalLink, Unavailable
+from ..serving.batcher import EngineLoop, LocalLink
+from ..serving.events import Unavailable
 from ..serving.limits import ASGIApp, server_limits
 from ..telemetry.accounting import MemorySample
 from ..telemetry.health import Heartbeat, Record, Verdict, memory_problems, read_group_key

@@ -37,11 +37,8 @@ from shard_contract.wire import Completion, GenerateRequest
 from ..engine.engine import Engine, Hooks, RequestError, SequenceState, fits_at
 from ..log import first_line, log
 from ..telemetry.rankmetrics import RankMetrics
-from .events import Done, Event, Failed, Mailbox, Pending, Sink, Step, Unavailable, mailbox
+from .events import Pending, Unavailable
 from .servelog import Throughput, request_line
-
-__all__ = ["Done", "EngineLoop", "Event", "Failed", "LocalLink", "Mailbox", "Pending", "Sink", "Step",
-           "Unavailable", "mailbox", "take_batch", "take_joiners"]
 
 MAX_WAITING = 256
 # When the engine is free and a request arrives, wait this long for others to arrive with it:

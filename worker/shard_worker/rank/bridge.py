@@ -140,11 +140,15 @@ class Bridge:
             return self.rank.exposition(self.rank.verdict().ready).decode()
         raise ValueError(f"unknown query {what!r}")
 
+    def _ack(self, ack: int, status: int = 0, reason: str = "") -> None:
+        """Answer a submit: status 0 when queued, else the HTTP status it fails with and why."""
+        self._send({"op": "ack", "ack": ack, "status": status, "reason": reason})
+
     def _submit(self, ack: int, items: list[dict[str, Any]]) -> None:
         try:
             loop = self.rank.ready_loop()
         except Unavailable as err:
-            self._send({"op": "ack", "ack": ack, "status": err.status, "reason": err.reason})
+            self._ack(ack, err.status, err.reason)
             return
         pendings = []
         try:
@@ -154,7 +158,7 @@ class Bridge:
                                   ForwardSink(self, rid, bool(item["stream"])), str(item["name"]))
                 pendings.append((rid, pending))
         except ValueError as err:  # the HTTP side checked it: a request that does not cross intact is a bug
-            self._send({"op": "ack", "ack": ack, "status": 500, "reason": f"this request failed: {first_line(err)}"})
+            self._ack(ack, 500, f"this request failed: {first_line(err)}")
             return
         with self.cond:
             self.live.update(pendings)
@@ -166,9 +170,9 @@ class Bridge:
                 with self.cond:
                     self.live.pop(rid, None)
                 loop.cancel(pending)
-            self._send({"op": "ack", "ack": ack, "status": err.status, "reason": err.reason})
+            self._ack(ack, err.status, err.reason)
             return
-        self._send({"op": "ack", "ack": ack, "status": 0, "reason": ""})
+        self._ack(ack)
 
     # ------------------------------------------------------------ the writer
     def _status(self) -> dict[str, Any]:

@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shard_worker.engine.kvblocks import BlockPool, block_hash, chain_hashes
-from shard_worker.engine.scheduler import Scheduler, Seq, blocks_for
+from shard_worker.engine.scheduler import Scheduler, Seq
+from shard_worker.model.paging import blocks_for
 
 VOCAB = 50
 

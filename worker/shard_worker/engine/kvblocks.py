@@ -19,6 +19,8 @@ import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from ..model.paging import blocks_for
+
 NONE_HASH = b""  # the parent of a sequence's first block
 
 
@@ -141,7 +143,7 @@ class Blocks:
 
     def needed(self, request) -> int:
         """Blocks a request holds while it runs (at most: a prefix-cache hit takes fewer free ones)."""
-        return -(-(len(request.prompt_ids) + request.max_new_tokens - 1) // self.block_size)
+        return blocks_for(len(request.prompt_ids) + request.max_new_tokens - 1, self.block_size)
 
     def reserve(self, request) -> tuple[list[int], int]:
         """The blocks of an admitted request, its cached prompt blocks first (none when it asks

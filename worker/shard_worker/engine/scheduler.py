@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..model.paging import blocks_for
 from .kvblocks import BlockPool, chain_hashes
 
 
@@ -82,10 +83,6 @@ def decoding(seq: Seq) -> bool:
     """Its one newest token is all it has to compute (else: a prompt, or a preempted sequence's
     prompt and generated tokens, still to compute)."""
     return len(seq.tokens) - seq.computed == 1
-
-
-def blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
 
 
 class Scheduler:

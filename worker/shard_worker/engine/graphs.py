@@ -101,6 +101,15 @@ def decode_forward(stage: Stage, cache: KVCache, rotary: Rotary, x: torch.Tensor
         return hidden if stage.lm_head is None else stage.logits(hidden[:, -1])
 
 
+def _refresh(host: torch.Tensor, device: torch.Tensor, new: torch.Tensor) -> None:
+    """`new`'s rows into the device buffer through its (pinned) host twin, only when they changed:
+    the comparison is of host tensors, so no step waits on the device for it."""
+    n = new.shape[0]
+    if not torch.equal(host[:n], new):
+        host[:n].copy_(new)
+        device[:n].copy_(host[:n], non_blocking=True)
+
+
 class DecodeGraphs:
     """This rank's replayed decode steps. `run` takes one decode unit; graphs are captured on
     first use of their buckets (every TP rank meets them at the same step: they run the same
@@ -178,13 +187,8 @@ class DecodeGraphs:
     def _inputs(self, r0: int, r1: int, col: int, x: torch.Tensor, pads: torch.Tensor, tables: torch.Tensor) -> None:
         self.column.fill_(col)  # a scalar argument of a fill kernel: no copy, no host wait
         self.x[r0:r1].copy_(x, non_blocking=True)
-        n = pads.shape[0]
-        if not torch.equal(self._pads_host[:n], pads):  # rows changed hands: host tensors, no device wait
-            self._pads_host[:n].copy_(pads)
-            self.pads[:n].copy_(self._pads_host[:n], non_blocking=True)
-        if not torch.equal(self._tables_host[:n], tables):  # a row took or let go of blocks
-            self._tables_host[:n].copy_(tables)
-            self.tables[:n].copy_(self._tables_host[:n], non_blocking=True)
+        _refresh(self._pads_host, self.pads, pads)  # rows changed hands
+        _refresh(self._tables_host, self.tables, tables)  # a row took or let go of blocks
 
     def _graph(self, rows: int, length: int) -> tuple[Callable[[], None], torch.Tensor, Tape]:
         key = (rows, length)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import Any, Protocol
 
 import torch
 
@@ -27,6 +28,7 @@ from shard_contract.env import FUSED_LAYERS_ENV
 
 from ..comm import shm
 from ..comm.dist import Comm
+from ..telemetry.accounting import Accounting
 from . import kernels
 
 ENV = FUSED_LAYERS_ENV
@@ -48,6 +50,29 @@ class LayerPlan(ctypes.Structure):
                 ("shm_flag_stride", _I), ("shm_size", _I), ("shm_rank", _I), ("shm_timeout", _F)]
 
 
+class StepTables(Protocol):
+    """What the fused layers read of a forward pass's context (`model.Step`)."""
+
+    r0: int
+    c0: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    firsts: dict[int | None, torch.Tensor] | None
+
+
+class Pools(Protocol):
+    """What the fused layers read of a KV cache (`model.KVCache`): its pools, and a step's slots."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def maps(self, step: Any) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+# A step's tables as the C layer reads them: cos, sin, first columns per window, read and write slots.
+_Tables = tuple[torch.Tensor, torch.Tensor, dict[int | None, torch.Tensor], torch.Tensor, torch.Tensor]
+
+
 if kernels._gemv is not None and ctypes.sizeof(LayerPlan) != kernels._gemv.LAYER_PLAN_SIZE:
     raise ImportError(f"fused.LayerPlan ({ctypes.sizeof(LayerPlan)} bytes) does not mirror the C LayerPlan "
                       f"({kernels._gemv.LAYER_PLAN_SIZE}): rebuild shard_worker._gemv")
@@ -58,22 +83,25 @@ class FusedDecode:
     takes one layer. Plans are built on first use, for the KV cache they were built with."""
 
     def __init__(self, comm: Comm | None):
-        self.comm = comm
         tp = comm.topo.tp if comm is not None else 1
-        self._group = comm.shm if tp > 1 else None  # the TP ranks' shared memory (None: TP = 1)
-        self.enabled = (kernels.LEVEL is not None and os.environ.get(ENV, "1") != "0"
+        # the TP ranks' shared memory (None: TP = 1), and where its rounds are counted
+        self._group = comm.shm if comm is not None and tp > 1 else None
+        self._acct: Accounting | None = comm.acct if comm is not None else None
+        level = kernels.LEVEL
+        self.enabled = (level is not None and os.environ.get(ENV, "1") != "0"
                         and (tp == 1 or self._group is not None))
-        self._level = kernels.LEVELS.index(kernels.LEVEL) if self.enabled else -1
-        self._plans: dict[int, tuple[bytes, tuple]] = {}  # slot -> (plan, what it points at)
-        self._cache = None
-        self._step = None  # the step `ready` prepared, and its tables as the C layer reads them
-        self._tables: tuple = ()
+        self._level = kernels.LEVELS.index(level) if level is not None and self.enabled else -1
+        self._plans: dict[int, tuple[bytes | None, tuple[object, ...]]] = {}  # slot -> (plan, what it points at)
+        self._cache: Pools | None = None
+        self._step: StepTables | None = None  # the step `ready` prepared, and its tables as the C layer reads them
+        self._tables: _Tables | None = None
 
-    def ready(self, x: torch.Tensor, step, cache) -> bool:
+    def ready(self, x: torch.Tensor, step: StepTables, cache: Pools) -> bool:
         """Whether this forward pass's layers can run fused (then `run` takes the resident ones)."""
         if kernels.in_torch_only():  # a step that must stay in torch (captured, compiled, tested)
             return False
-        if not (self.enabled and step.firsts is not None and x.device.type == "cpu" and x.dtype in kernels._XTYPES
+        firsts = step.firsts
+        if not (self.enabled and firsts is not None and x.device.type == "cpu" and x.dtype in kernels._XTYPES
                 and x.dim() == 3 and x.shape[1] == 1 and 1 <= x.shape[0] <= kernels.MAX_ROWS
                 and cache.k.dtype == x.dtype):
             return False
@@ -86,20 +114,23 @@ class FusedDecode:
         if reads.device.type != "cpu":
             return False
         self._tables = (step.cos.contiguous(), step.sin.contiguous(),
-                        {w: f.to(torch.int64).contiguous() for w, f in step.firsts.items()},
+                        {w: f.to(torch.int64).contiguous() for w, f in firsts.items()},
                         reads.to(torch.int64).contiguous(), writes.to(torch.int64).contiguous())
         return True
 
-    def run(self, layer, slot: int, x: torch.Tensor) -> torch.Tensor | None:
+    def run(self, layer: Any, slot: int, x: torch.Tensor) -> torch.Tensor | None:
         """x [n, 1, hidden] (this pass's own copy) through `layer` in place; None where the layer
-        cannot run fused (the caller runs it in Python)."""
-        plan = self._plan(layer, slot, x.dtype)
+        cannot run fused (the caller runs it in Python). Only after `ready` said yes."""
+        step, cache, tables = self._step, self._cache, self._tables
+        if step is None or cache is None or tables is None:
+            raise RuntimeError("FusedDecode.run before ready")
+        plan = self._plan(layer, slot, x.dtype, cache)
         if plan is None:
             return None
-        step, (cos, sin, firsts, reads, writes) = self._step, self._tables
+        cos, sin, firsts, reads, writes = tables
         group = self._group
         rounds = group.round if group is not None else 0
-        missed, seconds = kernels._gemv.decode_layer(
+        missed, seconds = kernels.native().decode_layer(
             plan, x.data_ptr(), x.shape[0], step.c0, firsts[layer.attn.window].data_ptr(), cos.data_ptr(),
             sin.data_ptr(), step.r0, reads.data_ptr(), reads.shape[1], writes.data_ptr(), torch.get_num_threads(),
             self._level, rounds)
@@ -108,20 +139,22 @@ class FusedDecode:
             if missed >= 0:
                 raise TimeoutError(f"TP rank {missed} did not reach collective round {group.round} "
                                    f"within {group.timeout:.0f}s")
-            self.comm.acct.communicated("all_reduce", 2 * x.numel() * x.element_size(), seconds)
+            if self._acct is not None:
+                self._acct.communicated("all_reduce", 2 * x.numel() * x.element_size(), seconds)
         return x
 
-    def _plan(self, layer, slot: int, dtype: torch.dtype) -> bytes | None:
+    def _plan(self, layer: Any, slot: int, dtype: torch.dtype, cache: Pools) -> bytes | None:
         projections = (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)
         weights = tuple(p.weight for p in projections)
         known = self._plans.get(slot)
         if known is not None and all(a is b for a, b in zip(known[1], weights, strict=False)):
             return known[0]
-        plan = None if layer.streamed else self._pack(layer, slot, projections, dtype)
+        plan = None if layer.streamed else self._pack(layer, slot, projections, dtype, cache)
         self._plans[slot] = (plan, weights)
         return plan
 
-    def _pack(self, layer, slot: int, projections, dtype: torch.dtype) -> bytes | None:
+    def _pack(self, layer: Any, slot: int, projections: tuple[Any, ...], dtype: torch.dtype,
+              cache: Pools) -> bytes | None:
         wtypes = {p.weight.dtype for p in projections if isinstance(p.weight, torch.Tensor)}
         if len(wtypes) != 1 or not all(isinstance(p.weight, torch.Tensor) and p.weight.device.type == "cpu"
                                        and p.weight.stride(1) == 1 for p in projections):
@@ -130,7 +163,7 @@ class FusedDecode:
         if wtype not in (dtype, torch.int8) or layer.input_norm.weight.dtype != dtype \
                 or layer.input_norm.eps != layer.post_norm.eps:
             return None
-        cache, attn, group = self._cache, layer.attn, self._group
+        attn, group = layer.attn, self._group
         fields = {"xtype": kernels._XTYPES[dtype], "wtype": kernels._WTYPES[wtype], "hidden": attn.o.shape[0],
                   "heads": attn.heads, "kv_heads": attn.kv_heads, "head_dim": attn.head_dim,
                   "inter": layer.mlp.gate_up.shape[0] // 2, "eps": layer.input_norm.eps,
@@ -152,4 +185,4 @@ class FusedDecode:
             fields.update({"shm_slots": 0, "shm_flags": 0, "shm_size": 1, "shm_rank": 0, "shm_timeout": 0.0})
         fields.update({"shm_slot_bytes": shm.SLOT_BYTES, "shm_flag_stride": shm.FLAG_STRIDE})
         plan = bytes(LayerPlan(**fields))
-        return None if kernels._gemv.layer_problem(plan) is not None else plan
+        return None if kernels.native().layer_problem(plan) is not None else plan

@@ -23,21 +23,29 @@ benchmarks; a `level` argument does the same for one call.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from shard_contract.env import KERNEL_ENV
 
-try:
-    from .. import _gemv
-except ImportError:  # built without a C compiler: torch's kernels only
-    _gemv = None
 from . import int8mm
+
+
+def _extension() -> ModuleType | None:
+    try:
+        return importlib.import_module("shard_worker._gemv")
+    except ImportError:  # built without a C compiler: torch's kernels only
+        return None
+
+
+_gemv = _extension()
 
 MAX_ROWS = 8  # rows of x one call of ours takes; more is prefill, where torch's GEMMs win
 LEVELS: list[str] = _gemv.levels() if _gemv is not None else []  # slowest first
@@ -81,6 +89,13 @@ def _default() -> str | None:
     return None if _torch_only else LEVEL
 
 
+def native() -> ModuleType:
+    """The C extension, where a level of ours was chosen (which needs it built)."""
+    if _gemv is None:
+        raise RuntimeError("shard_worker._gemv is not built: torch's kernels only")
+    return _gemv
+
+
 def describe() -> str:
     """Which kernel decode uses here, for logs and reports."""
     return f"shard_worker._gemv ({LEVEL})" if LEVEL else "torch (no _gemv kernel: " + (
@@ -108,7 +123,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, ...], sca
         y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
         column = 0  # each block into its columns of y (rows n apart): every row's sum on its own
         for w in parts if len(parts) == 1 else _adjacent_merged(parts):
-            _gemv.linear(_WTYPES[w.dtype], _XTYPES[x.dtype], w.data_ptr(), 0 if scale is None else scale.data_ptr(),
+            native().linear(_WTYPES[w.dtype], _XTYPES[x.dtype], w.data_ptr(), 0 if scale is None else scale.data_ptr(),
                          x2.data_ptr(), y.data_ptr() + column * y.element_size(), w.shape[0], k,
                          w.stride(0) if w.shape[0] > 1 else k, rows, x2.stride(0), n, torch.get_num_threads(),
                          LEVELS.index(level))
@@ -119,6 +134,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, ...], sca
     on_cpu = parts[0].device.type == "cpu"  # where weights are read in place (a GPU's are copied whole)
     if isinstance(weight, torch.Tensor):
         if weight.dtype == torch.int8:
+            if scale is None:
+                raise ValueError("int8 weights come with their float32 scales, one per row")
             return _int8_torch(x, weight, scale, bias)
         parts = tuple(weight.split(blocks)) if len(blocks) > 1 and on_cpu else parts
     if rows <= MAX_ROWS and on_cpu and not _torch_only:
@@ -167,20 +184,20 @@ def _int8_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
     return int8mm.linear(x, weight, scale, bias)
 
 
-def _step_ops(x: torch.Tensor, level: str | None) -> bool:
+def _step_ops(x: torch.Tensor) -> bool:
     """Whether our C versions of a decode step's other operators take `x`'s dtype and device."""
-    return level is not None and x.device.type == "cpu" and x.dtype in _XTYPES
+    return x.device.type == "cpu" and x.dtype in _XTYPES
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, level: str | None = "default") -> torch.Tensor | None:
     """HF's RMSNorm of the rows of x (x / rms(x) in float32, rounded to x's dtype, times the
     weight), or None where ours does not apply (the caller uses torch). `level` as for `linear`."""
     level = _default() if level == "default" else level
-    if not (_step_ops(x, level) and weight.dtype == x.dtype and x.is_contiguous()):
+    if level is None or not (_step_ops(x) and weight.dtype == x.dtype and x.is_contiguous()):
         return None
     y = torch.empty_like(x)
     h = x.shape[-1]
-    _gemv.rms_norm(_XTYPES[x.dtype], x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // h, h, eps,
+    native().rms_norm(_XTYPES[x.dtype], x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // h, h, eps,
                    LEVELS.index(level))
     return y
 
@@ -190,11 +207,11 @@ def silu_mul(gate_up: torch.Tensor, level: str | None = "default") -> torch.Tens
     the dtype before the product, as torch's two operators round), or None where ours does not
     apply (the caller uses torch). `level` as for `linear`."""
     level = _default() if level == "default" else level
-    if not (_step_ops(gate_up, level) and gate_up.is_contiguous() and gate_up.shape[-1] % 2 == 0):
+    if level is None or not (_step_ops(gate_up) and gate_up.is_contiguous() and gate_up.shape[-1] % 2 == 0):
         return None
     inter = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype)
-    _gemv.silu_mul(_XTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
+    native().silu_mul(_XTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
                    LEVELS.index(level))
     return out
 
@@ -213,7 +230,7 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: tor
     uses torch). `level` as for `linear`."""
     level = _default() if level == "default" else level
     n, hd = qkv.shape[0], k_cache.shape[-1]
-    if not (_step_ops(qkv, level) and qkv.is_contiguous() and qkv.shape[1] == 1 and k_cache.dtype == qkv.dtype
+    if level is None or not (_step_ops(qkv) and qkv.is_contiguous() and qkv.shape[1] == 1 and k_cache.dtype == qkv.dtype
             and k_cache.stride()[-2:] == (hd, 1) and v_cache.stride() == k_cache.stride()
             and (slots is None or (wslots is not None and slots.device.type == "cpu"))):
         return None
@@ -223,7 +240,7 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: tor
     if slots is not None and wslots is not None:  # a pool [kv_heads, slots, head_dim]: a slot's stride, a head's
         slots, wslots = slots.to(torch.int64).contiguous(), wslots.to(torch.int64).contiguous()
         paged, row, head = (slots.data_ptr(), slots.shape[1], wslots.data_ptr()), k_cache.stride(1), k_cache.stride(0)
-    _gemv.attend(_XTYPES[qkv.dtype], qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+    native().attend(_XTYPES[qkv.dtype], qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                  v_cache.data_ptr(), first.data_ptr(), out.data_ptr(), n, heads, kv_heads, hd, row, head, col,
                  *paged, hd**-0.5, torch.get_num_threads(), LEVELS.index(level))
     return out
@@ -233,4 +250,4 @@ def read_once(buffer: torch.Tensor, threads: int, streams: int = 1) -> int:
     """Read `buffer` once with plain vector loads, split over `threads`, each reading its share as
     `streams` sequential streams side by side (1-8): the machine's read limit. Returns a checksum
     (whose value depends on the split: it only keeps the reads from being optimised away)."""
-    return _gemv.read(buffer.data_ptr(), buffer.numel() * buffer.element_size(), threads, len(LEVELS) - 1, streams)
+    return native().read(buffer.data_ptr(), buffer.numel() * buffer.element_size(), threads, len(LEVELS) - 1, streams)

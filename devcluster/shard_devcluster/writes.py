@@ -74,6 +74,7 @@ class Writes(Store):
         meta['resourceVersion'] = self._next_rv()
         self._store(key, body)
         await self._emit(res, 'ADDED', body)
+        self._collect_if_dangling(body)
         return copy.deepcopy(body)
 
     async def _do_patch(self, res, ns, name, sub, ctype, patch, dry=False, admit=None) -> dict:
@@ -333,6 +334,14 @@ class Writes(Store):
             self._spawn(self._gc_background(uid))
         if res == Res('v1/namespaces'):
             self._spawn(self._gc_namespace(obj['metadata']['name']))
+
+    def _collect_if_dangling(self, obj: dict) -> None:
+        """An object created with owners none of which exists (deleted while its creator did not
+        know yet, as a kubelet renewing the Lease of a Node just deleted) is collected as the
+        dependents of a deleted owner are: the garbage collector deletes what only absent owners hold."""
+        refs = obj['metadata'].get('ownerReferences') or []
+        if refs and not any(self._find_uid(ref.get('uid')) for ref in refs):
+            self._spawn(self._gc_background(refs[0].get('uid')))
 
     async def _gc_background(self, uid: str) -> None:
         await asyncio.sleep(self.gc_delay)

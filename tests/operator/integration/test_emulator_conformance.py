@@ -16,6 +16,7 @@ import pytest
 from shard_devcluster.apirules import Faults
 from shard_devcluster.apiserver import serve
 from shard_devcluster.kubeletserver import KubeletServer, LogBuffer
+from tests.support.operator import eventually
 
 NS = "default"
 PODS = f"/api/v1/namespaces/{NS}/pods"
@@ -231,6 +232,21 @@ async def test_owner_references_are_garbage_collected(api):
     while (st := (await api("GET", f"{PODS}/child"))[0]) != 404 and time.monotonic() < deadline:
         await asyncio.sleep(0.01)  # the garbage collector deletes it in the background
     assert st == 404
+
+
+async def test_an_object_created_with_only_absent_owners_is_garbage_collected(api):
+    """What a kubelet does when it renews the Lease of a Node deleted a moment before (it has not
+    seen the deletion yet): it creates the Lease again, owned by a Node that is gone. The garbage
+    collector deletes it, as it deletes what a deleted owner held; a live owner keeps its own."""
+    _, owner = await api("POST", SMS, json=sm())
+    ref = {"apiVersion": "sharding.dev/v1alpha1", "kind": "ShardedModel", "name": "m1", "controller": True}
+    await api("POST", PODS, json=pod("kept", ownerReferences=[{**ref, "uid": owner["metadata"]["uid"]}]))
+    await api("POST", PODS, json=pod("late", ownerReferences=[{**ref, "uid": "the-uid-of-a-deleted-owner"}]))
+
+    async def collected():
+        return (await api("GET", f"{PODS}/late"))[0] == 404
+    await eventually(collected, timeout=60)
+    assert (await api("GET", f"{PODS}/kept"))[0] == 200
 
 
 async def test_watch_resumes_bookmarks_times_out_and_follows_selectors(api):

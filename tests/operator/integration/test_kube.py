@@ -16,18 +16,25 @@ from tests.support.fakekubelet import FakeKubelet
 from tests.support.operator import eventually
 
 
-def configmap(name: str, owner: str = "uid-of-m", kind: str = "ConfigMap") -> dict:
+def configmap(name: str, owner: dict, kind: str = "ConfigMap") -> dict:
+    """An object owned by the ShardedModel `owner` (which exists: the garbage collector deletes
+    what only absent owners hold)."""
     return {"apiVersion": "v1", "kind": kind, "data": {"k": "dg=="}, "metadata": {
         "name": name, "namespace": "default", "ownerReferences": [
-            {"apiVersion": "sharding.dev/v1alpha1", "kind": "ShardedModel", "name": "m", "uid": owner}]}}
+            {"apiVersion": "sharding.dev/v1alpha1", "kind": "ShardedModel", "name": owner["metadata"]["name"],
+             "uid": owner["metadata"]["uid"]}]}}
 
 
-def writes_and_reads(kube: Kube, rounds: int) -> int:
+async def model(emu, name: str) -> dict:
+    return await emu.k8s_create(SM, "default", {"metadata": {"name": name}, "spec": {"model": {"path": "x"}}})
+
+
+def writes_and_reads(kube: Kube, owner: dict, rounds: int) -> int:
     """Every kind of call the operator makes, answered 2xx, 404 and 409; returns how many."""
     for i in range(rounds):
-        created = kube.create(configmap(f"c{i}"))
+        created = kube.create(configmap(f"c{i}", owner))
         assert created["metadata"]["uid"] and created["metadata"]["resourceVersion"]
-        assert kube.create(configmap(f"c{i}")) is None  # 409: it exists, ours (found with a list)
+        assert kube.create(configmap(f"c{i}", owner)) is None  # 409: it exists, ours (found with a list)
         patched = kube.patch("ConfigMap", "default", f"c{i}", {"data": {"k": "w"}})
         assert patched["data"] == {"k": "w"}
         assert patched["metadata"]["resourceVersion"] != created["metadata"]["resourceVersion"]
@@ -43,7 +50,7 @@ def writes_and_reads(kube: Kube, rounds: int) -> int:
 
 async def test_every_response_is_read_so_each_request_hands_its_connection_back():
     async with serve() as (emu, url), FakeKubelet(emu) as kubelet:
-        await emu.k8s_create(SM, "default", {"metadata": {"name": "m"}, "spec": {"model": {"path": "x"}}})
+        owner = await model(emu, "m")
         await emu.k8s_create("v1/nodes", None, gpu_node("a"))
         await emu.k8s_create("v1/pods", "default", {"metadata": {"name": "p"}, "spec": {
             "nodeName": "a", "containers": [{"name": "c", "image": "x"}]}})
@@ -51,7 +58,7 @@ async def test_every_response_is_read_so_each_request_hands_its_connection_back(
         await eventually(lambda: _log_served(emu))  # (the kubelet has named its endpoint in the Node)
         kube = Kube(client_for(kubernetes.client.Configuration(host=url)), timeout=10)
         try:
-            requests = await asyncio.to_thread(writes_and_reads, kube, 5)
+            requests = await asyncio.to_thread(writes_and_reads, kube, owner, 5)
             pool = kube.core.api_client.rest_client.pool_manager.connection_from_url(url)
             # One keep-alive connection served every request, one after another: each response was
             # read to its end and its connection returned before the next request needed one (an
@@ -69,15 +76,16 @@ async def _log_served(emu) -> bool:
 async def test_a_409_is_done_only_for_an_object_of_the_same_owner():
     """Model b's Service named like model a's must never be taken for a's: NameTaken, which fails
     the reconcile with a condition that says so. A Secret cannot be read back: its 409 is an error."""
-    async with serve() as (_, url):
+    async with serve() as (emu, url):
+        a, b = await model(emu, "a"), await model(emu, "b")
         kube = Kube(client_for(kubernetes.client.Configuration(host=url)), timeout=10)
         try:
-            await asyncio.to_thread(kube.create, configmap("a-metrics", owner="uid-of-a"))
+            await asyncio.to_thread(kube.create, configmap("a-metrics", a))
             with pytest.raises(NameTaken, match="ConfigMap default/a-metrics exists and is not this model's"):
-                await asyncio.to_thread(kube.create, configmap("a-metrics", owner="uid-of-a-metrics"))
-            assert await asyncio.to_thread(kube.create, configmap("a-metrics", owner="uid-of-a")) is None
-            await asyncio.to_thread(kube.create, configmap("k", kind="Secret"))
+                await asyncio.to_thread(kube.create, configmap("a-metrics", b))
+            assert await asyncio.to_thread(kube.create, configmap("a-metrics", a)) is None
+            await asyncio.to_thread(kube.create, configmap("k", a, kind="Secret"))
             with pytest.raises(NameTaken, match="Secret default/k exists"):
-                await asyncio.to_thread(kube.create, configmap("k", kind="Secret"))
+                await asyncio.to_thread(kube.create, configmap("k", a, kind="Secret"))
         finally:
             kube.core.api_client.close()

@@ -64,12 +64,17 @@ def test_the_callers_signal_handlers_are_back_after_the_ranks_end():
 
 @pytest.mark.parametrize("how, status", [("sys.exit(3)", 3), ("os.kill(os.getpid(), signal.SIGKILL)", 128 + 9)])
 def test_a_failing_rank_stops_the_others_and_fails_the_pod(tmp_path, how, status):
-    # local rank 1 fails at once; the others would run for a minute
-    script = (f"open({str(tmp_path)!r} + '/pid' + os.environ['LOCAL_RANK'], 'w').write(str(os.getpid()))\n"
-              f"if os.environ['LOCAL_RANK'] == '1':\n    time.sleep(0.5); {how}\ntime.sleep(60)")
+    # local rank 1 fails once every rank has written its pid (however slowly they start on a busy
+    # machine); the others would run for an hour: stopped, they end long before
+    script = (f"d, rank = {str(tmp_path)!r}, os.environ['LOCAL_RANK']\n"
+              "open(f'{d}/.pid{rank}', 'w').write(str(os.getpid())); os.rename(f'{d}/.pid{rank}', f'{d}/pid{rank}')\n"
+              "if rank == '1':\n"
+              "    while len([n for n in os.listdir(d) if n.startswith('pid')]) < 3: time.sleep(0.01)\n"
+              f"    {how}\n"
+              "time.sleep(3600)")
     start = time.monotonic()
     assert supervise(3, child(script), {**POD, "RANK": "0", "WORLD_SIZE": "4"}) == status
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 600  # a generous bound: far less than the hour they would run
     pids = [int((tmp_path / f"pid{i}").read_text()) for i in range(3)]
     assert not any(alive(pid) for pid in pids)
 

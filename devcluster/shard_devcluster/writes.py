@@ -50,14 +50,8 @@ class Writes(Store):
             body.pop('status', None)  # (kubelets register Nodes with their status: it is kept)
         for k in ('deletionTimestamp', 'deletionGracePeriodSeconds'):
             meta.pop(k, None)
-        if res == Res('v1/secrets'):
-            body = secret_write(None, body)
-            meta = body['metadata']
-        if res in self._schemas:
-            unknown: list[str] = []
-            body = structural(self._schemas[res], body, unknown)
-            meta = body['metadata']
-            self._admit(res, body, None, None, unknown, admit)
+        body = self._as_stored(res, body, None, None, admit)
+        meta = body['metadata']
         key = (res, meta.get('namespace'), meta['name'])  # (validated first, as the real server does)
         if self._current(key) is not None:
             raise ApiError(409, 'AlreadyExists', f'{res.plural} "{meta["name"]}" already exists',
@@ -76,6 +70,17 @@ class Writes(Store):
         await self._emit(res, 'ADDED', body)
         self._collect_if_dangling(body)
         return copy.deepcopy(body)
+
+    def _as_stored(self, res: Res, new: dict, old: dict | None, sub: str | None, admit: Admission | None) -> dict:
+        """A written object (`old` None: created) as the server stores it: a Secret's data and
+        stringData merged, a schema's unknown fields pruned and defaults set, then admitted."""
+        if res == Res('v1/secrets'):
+            new = secret_write(old, new)
+        if res in self._schemas:
+            unknown: list[str] = []
+            new = structural(self._schemas[res], new, unknown)
+            self._admit(res, new, old, sub, unknown, admit)
+        return new
 
     async def _do_patch(self, res, ns, name, sub, ctype, patch, dry=False, admit=None) -> dict:
         old = self._get_or_404(res, ns, name)
@@ -177,14 +182,8 @@ class Writes(Store):
                                    f'if the object is being deleted, found new finalizers {sorted(added)}')
         new.setdefault('apiVersion', old.get('apiVersion'))
         new.setdefault('kind', old.get('kind'))
-        if res == Res('v1/secrets'):
-            new = secret_write(old, new)
-            nm = new['metadata']
-        if res in self._schemas:
-            unknown: list[str] = []
-            new = structural(self._schemas[res], new, unknown)
-            nm = new['metadata']
-            self._admit(res, new, old, sub, unknown, admit)
+        new = self._as_stored(res, new, old, sub, admit)
+        nm = new['metadata']
         if res == PODS and sub is None:
             pod_update(old, new)
         nm['resourceVersion'] = om['resourceVersion']

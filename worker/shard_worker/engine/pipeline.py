@@ -141,19 +141,33 @@ class Link:
     def _ints(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
+    @property
+    def _next(self) -> int:
+        """The next stage's partner rank: where units go (the last stage sends none)."""
+        if self.topo.next is None:
+            raise RuntimeError("the last stage sends nothing downstream")
+        return self.topo.next
+
+    @property
+    def _prev(self) -> int:
+        """The previous stage's partner rank: where units come from (the first stage receives none)."""
+        if self.topo.prev is None:
+            raise RuntimeError("the first stage receives nothing from upstream")
+        return self.topo.prev
+
     # ------------------------------------------------------------ downstream
     def _send_header(self, *values: int) -> None:
-        self._isend(self._ints([*values] + [0] * (HEADER_INTS - len(values))), self.topo.next, FORWARD_TAG)
+        self._isend(self._ints([*values] + [0] * (HEADER_INTS - len(values))), self._next, FORWARD_TAG)
 
     def send_unit(self, unit: Unit, hidden: torch.Tensor) -> None:
         self._send_header(RUN, unit.r0, unit.r1, unit.c0, unit.c1, int(unit.emits))
-        self._isend(hidden.contiguous(), self.topo.next, FORWARD_TAG)
+        self._isend(hidden.contiguous(), self._next, FORWARD_TAG)
 
     def send_join(self, join: Join) -> None:
         body = json.dumps({"request": join.request.model_dump(mode="json"), "blocks": list(join.blocks)})
         payload = torch.frombuffer(bytearray(body.encode()), dtype=torch.uint8)
         self._send_header(JOIN, join.row, join.pad, payload.numel(), join.start)
-        self._isend(payload.to(self.device), self.topo.next, FORWARD_TAG)
+        self._isend(payload.to(self.device), self._next, FORWARD_TAG)
 
     def send_free(self, row: int) -> None:
         self._send_header(FREE, row)
@@ -164,7 +178,7 @@ class Link:
 
     def recv(self) -> tuple[Unit, torch.Tensor] | Join | Free | None:
         """The next unit and its hidden states from the previous stage, a join or a free; None at STOP."""
-        header = self.comm.recv(self._ints([0] * HEADER_INTS), self.topo.prev, FORWARD_TAG)
+        header = self.comm.recv(self._ints([0] * HEADER_INTS), self._prev, FORWARD_TAG)
         kind, *args = (int(v) for v in header.tolist())
         if kind == STOP:
             return None
@@ -172,12 +186,13 @@ class Link:
             return self._recv_join(*args[:4])
         if kind == FREE:
             return Free(args[0])
-        unit = Unit(*args[:4], emits=bool(args[4]))
+        r0, r1, c0, c1, emits = args[:5]
+        unit = Unit(r0, r1, c0, c1, emits=bool(emits))
         hidden = torch.empty(unit.rows, unit.cols, self.hidden_size, dtype=self.dtype, device=self.device)
-        return unit, self.comm.recv(hidden, self.topo.prev, FORWARD_TAG)
+        return unit, self.comm.recv(hidden, self._prev, FORWARD_TAG)
 
     def _recv_join(self, row: int, pad: int, size: int, start: int) -> Join:
-        payload = self.comm.recv(torch.empty(size, dtype=torch.uint8, device=self.device), self.topo.prev,
+        payload = self.comm.recv(torch.empty(size, dtype=torch.uint8, device=self.device), self._prev,
                                  FORWARD_TAG)
         body = json.loads(bytes(payload.cpu().numpy()))
         return Join(row, pad, GenerateRequest.model_validate(body["request"]), tuple(body["blocks"]), start)

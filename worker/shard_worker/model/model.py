@@ -31,7 +31,7 @@ from . import kernels, paging
 from .attention import MASKED, additive, allowed_keys, first_columns, grouped_attention, mask_kind
 from .config import ModelConfig
 from .fused import FusedDecode
-from .layers import ColumnParallelLinear, ParallelLMHead, RMSNorm, RowParallelLinear, VocabParallelEmbedding
+from .layers import ColumnParallelLinear, ParallelLMHead, Projection, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 
 
 # ---------------------------------------------------------------- which slices
@@ -348,6 +348,21 @@ class DecoderLayer:
 
 
 # ---------------------------------------------------------------- the stage
+def _own_tensors(name: str, projection: Projection) -> dict[str, torch.Tensor]:
+    """A projection's tensors by our name: its weight unless streamed (a streamed one holds none
+    of its own: the streamer lends it blocks for a pass), its int8 scales and its bias if any."""
+    out = {}
+    if not projection.streamed:
+        if not isinstance(projection.weight, torch.Tensor):
+            raise RuntimeError(f"{name}: a resident projection holds one weight tensor, not row blocks")
+        out[name + ".weight"] = projection.weight
+    if projection.scale is not None:
+        out[name + ".scale"] = projection.scale
+    if projection.bias is not None:
+        out[name + ".bias"] = projection.bias
+    return out
+
+
 class Stage:
     """`quantization` "int8": the decoder layers' projections hold int8 weights and per-row
     scales; embeddings, norms and the LM head stay in `dtype`."""
@@ -371,7 +386,7 @@ class Stage:
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device) if layout.has_lm_head else None
         self.lm_head = None
         if layout.has_lm_head:
-            shared = self.embed.weight if layout.shares_embedding else None
+            shared = self.embed.weight if self.embed is not None and layout.shares_embedding else None
             self.lm_head = ParallelLMHead(layout.vocab_rows, c.hidden_size, c.vocab_size, comm, dtype, device,
                                           weight=shared)
         self.windows = {c.sliding_windows[i] for i in range(*layout.layers)}
@@ -395,6 +410,8 @@ class Stage:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states [N, H] -> float32 logits [N, vocab] (last stage)."""
+        if self.norm is None or self.lm_head is None:
+            raise RuntimeError("logits come from the last stage (this one has no LM head)")
         return self.lm_head(self.norm(hidden))
 
     # ------------------------------------------------------------ what the loader fills
@@ -406,19 +423,14 @@ class Stage:
             out["embed.weight"] = self.embed.weight
         for layer in self.layers:
             p = f"layers.{layer.index}."
-            for name, module in (("input_norm", layer.input_norm), ("post_norm", layer.post_norm),
-                                 ("qkv", layer.attn.qkv), ("o", layer.attn.o),
+            out[p + "input_norm.weight"], out[p + "post_norm.weight"] = layer.input_norm.weight, layer.post_norm.weight
+            for name, module in (("qkv", layer.attn.qkv), ("o", layer.attn.o),
                                  ("gate_up", layer.mlp.gate_up), ("down", layer.mlp.down)):
-                if not getattr(module, "streamed", False):
-                    out[p + name + ".weight"] = module.weight
-                if getattr(module, "scale", None) is not None:
-                    out[p + name + ".scale"] = module.scale
-                if getattr(module, "bias", None) is not None:
-                    out[p + name + ".bias"] = module.bias
+                out.update(_own_tensors(p + name, module))
         if self.norm is not None:
             out["norm.weight"] = self.norm.weight
-            if not self.layout.shares_embedding:
-                out["lm_head.weight"] = self.lm_head.weight
+        if self.lm_head is not None and not self.layout.shares_embedding:
+            out["lm_head.weight"] = self.lm_head.weight
         return out
 
     def streamed_pieces(self) -> dict[int, dict[str, list[Piece]]]:

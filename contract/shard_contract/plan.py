@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .sharding import kv_whole_blocks
 from .units import count
 
 DEFAULT_PREFETCH = 2  # slots: one layer computes while the next loads (double buffering)
@@ -108,9 +109,11 @@ class RankPlan(BaseModel):
     predicted_bytes: PredictedBytes
     offload: OffloadPlan | None = Field(None, description="The layers this rank streams; None: all resident.")
     kv_cache_tokens: int = Field(0, ge=0, description=(
-        "Tokens of KV cache this rank holds (keys and values of its layers and KV heads for each): "
-        "the same on every rank of its group, the group's capacity. 0 in a plan written before the "
-        "field: maxBatchSize x maxModelLen (the Plan fills it in)."))
+        "Tokens of KV cache this rank holds for sequences (keys and values of its layers and KV heads "
+        "for each), in whole blocks of sharding.KV_BLOCK_SIZE: the same on every rank of its group, the "
+        "group's capacity. Its pool also holds sharding.KV_RESERVED_BLOCKS blocks no sequence uses "
+        "(predicted_bytes.kv_cache counts them). 0 in a plan written before the field: maxBatchSize "
+        "x maxModelLen (the Plan fills it in)."))
 
     @property
     def num_layers(self) -> int:
@@ -169,9 +172,9 @@ class Plan(BaseModel):
 
     @property
     def reserved_tokens(self) -> int:
-        """maxBatchSize sequences of maxModelLen tokens: a cache that holds every running sequence
-        at its longest."""
-        return self.max_batch_size * self.max_model_len
+        """maxBatchSize sequences of maxModelLen tokens, each in whole KV blocks: a cache that holds
+        every running sequence at its longest."""
+        return self.max_batch_size * kv_whole_blocks(self.max_model_len)
 
     @property
     def kv_cache_tokens(self) -> int:

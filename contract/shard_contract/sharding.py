@@ -23,6 +23,39 @@ PREFILL_CHUNK = 512
 # maxBatchSize beyond it. A GPU's is vLLM's max_num_batched_tokens on an H100; a CPU rank's
 # activations are host memory, and its bound lets 64 sequences prefill a chunk together.
 MAX_STEP_TOKENS = {"gpu": 8192, "cpu": 32768}
+# The paged KV cache (the worker's model/paging.py lays it out): a rank's pool is blocks of
+# KV_BLOCK_SIZE positions; a sequence holds whole blocks, and KV_RESERVED_BLOCKS are no sequence's
+# (ZERO, which padding columns read, and TRASH, which takes the writes no sequence keeps). A plan's
+# kvCacheTokens is what sequences can hold (whole blocks); the pool is that and the reserved blocks.
+KV_BLOCK_SIZE = 16
+KV_RESERVED_BLOCKS = 2
+# Whether a kind of rank's torch attention copies each row's context out of the paged pool (the
+# keys and values of every column a pass attends to, one layer at a time) rather than reading the
+# blocks in place: a prefill chunk after the first and a decode step on the torch path do. The
+# planner counts that copy in a rank's activations (sizing.gathered_kv_bytes).
+KV_GATHERED = {"gpu": True, "cpu": True}
+
+
+def kv_blocks(tokens: int) -> int:
+    """Blocks that hold `tokens` positions of one sequence (or of a pool's sequences)."""
+    return ceil_div(tokens, KV_BLOCK_SIZE)
+
+
+def kv_whole_blocks(tokens: int) -> int:
+    """`tokens` rounded up to whole blocks: what a sequence of that length takes of the cache."""
+    return kv_blocks(tokens) * KV_BLOCK_SIZE
+
+
+def kv_pool_tokens(tokens: int) -> int:
+    """Positions a rank's pool allocates so that its sequences can hold `tokens`: whole blocks and
+    the reserved ones (what the planner sizes in bytes)."""
+    return (kv_blocks(tokens) + KV_RESERVED_BLOCKS) * KV_BLOCK_SIZE
+
+
+def kv_sequence_tokens(pool_tokens: int) -> int:
+    """The inverse: what sequences can hold of a pool with room for `pool_tokens` positions (whole
+    blocks, less the reserved ones; 0 when it holds no more than those)."""
+    return max(pool_tokens // KV_BLOCK_SIZE - KV_RESERVED_BLOCKS, 0) * KV_BLOCK_SIZE
 
 
 def prefill_rows(max_batch: int, max_len: int, kind: str = "gpu") -> int:

@@ -243,6 +243,8 @@ def test_models_and_shards(server):
     shards = get(server.url + "/v1/shards").json()
     assert (shards["model"], shards["replica"], shards["ready"]) == ("tiny", 0, True)
     assert shards["kv_cache_tokens"] == 4 * 256 and 0 <= shards["kv_cache_used_tokens"] <= 4 * 256
+    # what the leader's paged pool gives sequences is the plan's capacity on every rank
+    assert {r["plan"]["kv_cache_tokens"] for r in shards["ranks"]} == {shards["kv_cache_tokens"]}
     assert [(p["rank"], p["stage"], p["tp_rank"], p["layers"]) for p in (r["plan"] for r in shards["ranks"])] == \
         [(0, 0, 0, [0, 4]), (1, 0, 1, [0, 4])]
     for entry in shards["ranks"]:  # the contract the operator reads (shard_contract.wire.ShardsResponse)
@@ -255,6 +257,7 @@ def test_models_and_shards(server):
         # the warm-up ran before ready: its activations measured, within the peak it reports
         assert 0 < r["resident_bytes"]["activations"] <= r["resident_bytes"]["peak"]
         assert p["predicted_bytes"]["weights"] == r["allocated_bytes"]["weights"]
+        assert p["predicted_bytes"]["kv_cache"] == r["allocated_bytes"]["kv_cache"]  # its reserved blocks too
         assert r["load_seconds"] > 0 and r["compute_seconds"] > 0 and r["comm_seconds"] > 0
         assert r["idle_seconds"] == 0  # one stage: nobody waits for another
     health = get(server.url + "/health").json()

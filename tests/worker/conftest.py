@@ -85,12 +85,3 @@ def by_dtype(tmp_path_factory):
                  vocab_size=8000, max_position_embeddings=512)
     return {dtype: write_checkpoint(tmp_path_factory.mktemp(dtype), "llama", dtype=dtype, **shape)
             for dtype in ("float32", "bfloat16", "float16")}
-
-
-def paged_kv_bytes(rank_plan) -> int:
-    """What a rank's paged KV cache allocates: the plan's tokens in whole blocks of 16, and the two
-    reserved blocks (ZERO and TRASH, model/paging.py), which the planner does not count."""
-    from shard_worker.model.paging import BLOCK_SIZE, RESERVED_BLOCKS, blocks_for
-
-    per_token = rank_plan.predicted_bytes.kv_cache // rank_plan.kv_cache_tokens
-    return (blocks_for(rank_plan.kv_cache_tokens) + RESERVED_BLOCKS) * BLOCK_SIZE * per_token

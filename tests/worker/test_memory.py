@@ -12,7 +12,7 @@ from shard_contract.wire import GenerateRequest, GenerateTask
 from shard_operator.local.launcher import run_generate
 from tests.support.checkpoints import write_checkpoint
 
-from .conftest import make_plan, paged_kv_bytes
+from .conftest import make_plan
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +33,12 @@ def test_resident_memory_matches_the_plan(big, tp, pp):
     for entry in result.ranks:
         r, rank, predicted = entry.report, entry.plan.rank, entry.plan.predicted_bytes
         assert r is not None
-        # the shapes are exactly the sizing's (no staging slots: it streams nothing)
-        assert r.allocated_bytes == {"weights": predicted.weights, "kv_cache": paged_kv_bytes(entry.plan), "staging": 0}
+        # the shapes are exactly the sizing's (the KV pool with its reserved blocks; no staging slots:
+        # it streams nothing)
+        assert r.allocated_bytes == {"weights": predicted.weights, "kv_cache": predicted.kv_cache, "staging": 0}
         # and the kernel agrees they are resident
         measured = r.resident_bytes.weights + r.resident_bytes.kv_cache
-        expected = predicted.weights + paged_kv_bytes(entry.plan)
+        expected = predicted.weights + predicted.kv_cache
         assert abs(measured - expected) <= 0.10 * expected, (rank, measured, expected)
         # nothing loaded twice or mapped whole: the peak above a bare torch stays near the plan
         assert 0 < r.resident_bytes.peak <= 1.15 * predicted.total, (rank, r.resident_bytes.peak, predicted)

@@ -237,3 +237,26 @@ def test_the_planners_attention_workspace_is_what_the_masked_path_allocates(chec
     grouped = mask.numel() * group * mask.element_size() if group > 1 else 0
     allocated = mask.numel() * (1 + mask.element_size()) + grouped  # boolean, additive, repeated over the group
     assert attention_workspace_bytes(profile_model(model_dir), tp, max_len, batch, "float32") == allocated
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_the_planners_gathered_kv_is_what_the_torch_path_copies_out_of_the_pool(checkpoint, tp):
+    """A pass that is not a first chunk (here the last chunk of a maxModelLen prompt, every row)
+    reads its rows' whole context out of the paged pool on the torch path: those copies of the
+    keys and values are the bytes shard_operator.planning.sizing budgets for them."""
+    from shard_operator.planning.profile import profile_model
+    from shard_operator.planning.sizing import gathered_kv_bytes
+    from shard_worker.model.model import KVCache, Layout, Rotary, Step
+
+    model_dir = checkpoint("llama")
+    config, batch, max_len, cpu = ModelConfig.from_dir(model_dir), 3, 40, torch.device("cpu")
+    layout = Layout(config, tp=tp, tp_rank=0, layers=(0, 1), embeds=True, has_lm_head=True)
+    cache = KVCache(1, batch, layout.kv_heads, max_len, config.head_dim, torch.float32, cpu)
+    step = Step.build(0, batch, max_len - 8, max_len, torch.zeros(batch, dtype=torch.int64),
+                      Rotary(config, max_len, cpu), {None}, torch.float32, cpu)
+    new = torch.ones(batch, layout.kv_heads, 8, config.head_dim)
+    keys, values = cache.update(0, step, new, new)
+    assert keys.shape[2] == max_len  # the whole context, not the chunk's own
+    copied = keys.untyped_storage().nbytes() + values.untyped_storage().nbytes()
+    assert copied < cache.nbytes  # a copy of the rows' columns, not a view of the pool
+    assert gathered_kv_bytes(profile_model(model_dir), tp, max_len, batch, "float32", "cpu") == copied

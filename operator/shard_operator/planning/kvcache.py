@@ -2,6 +2,10 @@
 or a quantity of bytes), or, on a CPU whose spec says neither, maxBatchSize sequences of
 maxModelLen tokens. Pure.
 
+The tokens are what the worker's paged cache gives sequences: whole blocks (a sequence takes
+`kv_whole_blocks(length)` positions), and its pool also holds the reserved blocks no sequence uses
+(`kv_pool_tokens`), which the bytes count (shard_contract.sharding owns both rules).
+
 Every rank of a group holds the keys and values of the same tokens (its layers' share and its KV
 heads' share of each), so the rank that can hold the fewest bounds the group: two small GPUs are
 not one big one. A layout fits only if every rank holds at least one whole sequence (maxModelLen
@@ -14,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from shard_contract.sharding import kv_pool_tokens, kv_sequence_tokens, kv_whole_blocks
 from shard_contract.units import count
 
 from ..api import DEFAULT_GPU_FRACTION
@@ -45,14 +50,24 @@ def kv_policy(request: Request, kind: str) -> KvPolicy:
     return KvPolicy("reserve")
 
 
+def sequence_tokens(request: Request) -> int:
+    """What one sequence of maxModelLen tokens takes of the cache: whole blocks."""
+    return kv_whole_blocks(request.max_len)
+
+
+def reserved_tokens(request: Request) -> int:
+    """maxBatchSize sequences at their longest (the contract's `Plan.reserved_tokens`)."""
+    return request.batch * sequence_tokens(request)
+
+
 def fit_tokens(policy: KvPolicy, request: Request) -> int:
-    """Tokens each layer's cache must have room for, for a layout to fit: the reservation, or one
-    whole sequence in the share of the free memory the cache may take (`bytes`: none, its quantity
-    is fixed; `max_layers` bounds it instead)."""
+    """Positions each layer's pool must have room for, for a layout to fit (the reserved blocks
+    with the sequences'): the reservation, or one whole sequence in the share of the free memory
+    the cache may take (`bytes`: none, its quantity is fixed; `max_layers` bounds it instead)."""
     if policy.mode == "reserve":
-        return request.batch * request.max_len
+        return kv_pool_tokens(reserved_tokens(request))
     if policy.mode == "fraction":
-        return math.ceil(request.max_len / policy.fraction)
+        return math.ceil(kv_pool_tokens(sequence_tokens(request)) / policy.fraction)
     return 0
 
 
@@ -65,17 +80,18 @@ def max_layers(policy: KvPolicy, layer_token_bytes: int, request: Request) -> in
     """The most layers whose cache of one whole sequence the quantity holds (None: no bound)."""
     if policy.mode != "bytes" or layer_token_bytes <= 0:
         return None
-    return policy.bytes // (layer_token_bytes * request.max_len)
+    return policy.bytes // (layer_token_bytes * kv_pool_tokens(sequence_tokens(request)))
 
 
 def rank_tokens(policy: KvPolicy, free: int, per_token: int, request: Request) -> int:
-    """Tokens a rank's cache holds: `free` is its usable memory less its weights, activations,
-    overhead and staging; `per_token` its bytes of one token's KV. Never more than the share of
+    """Tokens a rank's cache holds for sequences (whole blocks): `free` is its usable memory less
+    its weights, activations, overhead and staging; `per_token` its bytes of one token's KV. Its
+    pool (these and the reserved blocks, `kv_pool_tokens`) never takes more than the share of
     `free` the policy gives (a reservation is what `fit_tokens` made room for)."""
     if policy.mode == "reserve" or per_token <= 0:
-        return request.batch * request.max_len
+        return reserved_tokens(request)
     budget = policy.bytes if policy.mode == "bytes" else int(policy.fraction * max(free, 0))
-    return max(budget, 0) // per_token
+    return kv_sequence_tokens(max(budget, 0) // per_token)
 
 
 def describe_need(policy: KvPolicy, request: Request) -> str:

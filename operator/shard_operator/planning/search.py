@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from shard_contract.plan import GroupPlan, OffloadPlan, Plan, PredictedBytes, RankPlan, StagePlan
-from shard_contract.sharding import valid_tensor_degrees
+from shard_contract.sharding import kv_pool_tokens, valid_tensor_degrees
 from shard_contract.units import count
 
 from ..api import ShardedModelSpec
@@ -308,7 +308,7 @@ def to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, cos
             sized.append((block, shard, off, predicted))
         tokens = group_kv_tokens(profile, request, costs, tp, sized)
         for stage, (block, shard, off, predicted) in enumerate(sized):
-            kv = kv_token_bytes(profile, tp, shard.layers[1] - shard.layers[0], request.dtype) * tokens
+            kv = kv_token_bytes(profile, tp, shard.layers[1] - shard.layers[0], request.dtype) * kv_pool_tokens(tokens)
             predicted = PredictedBytes(**{**predicted.model_dump(exclude={"total"}), "kv_cache": kv})
             for tp_rank, device in enumerate(block.devices):
                 ranks.append(RankPlan(

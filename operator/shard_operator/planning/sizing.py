@@ -15,7 +15,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shard_contract.sharding import PREFILL_CHUNK, kv_heads_per_rank, prefill_rows, vocab_rows_per_rank
+from shard_contract.sharding import (
+    KV_GATHERED,
+    PREFILL_CHUNK,
+    kv_heads_per_rank,
+    kv_pool_tokens,
+    kv_whole_blocks,
+    prefill_rows,
+    vocab_rows_per_rank,
+)
 from shard_contract.units import MiB
 
 from .profile import ModelProfile
@@ -131,8 +139,10 @@ def kv_token_bytes(profile: ModelProfile, tp: int, layers: int, dtype: str = "au
 
 
 def kv_cache_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: int, dtype: str = "auto") -> int:
-    """Keys and values for every layer of the shard, its KV heads, `max_len` tokens, `batch` rows."""
-    return kv_token_bytes(profile, shard.tp, shard.layers[1] - shard.layers[0], dtype) * max_len * batch
+    """The paged pool of every layer of the shard, its KV heads, for `batch` sequences of `max_len`
+    tokens (whole blocks each) and the reserved blocks."""
+    tokens = kv_pool_tokens(batch * kv_whole_blocks(max_len))
+    return kv_token_bytes(profile, shard.tp, shard.layers[1] - shard.layers[0], dtype) * tokens
 
 
 def activation_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: int, dtype: str = "auto",
@@ -141,8 +151,9 @@ def activation_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: i
     MAX_STEP_TOKENS of its kind: `prefill_rows`) through a layer.
 
     Live at once: the residual stream and a normalised copy, the local q/k/v and attention output,
-    the local gate/up/product of the MLP, what attention allocates on its masked path, and on the
-    last stage the gathered float32 logits of the batch's last tokens.
+    the local gate/up/product of the MLP, what attention allocates on its masked path, the context
+    it copies out of the paged pool (`gathered_kv_bytes`), and on the last stage the gathered
+    float32 logits of the batch's last tokens.
     """
     tp, act = shard.tp, profile.dtype_bytes(dtype)
     tokens = prefill_rows(batch, max_len, kind) * min(max_len, PREFILL_CHUNK)
@@ -151,7 +162,21 @@ def activation_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: i
     per_token = (3 * profile.shape.hidden_size + 2 * q_local + 2 * kv_local
                  + 3 * profile.shape.intermediate_size // tp) * act
     logits = batch * profile.shape.vocab_size * 4 * 2 if shard.has_lm_head else 0
-    return tokens * per_token + attention_workspace_bytes(profile, tp, max_len, batch, dtype, kind) + logits
+    return tokens * per_token + attention_workspace_bytes(profile, tp, max_len, batch, dtype, kind) \
+        + gathered_kv_bytes(profile, tp, max_len, batch, dtype, kind) + logits
+
+
+def gathered_kv_bytes(profile: ModelProfile, tp: int, max_len: int, batch: int, dtype: str = "auto",
+                      kind: str = "gpu") -> int:
+    """The keys and values the torch path copies out of the paged pool for one layer's attention
+    (where `KV_GATHERED[kind]`): every row of the largest pass (`prefill_rows`), maxModelLen
+    columns of its KV heads (the last prefill chunk, or a decode step at the longest context).
+    Freed before the next layer's."""
+    if not KV_GATHERED[kind]:
+        return 0
+    rows = prefill_rows(batch, max_len, kind)
+    return 2 * rows * max_len * kv_heads_per_rank(profile.shape, tp) * profile.shape.head_dim \
+        * profile.dtype_bytes(dtype)
 
 
 def attention_workspace_bytes(profile: ModelProfile, tp: int, max_len: int, batch: int, dtype: str = "auto",

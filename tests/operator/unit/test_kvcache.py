@@ -1,7 +1,9 @@
 """The KV cache's capacity from the memory the plan leaves free (spec.serving): tables for the
 modes, hypothesis for the invariants (it fits below the headroom, never takes more than its share
-of what is free, takes all but one token of it, grows with memory, the smallest rank bounds its
-group), and the contract's reading of plans written before the field."""
+of what is free, takes all but one block of it, grows with memory, the smallest rank bounds its
+group), and the contract's reading of plans written before the field. The tokens are what the
+paged cache gives sequences (whole blocks); the bytes also count its reserved blocks
+(tests/worker/test_kv_capacity.py checks the worker gives exactly these)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shard_contract.plan import Plan
+from shard_contract.sharding import KV_BLOCK_SIZE, kv_pool_tokens, kv_sequence_tokens
 from shard_operator.api import SpecError, parse_spec
 from shard_operator.api.crd import build_crd
 from shard_operator.planning import PlanError, PlannerOptions, plan
@@ -52,8 +55,10 @@ def test_a_fraction_gives_the_cache_that_share_of_what_the_plan_leaves_free():
              parse_devices("a:80GiB:H100"))
     (r,) = p.ranks
     assert p.max_batch_size == 256  # a cap on running sequences, not a reservation
-    assert r.kv_cache_tokens == int(0.9 * free_of(p, r)) // per_token(profile, p, r)
-    assert r.predicted_bytes.kv_cache == r.kv_cache_tokens * per_token(profile, p, r)
+    # the tokens sequences get (whole blocks); the bytes also hold the pool's reserved blocks
+    assert r.kv_cache_tokens == kv_sequence_tokens(int(0.9 * free_of(p, r)) // per_token(profile, p, r))
+    assert r.kv_cache_tokens % KV_BLOCK_SIZE == 0
+    assert r.predicted_bytes.kv_cache == kv_pool_tokens(r.kv_cache_tokens) * per_token(profile, p, r)
     assert r.predicted_bytes.total <= r.usable_bytes
     # An 8B model in bfloat16 on an 80 GiB H100: ~15 GiB weights, the rest mostly KV at 128 KiB a token.
     assert 300_000 < r.kv_cache_tokens < 500_000
@@ -68,7 +73,7 @@ def test_a_cpu_reserves_max_batch_size_sequences_unless_the_spec_gives_a_fractio
     assert plan(profile, spec(model={"maxModelLen": 1024}), cpu).kv_cache_tokens == 1024  # CPU default: 1
     half = plan(profile, spec(model={"maxModelLen": 1024}, serving={"kvCacheMemoryFraction": 0.5}), cpu)
     (r,) = half.ranks
-    assert r.kv_cache_tokens == int(0.5 * free_of(half, r)) // per_token(profile, half, r)
+    assert r.kv_cache_tokens == kv_sequence_tokens(int(0.5 * free_of(half, r)) // per_token(profile, half, r))
     assert r.kv_cache_tokens > 1000 * 1024  # 64 GiB of host budget, 16 KiB a token at 2 layers
     assert half.max_batch_size == 1
 
@@ -78,7 +83,7 @@ def test_a_quantity_is_the_bytes_of_every_rank_and_must_fit():
     p = plan(profile, spec(model={"maxModelLen": 8192}, serving={"kvCacheMemory": "20Gi"},
                            parallelism={"tensor": 2, "pipeline": 1}), parse_devices("a:80GiB*2:H100"))
     for r in p.ranks:
-        assert r.kv_cache_tokens == 20 * GiB // per_token(profile, p, r)
+        assert r.kv_cache_tokens == kv_sequence_tokens(20 * GiB // per_token(profile, p, r))
         assert r.predicted_bytes.kv_cache <= 20 * GiB
     with pytest.raises(PlanError) as err:
         plan(profile, spec(model={"maxModelLen": 8192}, serving={"kvCacheMemory": "70Gi"},
@@ -105,10 +110,10 @@ def test_two_small_gpus_are_not_one_big_one():
     p = plan(profile, spec(model={"maxModelLen": 4096}, parallelism={"tensor": 1, "pipeline": 2},
                            serving={"kvCacheMemoryFraction": 1.0}),
              parse_devices("a:80GiB:H100,b:24GiB:L4"))
-    tokens = [int(free_of(p, r)) // per_token(profile, p, r) for r in p.ranks]
+    tokens = [kv_sequence_tokens(int(free_of(p, r)) // per_token(profile, p, r)) for r in p.ranks]
     assert len(set(tokens)) == 2
     assert all(r.kv_cache_tokens == min(tokens) for r in p.ranks)
-    assert all(r.predicted_bytes.kv_cache == min(tokens) * per_token(profile, p, r) for r in p.ranks)
+    assert all(r.predicted_bytes.kv_cache == kv_pool_tokens(min(tokens)) * per_token(profile, p, r) for r in p.ranks)
 
 
 def test_groups_on_devices_of_different_sizes_hold_different_tokens():
@@ -223,8 +228,10 @@ def test_the_cache_fits_below_the_headroom_and_takes_its_share_of_what_is_free(d
         for r, most in zip(group, share, strict=True):
             assert r.predicted_bytes.total <= r.usable_bytes  # fits with headroom
             assert r.predicted_bytes.kv_cache <= most  # never above its share of what is free
-        # the most constrained rank takes its share but for less than a token
-        assert min(most - r.predicted_bytes.kv_cache - per_token(profile, p, r)
+        # the most constrained rank takes its share but for less than a block (whole blocks, the
+        # reserved ones counted), and its sequences get whole blocks
+        assert group[0].kv_cache_tokens % KV_BLOCK_SIZE == 0
+        assert min(most - r.predicted_bytes.kv_cache - KV_BLOCK_SIZE * per_token(profile, p, r)
                    for r, most in zip(group, share, strict=True)) < 0
 
 
@@ -263,6 +270,7 @@ def test_a_quantity_is_never_exceeded_and_fits_below_the_headroom(data):
     for r in p.ranks:
         assert max_len <= r.kv_cache_tokens == p.group_kv_cache_tokens(r.replica)
         assert r.predicted_bytes.kv_cache <= quantity and r.predicted_bytes.total <= r.usable_bytes
-    # the most constrained rank of each group holds all but less than a token of the quantity
+    # the most constrained rank of each group holds all but less than a block of the quantity
     for g in p.groups:
-        assert min(quantity - r.predicted_bytes.kv_cache - per_token(profile, p, r) for r in p.group(g.replica)) < 0
+        assert min(quantity - r.predicted_bytes.kv_cache - KV_BLOCK_SIZE * per_token(profile, p, r)
+                   for r in p.group(g.replica)) < 0

@@ -108,9 +108,9 @@ def test_a_capacity_message_leads_with_the_cause_and_tells_a_gap_that_gib_rounds
     first, second, third, *_ = err.value.message.splitlines()
     assert first.startswith("tiny does not fit: placement.offload.policy auto cannot stream int8 weights")
     assert second.startswith("Without streaming, at tensor=2 x pipeline=1") and second.endswith(
-        "the most loaded rank needs 2561.5 MiB; the largest device offers 2560.5 MiB usable (1.0 MiB short).")
-    assert "(0.3 MiB of int8 (float32 activations) weights and 0.2 MiB of KV cache" in third
-    assert third.endswith("the pool has 5121.0 MiB usable (2 x 2.8 GiB (gpu) on a, 10% headroom): 2.1 MiB short.")
+        "the most loaded rank needs 2561.6 MiB; the largest device offers 2560.5 MiB usable (1.1 MiB short).")
+    assert "(0.3 MiB of int8 (float32 activations) weights and 0.3 MiB of KV cache" in third
+    assert third.endswith("the pool has 5121.0 MiB usable (2 x 2.8 GiB (gpu) on a, 10% headroom): 2.2 MiB short.")
     assert err.value.message.count("cannot stream int8") == 1  # said once
 
 
@@ -126,8 +126,8 @@ def test_explicit_partition_is_checked_not_trusted():
              parse_devices("a:32GiB*4,b:32GiB*4"))
     assert err.value.reason == "InsufficientCapacity"
     assert str(err.value).startswith("model does not fit: at tensor=4 x pipeline=2 (layerPartition [70, 10]) the "
-                                     "most loaded rank needs 31.24 GiB; the largest device offers 28.80 GiB usable "
-                                     "(2.44 GiB short).")
+                                     "most loaded rank needs 31.25 GiB; the largest device offers 28.80 GiB usable "
+                                     "(2.45 GiB short).")
     assert "drop layerPartition" in str(err.value)
 
 
@@ -166,7 +166,7 @@ def test_kv_heads_fewer_than_tp_are_replicated():
     result = plan(profile, spec(parallelism={"tensor": 8, "pipeline": 1}), parse_devices("a:80GiB*8"))
     rank = result.ranks[0]
     # 8 ranks share 2 KV heads: each rank holds one whole head (a replica), not a quarter of one.
-    one_head = 2 * 32 * 128 * 4096 * 2  # K+V x layers x head_dim x tokens x bf16
+    one_head = 2 * 32 * 128 * (4096 + 32) * 2  # K+V x layers x head_dim x tokens (and 2 reserved blocks) x bf16
     assert rank.predicted_bytes.kv_cache == one_head
 
 
@@ -489,7 +489,7 @@ def test_places_answers_as_planning_and_counting_does(data):
      "spec.parallelism.tensor=8 needs 8 devices on one node; the largest node in the pool has 2.",
      "set tensor: auto"),
     # 70B on two 24 GiB devices: 14 more run both replicas (not "about 17").
-    ("a:24GiB*2", {"replicas": 2}, "one replica needs at least 158.78 GiB across 2 devices",
+    ("a:24GiB*2", {"replicas": 2}, "one replica needs at least 159.04 GiB across 2 devices",
      "add 18 more devices of 24.0 GiB (gpu) to node a (8 more devices would run 1 of the 2 replicas)"),
 ])
 def test_the_binding_constraint_comes_first_and_the_suggestions_are_checked(devices, spec_fields, first, offered):

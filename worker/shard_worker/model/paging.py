@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import torch
 
-BLOCK_SIZE = 16
-ZERO_BLOCK, TRASH_BLOCK = 0, 1
-RESERVED_BLOCKS = 2
+from shard_contract.sharding import KV_BLOCK_SIZE as BLOCK_SIZE
+from shard_contract.sharding import KV_RESERVED_BLOCKS as RESERVED_BLOCKS
+
+ZERO_BLOCK, TRASH_BLOCK = 0, 1  # the RESERVED_BLOCKS, which the planner counts (and no sequence holds)
 
 
 def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:

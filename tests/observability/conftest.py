@@ -35,9 +35,12 @@ class Group:
 
     def complete(self, n: int, max_tokens: int = 12) -> None:
         for i in range(n):
-            response = httpx.post(self.url + "/v1/completions", timeout=60,
-                                  json={"prompt": f"The {i}", "max_tokens": max_tokens, "ignore_eos": True})
-            assert response.status_code == 200, response.text
+            self.complete_prompt(f"The {i}", max_tokens)
+
+    def complete_prompt(self, prompt: str, max_tokens: int = 12) -> None:
+        response = httpx.post(self.url + "/v1/completions", timeout=60,
+                              json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True})
+        assert response.status_code == 200, response.text
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from shard_contract.plan import describe_layers
+from shard_contract.sharding import KV_BLOCK_SIZE
 from shard_contract.units import human
 from shard_operator import metrics
 from shard_operator.local.launcher import free_port
@@ -46,16 +47,25 @@ def ranks_in_page(browser) -> list[dict]:
     }))""")
 
 
-class Traffic(threading.Thread):
-    """Completions one after another until stopped."""
+# A prompt of several full KV blocks (16 tokens each) that every other request of the prefix
+# traffic starts with: its blocks are looked up, and found once one request has computed them.
+SHARED_PROMPT = "Every request of this traffic starts with the same long story: " + "once upon a time, " * 12
 
-    def __init__(self, group):
+
+class Traffic(threading.Thread):
+    """Completions one after another until stopped; with `shared_prefix`, every other one starts
+    with SHARED_PROMPT (and ends with its own number)."""
+
+    def __init__(self, group, shared_prefix: bool = False):
         super().__init__(daemon=True)
-        self.group, self.done, self.stop = group, 0, threading.Event()
+        self.group, self.shared_prefix, self.done, self.stop = group, shared_prefix, 0, threading.Event()
 
     def run(self) -> None:
         while not self.stop.is_set():
-            self.group.complete(1)
+            if self.shared_prefix and self.done % 2:
+                self.group.complete_prompt(f"{SHARED_PROMPT} {self.done}")
+            else:
+                self.group.complete(1)
             self.done += 1
 
     def __enter__(self) -> Traffic:
@@ -129,6 +139,18 @@ def grafana_queries() -> list[tuple[str, str, set[str]]]:
     return found
 
 
+def panel_values(prom: Prometheus, title: str) -> list[float]:
+    """The latest value of each target's series of the dashboard panel `title`, in target order
+    (series of one target in label order); a target with no series gives none."""
+    values = []
+    for found, expr, _ in grafana_queries():
+        if found == title:
+            series = sorted(prom.query(expr), key=lambda s: sorted(s["metric"].items()))
+            values += [float(s["value"][1]) for s in series]
+    assert values, f"no panel {title!r} with data"
+    return values
+
+
 def scrape_configs(group, operator_port: int) -> list[dict]:
     """What the chart's PodMonitor and ServiceMonitor make Prometheus scrape, written out: every rank
     with its namespace and pod labels, and the operator with its own labels honoured."""
@@ -153,13 +175,23 @@ def evaluate_everything(group, operator_port: int, tmp_path) -> None:
             return bool(tokens) and float(tokens[0]["value"][1]) > 0 and \
                 all(prom.query(expr) for _, expr, _ in grafana_queries())
 
-        with Traffic(group) as traffic:  # requests run until every query has answered
+        with Traffic(group, shared_prefix=True) as traffic:  # requests run until every query has answered
             prom.wait(lambda: traffic.done > 0 and answering(), 180, "answering every dashboard query, tokens flowing")
             for title, expr, legend in grafana_queries():
                 series = prom.query(expr)
                 assert series, f"{title}: {expr} returned nothing"
                 for s in series:
                     assert legend <= set(s["metric"]), f"{title}: {expr} lacks {legend - set(s['metric'])}: {s}"
+            # The scheduling panels' values against what the group is: the shared prompt's blocks
+            # are found in the prefix cache (a hit rate above 0), and the blocks used and free add
+            # up to what the leader's paged cache gives sequences, which is the plan's capacity.
+            prom.wait(lambda: panel_values(prom, "Prefix cache hit rate")[0] > 0
+                      and panel_values(prom, "Prefix cache lookups and hits")[1] > 0, 120, "prefix cache hits")
+            shards = group.shards()
+            capacity = shards["kv_cache_tokens"]  # the leader's pool, as loaded
+            assert capacity == shards["ranks"][0]["plan"]["kv_cache_tokens"] > 0
+            assert sum(panel_values(prom, "KV cache blocks used / free")) * KV_BLOCK_SIZE == capacity
+            assert panel_values(prom, "KV cache tokens: capacity and in use")[0] == capacity
         # A few of the values, against what the group is.
         assert float(prom.query(f'sum(shard_group_ready{{model="{MODEL}"}})')[0]["value"][1]) == 4
         assert len(prom.query('shard_resident_bytes{kind="total"}')) == 4

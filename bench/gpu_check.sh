@@ -20,9 +20,12 @@
 #      and 32 decode in bfloat16 and int8 (each CUDA int8 product) against the measured read
 #      limit and the planner's predicted step, beside HF transformers' static cache compiled by
 #      torch.compile (batch 1);
-#   4. bench/gpu_ranks.py: TP=2 and PP=2 as two processes sharing the one GPU over gloo, equal to TP=1.
+#   4. bench/paged_attention.py: one 8B-shaped layer's decode attention over the paged KV cache at
+#      batch 32 and 512-8k context in bfloat16, each row's context gathered vs read in place by
+#      FlexAttention (times, bytes, and the largest difference);
+#   5. bench/gpu_ranks.py: TP=2 and PP=2 as two processes sharing the one GPU over gloo, equal to TP=1.
 # In $OUT: check.log (everything), env.log, tests.log, tests.xml, prepare-*.log, bench-*.log,
-# gpu_bench-*.json (rewritten after each measurement), ranks.log, ranks.json, summary.txt
+# gpu_bench-*.json (rewritten after each measurement), paged.log, paged.json, ranks.log, ranks.json, summary.txt
 # (rewritten after each step): a run cut off keeps what it measured. Exit status 0: every step passed.
 #
 # GPU_CHECK_DRY=1 runs the same steps on the CPU with tiny models, few tokens and batches and HF's
@@ -55,10 +58,12 @@ TESTS=(tests/worker/test_decode_graphs.py tests/worker/test_on_device.py tests/w
 if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then
     DEVICE=cpu MODELS=(tiny tiny-8b) TESTS=(tests/worker/test_decode_graphs.py tests/worker/test_gpu_runtime.py)
     BENCH=(--tokens 4 --batches 1,2 --int8-modes compiled --hf eager)
-    LIMITS=(tests=150 bench-tiny=150 bench-tiny-8b=150 ranks=150)  # a busy CPU: generous, not a budget
+    PAGED=(--contexts 64,256 --rows 2 --rounds 1 --reference)  # flex_attention uncompiled: no minutes of compiling
+    LIMITS=(tests=150 bench-tiny=150 bench-tiny-8b=150 paged=150 ranks=150)  # a busy CPU: generous, not a budget
 else
     DEVICE=cuda MODELS=(bench 8b) BENCH=(--tokens 128 --batches 1,8,32 --int8-modes compiled,int8pack --hf static)
-    LIMITS=(tests=120 bench-bench=100 bench-8b=170 ranks=45)  # with the environment's 30: 465 s
+    PAGED=(--contexts 512,2048,8192 --rows 32 --rounds 5 --dtype bfloat16)
+    LIMITS=(tests=120 bench-bench=100 bench-8b=140 paged=30 ranks=45)  # with the environment's 30: 465 s
 fi
 limit() { local kv; for kv in "${LIMITS[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done; }
 LAUNCH=()  # each bounded command in a session of its own, so that all it started can be stopped
@@ -196,6 +201,11 @@ bench_model() {  # bench_model MODEL: bench/gpu_decode.py on it, once its checkp
 bench_first() { bench_model "${MODELS[0]}"; }
 bench_second() { bench_model "${MODELS[1]}"; }
 
+paged() {  # decode attention over the paged KV cache: each row's context gathered vs read in place
+    bounded "$(limit paged)" "$OUT/paged.log" "$PY" bench/paged_attention.py --device "$DEVICE" "${PAGED[@]}" \
+        --json "$OUT/paged.json"
+}
+
 ranks() {
     bounded "$(limit ranks)" "$OUT/ranks.log" "$PY" bench/gpu_ranks.py --device "$DEVICE" \
         --model-dir "$WORK/model-ranks" --out "$OUT/ranks.json" --timeout "$(( $(limit ranks) / 3 ))"
@@ -216,6 +226,7 @@ done
 step "device tests" device_tests
 step "decode bench, ${MODELS[0]} model" bench_first
 step "decode bench, ${MODELS[1]} model" bench_second
+step "paged attention, gathered vs in place" paged
 step "two ranks on one device (TP=2, PP=2 over gloo)" ranks
 
 summary | tee "$OUT/summary.txt"

@@ -61,6 +61,8 @@ KERNEL_ENV = "SHARD_KERNEL"  # the CPU kernels: auto (the best this CPU runs), t
 FUSED_LAYERS_ENV = "SHARD_FUSED_LAYERS"  # "0": CPU decoder layers in Python, not the fused C layer
 # How a rank runs its decode steps (shard_worker.engine.graphs): auto, off, eager, cuda or compile.
 DECODE_GRAPHS_ENV = "SHARD_DECODE_GRAPHS"
+# How the torch path reads the paged KV cache (shard_worker.model.paged): auto, flex (in place) or gather.
+PAGED_ATTENTION_ENV = "SHARD_PAGED_ATTENTION"
 # "0": the leader serves HTTP from its engine's process instead of an HTTP process of its own.
 HTTP_PROCESS_ENV = "SHARD_HTTP_PROCESS"
 # The leader's HTTP process's end of its pipe to the engine process (set by the engine process).

@@ -26,7 +26,7 @@ def test_the_dry_run_passes_every_step_and_keeps_its_figures(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert proc.returncode == 0, f"{summary}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
     steps = summary.splitlines()[1:]
-    assert [line.split()[0] for line in steps] == ["ok"] * 5, summary
+    assert [line.split()[0] for line in steps] == ["ok"] * 6, summary
     assert "(cpu)" in summary.splitlines()[0]
 
     for model in ("tiny", "tiny-8b"):

@@ -317,6 +317,29 @@ def test_a_cpu_rank_has_no_staging():
     assert seen.into_staging == []
 
 
+def test_ids_go_back_to_the_device_through_the_staging():
+    """The next step's inputs from the host (another stage sampled them, or the host did): one
+    copy into the staging's ids, then from there (pinned on CUDA: an asynchronous DMA)."""
+    staging = HostStaging(4, pin=False)
+    with Copies(staging) as seen:
+        out = staging.upload(torch.tensor([5, FAILED, 9]), torch.device("cpu"))
+    assert out.tolist() == [5, FAILED, 9] and staging.ids[:3].tolist() == [5, FAILED, 9]
+    assert seen.into_staging == [False]  # the ids' region, not the step copy's bytes
+    assert staging.ids.data_ptr() >= staging.bytes.data_ptr() + staging.bytes.numel()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_rank_feeds_host_ids_through_pinned_memory():
+    seqs = Sequences(3, eos_ids=(2,), device="cuda")
+    seqs.feed([0, 2], torch.tensor([7, FAILED]))
+    seqs.feed(slice(0, 3), torch.tensor([1, 2, 3]))
+    staging = staging_for(torch.device("cuda"), 3)
+    assert staging is not None and staging.ids.is_pinned()
+    assert seqs.next_tokens.tolist() == [1, 2, 3]
+    seqs.feed([1], torch.tensor([FAILED], device="cuda"))  # on the device already: no staging
+    assert seqs.next_tokens.tolist() == [1, 0, 3]
+
+
 def test_the_noise_is_finite_for_every_hash():
     """The hash's extremes give a uniform strictly inside (0, 1), so the Gumbel noise is finite:
     +inf noise on a token a grammar masked (-inf) made NaN, and argmax took it."""

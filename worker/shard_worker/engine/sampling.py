@@ -38,7 +38,7 @@ import torch
 from shard_contract.wire import MAX_LOGPROBS, GenerateRequest
 
 from ..log import first_line
-from ..model.pinned import PinnedArena
+from ..model.pinned import PinnedArena, arena_bytes
 from . import grammar
 
 FAILED = -1  # the token of a row whose sampling failed
@@ -84,16 +84,21 @@ def uniform(h: torch.Tensor) -> torch.Tensor:
 
 class HostStaging:
     """Pinned host memory where a CUDA rank's step copy lands: as many 8-byte values as the largest
-    packed step of `rows` rows (token, its log-probability, MAX_LOGPROBS alternatives and theirs).
-    One per device for the process's life (`staging_for`): pinning registers memory with CUDA,
-    and each generate makes a new Sampler."""
+    packed step of `rows` rows (token, its log-probability, MAX_LOGPROBS alternatives and theirs),
+    and `rows` token ids on their way back to the device (`upload`: the next step's inputs, on a
+    first stage that is not the one that sampled them, or that sampled on the host). One per
+    device for the process's life (`staging_for`): pinning registers memory with CUDA, and each
+    generate makes a new Sampler."""
 
     COLUMNS = 2 + 2 * MAX_LOGPROBS
 
     def __init__(self, rows: int, pin: bool = True, cudart: Any = None):
         self.rows = rows
-        self.arena = PinnedArena(rows * self.COLUMNS * 8, pin=pin, cudart=cudart)
+        self.arena = PinnedArena(arena_bytes([(rows * self.COLUMNS * 8,), (rows * 8,)], torch.uint8), pin=pin,
+                                 cudart=cudart)
         self.bytes = self.arena.take((rows * self.COLUMNS * 8,), torch.uint8)
+        self.ids = self.arena.take((rows,), torch.int64)
+        self._uploaded: Any = None  # the event after the last upload from `ids` (CUDA)
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         """`t` (8-byte values, at most `rows` x COLUMNS) copied into the pinned memory, the copy
@@ -102,6 +107,20 @@ class HostStaging:
         out.copy_(t, non_blocking=True)
         if t.device.type == "cuda":
             torch.cuda.current_stream(t.device).synchronize()
+        return out
+
+    def upload(self, tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Host int64 `tokens` (at most `rows`) on `device`, through the pinned memory: an
+        asynchronous DMA (from pageable memory a copy waits for the host to stage it). The host
+        waits only for the previous upload to have left the pinned memory before it rewrites it."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        staged = self.ids[:tokens.numel()].view(tokens.shape)
+        staged.copy_(tokens)
+        out = staged.to(device, non_blocking=True)
+        if device.type == "cuda":
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
         return out
 
 

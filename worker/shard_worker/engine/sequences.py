@@ -20,7 +20,7 @@ from shard_contract.wire import Completion, GenerateRequest
 from ..model.paging import TRASH_BLOCK
 from .grammar import Grammars
 from .logprobs import Extras
-from .sampling import FAILED, HostSampled, Sampler
+from .sampling import FAILED, HostSampled, Sampler, staging_for
 
 # Why a sequence failed when its token came back FAILED from another stage (that rank logged why).
 FAILED_ELSEWHERE = "choosing its next token failed on the last pipeline stage (that rank's log says why)"
@@ -183,10 +183,15 @@ class Sequences:
         return bool(self._running_rows())
 
     def feed(self, rows: list[int] | slice, tokens: torch.Tensor) -> None:
-        """The rows' next inputs (a device-to-device copy when `tokens` are on the model's device).
+        """The rows' next inputs (a device-to-device copy when `tokens` are on the model's device;
+        from the host, on a CUDA rank, through the pinned memory of the process's `HostStaging`).
         A FAILED token's row may still be computed (between running rows) until it is reused: it
         is fed token 0."""
-        self.next_tokens[rows] = tokens.to(self.next_tokens.device, non_blocking=True).clamp(min=0)
+        device = self.next_tokens.device
+        if tokens.device != device:
+            staging = staging_for(device, tokens.numel())
+            tokens = staging.upload(tokens, device) if staging is not None else tokens.to(device)
+        self.next_tokens[rows] = tokens.clamp(min=0)
 
     def add(self, rows: list[int], tokens: list[int], failures: Mapping[int, str],
             extras: Extras | None = None) -> list[SequenceState]:

@@ -18,16 +18,17 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
 
 from shard_contract.sharding import kv_head_start, kv_heads_per_rank, tp_problem, vocab_rows_per_rank
 
 from ..comm.dist import Comm
-from . import kernels, paging
+from . import kernels, paged, paging
 from .attention import MASKED, additive, allowed_keys, first_columns, grouped_attention, mask_kind
 from .config import ModelConfig
 from .fused import FusedDecode
@@ -152,7 +153,12 @@ class Step:
 
     `reads` [N, length] and `writes` [N, c1 - c0]: the pool slot of each column the pass attends
     to and computes, from its rows' block tables (`paging.slot_maps`; every layer uses them). A
-    pass built without tables gets the cache's contiguous ones (`KVCache.maps`)."""
+    pass built without tables gets the cache's contiguous ones (`KVCache.maps`).
+
+    For the pool read in place (`paged`): `tables` the rows' block tables and `positions` [N, S]
+    each query's position (column - padding; negative for a padding query), on the device; without
+    tables, `positions` are columns and `floor` each row's padding (the contiguous tables hold a
+    row's columns, padding included). `blocks`: the block masks, per window, built once a step."""
 
     r0: int
     r1: int
@@ -166,6 +172,10 @@ class Step:
     length: int = 0
     reads: torch.Tensor | None = None
     writes: torch.Tensor | None = None
+    tables: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    floor: torch.Tensor | None = None
+    blocks: dict[int | None, BlockMask] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.length = self.length or self.c1
@@ -195,10 +205,14 @@ class Step:
             masks[w] = additive(allowed_keys(dev_rows, c0, c1 - c0, c1, w), dtype) if kind == MASKED else kind
         firsts = {w: first_columns(rows, c0, w) for w in windows} if c1 - c0 == 1 else None
         step = cls(r0, r1, c0, c1, cos, sin, masks, firsts)
+        columns = torch.arange(c0, c1, device=device).expand(r1 - r0, c1 - c0)
         if tables is not None:
             own = starts[r0:r1] if starts is not None else torch.zeros_like(rows)
             reads, writes = paging.slot_maps(tables[r0:r1], rows, own, c0, c1)
             step.reads, step.writes = reads.to(device, non_blocking=True), writes.to(device, non_blocking=True)
+            step.tables, step.positions = tables[r0:r1].to(device, non_blocking=True), columns - dev_rows.unsqueeze(1)
+        else:  # the cache's contiguous tables, a row's columns its positions: the padding is read past
+            step.positions, step.floor = columns, dev_rows
         return step
 
     @classmethod
@@ -212,7 +226,8 @@ class Step:
         masks: dict[int | None, torch.Tensor | str | None] = {
             w: additive(allowed_keys(pads[:rows], column, 1, length, w), dtype) for w in windows}
         reads, writes = paging.captured_maps(tables[:rows], pads[:rows], column, length)
-        return cls(0, rows, 0, 1, cos, sin, masks, None, column, length, reads, writes)
+        return cls(0, rows, 0, 1, cos, sin, masks, None, column, length, reads, writes, tables[:rows],
+                   (column - pads[:rows]).unsqueeze(1))
 
 
 class KVCache:
@@ -223,10 +238,9 @@ class KVCache:
     plan's kvCacheTokens; by default `batch` x `max_len`, every row at its longest).
 
     What a forward pass asks of a cache (all of it): `update(layer, step, k, v)` stores the step's
-    keys and values and returns what attention reads, [rows, kv_heads, step.length, head_dim]
-    (`grouped_attention` takes any strided view); `batch` (rows: the most sequences at once) and
-    `max_len`; `maps(step)` (the slots of the step's columns); and, for the fused CPU layers and
-    the replayed steps, the pools `k` and `v`."""
+    keys and values; `mask(step, window)` the step's block mask, to read the pools `k` and `v` in
+    place (`paged.attend`), or `gather(layer, step)` each row's context as a copy; `batch` (rows:
+    the most sequences at once) and `max_len`; `maps(step)` (the slots of the step's columns)."""
 
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, tokens: int | None = None):
@@ -252,18 +266,32 @@ class KVCache:
             step.reads, step.writes = reads.to(self.k.device), writes.to(self.k.device)
         return step.reads, step.writes
 
-    def update(self, layer: int, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the step's keys/values (k, v [rows, kv_heads, c1 - c0, head_dim]) in their slots;
-        return its rows' keys and values of columns [0, step.length): a first chunk's own (no
-        read), else the pool's slots of those columns (indexed: torch has no paged read in place;
-        the CPU decode kernel reads the pool in place)."""
-        reads, writes = self.maps(step)
+    def update(self, layer: int, step: Step, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the step's keys/values (k, v [rows, kv_heads, c1 - c0, head_dim]) in their slots,
+        and zero what follows each row's last one in its block (`paged.tail_slots`: a masked key
+        that attention reads in place must not be NaN)."""
+        _, writes = self.maps(step)
         n, kv, s, d = k.shape
         at = writes.reshape(-1)
-        self.k[layer].index_copy_(1, at, k.transpose(0, 1).reshape(kv, n * s, d))
-        self.v[layer].index_copy_(1, at, v.transpose(0, 1).reshape(kv, n * s, d))
-        if step.fresh:
-            return k, v
+        tail = paged.tail_slots(writes, self.block_size).reshape(-1)
+        for pool, new in ((self.k[layer], k), (self.v[layer], v)):
+            pool.index_copy_(1, at, new.transpose(0, 1).reshape(kv, n * s, d))
+            pool.index_fill_(1, tail, 0.0)
+
+    def mask(self, step: Step, window: int | None) -> BlockMask:
+        """The step's block mask for layers of `window` (`paged.paged_mask`), built once a step."""
+        if window not in step.blocks:
+            assert step.positions is not None
+            tables = step.tables if step.tables is not None else self.contiguous[step.r0:step.r1].to(self.k.device)
+            lo, hi = paged.bounds(step.positions, window, step.floor)
+            step.blocks[window] = paged.paged_mask(tables, lo, hi, self.num_blocks + paging.RESERVED_BLOCKS,
+                                                   self.block_size)
+        return step.blocks[window]
+
+    def gather(self, layer: int, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows' keys and values of columns [0, step.length) by their read map: a copy of each
+        row's whole context (what the torch path did before `paged`; the bench's reference)."""
+        reads, _ = self.maps(step)
         return self.k[layer][:, reads].transpose(0, 1), self.v[layer][:, reads].transpose(0, 1)
 
 
@@ -291,12 +319,16 @@ class Attention:
         q = apply_rope(q.view(n, s, self.heads, self.head_dim).transpose(1, 2), step.cos, step.sin)
         k = apply_rope(k.view(n, s, self.kv_heads, self.head_dim).transpose(1, 2), step.cos, step.sin)
         v = v.view(n, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        keys, values = cache.update(layer, step, k, v)
+        cache.update(layer, step, k, v)
+        if not step.fresh and paged.in_place(q.device):  # decode and later chunks: the pool read in place
+            out = paged.attend(q, cache.k[layer], cache.v[layer], cache.mask(step, self.window))
+            return self.o(out.transpose(1, 2).reshape(n, s, self.q_size))
+        keys, values = (k, v) if step.fresh else cache.gather(layer, step)  # a first chunk's keys are its own
         mask = step.masks[self.window]
-        if isinstance(mask, str):  # CAUSAL: a first chunk: its keys are its own, SDPA's kernels take it unmasked
+        if isinstance(mask, str):  # CAUSAL: SDPA's kernels take it unmasked
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True,
                                                  enable_gqa=self.heads > self.kv_heads)
-        else:  # decode and later chunks: the cache read in place, whatever the padding
+        else:
             out = grouped_attention(q, keys, values, mask if isinstance(mask, torch.Tensor) else None)
         return self.o(out.transpose(1, 2).reshape(n, s, self.q_size))
 

@@ -1,0 +1,153 @@
+"""Attention that reads the paged KV cache in place: FlexAttention over the rows' block tables.
+
+The pool of a layer is [kv_heads, slots, head_dim] (`KVCache`); FlexAttention takes it as keys
+and values of batch 1 ([1, kv_heads, slots, head_dim], a view) broadcast over the rows, and a
+*block mask* that lists, for each row, the pool blocks it reads, in logical order: its block
+table from the window's first block to its last position's (`paged_mask`). A fused kernel then
+loads those blocks where they lie (Triton on CUDA, inductor's C++ template on a CPU): nothing
+is gathered per row, whatever the context length, and nothing is materialised but each row's
+softmax state. Within the blocks read, a `mask_mod` keeps the keys of logical positions
+[lo, hi] of each query (causality, the sliding window); it finds a pool slot's logical position
+through the rows' inverse block tables (`inverse`, built on the device at each pass).
+
+Padding is gone from attention: a row's positions start at 0 in its first block, so left
+padding only shifts each query's position (a padding query, position < 0, reads nothing: its
+output is 0 and unused). Prefix-cache positions are in the shared blocks at the head of the
+table and read like any other. Grouped-query attention is FlexAttention's `enable_gqa` (the
+queries are grouped, the keys never expanded).
+
+Everything here is device tensors of static shapes (the pool's block count, the step's rows
+and query columns): a captured decode step (CUDA graphs) builds its mask without a host value,
+and launches the kernel, compiled on its own, inside the capture. A masked key is multiplied
+by 0 in the kernel (0 x NaN is NaN): what a row has not yet written in its last block is
+therefore zeroed when the row writes the position before it (`tail_slots`, used by
+`KVCache.update`), so a block reused from a failed sequence cannot poison its new owner.
+
+Why FlexAttention rather than a gather (`KVCache.gather`, what every layer did before: a copy
+of each row's whole context per layer per step) or SDPA (which needs the keys contiguous per
+row): see docs/architecture.md ("Paged attention on the torch path") and bench/paged_attention.py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from shard_contract.env import PAGED_ATTENTION_ENV
+
+from . import kernels
+from .paging import BLOCK_SIZE, TRASH_BLOCK
+
+Q_BLOCK = 128  # query columns a mask block: a decode step's one, a chunk's in 128s (Triton's BLOCK_M divides it)
+_FAR = 1 << 30  # a bound no position reaches: the padded query columns of a mask read nothing
+
+Attend = Callable[..., torch.Tensor]
+_compiled: dict[str, Attend] = {}
+
+
+def inverse(tables: torch.Tensor, pool_blocks: int) -> torch.Tensor:
+    """[N, pool_blocks] int32: the logical index of each pool block in each row's table (-1 where
+    the row does not hold it). A block a row's table lists twice (TRASH, in a free row's or past
+    a row's held blocks) gets one of its indices: such blocks are never among those a row reads."""
+    n, width = tables.shape
+    inv = torch.full((n, pool_blocks), -1, dtype=torch.int32, device=tables.device)
+    at = torch.arange(width, dtype=torch.int32, device=tables.device).expand(n, width)
+    return inv.scatter_(1, tables, at)
+
+
+def paged_mask(tables: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, pool_blocks: int,
+               block_size: int = BLOCK_SIZE) -> BlockMask:
+    """The block mask of a pass whose query (b, i) attends to its row's logical positions
+    [lo[b, i], hi[b, i]] (device tensors [N, S]; hi < lo: nothing), through the rows' block
+    tables `tables` [N, blocks] (device), over a pool of `pool_blocks` blocks of `block_size`."""
+    n, s = lo.shape
+    device = tables.device
+    q_blocks = -(-s // Q_BLOCK)
+    pad = q_blocks * Q_BLOCK - s
+    lo = F.pad(lo, (0, pad), value=_FAR)
+    hi = F.pad(hi, (0, pad), value=-1)
+    # each query block's first and last logical block: the span of its queries' bounds
+    first = lo.view(n, q_blocks, Q_BLOCK).amin(-1).clamp(min=0, max=_FAR - 1) // block_size
+    last = hi.view(n, q_blocks, Q_BLOCK).amax(-1).div(block_size, rounding_mode="floor")
+    count = (last - first + 1).clamp(min=0, max=tables.shape[1])
+    logical = first.unsqueeze(-1) + torch.arange(pool_blocks, device=device)  # [N, q_blocks, pool_blocks]
+    listed = tables.unsqueeze(1).expand(n, q_blocks, tables.shape[1])
+    indices = listed.gather(2, logical.clamp(max=tables.shape[1] - 1))
+    indices = torch.where(logical - first.unsqueeze(-1) < count.unsqueeze(-1), indices, TRASH_BLOCK)
+    inv = inverse(tables, pool_blocks)
+
+    def within(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        held = inv[b, kv // block_size]
+        position = held * block_size + kv % block_size
+        return (held >= 0) & (position >= lo[b, q]) & (position <= hi[b, q])
+
+    return BlockMask.from_kv_blocks(count.to(torch.int32).unsqueeze(1), indices.to(torch.int32).unsqueeze(1),
+                                    BLOCK_SIZE=(Q_BLOCK, block_size), mask_mod=within,
+                                    seq_lengths=(s, pool_blocks * block_size), compute_q_blocks=False)
+
+
+def bounds(positions: torch.Tensor, window: int | None, floor: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi) for queries at logical positions `positions` [N, S] (negative: a padding query,
+    which reads nothing): causal, no further back than `window`, nor before `floor` [N] (the
+    first position a row may read, where positions are columns: the padding of an unpaged
+    row's columns)."""
+    lo = torch.zeros_like(positions) if window is None else (positions - window + 1).clamp(min=0)
+    if floor is not None:
+        lo = torch.maximum(lo, floor.unsqueeze(1))
+    hi = torch.where(positions >= lo, positions, -1)
+    return lo, hi
+
+
+def tail_slots(writes: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """[N, block_size - 1]: the pool slots after each row's last written slot (writes [N, S]) in
+    the same block, which nothing has written yet and the row's next reads mask (TRASH's first
+    slot past the block's end: never read)."""
+    last = writes[:, -1:]
+    after = last + torch.arange(1, block_size, device=writes.device)
+    return torch.where(last % block_size + torch.arange(1, block_size, device=writes.device) < block_size, after,
+                       TRASH_BLOCK * block_size)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: BlockMask) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v of q [N, heads, S, d] over the pool keys, values [kv_heads,
+    slots, d] (this layer's, read in place) under `mask` (`paged_mask`) -> [N, heads, S, d]."""
+    grouped = q.shape[1] != keys.shape[0]
+    out = _kernel(q.device)(q, keys.unsqueeze(0), values.unsqueeze(0), block_mask=mask, enable_gqa=grouped)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def _kernel(device: torch.device) -> Attend:
+    """flex_attention as a fused kernel, compiled once per device type. Without compiling, flex_attention
+    computes every row's scores against the whole pool (its reference path): never used here."""
+    kind = device.type
+    if kind not in _compiled:
+        # dynamic: one kernel for every batch and chunk length (a decode step's shapes differ by
+        # rows only); the block size and pool stay static
+        _compiled[kind] = torch.compile(flex_attention, dynamic=True, fullgraph=True)
+    return _compiled[kind]
+
+
+def in_place(device: torch.device) -> bool:
+    """Whether a pass on `device` reads the pool in place (`attend`) or gathers each row's context
+    (`KVCache.gather`): SHARD_PAGED_ATTENTION (flex, gather, auto). auto: in place on CUDA and on a
+    CPU rank without our C kernels (not built, or SHARD_KERNEL=torch); a CPU rank with them reads
+    in place in its decode attention (`kernels.attend`) and gathers for a later prefill chunk
+    (whose queries share the copy; compiling the kernel costs a CPU rank 10-60 s a process).
+    Never inside a compiled step (the decode graphs' compile mode): there inductor builds the mask
+    in the graph, and with torch 2.13's C++ template the step's logits came out wrong (seen while
+    building this; not yet understood, and the Triton one is unchecked there); the captured step
+    of the default `cuda` mode builds the mask eagerly and launches the kernel compiled on its own."""
+    want = os.environ.get(PAGED_ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if want not in ("auto", "flex", "gather"):
+        raise ValueError(f"{PAGED_ATTENTION_ENV}={want!r}: one of auto, flex, gather")
+    if torch.compiler.is_compiling():
+        return False
+    if want != "auto":
+        return want == "flex"
+    return device.type == "cuda" or kernels.LEVEL is None

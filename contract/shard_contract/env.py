@@ -14,6 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
+from .sharding import STEP_TOKENS
+
 # field -> environment variable
 ENV_NAMES = {
     "rank": "RANK",
@@ -67,6 +69,24 @@ PAGED_ATTENTION_ENV = "SHARD_PAGED_ATTENTION"
 HTTP_PROCESS_ENV = "SHARD_HTTP_PROCESS"
 # The leader's HTTP process's end of its pipe to the engine process (set by the engine process).
 ENGINE_FD_ENV = "SHARD_ENGINE_FD"
+# The engine's per-step token budget (decodes + prompt chunks; sharding.STEP_TOKENS by device kind)
+STEP_TOKENS_ENV = "SHARD_STEP_TOKENS"
+
+
+def step_token_budget(device_type: str, environ: Mapping[str, str] | None = None) -> int:
+    """The per-step token budget of a rank whose torch device type is `device_type` ("cuda": a
+    GPU's, else a CPU's), or SHARD_STEP_TOKENS when set (at least 1)."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(STEP_TOKENS_ENV, "").strip()
+    if raw:
+        try:
+            value = int(raw)
+        except ValueError:
+            raise WorkerEnvError(f"{STEP_TOKENS_ENV}={raw!r} is not an integer") from None
+        if value < 1:
+            raise WorkerEnvError(f"{STEP_TOKENS_ENV}={raw!r}: the budget is at least one token")
+        return value
+    return STEP_TOKENS["gpu" if device_type == "cuda" else "cpu"]
 
 # The worker's commands: one rank (`python -m shard_worker`), or a pod's ranks, one process each
 # (`python -m shard_worker.launch --local-ranks N`).

@@ -56,6 +56,20 @@ def kv_sequence_tokens(pool_tokens: int) -> int:
     """The inverse: what sequences can hold of a pool with room for `pool_tokens` positions (whole
     blocks, less the reserved ones; 0 when it holds no more than those)."""
     return max(pool_tokens // KV_BLOCK_SIZE - KV_RESERVED_BLOCKS, 0) * KV_BLOCK_SIZE
+# The per-step token budget of a continuous batch: each step computes its decodes and, with what
+# is left, chunks of the prompts of those who joined it (the worker's engine/chunking.py), so a long
+# prompt delays the running streams by at most one step's budget a step. It is the number of
+# prompt tokens that cost about one decode step, so a step with a chunk takes at most about twice
+# one without. A decode step reads every weight once (memory bound: 2 bytes a parameter at 16
+# bits, over the memory bandwidth); a chunk of n tokens does 2n FLOPs a parameter (compute bound):
+# they cost the same at n = FLOP/s / (bytes/s), the machine's ridge point: an H100's 989 TFLOP/s
+# (bf16 dense) over 3.35 TB/s is ~300, hence 256 (the decodes and attention take the rest). A
+# CPU core's is a few FLOPs a byte (fp32 weights: 4 bytes a parameter; AVX2/AVX-512 FMAs at a
+# few tens of GFLOP/s against ~10-20 GB/s), but a small model's decode step is dominated by its
+# per-step overheads, not by its weights: measured on the 2-core bench machine, a 32-token chunk
+# costs about one decode step of the demo model (docs/benchmarks.md). SHARD_STEP_TOKENS overrides
+# it (contract env.py).
+STEP_TOKENS = {"gpu": 256, "cpu": 32}
 
 
 def prefill_rows(max_batch: int, max_len: int, kind: str = "gpu") -> int:

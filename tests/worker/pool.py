@@ -123,8 +123,9 @@ def _texts(worker):
 def _run_continuous(engine, job: ContinuousJob, texts) -> tuple[list, list[tuple]]:
     """Drive `job` through the engine's hooks with the batcher's own admission rule and the text
     side's stop strings (`texts`); returns every request in order of arrival, and what happened,
-    in order: ("join", step, column, sequence index), ("finished", step, index, row) and ("cancel",
-    step, index)."""
+    in order: ("join", step, column, sequence index), ("finished", step, index, row), ("cancel",
+    step, index), ("free_blocks", step, the KV pool's free blocks at that boundary) and ("tokens",
+    step, indices of the sequences that took a token in the step before it)."""
     from shard_contract.wire import GenerateRequest
     from shard_worker.engine.engine import Hooks
     from shard_worker.serving.batcher import take_joiners
@@ -140,6 +141,7 @@ def _run_continuous(engine, job: ContinuousJob, texts) -> tuple[list, list[tuple
     started = [len(job.requests)]  # sequences the engine has started: the next one's index
 
     def admit(free_rows: int, col: int) -> list:
+        events.append(("free_blocks", steps[0], engine.blocks.pool.free_blocks))
         waiting.extend(arrivals.pop(steps[0], []))
         chosen = take_joiners(waiting, free_rows, col, engine.max_len, engine.blocks.needed,
                               engine.blocks.pool.free_blocks)
@@ -161,7 +163,11 @@ def _run_continuous(engine, job: ContinuousJob, texts) -> tuple[list, list[tuple
         events.extend(("cancel", steps[0], index) for index in leaving)
         return leaving
 
-    engine.generate(list(order), hooks=Hooks(admit=admit, step=texts.step, finished=finished,
+    def step(seqs) -> None:
+        events.append(("tokens", steps[0], [seq.index for seq in seqs]))
+        texts.step(seqs)
+
+    engine.generate(list(order), hooks=Hooks(admit=admit, step=step, finished=finished,
                                              cancelled=cancelled, stopped=texts.stopped))
     assert not waiting and not arrivals, "some arrivals never joined"
     return order, events

@@ -9,8 +9,9 @@ stopped) and decides each unit; the other stages follow the units (see `pipeline
 stage's TP peers hold the same state because they receive the same tokens and apply the same
 rules. A fixed batch (`shardctl generate`) needs no per-step message at all. A continuous batch
 (the server) lets requests join at each decode step boundary, into the rows of finished (or
-cancelled: their clients hung up) sequences: the leader's batcher chooses them, and the leader
-tells its first-stage TP peers who joins and who is cancelled at every step, with one small
+cancelled: their clients hung up) sequences, their prompts computed a chunk a step beside the
+running decodes within a per-step token budget (`chunking.py`): the leader's batcher chooses
+them, and the leader tells its first-stage TP peers who joins and who is cancelled at every step, with one small
 message (an empty one costs a shared-memory round where the peers share a machine, else one
 gloo broadcast); the later stages learn of each join from a JOIN header in the pipeline.
 
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from shard_contract.env import step_token_budget
 from shard_contract.wire import Completion, GenerateRequest
 
 from ..comm.dist import Comm
@@ -36,10 +38,11 @@ from ..model.model import KVCache, Rotary, Stage, Step
 from ..model.paging import RESERVED_BLOCKS, TRASH_BLOCK
 from ..telemetry.accounting import Accounting
 from . import grammar, logprobs
+from .chunking import Prefill, plan_step
 from .graphs import DecodeGraphs, chosen_mode
 from .kvblocks import Blocks
-from .pipeline import Free, Join, Link, Unit, prefill_units
-from .sequences import Rows, Sequences, SequenceState
+from .pipeline import Free, Join, Link, Pads, Unit, chunk_units, prefill_units
+from .sequences import PARKED, Rows, Sequences, SequenceState
 
 
 class RequestError(ValueError):
@@ -48,8 +51,9 @@ class RequestError(ValueError):
 
 def fits_at(request: GenerateRequest, col: int, max_len: int) -> bool:
     """Whether `request` can join a running batch at decode column `col`: its prompt, left-padded,
-    ends at `col`, and its new tokens fit before maxModelLen."""
-    return len(request.prompt_ids) <= col and col + request.max_new_tokens - 1 <= max_len
+    ends at `col` or, when it is longer, at its own length (the batch is reframed: `chunking.py`),
+    and its new tokens fit before maxModelLen from there."""
+    return max(len(request.prompt_ids), col) + request.max_new_tokens - 1 <= max_len
 
 
 @dataclass
@@ -57,9 +61,9 @@ class Hooks:
     """What a continuous generate asks of the leader's batcher, on the engine thread; none may block.
 
     admit(free_rows, col): the requests that join the running batch at decode column `col` now,
-    at most `free_rows`, in order; each must fit (prompt <= col, col + max_new_tokens - 1 <=
-    maxModelLen). step(sequences): the sequences that took a token in a step (the first batch's
-    prefill, or one decode step with the prefills of those that joined at it). finished(sequence,
+    at most `free_rows`, in order; each must fit (`fits_at`). step(sequences): the sequences that
+    took a token in a step (the first batch's prefill, or one decode step with the joiners whose
+    prompts ended in it). finished(sequence,
     completion): a sequence has stopped (finish_reason "error": it failed alone, the batch runs on);
     its row is free from the next step on. cancelled(): the sequences (by index) whose clients have
     gone since the last call: they stop at this step boundary, unanswered, and their rows are free
@@ -87,7 +91,7 @@ class Output:
 
 class Engine:
     def __init__(self, stage: Stage, cache: KVCache, comm: Comm, rotary: Rotary, acct: Accounting,
-                 model_dir: str | Path, max_len: int, report: Callable[[], dict]):
+                 model_dir: str | Path, max_len: int, report: Callable[[], dict], step_tokens: int | None = None):
         self.stage, self.cache, self.comm, self.rotary, self.acct = stage, cache, comm, rotary, acct
         self.topo, self.config = comm.topo, stage.config
         self.model_dir, self.max_len, self.report = Path(model_dir), max_len, report
@@ -95,6 +99,9 @@ class Engine:
         self.last_generate: dict[str, float] = {}
         self.last_output: Output | None = None  # on first-stage ranks: what the latest generate produced
         self._prompt_cols, self._decode_mark = 0, None
+        # the per-step token budget of a continuous batch (decodes + joiners' prompt chunks:
+        # chunking.py); the leader's, sent with each generate so that every rank composes alike
+        self.step_tokens = step_tokens or step_token_budget(stage.device.type)
         # decode steps replayed from captured graphs (graphs.py), or None: the eager step
         mode = chosen_mode(stage, comm)
         self.graphs = DecodeGraphs(stage, cache, rotary, comm, mode) if mode != "off" else None
@@ -158,7 +165,8 @@ class Engine:
             raise ValueError("logits are returned for a fixed batch only")
         places = [self.blocks.reserve(r) for r in requests]
         self.comm.broadcast_json({"op": "generate", "requests": [r.model_dump() for r in requests],
-                                  "places": places, "return_logits": return_logits, "continuous": hooks is not None})
+                                  "places": places, "return_logits": return_logits, "continuous": hooks is not None,
+                                  "step_tokens": self.step_tokens})
         out = self._generate(requests, places, return_logits, hooks, continuous=hooks is not None)
         assert out is not None
         return out
@@ -186,6 +194,7 @@ class Engine:
             if op == "generate":
                 requests = [GenerateRequest.model_validate(r) for r in command["requests"]]
                 places = [(list(b), int(st)) for b, st in command["places"]]
+                self.step_tokens = int(command["step_tokens"])
                 self._generate(requests, places, command["return_logits"], continuous=command["continuous"])
             elif op == "report":
                 self.comm.gather_json(self.report())
@@ -229,17 +238,23 @@ class Engine:
         """The unit through this stage: its hidden states [rows, cols, H] (None for a replayed
         decode step on the last stage), and on the last stage after an emitting unit the float32
         logits [rows, vocab] of its last column (else None)."""
-        if self._decode_mark is None and unit.c0 >= self._prompt_cols:  # the first decode step
+        if self._decode_mark is None and unit.c0 >= self._prompt_cols and not unit.positions:  # the first decode step
             self._decode_mark = (time.perf_counter(), self.acct.snapshot())
         logits_here = self.topo.is_last and unit.emits
         with self.acct.computing():
             if self.graphs is not None and unit.cols == 1:  # a decode step, replayed
                 out = self.graphs.run(unit.r0, unit.r1, unit.c0, x, rows.pads, rows.tables)
                 return (None, out) if self.topo.is_last else (out, None)
-            step = Step.build(unit.r0, unit.r1, unit.c0, unit.c1, rows.pads, self.rotary, self.stage.windows,
-                              self.stage.dtype, self.stage.device, tables=rows.tables, starts=rows.starts)
+            step = Step.build(unit.r0, unit.r1, unit.c0, unit.c1, self._pads(unit, rows), self.rotary,
+                              self.stage.windows, self.stage.dtype, self.stage.device, tables=rows.tables,
+                              starts=rows.starts)
             hidden = self.stage.forward(x, step, self.cache)
             return hidden, self.stage.logits(hidden[:, -1]) if logits_here else None
+
+    @staticmethod
+    def _pads(unit: Unit, rows: Rows) -> torch.Tensor:
+        """The rows' paddings in `unit`: a parked row's chunk is computed by position (padding 0)."""
+        return torch.zeros_like(rows.pads) if unit.positions else rows.pads
 
     def _sample(self, unit: Unit, logits: torch.Tensor, rows: Rows,
                 return_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -255,7 +270,7 @@ class Engine:
         requests = rows.requests[unit.r0:unit.r1]
         if any(q is not None and q.prompt_logprobs for q in requests):
             with self.acct.computing():
-                rows.extras.prompt(requests, rows.pads, unit.r0, unit.c0, hidden, self.stage.logits)
+                rows.extras.prompt(requests, self._pads(unit, rows), unit.r0, unit.c0, hidden, self.stage.logits)
 
     def _pass(self, work: list[tuple[Unit, torch.Tensor]], rows: Rows,
               vocab: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -280,6 +295,8 @@ class Engine:
                     if logprobs.wants(rows.requests[u.r0:u.r1]):
                         rows.extras.merge(self.link.recv_extras())
         emitted.sort(key=lambda e: e[0].r0)
+        if not emitted:  # chunks of prompts that do not end yet
+            return torch.zeros(0, dtype=torch.int64), None
         tokens = torch.cat([t for _, t, _ in emitted])
         return tokens, (torch.cat([lg for _, _, lg in emitted]) if vocab is not None else None)
 
@@ -301,14 +318,17 @@ class Engine:
         seqs.feed(first, tokens)
         self._report(seqs.add(first, tokens.tolist(), rows.failures, rows.extras), hooks)
 
-        col = self._prompt_cols
+        col, prefills = self._prompt_cols, []
         while seqs.live():
-            joined, join_tokens = self._join(seqs, rows, col, hooks, continuous)
+            col, joined, join_tokens = self._join(seqs, rows, col, prefills, hooks, continuous)
             if not seqs.live():  # every client left, and nobody joined
                 break
-            # Rows outside the live ones are not computed (a CPU matmul of 4 rows can cost twice
-            # one row's); logits are returned for every row of a fixed batch.
-            lo, hi = (0, rows.used) if return_logits else seqs.live_span()
+            # Rows outside the decoding ones are not computed (a CPU matmul of 4 rows can cost
+            # twice one row's); logits are returned for every row of a fixed batch.
+            span = (0, rows.used) if return_logits else seqs.live_span()
+            if span is None:  # every running sequence's prompt is still being computed
+                continue
+            lo, hi = span
             unit = Unit(lo, hi, col, col + 1, emits=True)
             tokens, logits = self._pass([(unit, seqs.next_tokens[lo:hi].view(hi - lo, 1))], rows, vocab)
             out.logits += [logits.cpu()] if logits is not None else []
@@ -346,29 +366,48 @@ class Engine:
             if seq.finished:
                 hooks.finished(seq, seq.completion())
 
-    def _join(self, seqs: Sequences, rows: Rows, col: int, hooks: Hooks | None,
-              continuous: bool) -> tuple[list[int], list[int]]:
-        """Those who join at decode column `col` take free rows (the rows of sequences that stopped
-        or were cancelled), left-padded so that their prompts end at `col`, and are prefilled (each
-        row alone); their first tokens become their inputs to the decode step at `col`. Returns
-        their rows and first tokens."""
+    def _join(self, seqs: Sequences, rows: Rows, col: int, prefills: list[Prefill], hooks: Hooks | None,
+              continuous: bool) -> tuple[int, list[int], list[int]]:
+        """The joiners' side of a step at decode column `col` (`chunking.py`): those who join now
+        take free rows (the rows of sequences that stopped or were cancelled), parked; then a chunk
+        of each joiner's prompt, oldest first, under the step's token budget. The joiners whose
+        prompts end now are framed in (the batch's paddings move so that their prompts end at the
+        decode column) and their first tokens become their inputs to the decode step. Returns the
+        decode column, their rows and first tokens."""
         self._free_finished(seqs, rows)
         newcomers = self._orders(seqs, rows, col, hooks) if continuous else []
-        if not newcomers:
-            return [], []
-        work, joined = [], seqs.free_rows()[:len(newcomers)]
-        for row, (request, (blocks, first)) in zip(joined, newcomers, strict=False):
-            pad = col - len(request.prompt_ids)
-            self._take_row(rows, Join(row, pad, request, tuple(blocks), first))
-            seqs.start(row, request).cached_tokens = first
-            prompt = torch.tensor([request.prompt_ids])
-            # the positions the prefix cache gave it are not computed again
-            work += [(u, prompt[:, u.c0 - pad:u.c1 - pad]) for u in prefill_units((row, row + 1), (pad + first, col),
-                                                                                   self.topo.pp)]
+        for row, (request, (blocks, first)) in zip(seqs.free_rows()[:len(newcomers)], newcomers, strict=False):
+            self._take_row(rows, Join(row, PARKED, request, tuple(blocks), first))
+            seq = seqs.start(row, request)
+            seq.cached_tokens, seq.prefilling = first, True  # the prefix cache's positions are not computed again
+            prefills.append(Prefill(row, len(request.prompt_ids), first, request.max_new_tokens))
+        prefills[:] = [p for p in prefills if seqs.by_row[p.row] is not None and seqs.by_row[p.row].prefilling
+                       and not seqs.by_row[p.row].finished]  # those cancelled mid-prompt let their rows go
+        if not prefills:
+            return col, [], []
+        decoding = {}
+        for row in seqs.decoding():
+            seq = seqs.by_row[row]
+            assert seq is not None
+            decoding[row] = (col - int(rows.pads[row]), seq.request.max_new_tokens - len(seq.tokens))
+        chunks, col, pads = plan_step(prefills, decoding, col, self.step_tokens, self.max_len)
+        joined = sorted(c.row for c in chunks if c.last)
+        if joined:  # reframed: every stage takes the new paddings before the chunks
+            new = rows.pads.clone()
+            new[list(pads)] = torch.tensor(list(pads.values()), dtype=torch.int64)
+            rows.set_pads(new)
+            if not self.topo.is_last:
+                self.link.send_pads(new)
+        prompts = {c.row: torch.tensor([seqs.by_row[c.row].request.prompt_ids]) for c in chunks}  # type: ignore[union-attr]
+        work = [(u, prompts[c.row][:, u.c0:u.c1]) for c in chunks
+                for u in chunk_units(c.row, c.start, c.end, c.last, self.topo.pp)]
         tokens, _ = self._pass(work, rows, None)
+        prefills[:] = [p for p in prefills if p.remaining > 0]
+        for row in joined:
+            seqs.by_row[row].prefilling = False  # type: ignore[union-attr]
         self.blocks.computed(joined)
         seqs.feed(joined, tokens)
-        return joined, tokens.tolist()
+        return col, joined, tokens.tolist()
 
     def _take_row(self, rows: Rows, join: Join) -> None:
         """A joiner takes its row on this rank (and is passed on down the pipeline): its padding,
@@ -436,6 +475,11 @@ class Engine:
                 rows.free(got.row)
                 if not last:
                     self.link.send_free(got.row)
+                continue
+            if isinstance(got, Pads):
+                rows.set_pads(got.values)
+                if not last:
+                    self.link.send_pads(got.values)
                 continue
             unit, received = got
             hidden, logits = self._forward(unit, received, rows)

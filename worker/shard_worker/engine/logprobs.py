@@ -51,7 +51,7 @@ class Extras:
             row, pad, n = r0 + i, int(pads[r0 + i]), len(request.prompt_ids)
             lo, hi = max(c0, pad), min(c0 + hidden.shape[1], pad + n - 1)  # positions predicting a prompt token
             entry = self._row(row)
-            if c0 <= pad:
+            if c0 <= pad < c0 + hidden.shape[1]:
                 entry["prompt"], entry["prompt_top"] = [None], [None]  # the first token: nothing predicts it
             if hi <= lo:
                 continue
@@ -70,6 +70,12 @@ class Extras:
         for i, request in enumerate(requests):
             if request is not None and request.logprobs is not None:
                 self._row(r0 + i)["sampled"].append((host.logprob[i], host.top[i][:request.logprobs]))
+
+    def forget_sampled(self, row: int) -> None:
+        """Row `row` starts sampling for its sequence: nothing sampled before counts."""
+        entry = self.rows.get(row)
+        if entry is not None:
+            entry["sampled"] = []
 
     def unit(self, r0: int, r1: int) -> dict[int, dict[str, Any]]:
         """What rows [r0, r1) have gathered, removed: what the last stage sends back with a unit."""

@@ -10,7 +10,10 @@ stage sets the row's left padding, the last stage its sampling parameters and se
 The JOIN also carries the row's block table and its first own position (paged KV cache: the
 leader decides where each sequence's KV lives; every rank writes its share there), and a FREE
 header says that a row's sequence let go of its blocks (the row writes TRASH until it is taken
-again). A STOP header ends the generation on every stage. The downstream stages need no other message:
+again). A joiner's prompt is computed in chunks over several steps (`chunking.py`) by units that
+say so (`positions`: their columns are the row's positions, its padding taken as 0) while its row
+is PARKED; a PADS header, followed by every row's padding, reframes the batch when a joiner's
+prompt is done. A STOP header ends the generation on every stage. The downstream stages need no other message:
 each unit describes itself.
 
 A prefill is cut into micro-batches (rows) and chunks (columns), so the first stage computes the
@@ -46,7 +49,7 @@ from shard_contract.wire import GenerateRequest
 
 from ..comm.dist import FORWARD_TAG, Comm, Pending
 
-RUN, STOP, JOIN, FREE = 1, 2, 3, 4
+RUN, STOP, JOIN, FREE, PADS = 1, 2, 3, 4, 5
 HEADER_INTS = 6
 
 
@@ -57,6 +60,7 @@ class Unit:
     c0: int
     c1: int
     emits: bool = False  # the last stage samples after it (it ends a prompt, or decodes)
+    positions: bool = False  # a chunk of a parked row's prompt: its columns are the row's positions
 
     @property
     def rows(self) -> int:
@@ -80,6 +84,13 @@ class Join:
 
 
 @dataclass(frozen=True)
+class Pads:
+    """Every row's padding from now on (a reframe: `chunking.py`)."""
+
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
 class Free:
     """The sequence in `row` let go of its KV blocks."""
 
@@ -96,6 +107,13 @@ def split(n: int, parts: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+def chunk_units(row: int, start: int, end: int, last: bool, stages: int) -> list[Unit]:
+    """A chunk of a parked row's prompt, positions [start, end) (`chunking.Chunk`), as units
+    by position; the one that ends the prompt emits."""
+    return [Unit(u.r0, u.r1, u.c0, u.c1, emits=u.emits and last, positions=True)
+            for u in prefill_units((row, row + 1), (start, end), stages)]
 
 
 def prefill_units(rows: tuple[int, int], cols: tuple[int, int], stages: int,
@@ -160,7 +178,7 @@ class Link:
         self._isend(self._ints([*values] + [0] * (HEADER_INTS - len(values))), self._next, FORWARD_TAG)
 
     def send_unit(self, unit: Unit, hidden: torch.Tensor) -> None:
-        self._send_header(RUN, unit.r0, unit.r1, unit.c0, unit.c1, int(unit.emits))
+        self._send_header(RUN, unit.r0, unit.r1, unit.c0, unit.c1, int(unit.emits) | int(unit.positions) << 1)
         self._isend(hidden.contiguous(), self._next, FORWARD_TAG)
 
     def send_join(self, join: Join) -> None:
@@ -172,12 +190,17 @@ class Link:
     def send_free(self, row: int) -> None:
         self._send_header(FREE, row)
 
+    def send_pads(self, pads: torch.Tensor) -> None:
+        self._send_header(PADS, pads.numel())
+        self._isend(pads.to(self.device, dtype=torch.int64), self.topo.next, FORWARD_TAG)
+
     def send_stop(self) -> None:
         self._send_header(STOP)
         self.flush()
 
-    def recv(self) -> tuple[Unit, torch.Tensor] | Join | Free | None:
-        """The next unit and its hidden states from the previous stage, a join or a free; None at STOP."""
+    def recv(self) -> tuple[Unit, torch.Tensor] | Join | Free | Pads | None:
+        """The next unit and its hidden states from the previous stage, a join, a free or the rows'
+        paddings; None at STOP."""
         header = self.comm.recv(self._ints([0] * HEADER_INTS), self._prev, FORWARD_TAG)
         kind, *args = (int(v) for v in header.tolist())
         if kind == STOP:
@@ -186,8 +209,11 @@ class Link:
             return self._recv_join(*args[:4])
         if kind == FREE:
             return Free(args[0])
-        r0, r1, c0, c1, emits = args[:5]
-        unit = Unit(r0, r1, c0, c1, emits=bool(emits))
+        if kind == PADS:
+            pads = self.comm.recv(torch.empty(args[0], dtype=torch.int64, device=self.device), self._prev,
+                                  FORWARD_TAG)
+            return Pads(pads.cpu())
+        unit = Unit(*args[:4], emits=bool(args[4] & 1), positions=bool(args[4] & 2))
         hidden = torch.empty(unit.rows, unit.cols, self.hidden_size, dtype=self.dtype, device=self.device)
         return unit, self.comm.recv(hidden, self._prev, FORWARD_TAG)
 

@@ -22,6 +22,10 @@ from .grammar import Grammars
 from .logprobs import Extras
 from .sampling import FAILED, HostSampled, Sampler, staging_for
 
+# The padding of a row whose prompt is still being computed in chunks (`chunking.py`): past every
+# decode column, so a decode step that computes the row writes TRASH and reads nothing but itself.
+PARKED = 1 << 30
+
 # Why a sequence failed when its token came back FAILED from another stage (that rank logged why).
 FAILED_ELSEWHERE = "choosing its next token failed on the last pipeline stage (that rank's log says why)"
 
@@ -33,6 +37,7 @@ class SequenceState:
     def __init__(self, request: GenerateRequest, eos_ids: tuple[int, ...], index: int = 0, row: int = 0):
         self.request, self.index, self.row = request, index, row
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
+        self.prefilling = False  # its prompt is being computed in chunks: it does not decode yet
         self.stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else set(eos_ids))
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
@@ -104,7 +109,8 @@ class Rows:
 
     def place(self, row: int, request: GenerateRequest, pad: int, blocks: Sequence[int] = (), start: int = 0) -> None:
         """A sequence takes `row`: its prompt starts at column `pad`, its KV lives in `blocks` (its
-        block table), of which the first `start` positions came from the prefix cache."""
+        block table), of which the first `start` positions came from the prefix cache. A PARKED
+        row samples nothing until its padding is set (`set_pads`): its sampler state is placed then."""
         self.pads[row] = pad
         self.tables[row] = TRASH_BLOCK
         self.tables[row, :len(blocks)] = torch.tensor(list(blocks), dtype=torch.int64)
@@ -112,9 +118,20 @@ class Rows:
         self.requests[row] = request
         self.failures.pop(row, None)
         self.extras.clear(row)
-        if self.sampling is not None:
+        if self.sampling is not None and pad < PARKED:
             self.sampling.place(row, request)
         self.used = max(self.used, row + 1)
+
+    def set_pads(self, pads: torch.Tensor) -> None:
+        """Every row's padding at once (a reframe, `chunking.py`). A parked row whose padding is
+        set now starts sampling: what the decode steps sampled for it while parked is forgotten."""
+        for row in ((self.pads >= PARKED) & (pads < PARKED)).nonzero().flatten().tolist():
+            request = self.requests[row]
+            self.failures.pop(row, None)
+            self.extras.forget_sampled(row)
+            if self.sampling is not None and request is not None:
+                self.sampling.place(row, request)
+        self.pads.copy_(pads)
 
     def free(self, row: int) -> None:
         """The row's sequence has let go of its blocks: whatever computes the row writes TRASH."""
@@ -128,7 +145,9 @@ class Rows:
         assert self.sampling is not None
         host = self.sampling.sample(logits, r0).to_host()
         self.sampling.accept(r0, host.tokens)
-        self.extras.sampled(self.requests[r0:r0 + len(logits)], r0, host)
+        parked = (self.pads[r0:r0 + len(logits)] >= PARKED).tolist()
+        requests = [None if p else q for q, p in zip(self.requests[r0:r0 + len(logits)], parked, strict=True)]
+        self.extras.sampled(requests, r0, host)
         failed = self.sampling.failures(host.tokens, r0)
         for row, why in failed.items():
             self.failures[row] = why
@@ -171,16 +190,18 @@ class Sequences:
             seq.finish_reason = "stop"
         return stopped
 
-    def _running_rows(self) -> list[int]:
-        return [row for row, seq in enumerate(self.by_row) if seq is not None and not seq.finished]
+    def decoding(self) -> list[int]:
+        """The rows of the running sequences that decode (not those whose prompt is being computed)."""
+        return [row for row, seq in enumerate(self.by_row) if seq is not None and not seq.finished
+                and not seq.prefilling]
 
-    def live_span(self) -> tuple[int, int]:
-        """The rows [lo, hi) from the first to the last that holds a running sequence."""
-        running = self._running_rows()
-        return running[0], running[-1] + 1
+    def live_span(self) -> tuple[int, int] | None:
+        """The rows [lo, hi) from the first to the last that holds a decoding sequence (None: none)."""
+        running = self.decoding()
+        return (running[0], running[-1] + 1) if running else None
 
     def live(self) -> bool:
-        return bool(self._running_rows())
+        return any(seq is not None and not seq.finished for seq in self.by_row)
 
     def feed(self, rows: list[int] | slice, tokens: torch.Tensor) -> None:
         """The rows' next inputs (a device-to-device copy when `tokens` are on the model's device;
@@ -197,10 +218,13 @@ class Sequences:
             extras: Extras | None = None) -> list[SequenceState]:
         """Give each row's sequence its token (and the log-probabilities it asked for, from
         `extras`); the sequences that were still running took one (a FAILED token fails its
-        sequence, with why from `failures` when this rank sampled it)."""
+        sequence, with why from `failures` when this rank sampled it). A row whose prompt is still
+        being computed takes nothing (a decode step computed it parked)."""
         took = []
         for row, token in zip(rows, tokens, strict=False):
             seq = self.by_row[row]
+            if seq is not None and seq.prefilling:
+                continue
             extra = extras.take(row) if extras is not None else None
             if seq is not None and not seq.finished:
                 if token == FAILED:

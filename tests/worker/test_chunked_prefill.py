@@ -1,0 +1,126 @@
+"""Chunked prefill on real ranks (engine/chunking.py): a joiner's prompt is computed a chunk a step
+within a tiny per-step token budget (SHARD_STEP_TOKENS) while the running sequences take a token
+at every step, and every answer is what it is alone and what HF gives (greedy), across TP and PP,
+in random arrival orders, with the prefix cache, with echo, and when a joiner is cancelled
+mid-prompt (its blocks go back to the pool at once)."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from .conftest import make_plan
+from .pool import ContinuousJob, GenerateJob
+from .test_logprobs import check
+from .test_parallel import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+RUNNING = {"prompt_ids": [3, 17, 42, 99, 7, 200, 64, 11], "max_new_tokens": 24, "ignore_eos": True}
+PROMPT = [(11 * i + 5) % 240 + 2 for i in range(30)]  # longer than the running batch's column: reframed
+SAMPLED = {"prompt_ids": [8, 1, 77, 120, 4, 61, 9, 13, 2], "max_new_tokens": 5, "temperature": 1.3, "top_p": 0.9,
+           "seed": 5, "ignore_eos": True}
+
+
+def prompt_of(length: int, salt: int) -> list[int]:
+    return [(13 * i + 7 * salt + 3) % 240 + 2 for i in range(length)]
+
+
+def alone(pool, model_dir, plan, request: dict) -> list[int]:
+    results = pool.run(plan, model_dir, GenerateJob([request], return_logits=False))
+    return results[0]["output"].completions[0].token_ids
+
+
+def events(results, kind: str) -> list[tuple]:
+    return [e[1:] for e in results[0]["events"] if e[0] == kind]
+
+
+@pytest.mark.parametrize("tp,pp,budget", [(1, 1, 1), (1, 1, 4), (2, 1, 3), (1, 2, 5), (2, 2, 7)])
+def test_a_long_joiner_is_computed_a_chunk_a_step_beside_the_decodes_and_answers_as_alone(
+        pool, checkpoint, hf_model, tp, pp, budget):
+    model_dir = checkpoint("llama-4layers")
+    plan = make_plan(model_dir, tp, pp, max_len=96, batch=3)
+    joiner = {"prompt_ids": PROMPT, "max_new_tokens": 6, "ignore_eos": True}
+    job = ContinuousJob([RUNNING], arrivals={1: [joiner, SAMPLED]}, env={"SHARD_STEP_TOKENS": str(budget)})
+    results = pool.run(plan, model_dir, job)
+    completions = [c.token_ids for c in results[0]["output"].completions]
+    assert completions == [alone(pool, model_dir, plan, r) for r in (RUNNING, joiner, SAMPLED)]
+    assert completions[1] == hf_greedy(hf_model(model_dir), PROMPT, 6)
+    for peer in results[1:tp]:  # the first stage's TP peers composed the same steps
+        assert [c.token_ids for c in peer["output"].completions] == completions
+
+    took = events(results, "tokens")  # (boundary, indices that took a token in the step before it)
+    running_steps = [indices for _, indices in took if 0 in indices]
+    assert len(running_steps) == 24  # the running sequence took a token at every step, none skipped
+    assert [step for step, _ in took[:24]] == list(range(24))  # the prefill's at boundary 0, then each step's
+    first = next(step for step, indices in took if 1 in indices)
+    # joined at boundary 1: its 30-token prompt took at least 30 / budget steps
+    assert first - 1 >= -(-len(PROMPT) // budget)
+    if budget < len(PROMPT):
+        assert first > 2  # not in the step it joined at
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_a_joiner_cancelled_mid_prompt_gives_its_blocks_back_and_its_row_serves_the_next(pool, checkpoint, tp, pp):
+    model_dir = checkpoint("llama-4layers")
+    plan = make_plan(model_dir, tp, pp, max_len=96, batch=2)
+    joiner = {"prompt_ids": PROMPT, "max_new_tokens": 6, "ignore_eos": True}
+    later = {"prompt_ids": prompt_of(20, 1), "max_new_tokens": 5, "ignore_eos": True}
+    job = ContinuousJob([RUNNING], arrivals={1: [joiner], 5: [later]}, cancels={3: [1]},
+                        env={"SHARD_STEP_TOKENS": "3"})
+    results = pool.run(plan, model_dir, job)
+    out = results[0]["output"].completions
+    assert out[1].finish_reason == "cancelled" and out[1].token_ids == []
+    assert [out[0].token_ids, out[2].token_ids] == [alone(pool, model_dir, plan, r) for r in (RUNNING, later)]
+    free = dict(events(results, "free_blocks"))  # boundary -> free blocks (after that boundary's cancels)
+    assert free[2] < free[1]  # the joiner holds its blocks while its prompt is computed
+    assert free[3] == free[4] == free[1]  # released at the boundary it was cancelled at
+    assert [row for _, index, row in events(results, "finished") if index == 2] == [1]  # its row, reused
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])
+def test_chunks_after_a_prefix_cache_hit_and_echo_under_chunking(pool, checkpoint, hf_model, tp, pp):
+    """A joiner that takes two cached blocks computes the rest of its prompt in chunks; one that
+    asks for its prompt's log-probabilities computes its whole prompt in chunks: both equal HF."""
+    model_dir = checkpoint("llama-4layers")
+    plan = make_plan(model_dir, tp, pp, max_len=128, batch=3)
+    shared = prompt_of(40, 2)
+    first = {"prompt_ids": shared + [5, 6, 7], "max_new_tokens": 20, "ignore_eos": True}
+    joiner = {"prompt_ids": shared + [9, 4, 8, 8, 1, 30, 31], "max_new_tokens": 6, "ignore_eos": True}
+    echo = {"prompt_ids": shared[:25], "max_new_tokens": 3, "ignore_eos": True, "prompt_logprobs": True,
+            "logprobs": 2}
+    job = ContinuousJob([first], arrivals={2: [joiner, echo]}, env={"SHARD_STEP_TOKENS": "4"})
+    results = pool.run(plan, model_dir, job)
+    out = results[0]["output"].completions
+    assert [c.cached_tokens for c in out] == [0, 32, 0]
+    model = hf_model(model_dir)
+    assert [c.token_ids for c in out[:2]] == [hf_greedy(model, r["prompt_ids"], r["max_new_tokens"])
+                                              for r in (first, joiner)]
+    check(out[2], echo["prompt_ids"], model, 2, echo=True)
+
+
+@cache
+def _hf(model_dir, prompt: tuple[int, ...], new: int, model) -> list[int]:
+    return hf_greedy(model, list(prompt), new)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(arrivals=st.lists(st.tuples(st.integers(0, 6), st.integers(1, 40), st.integers(1, 8)), min_size=1, max_size=4),
+       budget=st.integers(1, 7))
+def test_random_arrivals_and_budgets_answer_as_hf(pool, checkpoint, hf_model, arrivals, budget):
+    model_dir = checkpoint("llama-4layers")
+    plan = make_plan(model_dir, 1, 1, max_len=64, batch=3)
+    by_step: dict[int, list[dict]] = {}
+    for salt, (step, length, new) in enumerate(arrivals):
+        by_step.setdefault(step, []).append({"prompt_ids": prompt_of(length, salt), "max_new_tokens": new,
+                                             "ignore_eos": True})
+    results = pool.run(plan, model_dir, ContinuousJob([RUNNING], arrivals=by_step,
+                                                      env={"SHARD_STEP_TOKENS": str(budget)}))
+    model = hf_model(model_dir)
+    order = [RUNNING] + [r for step in sorted(by_step) for r in by_step[step]]
+    got = {tuple(c.token_ids) for c in results[0]["output"].completions}
+    assert len(results[0]["output"].completions) == len(order)
+    assert got == {tuple(_hf(model_dir, tuple(r["prompt_ids"]), r["max_new_tokens"], model)) for r in order}

@@ -328,7 +328,8 @@ def test_take_batch(waiting, max_batch, max_len, n):
 @pytest.mark.parametrize("waiting,free_rows,col,chosen", [
     ([(4, 4)], 1, 10, [0]),
     ([(4, 4), (4, 4)], 1, 10, [0]),  # one free row
-    ([(12, 2), (4, 4)], 2, 10, [1]),  # the prompt longer than the column waits; the next one joins
+    ([(12, 2), (4, 4)], 2, 10, [0, 1]),  # a prompt longer than the column joins too (the batch is reframed)
+    ([(12, 6), (4, 4)], 2, 10, [1]),  # 12 + 6 - 1 columns do not fit maxModelLen 16: the next one joins
     ([(4, 4), (4, 8)], 2, 10, [0]),  # 10 + 8 - 1 columns do not fit maxModelLen 16
     ([(4, 7)], 1, 10, [0]),  # 10 + 7 - 1 do
     ([(4, 1), (2, 1)], 2, 16, [0, 1]),  # the last column still takes one-token answers
@@ -484,31 +485,33 @@ def delivered(sink: Sink) -> list:
 
 
 async def test_waiting_requests_join_the_running_batch_when_they_fit_and_are_answered_when_they_stop():
-    engine = ScriptedEngine(["join"])
+    engine = ScriptedEngine(["join", "ok"])
     loop = EngineLoop(engine, max_batch=2, max_len=16, metrics=metrics(), idle_seconds=5)
     aio = asyncio.get_running_loop()
     first = Sink(aio, stream=True)
-    long_prompt, short, never = (Sink(aio, stream=False) for _ in range(3))
+    long_prompt, late, short, never = (Sink(aio, stream=False) for _ in range(4))
     loop.submit(Pending(req(3, 12), first, "cmpl-test"))
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
     assert await result(first) == Step([7, 8])  # it runs
-    loop.submit(Pending(req(12, 2), long_prompt, "cmpl-test"))  # its prompt ends past column 10: it must wait
+    loop.submit(Pending(req(12, 2), long_prompt, "cmpl-test"))  # its prompt ends past column 10: it joins
+    loop.submit(Pending(req(3, 8), late, "cmpl-test"))  # 8 new tokens do not fit from column 10 on
     loop.submit(Pending(req(3, 2), short, "cmpl-test"))
     loop.submit(Pending(req(20, 1), never, "cmpl-test"))
     assert await result(never) == Failed(400, "never fits")  # refused at once, never queued
-    engine.tick.release()  # the step at column 10: the short one joins, passing the long prompt
-    assert isinstance(await result(short), Done)
-    assert delivered(first) == [Step([7, 8])]  # the first is still running: a step, no answer
-    engine.tick.release()  # column 11: nobody fits
-    engine.tick.release()  # column 12: the long prompt joins
+    engine.tick.release()  # the step at column 10: the long prompt joins all the same (the engine reframes)
     assert isinstance(await result(long_prompt), Done)
-    assert engine.joined == [(10, 1), (12, 2)] and engine.batches == [1]
+    assert delivered(first) == [Step([7, 8])]  # the first is still running: a step, no answer
+    engine.tick.release()  # column 11: the short one joins, passing the one that does not fit
+    assert isinstance(await result(short), Done)
+    assert engine.joined == [(10, 1), (11, 2)] and engine.batches == [1]
     engine.finish.set()
     engine.tick.release()
     while isinstance(event := await result(first), Step):
         pass
     assert isinstance(event, Done)
+    assert isinstance(await result(late), Done)  # in the next batch, from column 0
+    assert engine.batches == [1, 1]
     loop.close()
     thread.join(60)
     assert not thread.is_alive()

@@ -97,7 +97,7 @@ def _run(env_json: str, plan_json: str, job: Any) -> dict:
                               stopped=texts.stopped) if any(r.stop for r in requests) else None
                 worker.engine.generate(requests, return_logits=job.return_logits, hooks=hooks)
             if isinstance(job, ContinuousJob):
-                requests, result["events"] = _run_continuous(worker.engine, job, texts)
+                requests, result["events"], result["trace"] = _run_continuous(worker.engine, job, texts)
             output = worker.engine.last_output
             if isinstance(job, (GenerateJob, ContinuousJob)) and output is not None:
                 output.completions = texts.finish(requests, output.completions)
@@ -120,12 +120,12 @@ def _texts(worker):
     return Texts(codec.decode if codec is not None else None)
 
 
-def _run_continuous(engine, job: ContinuousJob, texts) -> tuple[list, list[tuple]]:
+def _run_continuous(engine, job: ContinuousJob, texts) -> tuple[list, list[tuple], list[tuple]]:
     """Drive `job` through the engine's hooks with the batcher's own admission rule and the text
     side's stop strings (`texts`); returns every request in order of arrival, and what happened,
-    in order: ("join", step, column, sequence index), ("finished", step, index, row), ("cancel",
-    step, index), ("free_blocks", step, the KV pool's free blocks at that boundary) and ("tokens",
-    step, indices of the sequences that took a token in the step before it)."""
+    in order: ("join", step, column, sequence index), ("finished", step, index, row) and ("cancel",
+    step, index); and a trace: ("free_blocks", step, the KV pool's free blocks at that boundary,
+    after its cancels) and ("tokens", step, indices of the sequences that took a token in a step)."""
     from shard_contract.wire import GenerateRequest
     from shard_worker.engine.engine import Hooks
     from shard_worker.serving.batcher import take_joiners
@@ -137,11 +137,12 @@ def _run_continuous(engine, job: ContinuousJob, texts) -> tuple[list, list[tuple
     order = parse(job.requests)  # every request, by sequence index
     waiting: list = []
     events: list[tuple] = []
+    trace: list[tuple] = []
     steps = [0]  # step boundaries passed
     started = [len(job.requests)]  # sequences the engine has started: the next one's index
 
     def admit(free_rows: int, col: int) -> list:
-        events.append(("free_blocks", steps[0], engine.blocks.pool.free_blocks))
+        trace.append(("free_blocks", steps[0], engine.blocks.pool.free_blocks))
         waiting.extend(arrivals.pop(steps[0], []))
         chosen = take_joiners(waiting, free_rows, col, engine.max_len, engine.blocks.needed,
                               engine.blocks.pool.free_blocks)
@@ -164,13 +165,13 @@ def _run_continuous(engine, job: ContinuousJob, texts) -> tuple[list, list[tuple
         return leaving
 
     def step(seqs) -> None:
-        events.append(("tokens", steps[0], [seq.index for seq in seqs]))
+        trace.append(("tokens", steps[0], [seq.index for seq in seqs]))
         texts.step(seqs)
 
     engine.generate(list(order), hooks=Hooks(admit=admit, step=step, finished=finished,
                                              cancelled=cancelled, stopped=texts.stopped))
     assert not waiting and not arrivals, "some arrivals never joined"
-    return order, events
+    return order, events, trace
 
 
 class RankPool:

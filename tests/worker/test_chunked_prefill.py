@@ -12,6 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shard_contract.env import DECODE_GRAPHS_ENV
+
 from .conftest import make_plan
 from .pool import ContinuousJob, GenerateJob
 from .test_logprobs import check
@@ -35,16 +37,21 @@ def alone(pool, model_dir, plan, request: dict) -> list[int]:
 
 
 def events(results, kind: str) -> list[tuple]:
-    return [e[1:] for e in results[0]["events"] if e[0] == kind]
+    return [e[1:] for e in results[0]["events"] + results[0]["trace"] if e[0] == kind]
 
 
-@pytest.mark.parametrize("tp,pp,budget", [(1, 1, 1), (1, 1, 4), (2, 1, 3), (1, 2, 5), (2, 2, 7)])
+@pytest.mark.parametrize("tp,pp,budget,graphs", [(1, 1, 1, "off"), (1, 1, 4, "off"), (2, 1, 3, "off"),
+                                                 (1, 2, 5, "off"), (2, 2, 7, "off"), (1, 2, 3, "eager"),
+                                                 (1, 1, 2, "eager")])
 def test_a_long_joiner_is_computed_a_chunk_a_step_beside_the_decodes_and_answers_as_alone(
-        pool, checkpoint, hf_model, tp, pp, budget):
+        pool, checkpoint, hf_model, tp, pp, budget, graphs):
+    """(graphs "eager": every decode step through the replayed step's code, which computes the
+    parked row with the others.)"""
     model_dir = checkpoint("llama-4layers")
     plan = make_plan(model_dir, tp, pp, max_len=96, batch=3)
     joiner = {"prompt_ids": PROMPT, "max_new_tokens": 6, "ignore_eos": True}
-    job = ContinuousJob([RUNNING], arrivals={1: [joiner, SAMPLED]}, env={"SHARD_STEP_TOKENS": str(budget)})
+    job = ContinuousJob([RUNNING], arrivals={1: [joiner, SAMPLED]},
+                        env={"SHARD_STEP_TOKENS": str(budget), DECODE_GRAPHS_ENV: graphs})
     results = pool.run(plan, model_dir, job)
     completions = [c.token_ids for c in results[0]["output"].completions]
     assert completions == [alone(pool, model_dir, plan, r) for r in (RUNNING, joiner, SAMPLED)]

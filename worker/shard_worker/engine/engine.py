@@ -242,7 +242,7 @@ class Engine:
             self._decode_mark = (time.perf_counter(), self.acct.snapshot())
         logits_here = self.topo.is_last and unit.emits
         with self.acct.computing():
-            if self.graphs is not None and unit.cols == 1:  # a decode step, replayed
+            if self.graphs is not None and unit.cols == 1 and not unit.positions:  # a decode step, replayed
                 out = self.graphs.run(unit.r0, unit.r1, unit.c0, x, rows.pads, rows.tables)
                 return (None, out) if self.topo.is_last else (out, None)
             step = Step.build(unit.r0, unit.r1, unit.c0, unit.c1, self._pads(unit, rows), self.rotary,

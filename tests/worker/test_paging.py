@@ -116,14 +116,14 @@ def test_a_reservation_that_does_not_fit_takes_nothing():
 
 def test_admission_waits_for_free_blocks_first_come_first_served():
     """The batcher's rules with the paged cache: a joiner must find its blocks free, and the first
-    that does not stops those behind it (it waits; no one overtakes it); one whose prompt does not
-    fit the column yet is still passed over. A new batch takes what the free blocks hold, at least
+    that does not stops those behind it (it waits; no one overtakes it); one whose new tokens do not
+    fit the columns left is still passed over. A new batch takes what the free blocks hold, at least
     its head."""
     from shard_worker.serving.batcher import take_batch, take_joiners
 
-    waiting = [request(4, 9), request(20, 1), request(4, 5), request(2, 2)]  # 3, 5, 2 and 1 blocks of 4
+    waiting = [request(4, 9), request(4, 17), request(4, 5), request(2, 2)]  # 3, 5, 2 and 1 blocks of 4
     needed = Blocks(num_blocks=100, block_size=BS).needed
-    assert take_joiners(waiting, 4, 10, 64, needed, 6) == [0, 2, 3]  # the 20-token prompt waits for column 20
+    assert take_joiners(waiting, 4, 50, 64, needed, 6) == [0, 2, 3]  # 17 new tokens do not fit after column 50
     assert take_joiners(waiting, 4, 30, 64, needed, 6) == [0]  # it fits the column, not the blocks: it stops
     assert take_joiners(waiting, 4, 30, 64, needed, 8) == [0, 1]
     assert take_batch(waiting, 4, 64, needed, 7) == 1 and take_batch(waiting, 4, 64, needed, 10) == 3

@@ -192,7 +192,7 @@ class Link:
 
     def send_pads(self, pads: torch.Tensor) -> None:
         self._send_header(PADS, pads.numel())
-        self._isend(pads.to(self.device, dtype=torch.int64), self.topo.next, FORWARD_TAG)
+        self._isend(pads.to(self.device, dtype=torch.int64), self._next, FORWARD_TAG)
 
     def send_stop(self) -> None:
         self._send_header(STOP)

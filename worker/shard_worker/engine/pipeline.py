@@ -213,7 +213,8 @@ class Link:
             pads = self.comm.recv(torch.empty(args[0], dtype=torch.int64, device=self.device), self._prev,
                                   FORWARD_TAG)
             return Pads(pads.cpu())
-        unit = Unit(*args[:4], emits=bool(args[4] & 1), positions=bool(args[4] & 2))
+        r0, r1, c0, c1, flags = args[:5]
+        unit = Unit(r0, r1, c0, c1, emits=bool(flags & 1), positions=bool(flags & 2))
         hidden = torch.empty(unit.rows, unit.cols, self.hidden_size, dtype=self.dtype, device=self.device)
         return unit, self.comm.recv(hidden, self._prev, FORWARD_TAG)
 

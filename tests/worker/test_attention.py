@@ -57,8 +57,9 @@ def test_a_step_may_attend_over_more_columns_than_it_filled():
 
 
 # Operations that may take the cache's memory as an input: views, the write of the step's own
-# keys and values (and the zeroing of the rest of its block: paged.tail_slots), and the fused attention kernels (which read K/V in place; SDPA's math
-# fallback, which would broadcast them into copies, is not among them).
+# keys and values (and the zeroing of the rest of its block: paged.tail_slots), and the fused
+# attention kernels (which read K/V in place; SDPA's math fallback, which would broadcast them into
+# copies, is not among them).
 IN_PLACE = {"scaled_dot_product_attention:fused",
             "view", "_unsafe_view", "slice", "select", "as_strided", "alias", "detach", "transpose", "unsqueeze",
             "expand", "index_copy_", "index_fill_", "copy_", "zero_", "_scaled_dot_product_flash_attention_for_cpu",

@@ -242,8 +242,9 @@ def test_the_planners_attention_workspace_is_what_the_masked_path_allocates(chec
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_the_planners_gathered_kv_is_what_the_torch_path_copies_out_of_the_pool(checkpoint, tp):
     """A pass that is not a first chunk (here the last chunk of a maxModelLen prompt, every row)
-    reads its rows' whole context out of the paged pool on the torch path: those copies of the
-    keys and values are the bytes shard_operator.planning.sizing budgets for them."""
+    reads its rows' whole context out of the paged pool where the torch path gathers (a CPU rank's
+    later prefill chunk, the compiled step): those copies of the keys and values are the bytes
+    shard_operator.planning.sizing budgets for them."""
     from shard_operator.planning.profile import profile_model
     from shard_operator.planning.sizing import gathered_kv_bytes
     from shard_worker.model.model import KVCache, Layout, Rotary, Step
@@ -255,7 +256,8 @@ def test_the_planners_gathered_kv_is_what_the_torch_path_copies_out_of_the_pool(
     step = Step.build(0, batch, max_len - 8, max_len, torch.zeros(batch, dtype=torch.int64),
                       Rotary(config, max_len, cpu), {None}, torch.float32, cpu)
     new = torch.ones(batch, layout.kv_heads, 8, config.head_dim)
-    keys, values = cache.update(0, step, new, new)
+    cache.update(0, step, new, new)
+    keys, values = cache.gather(0, step)  # the copy a gathering pass makes (paged.py reads in place instead)
     assert keys.shape[2] == max_len  # the whole context, not the chunk's own
     copied = keys.untyped_storage().nbytes() + values.untyped_storage().nbytes()
     assert copied < cache.nbytes  # a copy of the rows' columns, not a view of the pool

@@ -352,6 +352,7 @@ class ScriptedEngine:
     def __init__(self, scripts):
         self.scripts, self.batches, self.heartbeats, self.shut = list(scripts), [], 0, False
         self.blocks = Blocks(num_blocks=64, block_size=16)  # the paged KV cache's bookkeeping: room for all
+        self.preemptions = 0
         self.release, self.finish, self.tick = threading.Event(), threading.Event(), threading.Semaphore(0)
         self.joined: list[tuple[int, int]] = []  # (column, sequence index)
         self.cancelled: list[list[int]] = []  # what hooks.cancelled() said at each step boundary

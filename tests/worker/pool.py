@@ -98,10 +98,14 @@ def _run(env_json: str, plan_json: str, job: Any) -> dict:
                 worker.engine.generate(requests, return_logits=job.return_logits, hooks=hooks)
             if isinstance(job, ContinuousJob):
                 requests, result["events"], result["trace"] = _run_continuous(worker.engine, job, texts)
+                result["requests"] = [r.model_dump() for r in requests]  # in order of arrival in the engine
             output = worker.engine.last_output
             if isinstance(job, (GenerateJob, ContinuousJob)) and output is not None:
                 output.completions = texts.finish(requests, output.completions)
             result["reports"] = worker.engine.reports()
+            blocks = worker.engine.blocks.pool  # the leader's KV-block bookkeeping after the job
+            result["kv"] = {"preemptions": worker.engine.preemptions, "free": blocks.free_blocks,
+                            "blocks": blocks.num_blocks}
             worker.engine.shutdown()
         else:
             worker.engine.follow()
@@ -144,8 +148,7 @@ def _run_continuous(engine, job: ContinuousJob, texts) -> tuple[list, list[tuple
     def admit(free_rows: int, col: int) -> list:
         trace.append(("free_blocks", steps[0], engine.blocks.pool.free_blocks))
         waiting.extend(arrivals.pop(steps[0], []))
-        chosen = take_joiners(waiting, free_rows, col, engine.max_len, engine.blocks.needed,
-                              engine.blocks.pool.free_blocks)
+        chosen = take_joiners(waiting, free_rows, col, engine.max_len, engine.blocks.admission, engine.blocks.room())
         joining = [waiting[i] for i in chosen]
         for i in reversed(chosen):
             del waiting[i]

@@ -128,3 +128,29 @@ def test_admission_waits_for_free_blocks_first_come_first_served():
     assert take_joiners(waiting, 4, 30, 64, needed, 8) == [0, 1]
     assert take_batch(waiting, 4, 64, needed, 7) == 1 and take_batch(waiting, 4, 64, needed, 10) == 3
     assert take_batch(waiting, 4, 64, needed, 0) == 1
+
+
+def test_a_continuous_batch_admits_with_its_prompt_blocks_grows_and_preempts_into_the_prefix_cache():
+    """Optimistic admission: a request is reserved its prompt's and first decode position's
+    blocks, takes one more at a time (none when none is free: nothing taken), and a preempted
+    sequence offers its computed full blocks to the prefix cache, where its recompute finds them."""
+    blocks = Blocks(num_blocks=4, block_size=BS, first_id=RESERVED_BLOCKS)
+    long = request(6, 20)  # 25 positions: 7 blocks at most, 2 to start with (6 prompt + 1)
+    assert blocks.admission(long) == 2 and blocks.needed(long) == 7 and blocks.admission(request(8, 1)) == 2
+    a, _ = blocks.reserve(long, optimistic=True)
+    blocks.hold(0, a)
+    assert not blocks.lacks(0, 7) and blocks.lacks(0, 8)
+    assert blocks.grow(0) == (2, blocks.held[0][0][2]) and not blocks.lacks(0, 11)
+    b, _ = blocks.reserve(request(3, 9), optimistic=True)  # 1 block (3 + 1 positions)
+    blocks.hold(1, b)
+    assert blocks.pool.free_blocks == 0 and blocks.grow(0) is None and blocks.room() == 0
+    generated = [50, 51, 52, 53, 54, 55]  # 6 prompt + 6 generated tokens, the newest not computed
+    blocks.preempt(0, long.prompt_ids + generated[:-1])  # 11 computed: two full blocks of 4
+    assert blocks.pool.free_blocks == 3 and blocks.pool.cached_blocks == 2
+    blocks.release(1)
+    again = GenerateRequest(prompt_ids=long.prompt_ids + generated, max_new_tokens=14)
+    c, start = blocks.reserve(again, optimistic=True)  # 12 + 1 positions: 4 blocks, 2 of them cached
+    assert start == 2 * BS and c[:2] == a[:2] and blocks.pool.free_blocks == 0
+    blocks.hold(0, c)
+    blocks.release_all()
+    assert blocks.pool.free_blocks == 4

@@ -13,7 +13,10 @@ cancelled: their clients hung up) sequences, their prompts computed a chunk a st
 running decodes within a per-step token budget (`chunking.py`): the leader's batcher chooses
 them, and the leader tells its first-stage TP peers who joins and who is cancelled at every step, with one small
 message (an empty one costs a shared-memory round where the peers share a machine, else one
-gloo broadcast); the later stages learn of each join from a JOIN header in the pipeline.
+gloo broadcast); the later stages learn of each join from a JOIN header in the pipeline. A
+continuous batch's sequences take KV blocks as they grow, and when none is free the newest is
+preempted, to rejoin later from its prompt and the tokens it generated (`preemption.py`): those
+orders ride in the same message, and down the pipeline as GROW and FREE headers.
 
 A sequence fails alone: a row whose token cannot be chosen comes back FAILED from every sampling
 rank alike (`sampling.py`), and the first stage ends that sequence while the batch runs on.
@@ -41,19 +44,13 @@ from . import grammar, logprobs
 from .chunking import Prefill, plan_step
 from .graphs import DecodeGraphs, chosen_mode
 from .kvblocks import Blocks
-from .pipeline import Free, Join, Link, Pads, Unit, chunk_units, prefill_units
+from .pipeline import Free, Grow, Join, Link, Pads, Unit, chunk_units, prefill_units
+from .preemption import fits_at, grow, rejoin, rejoining
 from .sequences import PARKED, Rows, Sequences, SequenceState
 
 
 class RequestError(ValueError):
     """A request this group cannot run (too long, too many, unknown token ids...)."""
-
-
-def fits_at(request: GenerateRequest, col: int, max_len: int) -> bool:
-    """Whether `request` can join a running batch at decode column `col`: its prompt, left-padded,
-    ends at `col` or, when it is longer, at its own length (the batch is reframed: `chunking.py`),
-    and its new tokens fit before maxModelLen from there."""
-    return max(len(request.prompt_ids), col) + request.max_new_tokens - 1 <= max_len
 
 
 @dataclass
@@ -109,6 +106,7 @@ class Engine:
         # each sequence holds; the other ranks hear it with the requests and joins.
         self.blocks = Blocks(cache.num_blocks, cache.block_size, decides=comm.topo.rank == 0,
                              first_id=RESERVED_BLOCKS)
+        self.preemptions = 0  # the leader's: running sequences preempted for lack of KV blocks, ever
 
     def grammars(self) -> grammar.Grammars | None:
         """The model's tokenizer for constrained decoding (built on the first request that needs it)."""
@@ -137,7 +135,7 @@ class Engine:
             except ValueError as err:
                 raise RequestError(str(err)) from None
 
-    def validate(self, requests: list[GenerateRequest]) -> None:
+    def validate(self, requests: list[GenerateRequest], optimistic: bool = False) -> None:
         if len(requests) > self.cache.batch:
             raise RequestError(f"{len(requests)} sequences; this group's KV cache holds {self.cache.batch} "
                                "(maxBatchSize)")
@@ -150,7 +148,7 @@ class Engine:
             if longest + r.max_new_tokens - 1 > self.max_len:
                 raise RequestError(f"request {i}: prompt of {len(r.prompt_ids)} tokens (the batch is padded to "
                                    f"{longest}) + {r.max_new_tokens} new tokens exceeds maxModelLen {self.max_len}")
-        need = sum(self.blocks.needed(r) for r in requests)
+        need = sum(self.blocks.admission(r) if optimistic else self.blocks.needed(r) for r in requests)
         if need > self.blocks.pool.free_blocks:
             raise RequestError(f"{len(requests)} sequences need {need} KV blocks; {self.blocks.pool.free_blocks} of "
                                f"this rank's {self.cache.num_blocks} are free")
@@ -159,11 +157,13 @@ class Engine:
                  hooks: Hooks | None = None) -> Output:
         """Run `requests` as one batch. With `hooks` (the server) the batch is continuous: others
         join it as rows free up (see `Hooks`), and each sequence is handed to `hooks.finished` when
-        it stops; the generate ends when every sequence has stopped and none joins."""
-        self.validate(requests)
+        it stops; the generate ends when every sequence has stopped and none joins. A fixed batch
+        holds every KV block its sequences may need from the start; a continuous one takes them as
+        its sequences grow, preempting the newest when none is free (`preemption.py`)."""
+        self.validate(requests, optimistic=hooks is not None)
         if hooks is not None and return_logits:
             raise ValueError("logits are returned for a fixed batch only")
-        places = [self.blocks.reserve(r) for r in requests]
+        places = [self.blocks.reserve(r, optimistic=hooks is not None) for r in requests]
         self.comm.broadcast_json({"op": "generate", "requests": [r.model_dump() for r in requests],
                                   "places": places, "return_logits": return_logits, "continuous": hooks is not None,
                                   "step_tokens": self.step_tokens})
@@ -369,20 +369,28 @@ class Engine:
     def _join(self, seqs: Sequences, rows: Rows, col: int, prefills: list[Prefill], hooks: Hooks | None,
               continuous: bool) -> tuple[int, list[int], list[int]]:
         """The joiners' side of a step at decode column `col` (`chunking.py`): those who join now
-        take free rows (the rows of sequences that stopped or were cancelled), parked; then a chunk
+        take free rows (the rows of sequences that stopped, were cancelled or preempted), parked (a
+        preempted sequence rejoins with its prompt and the tokens it generated as its prompt); then a chunk
         of each joiner's prompt, oldest first, under the step's token budget. The joiners whose
         prompts end now are framed in (the batch's paddings move so that their prompts end at the
         decode column) and their first tokens become their inputs to the decode step. Returns the
         decode column, their rows and first tokens."""
         self._free_finished(seqs, rows)
-        newcomers = self._orders(seqs, rows, col, hooks) if continuous else []
+        newcomers, col = self._orders(seqs, rows, col, hooks) if continuous else ([], col)
+        # those cancelled or preempted mid-prompt let their rows go (before anyone takes them)
+        prefills[:] = [p for p in prefills if (seq := seqs.by_row[p.row]) is not None and seq.prefilling
+                       and not seq.finished]
         for row, (request, (blocks, first)) in zip(seqs.free_rows()[:len(newcomers)], newcomers, strict=False):
-            self._take_row(rows, Join(row, PARKED, request, tuple(blocks), first))
-            seq = seqs.start(row, request)
-            seq.cached_tokens, seq.prefilling = first, True  # the prefix cache's positions are not computed again
+            generated = 0
+            if request is None:  # the first preempted sequence rejoins: its prompt and what it generated
+                seq = seqs.resume(row)
+                request, generated = seq.recompute(), len(seq.tokens)
+            else:
+                seq = seqs.start(row, request)
+                seq.cached_tokens = first  # the prefix cache's positions are not computed again
+            seq.prefilling = True
+            self._take_row(rows, Join(row, PARKED, request, tuple(blocks), first, generated))
             prefills.append(Prefill(row, len(request.prompt_ids), first, request.max_new_tokens))
-        prefills[:] = [p for p in prefills if seqs.by_row[p.row] is not None and seqs.by_row[p.row].prefilling
-                       and not seqs.by_row[p.row].finished]  # those cancelled mid-prompt let their rows go
         if not prefills:
             return col, [], []
         decoding = {}
@@ -398,7 +406,8 @@ class Engine:
             rows.set_pads(new)
             if not self.topo.is_last:
                 self.link.send_pads(new)
-        prompts = {c.row: torch.tensor([seqs.by_row[c.row].request.prompt_ids]) for c in chunks}  # type: ignore[union-attr]
+        # the rows' requests: a recomputed sequence's prompt ends with the tokens it generated
+        prompts = {c.row: torch.tensor([rows.requests[c.row].prompt_ids]) for c in chunks}  # type: ignore[union-attr]
         work = [(u, prompts[c.row][:, u.c0:u.c1]) for c in chunks
                 for u in chunk_units(c.row, c.start, c.end, c.last, self.topo.pp)]
         tokens, _ = self._pass(work, rows, None)
@@ -413,7 +422,7 @@ class Engine:
         """A joiner takes its row on this rank (and is passed on down the pipeline): its padding,
         its block table and first own position. Its prefill writes its own positions; what the
         row's previous sequence left is in blocks it no longer holds (paging.py)."""
-        rows.place(join.row, join.request, join.pad, join.blocks, join.start)
+        rows.place(join.row, join.request, join.pad, join.blocks, join.start, join.generated)
         self.blocks.hold(join.row, list(join.blocks))
         if not self.topo.is_last:
             self.link.send_join(join)
@@ -430,38 +439,69 @@ class Engine:
                     self.link.send_free(row)
 
     def _orders(self, seqs: Sequences, rows: Rows, col: int,
-                hooks: Hooks | None) -> list[tuple[GenerateRequest, tuple[list[int], int]]]:
+                hooks: Hooks | None) -> tuple[list[tuple[GenerateRequest | None, tuple[list[int], int]]], int]:
         """A step boundary's orders: the sequences whose clients left or whose text met a stop
-        string stop (and let go of their blocks), then newcomers are admitted into the free rows,
-        each with the KV blocks the leader reserved for it. The leader asks its batcher; its
-        first-stage TP peers hear all of it from the leader (one small message a step: they must
-        all run the same units). Returns the newcomers and their places (blocks, first own position)."""
+        string stop (and let go of their blocks); every running sequence gets the KV block its
+        next position needs, the newest being preempted when none is free (`preemption.py`); then the
+        preempted sequences rejoin, first come first served, and while none is left waiting,
+        newcomers are admitted into the free rows, each with the KV blocks the leader reserved
+        for it. The leader decides, asking its batcher; its first-stage TP peers hear all of it
+        from the leader (one small message a step: they must all run the same units). Returns
+        the joiners (None for the next preempted sequence) with their places (blocks, first own
+        position), and the decode column (which moves when nothing runs and the first preempted
+        sequence does not fit the columns left)."""
         orders: dict[str, Any] | None = None
-        chosen: list[tuple[GenerateRequest, tuple[list[int], int]]] = []
+        chosen: list[tuple[GenerateRequest | None, tuple[list[int], int]]] = []
         if hooks is not None:
             cancelled, stopped = hooks.cancelled(), hooks.stopped()
             seqs.cancel(cancelled)
             for seq in seqs.stop(stopped):
                 hooks.finished(seq, seq.completion())
             self._free_finished(seqs, rows)
-            free = len(seqs.free_rows())
-            admitted = hooks.admit(free, col)
+            actions = grow(self.blocks, seqs, rows.pads, col, lambda action: self._apply(seqs, rows, action))
+            self.preemptions += sum(1 for action in actions if action[0] == "preempt")
+            head, moved = seqs.waiting(), col
+            if head is not None and not seqs.running() and not fits_at(head.recompute(), col, self.max_len):
+                col = len(head.recompute().prompt_ids)  # nothing runs: start the columns again
+            chosen = rejoin(self.blocks, seqs, col, self.max_len)
+            free = len(seqs.free_rows()) - len(chosen)
+            # newcomers wait while a preempted sequence does (they would take its blocks)
+            admitted = hooks.admit(free if len(chosen) == len(rejoining(seqs)) else 0, col)
+            room = self.blocks.room(seqs.running() or bool(chosen))
             if len(admitted) > free or not all(fits_at(r, col, self.max_len) for r in admitted) \
-                    or sum(self.blocks.needed(r) for r in admitted) > self.blocks.pool.free_blocks:
+                    or sum(self.blocks.admission(r) for r in admitted) > room:
                 raise ValueError(f"the batcher admitted {len(admitted)} requests into {free} free rows at column "
-                                 f"{col} and {self.blocks.pool.free_blocks} free KV blocks, not all of which fit")
-            chosen = [(r, self.blocks.reserve(r)) for r in admitted]
-            if cancelled or stopped or chosen:
-                orders = {"cancel": cancelled, "stop": stopped,
-                          "join": [[r.model_dump(), place] for r, place in chosen]}
+                                 f"{col} and {room} free KV blocks, not all of which fit")
+            chosen += [(r, self.blocks.reserve(r, optimistic=True)) for r in admitted]
+            if cancelled or stopped or actions or chosen or col != moved:
+                orders = {"cancel": cancelled, "stop": stopped, "actions": actions, "col": col,
+                          "join": [[None if r is None else r.model_dump(), place] for r, place in chosen]}
         if self.topo.tp > 1:
             sent = self.comm.broadcast_in_stage(orders)
             if hooks is None and sent is not None:
                 seqs.cancel(sent["cancel"])
                 seqs.stop(sent["stop"])
                 self._free_finished(seqs, rows)
-                chosen = [(GenerateRequest.model_validate(r), (list(b), int(st))) for r, (b, st) in sent["join"]]
-        return chosen
+                for action in sent["actions"]:
+                    self._apply(seqs, rows, action)
+                col = sent["col"]
+                chosen = [(None if r is None else GenerateRequest.model_validate(r), (list(b), int(st)))
+                          for r, (b, st) in sent["join"]]
+        return chosen, col
+
+    def _apply(self, seqs: Sequences, rows: Rows, action: list) -> None:
+        """One of the leader's block orders (`preemption.grow`) on this rank, and down the pipeline."""
+        if action[0] == "grow":
+            more = Grow(*action[1:])
+            rows.grow(more.row, more.index, more.block)
+            if not self.topo.is_last:
+                self.link.send_grow(more)
+        else:
+            row = action[1]
+            seqs.preempt(row)
+            rows.free(row)
+            if not self.topo.is_last:
+                self.link.send_free(row)
 
     def _relay(self, rows: Rows, return_logits: bool) -> None:
         """A later stage: run each unit as it arrives, take each join's row; the last stage sends
@@ -480,6 +520,11 @@ class Engine:
                 rows.set_pads(got.values)
                 if not last:
                     self.link.send_pads(got.values)
+                continue
+            if isinstance(got, Grow):
+                rows.grow(got.row, got.index, got.block)
+                if not last:
+                    self.link.send_grow(got)
                 continue
             unit, received = got
             hidden, logits = self._forward(unit, received, rows)

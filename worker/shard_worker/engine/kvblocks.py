@@ -127,38 +127,59 @@ class BlockPool:
 
 
 class Blocks:
-    """The engine's side of the pool: the blocks each cache row's sequence holds (reserved when
-    it is admitted, for its prompt and every token it may generate, so a running sequence never
-    waits for a block), its prompt's prefix keys, and the prefix cache's lookups and offers.
-    Only the leader (`decides`) holds a pool's references; elsewhere every call but `needed` is
-    a no-op (those ranks hear the leader's decisions)."""
+    """The engine's side of the pool: the blocks each cache row's sequence holds, its prompt's
+    prefix keys, and the prefix cache's lookups and offers.
+
+    A fixed batch reserves, at admission, every block a sequence may ever hold (`needed`: its
+    prompt and every token it may generate). A continuous batch admits optimistically, as vLLM
+    does: a sequence is given the blocks of its prompt and its first decode position (`admission`)
+    and then one block at a time as it grows (`grow`); when none is free the engine preempts a
+    sequence (`preempt`: its computed full blocks are offered to the prefix cache, then released),
+    to be computed again later from its prompt and the tokens it generated.
+    Only the leader (`decides`) holds a pool's references; elsewhere every call but `needed` and
+    `admission` is a no-op (those ranks hear the leader's decisions)."""
 
     def __init__(self, num_blocks: int, block_size: int, decides: bool = True, prefix_caching: bool = True,
                  first_id: int = 0):
         self.pool = BlockPool(num_blocks, block_size, prefix_caching)
         self.block_size, self.decides = block_size, decides
         self.first_id = first_id  # the cache's id of the pool's block 0 (the cache reserves blocks before it)
+        # Blocks kept free while sequences run (vLLM's watermark: 1%), so that an admission does not
+        # preempt a running sequence at the next step.
+        self.watermark = num_blocks // 100
         self.held: dict[int, tuple[list[int], list[bytes], int]] = {}  # row -> blocks, prompt keys, cached blocks
         self.unplaced: list[tuple[list[int], list[bytes], int]] = []  # reserved, no row yet
 
     def needed(self, request) -> int:
-        """Blocks a request holds while it runs (at most: a prefix-cache hit takes fewer free ones)."""
+        """Blocks a request holds at most while it runs (a prefix-cache hit takes fewer free ones)."""
         return blocks_for(len(request.prompt_ids) + request.max_new_tokens - 1, self.block_size)
 
-    def reserve(self, request) -> tuple[list[int], int]:
-        """The blocks of an admitted request, its cached prompt blocks first (none when it asks
-        for its prompt's log-probabilities: those are computed in its prefill), and its first own
-        position. RuntimeError when too few are free (admission checks `needed` first)."""
+    def admission(self, request) -> int:
+        """Blocks a request of a continuous batch is admitted with (at most): its prompt's and its
+        first decode step's position (none when its one token comes from the prefill)."""
+        return blocks_for(len(request.prompt_ids) + min(request.max_new_tokens, 2) - 1, self.block_size)
+
+    def room(self, running: bool = True) -> int:
+        """Free blocks that admissions may take now: all of them when no sequence runs, else all
+        but the watermark."""
+        return max(0, self.pool.free_blocks - (self.watermark if running else 0))
+
+    def reserve(self, request, optimistic: bool = False) -> tuple[list[int], int]:
+        """The blocks of an admitted request (`needed`, or with `optimistic` its `admission`),
+        its cached prompt blocks first (none when it asks for its prompt's log-probabilities:
+        those are computed in its prefill), and its first own position. RuntimeError when too
+        few are free (admission checks first)."""
         if not self.decides:
             raise RuntimeError("only the leader reserves KV blocks")
         prompt = request.prompt_ids
         keys = chain_hashes(prompt, self.block_size)
         usable = (len(prompt) - 1) // self.block_size  # never the last prompt token: its logits are needed
+        want = self.admission(request) if optimistic else self.needed(request)
         hit = [] if request.prompt_logprobs else self.pool.lookup(keys[:usable])
-        got = self.pool.allocate(self.needed(request) - len(hit))
+        got = self.pool.allocate(want - len(hit))
         if got is None:
             self.pool.release(hit)
-            raise RuntimeError(f"{self.needed(request)} KV blocks reserved with {self.pool.free_blocks} free")
+            raise RuntimeError(f"{want} KV blocks reserved with {self.pool.free_blocks} free")
         blocks = [b + self.first_id for b in hit + got]
         self.unplaced.append((blocks, keys, len(hit)))
         return blocks, len(hit) * self.block_size
@@ -177,6 +198,32 @@ class Blocks:
                 blocks, keys, cached = self.held[row]
                 for b in range(cached, len(keys)):
                     self.pool.cache(blocks[b] - self.first_id, keys[b])
+
+    def lacks(self, row: int, position: int) -> bool:
+        """Whether `row`'s sequence holds no block for `position` yet (the leader's view)."""
+        return row in self.held and position // self.block_size >= len(self.held[row][0])
+
+    def grow(self, row: int) -> tuple[int, int] | None:
+        """One more block for `row`'s sequence: (its index in the row's table, its cache id), or
+        None when no block is free (nothing taken)."""
+        got = self.pool.allocate(1)
+        if got is None:
+            return None
+        blocks = self.held[row][0]
+        blocks.append(got[0] + self.first_id)
+        return len(blocks) - 1, blocks[-1]
+
+    def preempt(self, row: int, tokens: Sequence[int]) -> None:
+        """`row`'s sequence lets go of its blocks, to be computed again: `tokens` are those whose
+        KV it computed (its prompt and all but its newest generated token); its full blocks are
+        offered to the prefix cache first, so its recompute may take them back."""
+        entry = self.held.get(row)
+        if entry is not None:
+            blocks, _, cached = entry
+            keys = chain_hashes(tokens, self.block_size)
+            for b in range(cached, min(len(keys), len(blocks))):
+                self.pool.cache(blocks[b] - self.first_id, keys[b])
+        self.release(row)
 
     def release(self, row: int) -> None:
         entry = self.held.pop(row, None)

@@ -10,11 +10,13 @@ stage sets the row's left padding, the last stage its sampling parameters and se
 The JOIN also carries the row's block table and its first own position (paged KV cache: the
 leader decides where each sequence's KV lives; every rank writes its share there), and a FREE
 header says that a row's sequence let go of its blocks (the row writes TRASH until it is taken
-again). A joiner's prompt is computed in chunks over several steps (`chunking.py`) by units that
-say so (`positions`: their columns are the row's positions, its padding taken as 0) while its row
-is PARKED; a PADS header, followed by every row's padding, reframes the batch when a joiner's
-prompt is done. A STOP header ends the generation on every stage. The downstream stages need no other message:
-each unit describes itself.
+again: it finished, or was preempted to be computed again later), and a GROW header that a running
+sequence took one more block (a continuous batch gives blocks as sequences grow). A joiner's prompt
+is computed in chunks over several steps (`chunking.py`) by units that say so (`positions`: their
+columns are the row's positions, its padding taken as 0) while its row is PARKED; a PADS header,
+followed by every row's padding, reframes the batch when a joiner's prompt is done. A STOP header
+ends the generation on every stage. The downstream stages need no other message: each unit
+describes itself.
 
 A prefill is cut into micro-batches (rows) and chunks (columns), so the first stage computes the
 next unit while the later stages work on the previous ones (sends are asynchronous).
@@ -49,7 +51,7 @@ from shard_contract.wire import GenerateRequest
 
 from ..comm.dist import FORWARD_TAG, Comm, Pending
 
-RUN, STOP, JOIN, FREE, PADS = 1, 2, 3, 4, 5
+RUN, STOP, JOIN, FREE, PADS, GROW = 1, 2, 3, 4, 5, 6
 HEADER_INTS = 6
 
 
@@ -74,13 +76,15 @@ class Unit:
 @dataclass(frozen=True)
 class Join:
     """`request` takes `row` of the running batch, its prompt starting at column `pad`, its KV in
-    `blocks` (its block table), the first `start` positions from the prefix cache."""
+    `blocks` (its block table), the first `start` positions from the prefix cache; the last
+    `generated` tokens of its prompt are those it generated before it was preempted."""
 
     row: int
     pad: int
     request: GenerateRequest
     blocks: tuple[int, ...] = ()
     start: int = 0
+    generated: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,15 @@ class Free:
     """The sequence in `row` let go of its KV blocks."""
 
     row: int
+
+
+@dataclass(frozen=True)
+class Grow:
+    """The sequence in `row` took block `block`, the `index`-th of its block table."""
+
+    row: int
+    index: int
+    block: int
 
 
 def split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -182,7 +195,8 @@ class Link:
         self._isend(hidden.contiguous(), self._next, FORWARD_TAG)
 
     def send_join(self, join: Join) -> None:
-        body = json.dumps({"request": join.request.model_dump(mode="json"), "blocks": list(join.blocks)})
+        body = json.dumps({"request": join.request.model_dump(mode="json"), "blocks": list(join.blocks),
+                           "generated": join.generated})
         payload = torch.frombuffer(bytearray(body.encode()), dtype=torch.uint8)
         self._send_header(JOIN, join.row, join.pad, payload.numel(), join.start)
         self._isend(payload.to(self.device), self._next, FORWARD_TAG)
@@ -194,13 +208,16 @@ class Link:
         self._send_header(PADS, pads.numel())
         self._isend(pads.to(self.device, dtype=torch.int64), self._next, FORWARD_TAG)
 
+    def send_grow(self, grow: Grow) -> None:
+        self._send_header(GROW, grow.row, grow.index, grow.block)
+
     def send_stop(self) -> None:
         self._send_header(STOP)
         self.flush()
 
-    def recv(self) -> tuple[Unit, torch.Tensor] | Join | Free | Pads | None:
-        """The next unit and its hidden states from the previous stage, a join, a free or the rows'
-        paddings; None at STOP."""
+    def recv(self) -> tuple[Unit, torch.Tensor] | Join | Free | Pads | Grow | None:
+        """The next unit and its hidden states from the previous stage, a join, a free, a grow or
+        the rows' paddings; None at STOP."""
         header = self.comm.recv(self._ints([0] * HEADER_INTS), self._prev, FORWARD_TAG)
         kind, *args = (int(v) for v in header.tolist())
         if kind == STOP:
@@ -213,6 +230,8 @@ class Link:
             pads = self.comm.recv(torch.empty(args[0], dtype=torch.int64, device=self.device), self._prev,
                                   FORWARD_TAG)
             return Pads(pads.cpu())
+        if kind == GROW:
+            return Grow(*args[:3])
         r0, r1, c0, c1, flags = args[:5]
         unit = Unit(r0, r1, c0, c1, emits=bool(flags & 1), positions=bool(flags & 2))
         hidden = torch.empty(unit.rows, unit.cols, self.hidden_size, dtype=self.dtype, device=self.device)
@@ -222,7 +241,8 @@ class Link:
         payload = self.comm.recv(torch.empty(size, dtype=torch.uint8, device=self.device), self._prev,
                                  FORWARD_TAG)
         body = json.loads(bytes(payload.cpu().numpy()))
-        return Join(row, pad, GenerateRequest.model_validate(body["request"]), tuple(body["blocks"]), start)
+        return Join(row, pad, GenerateRequest.model_validate(body["request"]), tuple(body["blocks"]), start,
+                    body["generated"])
 
     # ------------------------------------------------------------ tokens back (control group)
     def send_tokens(self, tokens: torch.Tensor, logits: torch.Tensor | None) -> None:

@@ -199,10 +199,16 @@ class Sampler:
         self.counts: torch.Tensor | None = None  # [capacity, V] int32, once a row has penalties
         self.in_prompt: torch.Tensor | None = None  # [capacity, V] bool
         self._pending_prompts: dict[int, list[int]] = {}
+        # per row: the tokens its sequence generated before a preemption, which end its prompt now
+        # (its draws go on from the next count, and its penalties count them as generated)
+        self.generated: list[list[int]] = [[] for _ in range(capacity)]
 
-    def place(self, row: int, request: GenerateRequest) -> None:
-        """Row `row` samples for `request` from its next token on."""
+    def place(self, row: int, request: GenerateRequest, generated: int = 0) -> None:
+        """Row `row` samples for `request` from its next token on; the last `generated` tokens of
+        its prompt are the ones its sequence generated before it was preempted and recomputed, so
+        a seed draws what it would have drawn without the preemption."""
         self.requests[row] = request
+        self.generated[row] = list(request.prompt_ids[len(request.prompt_ids) - generated:]) if generated else []
         self._floats[row] = torch.tensor([request.temperature, request.top_p, request.min_p,
                                           request.presence_penalty, request.frequency_penalty,
                                           request.repetition_penalty], dtype=torch.float64)
@@ -221,6 +227,8 @@ class Sampler:
                 if grammars is None:
                     raise ValueError("response_format needs the model's tokenizer.json")
                 self.matchers[row] = grammars.matcher(request.json_schema)
+                for token in self.generated[row]:
+                    self.matchers[row].consume_token(token)
             except Exception as err:  # noqa: BLE001 -- this request fails alone, at its first token
                 self.matchers[row] = None
                 self.why[row] = f"choosing its next token failed: {first_line(err)}"
@@ -256,7 +264,7 @@ class Sampler:
         self._dev_floats = self._floats.to(device)
         self._dev_ints = self._ints.to(device)
         for row in self._pending_prompts:
-            self.steps[row] = 0
+            self.steps[row] = len(self.generated[row])
         if any(self._pending_prompts.values()) and self.counts is None:
             self.counts = torch.zeros(self.capacity, vocab, dtype=torch.int32, device=device)
             self.in_prompt = torch.zeros(self.capacity, vocab, dtype=torch.bool, device=device)
@@ -266,6 +274,9 @@ class Sampler:
                 self.in_prompt[row].zero_()
                 ids = torch.tensor([t for t in prompt if 0 <= t < vocab], dtype=torch.int64)
                 self.in_prompt[row, ids.to(device)] = True
+                for token in self.generated[row]:  # a recomputed sequence's, generated before
+                    if 0 <= token < vocab:
+                        self.counts[row, token] += 1
         self._pending_prompts = {}
         entries = [(r, t, v) for r, bias in self._bias.items() for t, v in bias.items() if t < vocab]
         self._dev_bias = None

@@ -10,6 +10,7 @@ masked values are still multiplied by 0, and a failed sequence's may be NaN).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ class SequenceState:
         self.request, self.index, self.row = request, index, row
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.prefilling = False  # its prompt is being computed in chunks: it does not decode yet
+        self.admitted = 0  # when it (last) took its row: the newest running sequence is preempted first
         self.stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else set(eos_ids))
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
@@ -50,6 +52,13 @@ class SequenceState:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def recompute(self) -> GenerateRequest:
+        """What a preempted sequence rejoins as: its prompt and the tokens it generated, as one
+        prompt, for the new tokens it has left (its prompt's log-probabilities it has already)."""
+        return self.request.model_copy(update={"prompt_ids": self.request.prompt_ids + self.tokens,
+                                               "max_new_tokens": self.request.max_new_tokens - len(self.tokens),
+                                               "prompt_logprobs": False})
 
     def fail(self, why: str) -> None:
         """This sequence ends with an error; the batch runs on. Every first-stage rank decides it
@@ -101,16 +110,19 @@ class Rows:
         # first position it computes (those before came from the prefix cache)
         self.tables = torch.full((capacity, blocks_per_row), TRASH_BLOCK, dtype=torch.int64)
         self.starts = torch.zeros(capacity, dtype=torch.int64)
+        self.generated = [0] * capacity  # per row: the tokens a recomputed sequence's prompt ends with
         self.requests: list[GenerateRequest | None] = [None] * capacity
         self.sampling = Sampler(capacity, grammars) if sampler else None
         self.extras = Extras()  # log-probabilities asked for: computed on the last stage, taken on the first
         self.failures: dict[int, str] = {}
         self.sampler, self.used = sampler, 0
 
-    def place(self, row: int, request: GenerateRequest, pad: int, blocks: Sequence[int] = (), start: int = 0) -> None:
+    def place(self, row: int, request: GenerateRequest, pad: int, blocks: Sequence[int] = (), start: int = 0,
+              generated: int = 0) -> None:
         """A sequence takes `row`: its prompt starts at column `pad`, its KV lives in `blocks` (its
-        block table), of which the first `start` positions came from the prefix cache. A PARKED
-        row samples nothing until its padding is set (`set_pads`): its sampler state is placed then."""
+        block table), of which the first `start` positions came from the prefix cache; the last
+        `generated` tokens of its prompt it generated itself before it was preempted. A PARKED row
+        samples nothing until its padding is set (`set_pads`): its sampler state is placed then."""
         self.pads[row] = pad
         self.tables[row] = TRASH_BLOCK
         self.tables[row, :len(blocks)] = torch.tensor(list(blocks), dtype=torch.int64)
@@ -118,8 +130,9 @@ class Rows:
         self.requests[row] = request
         self.failures.pop(row, None)
         self.extras.clear(row)
+        self.generated[row] = generated
         if self.sampling is not None and pad < PARKED:
-            self.sampling.place(row, request)
+            self.sampling.place(row, request, generated)
         self.used = max(self.used, row + 1)
 
     def set_pads(self, pads: torch.Tensor) -> None:
@@ -130,8 +143,12 @@ class Rows:
             self.failures.pop(row, None)
             self.extras.forget_sampled(row)
             if self.sampling is not None and request is not None:
-                self.sampling.place(row, request)
+                self.sampling.place(row, request, self.generated[row])
         self.pads.copy_(pads)
+
+    def grow(self, row: int, index: int, block: int) -> None:
+        """The row's sequence took one more block, the `index`-th of its table."""
+        self.tables[row, index] = block
 
     def free(self, row: int) -> None:
         """The row's sequence has let go of its blocks: whatever computes the row writes TRASH."""
@@ -163,6 +180,9 @@ class Sequences:
         self.eos_ids = eos_ids
         self.all: list[SequenceState] = []
         self.by_row: list[SequenceState | None] = [None] * capacity
+        # sequences preempted for lack of KV blocks, in the order they rejoin (a row each, later)
+        self.preempted: deque[SequenceState] = deque()
+        self._admissions = 0
         # on the model's device: a step's sampled ids become the next step's inputs there
         self.next_tokens = torch.zeros(capacity, dtype=torch.int64, device=device)
 
@@ -170,7 +190,36 @@ class Sequences:
         seq = SequenceState(request, self.eos_ids, index=len(self.all), row=row)
         self.all.append(seq)
         self.by_row[row] = seq
+        seq.admitted = self._admissions = self._admissions + 1
         return seq
+
+    def preempt(self, row: int) -> SequenceState:
+        """The row's sequence leaves its row (its blocks are released), to be computed again from
+        its prompt and the tokens it generated: it goes to the front of those that rejoin."""
+        seq = self.by_row[row]
+        assert seq is not None and not seq.finished
+        self.by_row[row] = None
+        self.preempted.appendleft(seq)
+        return seq
+
+    def waiting(self) -> SequenceState | None:
+        """The preempted sequence to rejoin first (those whose clients left or that stopped are dropped)."""
+        while self.preempted and self.preempted[0].finished:
+            self.preempted.popleft()
+        return self.preempted[0] if self.preempted else None
+
+    def resume(self, row: int) -> SequenceState:
+        """The first preempted sequence takes `row` again."""
+        self.waiting()
+        seq = self.preempted.popleft()
+        seq.row, self.by_row[row] = row, seq
+        seq.admitted = self._admissions = self._admissions + 1
+        return seq
+
+    def by_age(self) -> list[int]:
+        """The rows of the running sequences, the longest running first."""
+        rows = self._running_rows()
+        return sorted(rows, key=lambda row: self.by_row[row].admitted)  # type: ignore[union-attr]
 
     def free_rows(self) -> list[int]:
         """Rows a newcomer may take (their sequence has finished, or they never had one), ascending."""
@@ -200,8 +249,16 @@ class Sequences:
         running = self.decoding()
         return (running[0], running[-1] + 1) if running else None
 
+    def _running_rows(self) -> list[int]:
+        """The rows of the running sequences, those whose prompt is being computed included."""
+        return [row for row, seq in enumerate(self.by_row) if seq is not None and not seq.finished]
+
+    def running(self) -> bool:
+        return bool(self._running_rows())
+
     def live(self) -> bool:
-        return any(seq is not None and not seq.finished for seq in self.by_row)
+        """Some sequence runs, or waits to be computed again."""
+        return self.running() or self.waiting() is not None
 
     def feed(self, rows: list[int] | slice, tokens: torch.Tensor) -> None:
         """The rows' next inputs (a device-to-device copy when `tokens` are on the model's device;

@@ -16,6 +16,12 @@ A request whose client hangs up (`cancel`) leaves the queue, or stops at the nex
 and frees its row (`Hooks.cancelled`); so does one whose text met a stop string (`stop`: the
 leader's text side finds them, `text.py`).
 
+A request is admitted when the KV blocks of its prompt are free (less the engine's watermark),
+not those of every token it may generate: its sequence takes blocks as it grows, and when none is
+free the engine preempts the newest running sequence, which rejoins later from its prompt and the
+tokens it generated (`Engine._grow`): its request stays in `running` (its stream just pauses), and
+newcomers wait while it does. The preemptions are counted in /metrics.
+
 Only the engine thread touches torch.distributed. The HTTP side talks to it through `Sink`s
 (`events.py`): each request's events (`Step`, then one `Done` or `Failed`) are handed to its
 asyncio loop, or to the pipe to the leader's HTTP process, never awaited by the engine.
@@ -34,7 +40,8 @@ from collections.abc import Callable, Sequence
 
 from shard_contract.wire import Completion, GenerateRequest
 
-from ..engine.engine import Engine, Hooks, RequestError, SequenceState, fits_at
+from ..engine.engine import Engine, Hooks, RequestError, SequenceState
+from ..engine.preemption import fits_at
 from ..log import first_line, log
 from ..telemetry.rankmetrics import RankMetrics
 from .events import Pending, Unavailable
@@ -55,8 +62,9 @@ def take_batch(waiting: Sequence[GenerateRequest], max_batch: int, max_len: int,
 
     First come, first served: the batch grows until the next request would not fit, because the
     batch is padded to its longest prompt and every sequence needs padded prompt + new tokens - 1
-    cache columns, and the KV blocks it holds (`blocks`: its prompt and new tokens, unpadded)
-    must be among the `free_blocks` (the head always fits an idle cache: `Engine.check`).
+    cache columns, and the KV blocks it is admitted with (`blocks`: its prompt's and its first
+    decode position's, `Blocks.admission`; it takes more as it grows) must be among the
+    `free_blocks` (the head always fits an idle cache: `Engine.check`).
     """
     longest, most_new, taken = 0, 0, 0
     for n, request in enumerate(waiting[:max_batch]):
@@ -71,9 +79,9 @@ def take_batch(waiting: Sequence[GenerateRequest], max_batch: int, max_len: int,
 def take_joiners(waiting: Sequence[GenerateRequest], free_rows: int, col: int, max_len: int,
                  blocks: Callable[[GenerateRequest], int] = lambda r: 0, free_blocks: int = 0) -> list[int]:
     """The positions in the queue of the requests that join a running batch at decode column
-    `col`: in queue order, every one that fits the columns left, while rows are free and their KV
-    blocks are among the `free_blocks`; the first whose blocks are not stops the others (it waits
-    for blocks to free up, and no one overtakes it)."""
+    `col`: in queue order, every one that fits the columns left, while rows are free and the KV
+    blocks they are admitted with are among the `free_blocks`; the first whose blocks are not stops
+    the others (it waits for blocks to free up, and no one overtakes it)."""
     chosen: list[int] = []
     for i, request in enumerate(waiting):
         if len(chosen) == free_rows:
@@ -103,7 +111,7 @@ class EngineLoop:
         self.started = threading.Event()
         self.throughput = Throughput()
         self.kv_tokens = 0  # KV-cache positions the running requests took at the latest step
-        self._prefix_seen = (0, 0)  # the prefix cache's block lookups and hits counted so far
+        self._prefix_seen = (0, 0, 0)  # the preemptions, prefix-cache block lookups and hits counted so far
 
     # ------------------------------------------------------------ any thread
     def submit(self, pending: Pending) -> None:
@@ -194,8 +202,8 @@ class EngineLoop:
                 return None
             if not self.waiting:
                 return []
-            n = take_batch([p.request for p in self.waiting], self.max_batch, self.max_len, self.engine.blocks.needed,
-                           self.engine.blocks.pool.free_blocks)
+            n = take_batch([p.request for p in self.waiting], self.max_batch, self.max_len,
+                           self.engine.blocks.admission, self.engine.blocks.room(running=False))
             self.running = [self.waiting.popleft() for _ in range(n)]
             self.metrics.waiting(len(self.waiting))
         self._started(self.running)
@@ -225,7 +233,7 @@ class EngineLoop:
             if not self.waiting or self.closing or self.lost:
                 return []
             chosen = take_joiners([p.request for p in self.waiting], free_rows, col, self.max_len,
-                                  self.engine.blocks.needed, self.engine.blocks.pool.free_blocks)
+                                  self.engine.blocks.admission, self.engine.blocks.room())
             joining = [self.waiting[i] for i in chosen]
             for i in reversed(chosen):
                 del self.waiting[i]
@@ -291,8 +299,9 @@ class EngineLoop:
         self.kv_tokens = kv_tokens
         pool = self.engine.blocks.pool  # the paged KV cache: blocks held, and the prefix cache's lookups
         self.metrics.kv_blocks(pool.used_blocks, pool.free_blocks)
-        self.metrics.scheduled(0, pool.queries - self._prefix_seen[0], pool.hits - self._prefix_seen[1])
-        self._prefix_seen = (pool.queries, pool.hits)
+        seen = (self.engine.preemptions, pool.queries, pool.hits)
+        self.metrics.scheduled(*(now - before for now, before in zip(seen, self._prefix_seen, strict=True)))
+        self._prefix_seen = seen
         line = self.throughput.line(time.monotonic(), running, len(self.waiting), self.max_batch, kv_tokens,
                                     self.max_batch * self.max_len)
         if line is not None:

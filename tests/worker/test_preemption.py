@@ -87,10 +87,13 @@ def test_a_preempted_sequence_waits_for_the_batch_to_drain_when_the_columns_left
     assert kv["preemptions"] >= 1 and kv["free"] == kv["blocks"]
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3, 4])
-def test_random_arrivals_into_a_tiny_cache_answer_as_alone(pool, checkpoint, seed):
+@pytest.mark.parametrize("seed,budget", [(1, None), (2, None), (3, None), (4, None),
+                                         (9, "3"), (6, "5"), (7, "2"), (8, "7")])
+def test_random_arrivals_into_a_tiny_cache_answer_as_alone(pool, checkpoint, seed, budget):
     """A property over random arrival orders: requests of random prompt and answer lengths arrive
-    at random step boundaries into a cache of five blocks; each answers what it answers alone."""
+    at random step boundaries into a cache of five blocks; each answers what it answers alone.
+    With a step budget of a few tokens (`budget`) the joiners' prompts are computed in chunks over
+    several steps, so sequences are preempted mid-prompt too (chunking.py and preemption.py at once)."""
     rng = random.Random(seed)
     model_dir = checkpoint("llama-4layers")
     plan = make_plan(model_dir, 1, 1, max_len=128, batch=3)  # columns enough for every arrival to join
@@ -103,8 +106,30 @@ def test_random_arrivals_into_a_tiny_cache_answer_as_alone(pool, checkpoint, see
     arrivals: dict[int, list[dict]] = {}  # while the first ones still run
     for _ in range(5):
         arrivals.setdefault(rng.randrange(0, 20), []).append(one())
-    results = pool.run(_tiny_cache(plan, 5 * 16), model_dir, ContinuousJob(first, arrivals=arrivals))
+    env = {} if budget is None else {"SHARD_STEP_TOKENS": budget}
+    results = pool.run(_tiny_cache(plan, 5 * 16), model_dir, ContinuousJob(first, arrivals=arrivals, env=env))
     completions = results[0]["output"].completions
     assert [c.token_ids for c in completions] == [alone(pool, model_dir, plan, r) for r in results[0]["requests"]]
     kv = results[0]["kv"]
     assert kv["free"] == kv["blocks"]
+
+
+def test_a_sequence_preempted_while_its_prompt_is_computed_in_chunks_rejoins_and_answers_as_alone(pool, checkpoint):
+    """A budget of 2 tokens a step computes the joiner's 30-token prompt one token a step beside the
+    running decode; the first request's growth takes the cache's last block before that prompt is
+    done, so the joiner is preempted mid-prompt (its half-written blocks offered to no one), rejoins
+    when the first has finished, and both answer as alone."""
+    model_dir = checkpoint("llama-4layers")
+    plan = make_plan(model_dir, 1, 1, max_len=64, batch=2)
+    first, joiner = _request(3, 8, 40), _request(11, 30, 8)
+    results = pool.run(_tiny_cache(plan, 4 * 16), model_dir,
+                       ContinuousJob([first], arrivals={1: [joiner]}, env={"SHARD_STEP_TOKENS": "2"}))
+    completions = [c.token_ids for c in results[0]["output"].completions]
+    assert completions == [alone(pool, model_dir, plan, r) for r in (first, joiner)]
+    kv = results[0]["kv"]
+    assert kv["preemptions"] >= 1 and kv["free"] == kv["blocks"]
+    # the joiner took no token before it was preempted: its first came after the first request's last
+    tokens = [t for t in results[0]["trace"] if t[0] == "tokens"]
+    first_of_joiner = next(step for _, step, indices in tokens if 1 in indices)
+    last_of_first = max(step for _, step, indices in tokens if 0 in indices)
+    assert first_of_joiner > last_of_first

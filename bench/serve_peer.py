@@ -102,6 +102,20 @@ def bounded(budget: Budget, coro, least: float = 5.0) -> dict | float | list | N
         return asyncio.run(asyncio.wait_for(coro, budget.left()))
     except TimeoutError:
         return None
+    except httpx.HTTPError as err:  # a server that drops a stream: this phase is not measured, the run goes on
+        print(f"phase failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        return None
+
+
+# Connections idle longer than this are not reused: llama-server (cpp-httplib) closes a kept-alive
+# connection after 5 s idle, and a request sent on it as it closes fails with RemoteProtocolError
+# (a busy machine makes such gaps common). Both servers get the same client.
+KEEPALIVE_EXPIRY = 1.0
+
+
+def client_of(server: Server, timeout: float = 900) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=server.url, timeout=timeout,
+                             limits=httpx.Limits(max_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -129,24 +143,32 @@ class Server:
             return len(chunk.get("tokens") or [])
         return len(chunk["choices"][0].get("token_ids") or [])
 
+    def total(self, chunk: dict) -> int | None:
+        """The tokens the whole stream generated, where its last chunk says (llama-server's final
+        chunk has `tokens_predicted`: the last token of a stream that hits n_predict is not sent
+        as a chunk of its own)."""
+        return chunk.get("tokens_predicted") if self.llama and chunk.get("stop") else None
+
 
 async def stream(http: httpx.AsyncClient, server: Server, prompt: list[int], max_tokens: int,
                  cache: bool = True, first: asyncio.Event | None = None) -> dict:
     """One streaming request: its start, the (time, tokens) of each chunk, and its end; `first` is
     set at its first tokens."""
     path, body = server.body(prompt, max_tokens, cache)
-    start, events = time.monotonic(), []
+    start, events, total = time.monotonic(), [], None
     async with http.stream("POST", path, json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            n = server.tokens(json.loads(line[6:]))
+            chunk = json.loads(line[6:])
+            n, total = server.tokens(chunk), server.total(chunk) or total
             if n:
                 events.append((time.monotonic(), n))
                 if first is not None:
                     first.set()
-    return {"start": start, "end": time.monotonic(), "events": events, "tokens": sum(n for _, n in events),
+    return {"start": start, "end": time.monotonic(), "events": events,
+            "tokens": total if total is not None else sum(n for _, n in events),
             "ttft": (events[0][0] if events else time.monotonic()) - start}
 
 
@@ -163,15 +185,15 @@ async def load(server: Server, clients: int, seconds: float, max_tokens: int, vo
     results: list[dict] = []
     deadline = time.monotonic() + seconds
 
-    async def client(i: int) -> None:
+    async def one(i: int) -> None:
         rng = random.Random(i)
         sent = 0
-        while time.monotonic() < deadline or (seconds > 0 and not sent):  # each client one request at least
+        while time.monotonic() < deadline or not sent:  # each client one request at least
             sent += 1
             results.append(await stream(http, server, prompt_of(rng, rng.randrange(8, 40), vocab), max_tokens))
 
-    async with httpx.AsyncClient(base_url=server.url, timeout=900) as http:
-        await asyncio.gather(*(client(i) for i in range(clients)))
+    async with client_of(server) as http:
+        await asyncio.gather(*(one(i) for i in range(clients)))
     return results
 
 
@@ -188,15 +210,20 @@ def throughput_row(server: Server, clients: int, results: list[dict]) -> dict:
 async def long_joins(server: Server, vocab: int, with_long: bool, short_tokens: int = 96) -> dict:
     """8 short streams; with `with_long`, a 1900-token prompt joins once each has its first token."""
     rng = random.Random(7)
-    async with httpx.AsyncClient(base_url=server.url, timeout=900) as http:
+    async with client_of(server) as http:
         started = [asyncio.Event() for _ in range(8)]
         shorts = [asyncio.create_task(stream(http, server, prompt_of(rng, 16, vocab), short_tokens, first=e))
                   for e in started]
-        long = None
-        if with_long:
-            await asyncio.gather(*(e.wait() for e in started))
-            long = await stream(http, server, prompt_of(rng, LONG_PROMPT, vocab), 8)
-        done = await asyncio.gather(*shorts)
+        try:
+            long = None
+            if with_long:
+                await asyncio.gather(*(e.wait() for e in started))
+                long = await stream(http, server, prompt_of(rng, LONG_PROMPT, vocab), 8)
+            done = await asyncio.gather(*shorts)
+        finally:  # past the budget, or a stream failed: none of them outlives the phase
+            for task in shorts:
+                task.cancel()
+            await asyncio.gather(*shorts, return_exceptions=True)
     return {"worst_gap": max(max(gaps(r), default=0.0) for r in done),
             "long_ttft": long["ttft"] if long else None}
 
@@ -208,7 +235,7 @@ async def shared_prefix(server: Server, vocab: int, cached: bool, rounds: int = 
     a prefix to reuse (the same requests' work, whatever a server's flags)."""
     rng = random.Random(11)
     system = prompt_of(rng, SYSTEM_PROMPT, vocab)
-    async with httpx.AsyncClient(base_url=server.url, timeout=900) as http:
+    async with client_of(server) as http:
         await stream(http, server, system + [5, 6, 7], 2)  # fills the cache (when there is one)
         ttfts = []
         for _ in range(rounds):
@@ -221,7 +248,7 @@ async def shared_prefix(server: Server, vocab: int, cached: bool, rounds: int = 
 async def overflow(server: Server, vocab: int, parallel: int, max_len: int, factor: int = 4) -> dict:
     rng = random.Random(13)
     n = factor * parallel
-    async with httpx.AsyncClient(base_url=server.url, timeout=1800) as http:
+    async with client_of(server, 1800) as http:
         results = await asyncio.gather(*(stream(http, server, prompt_of(rng, max_len // 2, vocab), max_len // 4)
                                          for _ in range(n)), return_exceptions=True)
     answered = sum(1 for r in results if isinstance(r, dict) and r["tokens"] == max_len // 4)
@@ -269,26 +296,53 @@ def gguf_of(model_dir: Path, kind: str) -> Path:
 @contextmanager
 def llama_server(gguf: Path, parallel: int, threads: int, max_len: int,
                  ready_seconds: float = 300) -> Iterator[Server]:
+    """llama-server with `parallel` slots of `max_len` tokens each (`-c` is the slots' total), its
+    log in a file (a pipe nobody reads would fill), ready once it has answered a real streamed
+    completion (its /health says 200 when the model is loaded; the first completion is what the
+    run needs)."""
     port = free_port()
     cmd = [str(SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
            "-tb", str(threads), "-np", str(parallel), "-c", str(parallel * max_len), "-cb", "--no-webui"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = Path(os.environ.get("LLAMA_SERVER_LOG", "/tmp/serve_peer-llama-server.log"))
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
+    server = Server("llama-server", url, llama=True)
+
+    def tail() -> str:
+        return log.read_text(errors="replace")[-2000:]
+
     try:
-        deadline = time.monotonic() + max(ready_seconds, 30)
-        while time.monotonic() < deadline:
+        deadline, why = time.monotonic() + max(ready_seconds, 30), "not started"
+        while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
+                raise RuntimeError(f"llama-server exited {proc.returncode}: {tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server not ready in {ready_seconds:.0f} s ({why}): {tail()}")
             try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    asyncio.run(ready(server))
                     break
-            except httpx.HTTPError:
-                pass
+                why = "/health not 200"
+            except httpx.HTTPError as err:
+                why = f"{type(err).__name__}: {err}"
             time.sleep(0.5)
-        yield Server("llama-server", url, llama=True)
+        yield server
     finally:
+        if proc.poll() is not None and proc.returncode != 0:
+            print(f"llama-server exited {proc.returncode} while measured; its log: {log}\n{tail()}",
+                  file=sys.stderr, flush=True)
         proc.terminate()
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:  # it waits for its slots' tasks: they are ours, and over
+            proc.kill()
+            proc.wait(30)
+
+
+async def ready(server: Server) -> None:
+    async with client_of(server, 120) as http:
+        await stream(http, server, [1, 5, 6, 7], 2)
 
 
 def run_server(make, args, vocab: int, parallel: int, budget: Budget) -> dict:

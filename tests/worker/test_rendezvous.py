@@ -132,7 +132,7 @@ def test_joiners_run_under_rendezvous_semantics(checkpoint, hf_model, pp):
     # pass), one more at the third, taking the row the first short one frees
     short, other, late = arrival([5, 9, 33], 2), arrival([8, 1, 77, 120, 4, 61], 3), arrival([2, 4, 6, 8], 3)
     job = ContinuousJob([LONG], arrivals={1: [short, other], 3: [late]})
-    (_, events), outputs = run_group(plan, model_dir,
+    (_, events, _), outputs = run_group(plan, model_dir,
                                      lambda worker: _run_continuous(worker.engine, job, _texts(worker)))
     joins = [e for e in events if e[0] == "join"]
     assert [step for _, step, _, _ in joins] == [1, 1, 3]

@@ -1,6 +1,6 @@
 """The paged KV cache's bookkeeping: fixed-size blocks, their reference counts, and the prefix cache.
 
-Pure Python, no torch: the scheduler (`scheduler.py`) decides with it, and every rank's cache
+Pure Python, no torch: the leader decides with it (`preemption.py`, the batcher), and every rank's cache
 holds the block ids it hands out. A block holds `block_size` consecutive tokens of one sequence
 (in every layer and KV head of a rank). A *full* block whose KV has been computed is keyed by the
 hash of its tokens chained to the hash of the block before it (so a key names the whole prefix up

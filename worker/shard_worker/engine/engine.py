@@ -39,7 +39,7 @@ from ..comm.dist import Comm
 from ..log import log
 from ..model.model import KVCache, Rotary, Stage, Step
 from ..model.paging import RESERVED_BLOCKS, TRASH_BLOCK
-from ..telemetry.accounting import Accounting
+from ..telemetry.accounting import Accounting, Counters
 from . import grammar, logprobs
 from .chunking import Prefill, plan_step
 from .graphs import DecodeGraphs, chosen_mode
@@ -95,7 +95,8 @@ class Engine:
         self.link = Link(comm, self.config.hidden_size, stage.dtype, stage.device)
         self.last_generate: dict[str, float] = {}
         self.last_output: Output | None = None  # on first-stage ranks: what the latest generate produced
-        self._prompt_cols, self._decode_mark = 0, None
+        self._prompt_cols = 0
+        self._decode_mark: tuple[float, Counters] | None = None  # when the decode steps began
         # the per-step token budget of a continuous batch (decodes + joiners' prompt chunks:
         # chunking.py); the leader's, sent with each generate so that every rank composes alike
         self.step_tokens = step_tokens or step_token_budget(stage.device.type)
@@ -174,7 +175,9 @@ class Engine:
     def reports(self) -> list[dict]:
         """Every rank's report (see `RankReport`), in rank order."""
         self.comm.broadcast_json({"op": "report"})
-        return self.comm.gather_json(self.report())
+        reports = self.comm.gather_json(self.report())
+        assert reports is not None  # the leader asks
+        return reports
 
     def heartbeat(self) -> None:
         """Keep the followers' collective timeout from expiring while there is no work."""
@@ -281,11 +284,13 @@ class Engine:
         for unit, ids in work:
             hidden, logits = self._forward(unit, ids.to(self.stage.device, non_blocking=True), rows)
             if not last:
+                assert hidden is not None  # only the last stage's replayed step keeps its hidden states
                 self.link.send_unit(unit, hidden)
             else:
                 if hidden is not None:
                     self._prompt_logprobs(unit, hidden, rows)
                 if unit.emits:
+                    assert logits is not None  # the last stage has logits after an emitting unit
                     emitted.append((unit, *self._sample(unit, logits, rows, vocab is not None)))
         if not last:
             emitted = []
@@ -298,7 +303,7 @@ class Engine:
         if not emitted:  # chunks of prompts that do not end yet
             return torch.zeros(0, dtype=torch.int64), None
         tokens = torch.cat([t for _, t, _ in emitted])
-        return tokens, (torch.cat([lg for _, _, lg in emitted]) if vocab is not None else None)
+        return tokens, (torch.cat([lg for _, _, lg in emitted if lg is not None]) if vocab is not None else None)
 
     def _drive(self, requests: list[GenerateRequest], rows: Rows, return_logits: bool, hooks: Hooks | None,
                continuous: bool) -> Output:
@@ -318,7 +323,7 @@ class Engine:
         seqs.feed(first, tokens)
         self._report(seqs.add(first, tokens.tolist(), rows.failures, rows.extras), hooks)
 
-        col, prefills = self._prompt_cols, []
+        col, prefills = self._prompt_cols, list[Prefill]()
         while seqs.live():
             col, joined, join_tokens = self._join(seqs, rows, col, prefills, hooks, continuous)
             if not seqs.live():  # every client left, and nobody joined
@@ -529,11 +534,13 @@ class Engine:
             unit, received = got
             hidden, logits = self._forward(unit, received, rows)
             if not last:
+                assert hidden is not None  # only the last stage's replayed step keeps its hidden states
                 self.link.send_unit(unit, hidden)
                 continue
             if hidden is not None:
                 self._prompt_logprobs(unit, hidden, rows)
             if unit.emits:
+                assert logits is not None  # the last stage has logits after an emitting unit
                 self.link.send_tokens(*self._sample(unit, logits, rows, return_logits))
                 if logprobs.wants(rows.requests[unit.r0:unit.r1]):
                     self.link.send_extras(rows.extras.unit(unit.r0, unit.r1))

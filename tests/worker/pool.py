@@ -69,7 +69,7 @@ def _run(env_json: str, plan_json: str, job: Any) -> dict:
     from shard_contract.env import WorkerEnv
     from shard_contract.plan import Plan
     from shard_contract.wire import GenerateRequest
-    from shard_worker.engine.engine import Hooks
+    from shard_worker.engine.boundary import Hooks
     from shard_worker.rank.runtime import Worker
 
     saved = dict(os.environ)
@@ -131,7 +131,7 @@ def _run_continuous(engine, job: ContinuousJob, texts) -> tuple[list, list[tuple
     step, index); and a trace: ("free_blocks", step, the KV pool's free blocks at that boundary,
     after its cancels) and ("tokens", step, indices of the sequences that took a token in a step)."""
     from shard_contract.wire import GenerateRequest
-    from shard_worker.engine.engine import Hooks
+    from shard_worker.engine.boundary import Hooks
     from shard_worker.serving.batcher import take_joiners
 
     def parse(requests: list[dict]) -> list:

@@ -1,6 +1,6 @@
 """The pipeline schedule cannot deadlock under NCCL's point-to-point semantics.
 
-The real ranks (`Worker.start`, the engine's `_pass` / `_relay`, the pipeline's `Link`) run as
+The real ranks (`Worker.start`, the engine's `Runner.run` / `Runner.relay`, the pipeline's `Link`) run as
 threads over `rendezvous.Fabric`, where a send completes only together with its receive, matching
 ignores tags, and a rank's operations run in order (see rendezvous.py). Passes of several units (a
 first batch of prompts of different lengths, cut into micro-batches and chunks) and

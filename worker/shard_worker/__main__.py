@@ -45,7 +45,8 @@ from shard_contract.plan import Plan
 from shard_contract.wire import GenerateResult, GenerateTask, RankReport, ShardEntry
 
 from .comm.dist import RendezvousError
-from .engine.engine import Hooks, RequestError
+from .engine.boundary import Hooks
+from .engine.engine import RequestError
 from .log import first_line, log
 from .model.config import ConfigError
 from .rank.runtime import PlanMismatch, Worker, freeze_loaded_objects

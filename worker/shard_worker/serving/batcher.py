@@ -19,7 +19,7 @@ leader's text side finds them, `text.py`).
 A request is admitted when the KV blocks of its prompt are free (less the engine's watermark),
 not those of every token it may generate: its sequence takes blocks as it grows, and when none is
 free the engine preempts the newest running sequence, which rejoins later from its prompt and the
-tokens it generated (`Engine._grow`): its request stays in `running` (its stream just pauses), and
+tokens it generated (`Boundary.orders`): its request stays in `running` (its stream just pauses), and
 newcomers wait while it does. The preemptions are counted in /metrics.
 
 Only the engine thread touches torch.distributed. The HTTP side talks to it through `Sink`s
@@ -40,8 +40,10 @@ from collections.abc import Callable, Sequence
 
 from shard_contract.wire import Completion, GenerateRequest
 
-from ..engine.engine import Engine, Hooks, RequestError, SequenceState
+from ..engine.boundary import Hooks
+from ..engine.engine import Engine, RequestError
 from ..engine.preemption import fits_at
+from ..engine.sequences import SequenceState
 from ..log import first_line, log
 from ..telemetry.rankmetrics import RankMetrics
 from .events import Pending, Unavailable

@@ -2,7 +2,8 @@
 host root, configMaps and Secrets written out, emptyDirs, claims as directories), its container
 paths mapped onto this machine, and its environment (env values and field references, the pod's
 address for the variables a process binds, its /dev/shm, a GPU's memory budget, the rendezvous
-address resolved); and the pod's record (`Sandbox`) and why its container cannot start (`PodError`)."""
+address resolved); and the pod's record (`Sandbox`: what is reported of it, its process) and why its
+container cannot start (`PodError`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import asyncio
 import base64
 import os
 import re
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +65,22 @@ class Sandbox:
     stopper: asyncio.Task | None = None   # stops it after the pod's deletion
     tasks: list[asyncio.Task] = field(default_factory=list)  # its probes
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def alive(self) -> bool:
+        """Its process runs, and its node is still there."""
+        return self.proc is not None and self.proc.returncode is None and not self.lost
+
+    async def kill(self, sig: int) -> None:
+        """Signal its process, if it runs; after SIGKILL, wait until it is gone."""
+        proc = self.proc
+        if proc is not None and proc.returncode is None:
+            try:
+                proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+            if sig == signal.SIGKILL:
+                await proc.wait()
 
     def condition(self, type_: str, ok: bool) -> dict[str, Any]:
         """A pod condition whose lastTransitionTime moves only when its status does."""

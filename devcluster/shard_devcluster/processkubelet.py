@@ -7,8 +7,9 @@ emulated server or any other:
 * nodes: it registers each Node's status (Ready, its address 127.0.0.1, the port of its HTTPS
   endpoint in `daemonEndpoints`) and renews the Node's Lease in kube-node-lease every
   `renew_seconds`, the heartbeat without which the node lifecycle controller turns the Node
-  Ready=Unknown; a Node that is deleted is a machine that disappeared: its processes are killed
-  and nothing more is reported about its pods (the pod GC, or the operator, deletes them);
+  Ready=Unknown (`kubeletstatus.py`, which writes the pods' status too); a Node that is deleted
+  is a machine that disappeared: its processes are killed and nothing more is reported about its
+  pods (the pod GC, or the operator, deletes them);
 * pods: it runs the pods bound to its Nodes (it never schedules: the scheduler binds pods through
   pods/binding), reports their status through pods/status (phase, conditions with
   lastTransitionTime, container state with the start time of the process), and when a pod is
@@ -30,8 +31,9 @@ emulated server or any other:
 * runs the first container's command (`python` is this interpreter; `$(VAR)` references to its
   env expanded); its output is the container log, served to the API server's pods/log on this
   kubelet's HTTPS endpoint (kubeletserver.py);
-* probes over HTTP: startup and readiness (the pod's Ready condition) every `probe_period`
-  seconds at most, so pods serve soon; liveness (a failing rank is killed) at the pod's own period;
+* probes over HTTP (`probes.py`): startup and readiness (the pod's Ready condition) every
+  `probe_period` seconds at most, so pods serve soon; liveness (a failing rank is killed) at the
+  pod's own period;
 * a container that cannot be created (a missing volume, a name that does not resolve) waits with
   its reason and is retried, as a kubelet retries; a pod this kubelet finds running without a
   process (the dev cluster restarted) is Failed with ContainerStatusUnknown.
@@ -47,26 +49,24 @@ import ctypes
 import itertools
 import logging
 import os
-import platform
 import shutil
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
 from shard_contract.env import HOST_ENV
 
-from .kubeapi import SMP, ApiStatusError, Informer, KubeApi, microtime, path, timestamp
+from .kubeapi import ApiStatusError, Informer, KubeApi, path, timestamp
 from .kubeletserver import KubeletServer, LogBuffer
-from .network import ClusterNetwork, container_port, taken_ports
-from .podsetup import HOST_IP, PodError, PodSetup, Sandbox, expand
+from .kubeletstatus import NODES, PODS, StatusWriter, ready
+from .network import ClusterNetwork, taken_ports
+from .podsetup import PodError, PodSetup, Sandbox, expand
+from .probes import Prober
 
 log = logging.getLogger("shard_devcluster")
 
-PODS, NODES, LEASES = "v1/pods", "v1/nodes", "coordination.k8s.io/v1/leases"
-NODE_LEASE_NAMESPACE = "kube-node-lease"
 LOG_TAIL_BYTES = 2048  # what FallbackToLogsOnError keeps of the log as the termination message
 RETRY_SECONDS = (1, 2, 4, 8, 10)  # a container that cannot be created is tried again after these
 
@@ -77,11 +77,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-
-
-def _ready(obj: dict[str, Any]) -> str | None:
-    conditions = (obj.get("status") or {}).get("conditions") or []
-    return next((c.get("status") for c in conditions if c.get("type") == "Ready"), None)
 
 
 class ProcessKubelet:
@@ -104,9 +99,10 @@ class ProcessKubelet:
         self.setup = PodSetup(api, network, self.host_root, self.extra_env, bind_env, shm_env, dns_wait)
         self.sandboxes: dict[tuple[str, str], Sandbox] = {}
         self.server = KubeletServer(self._find_logs, self.workdir / ".kubelet")
+        self.status = StatusWriter(api, self.server, renew_seconds, lease_seconds)  # pods/status, the Nodes'
+        self.probes = Prober(network, self.status, probe_period)
         self.nodes = Informer(api, NODES, self._on_node, label_selector=node_selector)
         self.pods = Informer(api, PODS, self._on_pod)
-        self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
         self._finalized: set[str] = set()  # uids of pods deleted for good by this kubelet
         self._writes: set[asyncio.Task] = set()  # what the watch handlers asked for, under way
@@ -120,11 +116,11 @@ class ProcessKubelet:
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._session = aiohttp.ClientSession()
+        await self.probes.start()
         await self.server.start()
         self._tasks = [asyncio.create_task(self.nodes.run())]
         await self.nodes.synced.wait()  # its nodes first: their pods are recognised as theirs
-        self._tasks += [asyncio.create_task(self.pods.run()), asyncio.create_task(self._heartbeat())]
+        self._tasks += [asyncio.create_task(self.pods.run()), asyncio.create_task(self.status.heartbeat(self.nodes))]
         await self.pods.synced.wait()
 
     async def stop(self) -> None:
@@ -134,10 +130,9 @@ class ProcessKubelet:
             for left in [*sandbox.tasks, sandbox.main, sandbox.stopper]:
                 if left is not None:
                     left.cancel()
-            await self._kill(sandbox, signal.SIGKILL)
+            await sandbox.kill(signal.SIGKILL)
         await self.server.stop()
-        if self._session:
-            await self._session.close()
+        await self.probes.close()
 
     async def __aenter__(self) -> ProcessKubelet:
         await self.start()
@@ -173,56 +168,7 @@ class ProcessKubelet:
         if kind == "DELETED":
             await self._node_gone(name)
         elif old is None:
-            self._spawn(self._register(node))
-
-    async def _register(self, node: dict) -> None:
-        await self._post_node(node)
-        await self._renew(node)
-
-    async def _post_node(self, node: dict) -> None:
-        """The node's status as its kubelet reports it: Ready, its address and endpoint."""
-        name = node["metadata"]["name"]
-        conditions = (node.get("status") or {}).get("conditions") or []
-        ready: dict[str, Any] = next((c for c in conditions if c.get("type") == "Ready"), {})
-        now = timestamp()
-        since = ready.get("lastTransitionTime") if ready.get("status") == "True" else None  # (registered Ready: now)
-        status = {"conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-                                  "message": "kubelet is posting ready status", "lastHeartbeatTime": now,
-                                  "lastTransitionTime": since or now}],
-                  "addresses": [{"type": "InternalIP", "address": HOST_IP}],
-                  "daemonEndpoints": {"kubeletEndpoint": {"Port": self.server.port}},
-                  "nodeInfo": {"kubeletVersion": "shard-devcluster", "containerRuntimeVersion": "process://local",
-                               "osImage": platform.platform(terse=True), "kernelVersion": platform.release(),
-                               "operatingSystem": "linux", "architecture": platform.machine(),
-                               "kubeProxyVersion": "", "machineID": "", "systemUUID": "", "bootID": ""}}
-        try:
-            await self.api.patch(path(NODES, name=name, sub="status"), {"status": status}, SMP)
-        except (TimeoutError, ApiStatusError, aiohttp.ClientError) as err:
-            log.warning("node %s: status not posted: %s", name, err)
-
-    async def _renew(self, node: dict) -> None:
-        """The node's Lease renewed, or created; owned by its Node (as the kubelet sets it), so the
-        garbage collector deletes it with the Node."""
-        name = node["metadata"]["name"]
-        url = path(LEASES, NODE_LEASE_NAMESPACE, name)
-        owner = {"ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": name,
-                                      "uid": node["metadata"]["uid"]}]}
-        try:
-            if await self.api.patch(url, {"metadata": owner, "spec": {"renewTime": microtime()}}) is None:
-                await self.api.create(path(LEASES, NODE_LEASE_NAMESPACE), {
-                    "metadata": {"name": name, **owner}, "spec": {
-                        "holderIdentity": name, "renewTime": microtime(), "leaseDurationSeconds": self.lease_seconds}})
-        except (TimeoutError, ApiStatusError, aiohttp.ClientError) as err:
-            log.warning("node %s: lease not renewed: %s", name, err)
-
-    async def _heartbeat(self) -> None:
-        """Renew every node's lease; report a node Ready again where someone said otherwise."""
-        while True:
-            await asyncio.sleep(self.renew_seconds)
-            for node in list(self.nodes.objects.values()):
-                await self._renew(node)
-                if _ready(node) != "True":
-                    await self._post_node(node)
+            self._spawn(self.status.register(node))
 
     async def _node_gone(self, node: str) -> None:
         for sandbox in [s for s in self.sandboxes.values() if s.node == node and not s.lost]:
@@ -230,7 +176,7 @@ class ProcessKubelet:
             for task in [*sandbox.tasks, sandbox.stopper, sandbox.main if sandbox.proc is None else None]:
                 if task is not None:
                     task.cancel()
-            await self._kill(sandbox, signal.SIGKILL)
+            await sandbox.kill(signal.SIGKILL)
 
     # ---------------------------------------------------------------- pods
     async def _on_pod(self, kind: str, pod: dict, old: dict | None) -> None:
@@ -263,11 +209,11 @@ class ProcessKubelet:
             if status.get("phase") == "Running" or any((c.get("state") or {}).get("running")
                                                         for c in status.get("containerStatuses") or []):
                 self._finalized.add(uid)  # (nothing more to do for it)
-                self._spawn(self._unknown(pod))  # it ran under a kubelet before this one: its process is gone
+                self._spawn(self.status.unknown(pod))  # it ran under a kubelet before this one: its process is gone
                 return
             self._start(pod)
-        elif sandbox.phase == "Running" and not sandbox.lost and _ready(pod) != str(sandbox.ready):
-            self._spawn(self._report(sandbox))  # someone else changed its readiness: the kubelet says again
+        elif sandbox.phase == "Running" and not sandbox.lost and ready(pod) != str(sandbox.ready):
+            self._spawn(self.status.report(sandbox))  # someone else changed its readiness: the kubelet says again
 
     def _start(self, pod: dict) -> None:
         meta, spec = pod["metadata"], pod.get("spec") or {}
@@ -280,7 +226,7 @@ class ProcessKubelet:
         sandbox.main = asyncio.create_task(self._run_pod(sandbox, pod, node))
 
     async def _run_pod(self, sandbox: Sandbox, pod: dict, node: dict) -> None:
-        await self._report(sandbox)
+        await self.status.report(sandbox)
         container = sandbox.container
         taken = taken_ports(sandbox.local, container)
         if taken:  # on a real node each pod has its own ports; here one stray listener blocks them all
@@ -290,7 +236,7 @@ class ProcessKubelet:
             sandbox.state = {"terminated": {"exitCode": 1, "reason": "PortInUse", "message": message,
                                             "finishedAt": timestamp()}}
             sandbox.logs.ended = True
-            await self._report(sandbox)
+            await self.status.report(sandbox)
             return
         for attempt in itertools.count():
             try:
@@ -299,7 +245,7 @@ class ProcessKubelet:
                 break
             except PodError as err:
                 sandbox.state = {"waiting": {"reason": err.reason, "message": err.message}}
-                await self._report(sandbox)
+                await self.status.report(sandbox)
                 await asyncio.sleep(RETRY_SECONDS[min(attempt, len(RETRY_SECONDS) - 1)])
         defined = {e["name"]: env[e["name"]] for e in container.get("env") or [] if e.get("name") in env}
         argv = [PodSetup.path(expand(a, defined), mounts)
@@ -307,7 +253,7 @@ class ProcessKubelet:
         if not argv:
             sandbox.state = {"waiting": {"reason": "CreateContainerConfigError",
                                          "message": "the container has no command (no image to run here)"}}
-            await self._report(sandbox)
+            await self.status.report(sandbox)
             return
         if argv[0] == "python":
             argv[0] = sys.executable
@@ -321,14 +267,14 @@ class ProcessKubelet:
             sandbox.state = {"terminated": {"exitCode": 128, "reason": "StartError", "message": str(err),
                                             "finishedAt": timestamp()}}
             sandbox.logs.ended = True
-            await self._report(sandbox)
+            await self.status.report(sandbox)
             return
         probed = any(container.get(p) for p in ("startupProbe", "readinessProbe", "livenessProbe"))
         sandbox.phase, sandbox.ready, sandbox.started_at = "Running", not probed, timestamp()
         sandbox.state = {"running": {"startedAt": sandbox.started_at}}
-        await self._report(sandbox)
+        await self.status.report(sandbox)
         if probed:
-            sandbox.tasks.append(asyncio.create_task(self._probe(sandbox)))
+            sandbox.tasks.append(asyncio.create_task(self.probes.run(sandbox)))
         await self._collect(sandbox)
 
     async def _collect(self, sandbox: Sandbox) -> None:
@@ -351,7 +297,7 @@ class ProcessKubelet:
         sandbox.state = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
                                         "startedAt": sandbox.started_at, "finishedAt": timestamp(),
                                         **({"message": message} if message else {})}}
-        await self._report(sandbox)
+        await self.status.report(sandbox)
 
     async def _terminate(self, sandbox: Sandbox, grace: float, pod: dict) -> None:
         """Stop a deleted pod's process within its grace period, then delete the pod for good."""
@@ -359,11 +305,11 @@ class ProcessKubelet:
             if sandbox.main is not None:
                 sandbox.main.cancel()
         else:
-            await self._kill(sandbox, signal.SIGTERM)
+            await sandbox.kill(signal.SIGTERM)
             try:
                 await asyncio.wait_for(sandbox.proc.wait(), grace)
             except TimeoutError:
-                await self._kill(sandbox, signal.SIGKILL)
+                await sandbox.kill(signal.SIGKILL)
         if sandbox.main is not None:
             await asyncio.gather(sandbox.main, return_exceptions=True)
         if not sandbox.lost:
@@ -390,136 +336,6 @@ class ProcessKubelet:
         for task in [*sandbox.tasks, sandbox.main, sandbox.stopper]:
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
-        await self._kill(sandbox, signal.SIGKILL)
+        await sandbox.kill(signal.SIGKILL)
         self.network.release(sandbox.ip)
         shutil.rmtree(sandbox.directory, ignore_errors=True)
-
-    async def _unknown(self, pod: dict) -> None:
-        meta = pod["metadata"]
-        container = ((pod.get("spec") or {}).get("containers") or [{}])[0]
-        status = {"phase": "Failed",
-                  "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": timestamp()}],
-                  "containerStatuses": [self._container_status(container, False, {"terminated": {
-                      "exitCode": 137, "reason": "ContainerStatusUnknown", "finishedAt": timestamp(),
-                      "message": "The container could not be located when the pod was terminated"}})]}
-        await self._patch_status(meta["namespace"], meta["name"], status)
-
-    @staticmethod
-    async def _kill(sandbox: Sandbox, sig: int) -> None:
-        proc = sandbox.proc
-        if proc is not None and proc.returncode is None:
-            try:
-                proc.send_signal(sig)
-            except ProcessLookupError:
-                pass
-            if sig == signal.SIGKILL:
-                await proc.wait()
-
-    # ---------------------------------------------------------------- status
-    @staticmethod
-    def _container_status(container: dict, ready: bool, state: dict, pid: int | None = None) -> dict:
-        image = container.get("image") or "local"
-        return {"name": container.get("name", "c"), "image": image, "imageID": "process://" + image,
-                **({"containerID": f"process://{pid}"} if pid else {}), "ready": ready,
-                "started": "running" in state, "restartCount": 0, "state": state}
-
-    async def _report(self, sandbox: Sandbox) -> None:
-        """Post the pod's status as this kubelet sees it now (again, until the API server takes it)."""
-        async with sandbox.lock:
-            running = sandbox.phase == "Running"
-            status = {"phase": sandbox.phase, "hostIP": HOST_IP, "hostIPs": [{"ip": HOST_IP}],
-                      "podIP": sandbox.ip, "podIPs": [{"ip": sandbox.ip}], "startTime": sandbox.start_time,
-                      "conditions": [sandbox.condition("PodReadyToStartContainers", True),
-                                     sandbox.condition("Initialized", True),
-                                     sandbox.condition("ContainersReady", running and sandbox.ready),
-                                     sandbox.condition("Ready", running and sandbox.ready)],
-                      "containerStatuses": [self._container_status(sandbox.container, running and sandbox.ready,
-                                                                   sandbox.state,
-                                                                   sandbox.proc.pid if sandbox.proc else None)],
-                      **sandbox.reason}
-            for _ in range(20):
-                if sandbox.lost:
-                    return
-                if await self._patch_status(sandbox.namespace, sandbox.name, status) is not False:
-                    return
-                await asyncio.sleep(0.5)
-
-    async def _patch_status(self, ns: str, name: str, status: dict) -> bool | None:
-        """True: written; None: the pod is gone; False: the API server failed (try again)."""
-        try:
-            return await self.api.patch(path(PODS, ns, name, "status"), {"status": status}, SMP) is not None or None
-        except (TimeoutError, ApiStatusError, aiohttp.ClientError) as err:
-            log.debug("pod %s/%s: status not written: %s", ns, name, err)
-            return False
-
-
-    # ---------------------------------------------------------------- probes
-    async def _get(self, sandbox: Sandbox, probe: dict) -> bool:
-        http = probe.get("httpGet") or {}
-        port = container_port(sandbox.container, http.get("port", 80))
-        if port is None:
-            return False
-        host = self.network.local(http["host"]) if http.get("host") else sandbox.local
-        url = f"http://{host}:{port}{http.get('path', '/')}"
-        assert self._session is not None
-        try:
-            async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=probe.get("timeoutSeconds", 1))) as r:
-                return 200 <= r.status < 400
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            return False
-
-    @staticmethod
-    def _alive(sandbox: Sandbox) -> bool:
-        return sandbox.proc is not None and sandbox.proc.returncode is None and not sandbox.lost
-
-    def _fast(self, probe: dict) -> float:
-        """Startup and readiness decide how soon a pod serves: at most `probe_period` apart."""
-        return min(float(probe.get("periodSeconds", 10)), self.probe_period)
-
-    async def _probe(self, sandbox: Sandbox) -> None:
-        """The startup probe, then readiness and liveness side by side, as a kubelet runs them."""
-        container = sandbox.container
-        startup, readiness, liveness = (container.get(p) for p in ("startupProbe", "readinessProbe", "livenessProbe"))
-        if startup is not None:
-            failures = 0
-            while not await self._get(sandbox, startup):
-                failures += 1
-                if failures >= int(startup.get("failureThreshold", 3)):
-                    await self._kill_for(sandbox, f"Startup probe failed {failures} times")
-                    return
-                await asyncio.sleep(self._fast(startup))
-                if not self._alive(sandbox):
-                    return
-        checks = [self._readiness(sandbox, readiness)]
-        if liveness is not None:
-            checks.append(self._liveness(sandbox, liveness))
-        await asyncio.gather(*checks)
-
-    async def _readiness(self, sandbox: Sandbox, probe: dict | None) -> None:
-        """The pod's Ready condition: at the first success; lost after failureThreshold failures."""
-        failures = 0
-        while self._alive(sandbox) and not sandbox.deleting:
-            ok = probe is None or await self._get(sandbox, probe)
-            failures = 0 if ok else failures + 1
-            ready = ok or (sandbox.ready and failures < int((probe or {}).get("failureThreshold", 3)))
-            if ready != sandbox.ready and self._alive(sandbox) and not sandbox.deleting:
-                sandbox.ready = ready
-                await self._report(sandbox)
-            if probe is None:
-                return
-            await asyncio.sleep(self._fast(probe))
-
-    async def _liveness(self, sandbox: Sandbox, probe: dict) -> None:
-        """Kill the container after failureThreshold failures in a row. At the pod's own period: a
-        busy machine must not kill ranks that a cluster would keep."""
-        failures = 0
-        while self._alive(sandbox):
-            await asyncio.sleep(float(probe.get("periodSeconds", 10)))
-            failures = 0 if await self._get(sandbox, probe) else failures + 1
-            if failures >= int(probe.get("failureThreshold", 3)):
-                await self._kill_for(sandbox, f"Liveness probe failed {failures} times")
-                return
-
-    async def _kill_for(self, sandbox: Sandbox, reason: str) -> None:
-        sandbox.killed_by = reason
-        await self._kill(sandbox, signal.SIGKILL)

@@ -573,7 +573,8 @@ def test_the_node_components_need_no_emulator():
     import subprocess
     import sys
 
-    modules = ["processkubelet", "proxy", "dns", "gateway", "kubeapi", "kubeletserver", "network", "cluster"]
+    modules = ["processkubelet", "kubeletstatus", "probes", "proxy", "dns", "gateway", "kubeapi", "kubeletserver",
+               "network", "cluster"]
     code = ("import sys; sys.modules['shard_devcluster.emulator'] = None; sys.modules['kmock'] = None\n"
             + "".join(f"import shard_devcluster.{m}\n" for m in modules))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -59,8 +59,9 @@ def child_read(model_dir: str, dtype: str, repeats: int) -> dict:
     from shard_contract.plan import OffloadPlan
     from shard_worker.comm.dist import Comm, Topology
     from shard_worker.model.config import ModelConfig
-    from shard_worker.model.model import Layout, Stage
+    from shard_worker.model.model import Stage
     from shard_worker.model.offload import Streamer
+    from shard_worker.model.slices import Layout
     from shard_worker.telemetry.accounting import Accounting
 
     torch.set_num_threads(1)

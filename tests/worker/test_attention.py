@@ -112,7 +112,9 @@ def test_the_model_attention_reads_the_cache_once_by_its_slots(checkpoint, decod
     from shard_worker.model.config import ModelConfig
     from shard_worker.model.kernels import torch_only
     from shard_worker.model.loader import load_stage
-    from shard_worker.model.model import KVCache, Layout, Rotary, Stage, Step
+    from shard_worker.model.model import Stage
+    from shard_worker.model.slices import Layout
+    from shard_worker.model.step import KVCache, Rotary, Step
     from shard_worker.telemetry.accounting import Accounting
 
     model_dir = checkpoint("llama")  # 4 heads, 2 KV heads

@@ -21,7 +21,9 @@ from shard_worker.comm.dist import Comm, Topology
 from shard_worker.engine.graphs import DecodeGraphs
 from shard_worker.model.config import ModelConfig
 from shard_worker.model.loader import load_stage
-from shard_worker.model.model import KVCache, Layout, Rotary, Stage
+from shard_worker.model.model import Stage
+from shard_worker.model.slices import Layout
+from shard_worker.model.step import KVCache, Rotary
 from shard_worker.telemetry.accounting import Accounting
 
 ROWS, MAX_LEN = 3, 24

@@ -24,8 +24,10 @@ from shard_worker.engine.graphs import DecodeGraphs, batch_buckets, chosen_mode,
 from shard_worker.model.config import ModelConfig
 from shard_worker.model.kernels import torch_only
 from shard_worker.model.loader import load_stage
-from shard_worker.model.model import KVCache, Layout, Rotary, Stage, Step
+from shard_worker.model.model import Stage
 from shard_worker.model.paging import slot_maps
+from shard_worker.model.slices import Layout
+from shard_worker.model.step import KVCache, Rotary, Step
 from shard_worker.telemetry.accounting import Accounting
 
 from .conftest import make_plan

@@ -38,7 +38,9 @@ def _run(model_dir, dtype: torch.dtype, quantization: str, use_fused: bool, pads
     from shard_worker.comm.dist import Comm, Topology
     from shard_worker.model.config import ModelConfig
     from shard_worker.model.loader import load_stage
-    from shard_worker.model.model import KVCache, Layout, Rotary, Stage, Step
+    from shard_worker.model.model import Stage
+    from shard_worker.model.slices import Layout
+    from shard_worker.model.step import KVCache, Rotary, Step
     from shard_worker.telemetry.accounting import Accounting
 
     config = ModelConfig.from_dir(model_dir)

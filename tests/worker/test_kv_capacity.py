@@ -21,7 +21,7 @@ from shard_contract.wire import GenerateRequest, GenerateTask
 from shard_operator.local.launcher import plan_local, run_generate
 from shard_worker.engine.kvblocks import Blocks
 from shard_worker.model import paging
-from shard_worker.model.model import KVCache
+from shard_worker.model.step import KVCache
 from shard_worker.rank.runtime import cache_rows, cache_tokens
 
 from .conftest import make_plan

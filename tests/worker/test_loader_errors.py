@@ -15,7 +15,8 @@ from shard_contract.checkpoint import CheckpointError
 from shard_worker.comm.dist import Comm, Topology
 from shard_worker.model.config import ModelConfig
 from shard_worker.model.loader import load_stage
-from shard_worker.model.model import Layout, Stage
+from shard_worker.model.model import Stage
+from shard_worker.model.slices import Layout
 from shard_worker.telemetry.accounting import Accounting
 from tests.support.checkpoints import write_checkpoint
 from tests.support.malicious import CORPUS, write_attack

@@ -50,7 +50,8 @@ from shard_worker.telemetry.accounting import Accounting, MemorySample
 from shard_worker.model.config import ModelConfig
 from shard_worker.comm.dist import Comm, Topology
 from shard_worker.model.loader import load_stage
-from shard_worker.model.model import Layout, Stage
+from shard_worker.model.model import Stage
+from shard_worker.model.slices import Layout
 model_dir, dtype, quantization, tp, tp_rank = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 config = ModelConfig.from_dir(model_dir)
 layout = Layout(config, tp=tp, tp_rank=tp_rank, layers=(0, config.num_layers), embeds=True, has_lm_head=True)

@@ -57,7 +57,8 @@ def _stages(model_dir, streamed, tp: int = 1, tp_rank: int = 0, dtype: torch.dty
     from shard_worker.comm.dist import Comm, Topology
     from shard_worker.model.config import ModelConfig
     from shard_worker.model.loader import load_stage
-    from shard_worker.model.model import Layout, Stage
+    from shard_worker.model.model import Stage
+    from shard_worker.model.slices import Layout
     from shard_worker.telemetry.accounting import Accounting
 
     config = ModelConfig.from_dir(model_dir)

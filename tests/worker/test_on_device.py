@@ -253,8 +253,9 @@ def test_a_streamer_lends_each_layer_its_weights_and_lets_go_of_everything_on_cl
     from shard_worker.comm.dist import Comm, Topology
     from shard_worker.model.config import ModelConfig
     from shard_worker.model.loader import load_stage
-    from shard_worker.model.model import Layout, Stage
+    from shard_worker.model.model import Stage
     from shard_worker.model.offload import Streamer
+    from shard_worker.model.slices import Layout
     from shard_worker.telemetry.accounting import Accounting, CudaClock
 
     off = streaming_plan(deep, 1, 1, 1.0, kind=kind_of(device), host_memory="1MiB").ranks[0].offload

@@ -142,7 +142,7 @@ def passes(stage, ids, pads, starts, tables, mode, monkeypatch) -> list[torch.Te
     """Prefill [0, 20), a later chunk [20, 27), decode steps 27..31 with the torch path reading the
     pool by `mode`: each pass's last-column logits."""
     from shard_worker.model.kernels import torch_only
-    from shard_worker.model.model import KVCache, Rotary, Step
+    from shard_worker.model.step import KVCache, Rotary, Step
 
     monkeypatch.setenv(PAGED_ATTENTION_ENV, mode)
     c = stage.config
@@ -188,7 +188,9 @@ def test_the_captured_step_in_place_does_no_host_synchronisation(checkpoint, mon
     from shard_worker.comm.dist import Comm, Topology
     from shard_worker.engine.graphs import decode_forward
     from shard_worker.model.config import ModelConfig
-    from shard_worker.model.model import KVCache, Layout, Rotary, Stage
+    from shard_worker.model.model import Stage
+    from shard_worker.model.slices import Layout
+    from shard_worker.model.step import KVCache, Rotary
     from shard_worker.telemetry.accounting import Accounting
 
     from .test_decode_graphs import NoHostSync

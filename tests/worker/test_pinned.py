@@ -78,8 +78,9 @@ def test_a_gpu_rank_pins_what_its_plan_counts(tmp_path, host_memory, tier):
     buffer per slot: the plan's host_bytes less the page cache it counts for the files."""
     from shard_worker.comm.dist import Comm, Topology
     from shard_worker.model.config import ModelConfig
-    from shard_worker.model.model import Layout, Stage
+    from shard_worker.model.model import Stage
     from shard_worker.model.offload import pinned_layers
+    from shard_worker.model.slices import Layout
     from shard_worker.telemetry.accounting import Accounting
     from tests.support.checkpoints import write_checkpoint
     from tests.support.offload import streaming_plan

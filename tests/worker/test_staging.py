@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from shard_worker.model.config import ModelConfig
 from shard_worker.model.loader import Checkpoint, LoadStats, PinnedStaging, SliceReader
-from shard_worker.model.model import Piece
+from shard_worker.model.slices import Piece
 
 
 class Events:

@@ -14,7 +14,7 @@ from shard_worker.engine.pipeline import prefill_units, split
 from shard_worker.engine.sequences import SequenceState
 from shard_worker.model.attention import CAUSAL, attention_mask
 from shard_worker.model.config import ConfigError, ModelConfig
-from shard_worker.model.model import rope_inv_freq
+from shard_worker.model.step import rope_inv_freq
 from shard_worker.serving.text import TextStream
 from tests.support.checkpoints import LLAMA3_ROPE, hf_config
 
@@ -225,7 +225,8 @@ def test_the_planners_attention_workspace_is_what_the_masked_path_allocates(chec
     place)."""
     from shard_operator.planning.profile import profile_model
     from shard_operator.planning.sizing import attention_workspace_bytes
-    from shard_worker.model.model import Layout, Rotary, Step
+    from shard_worker.model.slices import Layout
+    from shard_worker.model.step import Rotary, Step
 
     model_dir = checkpoint("llama")  # 4 heads, 2 KV heads: at TP=4 one of each per rank
     config, batch, max_len, cpu = ModelConfig.from_dir(model_dir), 3, 40, torch.device("cpu")
@@ -247,7 +248,8 @@ def test_the_planners_gathered_kv_is_what_the_torch_path_copies_out_of_the_pool(
     shard_operator.planning.sizing budgets for them."""
     from shard_operator.planning.profile import profile_model
     from shard_operator.planning.sizing import gathered_kv_bytes
-    from shard_worker.model.model import KVCache, Layout, Rotary, Step
+    from shard_worker.model.slices import Layout
+    from shard_worker.model.step import KVCache, Rotary, Step
 
     model_dir = checkpoint("llama")
     config, batch, max_len, cpu = ModelConfig.from_dir(model_dir), 3, 40, torch.device("cpu")

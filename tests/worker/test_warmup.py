@@ -10,7 +10,9 @@ from shard_worker.comm.dist import Comm, Topology
 from shard_worker.engine.warmup import WarmupOutOfMemory, largest_pass, warm_up
 from shard_worker.model.config import ModelConfig
 from shard_worker.model.loader import load_stage
-from shard_worker.model.model import KVCache, Layout, Rotary, Stage
+from shard_worker.model.model import Stage
+from shard_worker.model.slices import Layout
+from shard_worker.model.step import KVCache, Rotary
 from shard_worker.telemetry.accounting import Accounting
 
 

@@ -28,8 +28,9 @@ from shard_contract.env import step_token_budget
 from shard_contract.wire import Completion, GenerateRequest
 
 from ..comm.dist import Comm
-from ..model.model import KVCache, Rotary, Stage
+from ..model.model import Stage
 from ..model.paging import RESERVED_BLOCKS
+from ..model.step import KVCache, Rotary
 from ..telemetry.accounting import Accounting
 from . import grammar
 from .boundary import Boundary, Hooks

@@ -45,8 +45,9 @@ from shard_contract.env import DECODE_GRAPHS_ENV
 
 from ..comm.dist import Comm
 from ..model import kernels
-from ..model.model import KVCache, Rotary, Stage, Step
+from ..model.model import Stage
 from ..model.paging import TRASH_BLOCK
+from ..model.step import KVCache, Rotary, Step
 
 ENV = DECODE_GRAPHS_ENV
 MODES = ("auto", "off", "eager", "cuda", "compile")

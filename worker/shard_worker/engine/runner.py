@@ -17,7 +17,8 @@ import torch
 
 from ..comm.dist import Comm
 from ..log import log
-from ..model.model import KVCache, Rotary, Stage, Step
+from ..model.model import Stage
+from ..model.step import KVCache, Rotary, Step
 from ..telemetry.accounting import Accounting, Counters
 from . import logprobs
 from .graphs import DecodeGraphs, chosen_mode

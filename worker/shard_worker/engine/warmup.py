@@ -21,7 +21,8 @@ import torch
 
 from shard_contract.sharding import PREFILL_CHUNK
 
-from ..model.model import KVCache, Rotary, Stage, Step
+from ..model.model import Stage
+from ..model.step import KVCache, Rotary, Step
 from ..telemetry.accounting import proc_status
 
 

@@ -1,6 +1,6 @@
 """A decode step's decoder layers, one C call each (`_gemv.decode_layer`).
 
-The Python layers (`model.DecoderLayer`) call our kernels one by one: RMSNorm, the q/k/v product,
+The Python layers (`decoder.DecoderLayer`) call our kernels one by one: RMSNorm, the q/k/v product,
 attention, the o product, its all-reduce, ... Each call does microseconds of work behind tens of
 microseconds of Python and torch dispatch: about half a millisecond a layer, a fifth of a bfloat16
 TP=2 rank's decode step on our 2-core machines (`perf`: libpython and libtorch 20% of its time).
@@ -51,7 +51,7 @@ class LayerPlan(ctypes.Structure):
 
 
 class StepTables(Protocol):
-    """What the fused layers read of a forward pass's context (`model.Step`)."""
+    """What the fused layers read of a forward pass's context (`step.Step`)."""
 
     r0: int
     c0: int
@@ -61,7 +61,7 @@ class StepTables(Protocol):
 
 
 class Pools(Protocol):
-    """What the fused layers read of a KV cache (`model.KVCache`): its pools, and a step's slots."""
+    """What the fused layers read of a KV cache (`step.KVCache`): its pools, and a step's slots."""
 
     k: torch.Tensor
     v: torch.Tensor

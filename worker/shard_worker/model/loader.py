@@ -41,9 +41,10 @@ import torch
 from shard_contract.checkpoint import DTYPE_BYTES, CheckpointError, read_weights
 
 from .config import ModelConfig
-from .model import Piece, Stage
+from .model import Stage
 from .pinned import PinnedArena, aligned
 from .quant import quantize_rows_
+from .slices import Piece
 
 TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 STAGING_BYTES = 4 * 2**20  # rows converted at once: two such buffers, and on a GPU two pinned ones

@@ -58,9 +58,11 @@ import torch
 from shard_contract.plan import OffloadPlan
 
 from ..telemetry.accounting import Accounting
+from .decoder import DecoderLayer
 from .loader import TORCH_DTYPES, Checkpoint, Entry, LoadStats, SliceReader
-from .model import PROJECTIONS, DecoderLayer, Piece, Stage
+from .model import Stage
 from .pinned import PinnedArena, arena_bytes
+from .slices import PROJECTIONS, Piece
 
 FREE, LOADING, READY, LENT = "free", "loading", "ready", "lent"
 PAGE = mmap.PAGESIZE

@@ -22,8 +22,10 @@ from ..engine.engine import Engine
 from ..engine.warmup import WarmupOutOfMemory, warm_up
 from ..model.config import ModelConfig
 from ..model.loader import load_stage
-from ..model.model import KVCache, Layout, Rotary, Stage
+from ..model.model import Stage
 from ..model.offload import Streamer
+from ..model.slices import Layout
+from ..model.step import KVCache, Rotary
 from ..telemetry.accounting import Accounting, CudaClock, MemorySample
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

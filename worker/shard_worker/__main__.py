@@ -13,6 +13,7 @@ shutdown. `ps` shows each rank as `shard-worker model=... group=... rank=... por
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import time
@@ -134,6 +135,10 @@ def serve(env: WorkerEnv, plan: Plan, baseline: MemorySample) -> int:
 
 
 def main() -> int:
+    # A crash below Python (a kernel's fault, an abort in a collective library) prints every
+    # thread's stack into the rank's log: else a dead follower leaves only "Connection closed by
+    # peer" in its leader's.
+    faulthandler.enable()
     serving = not os.environ.get(TASK_ENV)
     if serving:  # before the baseline: the server's libraries belong to the bare process
         from .rank import lifecycle  # noqa: F401 -- imported for their weight, used by serve()

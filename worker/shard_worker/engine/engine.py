@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,6 +36,7 @@ from ..telemetry.accounting import Accounting
 from . import grammar
 from .boundary import Boundary, Hooks
 from .chunking import Prefill
+from .diagnosis import rows_summary
 from .kvblocks import Blocks
 from .pipeline import Unit, prefill_units
 from .runner import Runner
@@ -163,15 +165,23 @@ class Engine:
             op = command["op"]
             if op == "shutdown":
                 return
-            if op == "generate":
-                requests = [GenerateRequest.model_validate(r) for r in command["requests"]]
-                places = [(list(b), int(st)) for b, st in command["places"]]
-                self.step_tokens = int(command["step_tokens"])
-                self._generate(requests, places, command["return_logits"], continuous=command["continuous"])
-            elif op == "report":
-                self.comm.gather_json(self.report())
-            elif op != "noop":
-                raise RuntimeError(f"unknown command {op!r} from the leader")
+            try:
+                self._follow(command)
+            except Exception as err:
+                err.add_note(f"rank {self.topo.rank} was following the leader's {op!r} command")
+                raise
+
+    def _follow(self, command: dict[str, Any]) -> None:
+        op = command["op"]
+        if op == "generate":
+            requests = [GenerateRequest.model_validate(r) for r in command["requests"]]
+            places = [(list(b), int(st)) for b, st in command["places"]]
+            self.step_tokens = int(command["step_tokens"])
+            self._generate(requests, places, command["return_logits"], continuous=command["continuous"])
+        elif op == "report":
+            self.comm.gather_json(self.report())
+        elif op != "noop":
+            raise RuntimeError(f"unknown command {op!r} from the leader")
 
     # ------------------------------------------------------------ every rank
     def _generate(self, requests: list[GenerateRequest], places: list[tuple[list[int], int]], return_logits: bool,
@@ -181,10 +191,10 @@ class Engine:
         self.runner.begin(prompt_cols)
         rows = Rows(self.cache.batch, sampler=self.topo.is_last, grammars=self.grammars,
                     blocks_per_row=self.cache.blocks_per_row)
-        for row, (r, (blocks, first)) in enumerate(zip(requests, places, strict=True)):
-            rows.place(row, r, prompt_cols - len(r.prompt_ids), blocks, first)
-            self.blocks.hold(row, blocks)
         try:
+            for row, (r, (blocks, first)) in enumerate(zip(requests, places, strict=True)):
+                rows.place(row, r, prompt_cols - len(r.prompt_ids), blocks, first)
+                self.blocks.hold(row, blocks)
             with torch.inference_mode():
                 if self.topo.is_first:
                     out = self._drive(requests, rows, return_logits, hooks, continuous)
@@ -192,6 +202,10 @@ class Engine:
                     self.runner.relay(rows, return_logits)
                     out = None
                 self.runner.link.flush()
+        except Exception as err:  # the rank's log names the requests it held (`diagnosis.py`)
+            err.add_note(f"rank {self.topo.rank} (stage {self.topo.stage}) was running a generate:\n"
+                         f"{rows_summary(rows)}")
+            raise
         finally:
             self.blocks.release_all()  # the leader's: every sequence of this generate has ended
         after, end = self.acct.snapshot(), time.perf_counter()

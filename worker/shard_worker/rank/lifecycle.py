@@ -178,9 +178,11 @@ class Rank:
             else:
                 worker.engine.follow()  # until the leader says shutdown
                 self._stop_serving(0)
-        except Exception as err:  # noqa: BLE001 -- a collective failed: the group is lost
+        except Exception as err:  # noqa: BLE001 -- a collective failed, or this rank's engine raised: the group is lost
             self.state, self.error = "broken", f"a collective failed: {first_line(err)}"
-            log(rank, f"lost the group: {self.error}")
+            # the whole traceback, with the engine's note of the requests it held (`engine/diagnosis.py`):
+            # a follower's own error is all the leader never sees
+            log(rank, f"lost the group: {self.error}\n{traceback.format_exc().rstrip()}")
             if not self.leader:
                 self._stop_serving(1)
 

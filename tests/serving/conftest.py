@@ -106,9 +106,20 @@ def kill_all(pids) -> None:
 class Server:
     """A group served by `shardctl run`, as its clients see it."""
 
-    def __init__(self, proc: subprocess.Popen, port: int, model: str, api_key: str | None = None):
+    def __init__(self, proc: subprocess.Popen, port: int, model: str, api_key: str | None = None,
+                 log_dir: Path | None = None):
         self.proc, self.url, self.model = proc, f"http://127.0.0.1:{port}", model
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.log_dir = log_dir
+
+    def rank_logs(self, lines: int = 60) -> str:
+        """The end of every rank's log (with `log_dir`): what a failure message quotes, so a rank that
+        died says why (its traceback and the requests it held)."""
+        if self.log_dir is None:
+            return "(the ranks' logs were not kept: shardctl_run(log_dir=...))"
+        logs = sorted(self.log_dir.glob("attempt-*/rank-*.log"))
+        return "\n".join(f"--- {log.relative_to(self.log_dir)}:\n" +
+                         "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) for log in logs)
 
     def post(self, path: str, body, **kwargs) -> httpx.Response:
         content = body if isinstance(body, (bytes, str)) else json.dumps(body)
@@ -125,11 +136,14 @@ class Server:
 
 
 @contextmanager
-def shardctl_run(yaml_file: Path, model: str, *args: str, api_key: str | None = None) -> Iterator[Server]:
-    """`shardctl run -f yaml_file ARGS` on a free port, once every rank is ready; stopped after."""
+def shardctl_run(yaml_file: Path, model: str, *args: str, api_key: str | None = None,
+                 log_dir: Path | None = None) -> Iterator[Server]:
+    """`shardctl run -f yaml_file ARGS` on a free port, once every rank is ready; stopped after.
+    With `log_dir`, the ranks' logs are kept there (`Server.rank_logs`)."""
     port = free_port()
-    proc = shardctl("run", "-f", str(yaml_file), "--port", str(port), "--restarts", "0", *args)
-    server = Server(proc, port, model, api_key)
+    logs = ("--log-dir", str(log_dir)) if log_dir is not None else ()
+    proc = shardctl("run", "-f", str(yaml_file), "--port", str(port), "--restarts", "0", *logs, *args)
+    server = Server(proc, port, model, api_key, log_dir)
     try:
         wait_for("/ready", lambda: proc.poll() is not None or (get(server.url + "/ready") or httpx.Response(0))
                  .status_code == 200, timeout=180)
@@ -169,12 +183,14 @@ class InFlight(threading.Thread):
 
 
 # Requests that each once failed their whole group (issue 11): a non-finite probability tensor, a
-# top_p that is 0 in float32, a seed past 64 bits. Now each is answered: as its limit (greedy), or
-# refused naming the parameter.
+# top_p that is 0 in float32, a seed past 64 bits; a top_k past int64, which every sampling rank
+# failed to place (under PP, all of them followers). Now each is answered: as its limit (greedy; a
+# top_k that large keeps every token), or refused naming the parameter.
 KILLERS = [
     ({"prompt": "hi", "temperature": 1e-40}, 200, None),
     ({"prompt": "hi", "temperature": 1, "top_p": 1e-300}, 200, None),
     ({"prompt": "hi", "seed": 18446744073709551616}, 400, "seed"),
+    ({"prompt": "hi", "temperature": 0, "top_k": 18446744073709551616, "presence_penalty": -1.18}, 200, None),
 ]
 
 
@@ -189,7 +205,7 @@ def answered_while_another_runs(server: Server, body: dict) -> httpx.Response:
     answered = time.monotonic()
     stream.join(120)
     assert len(stream.token_ids()) == 100 and stream.ended > answered  # it ran on, and to its end
-    assert server.proc.poll() is None and server.ranks() == ranks  # no rank restarted
+    assert server.proc.poll() is None and server.ranks() == ranks, server.rank_logs()  # no rank restarted
     assert get(server.url + "/health").status_code == 200
     return response
 

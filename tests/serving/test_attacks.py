@@ -34,7 +34,7 @@ def group(tiny_model, tmp_path_factory):
     yaml_file = sharded_model_yaml(workdir / "tiny.yaml", tiny_model, name="tiny", tensor=2, pipeline=2,
                                    max_len=MAX_LEN)
     with shardctl_run(yaml_file, "tiny", "--devices", "localhost:1GiB*4", "--api-key-file", str(key_file),
-                      api_key=KEY) as server:
+                      api_key=KEY, log_dir=workdir / "logs") as server:
         server.first_ranks = server.ranks()
         assert len(server.first_ranks) == 4
         yield server
@@ -91,7 +91,12 @@ def test_no_body_the_schema_allows_or_forbids_is_a_server_error(group, mode):
     def no_server_error(case) -> None:
         case.call_and_validate(headers=group.headers, checks=[not_a_server_error], timeout=60)
 
-    no_server_error()
+    try:
+        no_server_error()
+    except Exception as err:
+        if group.ranks() != group.first_ranks:  # a rank died: its log says why
+            err.add_note(group.rank_logs())
+        raise
 
 
 sampling = st.fixed_dictionaries({
@@ -104,7 +109,8 @@ sampling = st.fixed_dictionaries({
 }, optional={"stop": st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=4),
              "presence_penalty": st.floats(-2.0, 2.0), "frequency_penalty": st.floats(-2.0, 2.0),
              "repetition_penalty": st.floats(0.0, 100.0, exclude_min=True, allow_subnormal=True),
-             "top_k": st.integers(-1, 600), "min_p": st.floats(0.0, 1.0, allow_subnormal=True),
+             "top_k": st.integers(-1, 600) | st.integers(min_value=601),
+             "min_p": st.floats(0.0, 1.0, allow_subnormal=True),
              "logit_bias": st.dictionaries(st.integers(0, 599).map(str), st.floats(-100.0, 100.0), max_size=3),
              "n": st.integers(1, 3), "logprobs": st.integers(0, 20)})
 
@@ -123,6 +129,6 @@ def test_any_accepted_sampling_parameters_are_served(group, body):
 
 
 def test_after_every_attack_the_same_group_serves(group):
-    assert group.proc.poll() is None and group.ranks() == group.first_ranks
+    assert group.proc.poll() is None and group.ranks() == group.first_ranks, group.rank_logs()
     assert get(group.url + "/health").json() == {"status": "ok", "rank": 0, "reason": ""}
     assert group.complete(prompt="hi", max_tokens=4)["choices"][0]["token_ids"]

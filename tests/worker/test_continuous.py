@@ -136,3 +136,20 @@ def test_a_joiner_takes_a_shared_prompts_cached_blocks_and_answers_as_alone(pool
     completions = results[0]["output"].completions
     assert [c.cached_tokens for c in completions] == [0, 32, 0]
     assert [c.token_ids for c in completions] == [alone(pool, model_dir, plan, r) for r in (first, joiner, echo)]
+
+
+def test_a_top_k_past_int64_is_served_by_every_sampling_rank_of_a_pipeline(pool, checkpoint):
+    """The contract and the API take any top_k >= 0. One past int64 could not be placed in the
+    sampler (torch.tensor overflows), so every sampling rank raised: under pipeline parallelism
+    those are the last stage's, all followers, and the group died under a schemathesis chat
+    request (`tests/serving/test_attacks.py`). It keeps every token, as top_k 0 does: whether it
+    starts the batch or joins it (placed at once, or when its chunked prompt is done)."""
+    model_dir = checkpoint("llama-4layers")
+    plan = make_plan(model_dir, 2, 2, max_len=64, batch=2)
+    huge = {"top_k": 2**64, "presence_penalty": -1.18}
+    first, joiner = {**SAMPLED, **huge}, {**LONG, **huge, "temperature": 0.9, "seed": 11, "max_new_tokens": 6}
+    results = pool.run(plan, model_dir, ContinuousJob([first], arrivals={1: [joiner]},
+                                                      env={"SHARD_STEP_TOKENS": "3"}))
+    completions = [c.token_ids for c in results[0]["output"].completions]
+    as_all = [{**r, "top_k": 0} for r in (first, joiner)]
+    assert completions == [alone(pool, model_dir, plan, r) for r in as_all]

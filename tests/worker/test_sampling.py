@@ -188,6 +188,18 @@ def test_a_seed_outside_64_bits_is_refused_by_the_contract(seed):
         GenerateRequest(prompt_ids=[1], temperature=1.0, seed=seed)
 
 
+@pytest.mark.parametrize("top_k", [2**31, 2**63, 2**64, 10**40])
+def test_a_top_k_past_int64_keeps_every_token_as_0_does(top_k):
+    """The contract takes any top_k >= 0; one past int64 could not be placed (torch.tensor
+    overflowed), which took down every sampling rank of a group. It keeps every token: the same
+    draws as top_k 0, step after step."""
+    every = GenerateRequest(prompt_ids=[1, 2], temperature=1.0, seed=9, presence_penalty=-1.18)
+    huge = GenerateRequest(prompt_ids=[1, 2], temperature=1.0, seed=9, presence_penalty=-1.18, top_k=top_k)
+    a, b = sampler_for([every]), sampler_for([huge])
+    for _ in range(5):
+        assert b.sample(RECORDED[:1]).to_host().tokens == a.sample(RECORDED[:1]).to_host().tokens
+
+
 float32_logits = st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=40)
 penalty = st.floats(-2.0, 2.0, allow_subnormal=True)
 
@@ -224,11 +236,13 @@ def test_every_accepted_sampling_request_gets_a_token(logits, temperature, top_p
        top_p=st.floats(0.0, 1.0, exclude_min=True, allow_subnormal=True) | st.none(),
        seed=st.integers(SEED_MIN, SEED_MAX) | st.none(),
        max_tokens=st.integers(1, 10) | st.none(),
-       stop=st.text(min_size=1, max_size=8) | st.lists(st.text(min_size=1, max_size=8), max_size=4) | st.none())
-def test_what_the_api_accepts_the_engine_runs(temperature, top_p, seed, max_tokens, stop):
-    """A body the API accepts becomes a request the contract accepts, and that request samples."""
+       stop=st.text(min_size=1, max_size=8) | st.lists(st.text(min_size=1, max_size=8), max_size=4) | st.none(),
+       top_k=st.integers(min_value=-1) | st.none(), presence=penalty | st.none())
+def test_what_the_api_accepts_the_engine_runs(temperature, top_p, seed, max_tokens, stop, top_k, presence):
+    """A body the API accepts becomes a request the contract accepts, and that request samples
+    (top_k unbounded, as the API takes it)."""
     body = {"prompt": "x", "temperature": temperature, "top_p": top_p, "seed": seed, "max_tokens": max_tokens,
-            "stop": stop}
+            "stop": stop, "top_k": top_k, "presence_penalty": presence}
     parsed = openai.parse(openai.CompletionRequest, openai_json(body))
     request = openai.to_generate(parsed, [1, 2], max_len=12, vocab_size=50, max_tokens=parsed.max_tokens,
                                  has_tokenizer=True)

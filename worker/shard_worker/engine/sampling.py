@@ -52,6 +52,11 @@ _F64_MAX = torch.finfo(torch.float64).max
 _TEMP, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(6)
 # Per-row integer parameters.
 _TOP_K, _SEED_LO, _SEED_HI = range(3)
+# The largest top_k kept as it is: the API and the contract take any k >= 0, and a k past int64
+# could not be placed (torch.tensor overflows), which took down every sampling rank of a group
+# (the last stage's: all followers under pipeline parallelism). Any k from the vocabulary's size
+# on keeps every token, so larger ones are this one.
+TOP_K_ALL = 2**31 - 1
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -213,7 +218,7 @@ class Sampler:
                                           request.presence_penalty, request.frequency_penalty,
                                           request.repetition_penalty], dtype=torch.float64)
         seed = request.seed & 0xFFFFFFFFFFFFFFFF  # two's complement: every signed 64-bit seed
-        self._ints[row] = torch.tensor([request.top_k, seed & _MASK, seed >> 32], dtype=torch.int64)
+        self._ints[row] = torch.tensor([min(request.top_k, TOP_K_ALL), seed & _MASK, seed >> 32], dtype=torch.int64)
         self._bias.pop(row, None)
         if request.logit_bias:
             self._bias[row] = dict(request.logit_bias)

@@ -145,6 +145,9 @@ def test_choices_sample_with_successive_seeds_wrapping_in_64_bits():
     ([1, 2], 2, True, '{"stop_token_ids": [100]}', "stop_token_ids", "ids must lie in [0, 100)"),
     ([1, 2], 2, True, '{"logit_bias": {"100": 1}}', "logit_bias", "keys are token ids in [0, 100)"),
     ([1, 2], 2, True, '{"logit_bias": {"-1": 1}}', "logit_bias", "keys are token ids"),
+    # digits str.isdigit takes and int() refuses, and more digits than int() takes: once a 500
+    ([1, 2], 2, True, '{"logit_bias": {"\u00b2": 1}}', "logit_bias", "keys are token ids"),
+    ([1, 2], 2, True, '{"logit_bias": {"' + "9" * 5000 + '": 1}}', "logit_bias", "keys are token ids"),
 ])
 def test_limits_of_the_group(ids, max_tokens, has_tokenizer, body, param, message):
     with pytest.raises(ApiError) as info:

@@ -405,10 +405,13 @@ def to_generate(request: Sampling, prompt_ids: list[int], *, max_len: int, vocab
         raise ApiError(400, f"stop_token_ids: ids must lie in [0, {vocab_size})", param="stop_token_ids")
     bias: dict[int, float] = {}
     for key, value in (request.logit_bias or {}).items():
-        if not key.isdigit() or int(key) >= vocab_size:
+        # ASCII digits alone: str.isdigit takes "²", which int() refuses (a 500), and int() of more
+        # than 4300 digits raises too; a key longer than any id of the vocabulary is out of it
+        digits = key.lstrip("0") or "0"
+        if not (key.isascii() and key.isdigit()) or len(digits) > len(str(vocab_size)) or int(digits) >= vocab_size:
             raise ApiError(400, f"logit_bias: keys are token ids in [0, {vocab_size}) (got {key[:20]!r})",
                            param="logit_bias")
-        bias[int(key)] = value
+        bias[int(digits)] = value
     if json_schema is not None and request.ignore_eos:
         raise ApiError(400, "ignore_eos: a constrained answer ends at its end-of-sequence token; drop ignore_eos",
                        param="ignore_eos")

@@ -12,7 +12,9 @@
 #   0. with $WHEELS: unpack the wheels that fit this Python;
 #   1. environment: nvidia-smi, torch and CUDA, every import the other steps need;
 #   2. the device tests on CUDA: tests/worker/test_decode_graphs.py (a replayed decode graph gives
-#      the eager step's tokens, token for token in float32), tests/worker/test_on_device.py
+#      the eager step's tokens, token for token in float32; the compiled step, reading the paged
+#      pool in place by FlexAttention's Triton template, the tokens of the eager step that gathers
+#      each row's context), tests/worker/test_on_device.py
 #      (float32 = HF, bfloat16, memory vs plan, int8, offload, `shardctl run`) and
 #      tests/worker/test_gpu_runtime.py; meanwhile both bench checkpoints are written in the
 #      background (CPU jobs);

@@ -3,29 +3,41 @@ there, on the device.
 
 On the CPU: the static step (device buffers only, a fixed number of columns read, rows computed
 by bucket) gives the eager step's logits; it compiles with torch.compile(fullgraph=True) (no graph
-break) to the same logits; it reads no host value and builds no host tensor (a dispatch-mode guard,
-and a run on the meta device, where any host tensor or host read fails). The engine with
+break) to the same logits, reading the paged pool in place (FlexAttention inside the compiled
+step), greedy token for token with the eager step that gathers each row's context, over shuffled
+block tables; it reads no host value and builds no host tensor (a dispatch-mode guard, and a run
+on the meta device, where any host tensor or host read fails). The engine with
 SHARD_DECODE_GRAPHS=eager generates what HF generates, at TP x PP, and under continuous batching.
 
 On CUDA (skipped without): replaying captured graphs gives the eager step's tokens, token for
-token, in float32, and a replay does not synchronise with the host (torch's sync debug mode).
-`bench/gpu_check.sh` runs these with `-k cuda`.
+token, in float32; the compiled step (inductor's CUDA graphs, FlexAttention's Triton template)
+reads in place what the eager step gathers; a replay does not synchronise with the host (torch's
+sync debug mode). `bench/gpu_check.sh` runs this file on the device.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shard_contract.env import DECODE_GRAPHS_ENV
+from shard_contract.env import DECODE_GRAPHS_ENV, PAGED_ATTENTION_ENV
 from shard_worker.comm.dist import Comm, Topology
-from shard_worker.engine.graphs import DecodeGraphs, batch_buckets, chosen_mode, decode_forward, length_buckets
+from shard_worker.engine.graphs import (
+    DecodeGraphs,
+    batch_buckets,
+    chosen_mode,
+    decode_forward,
+    decode_masks,
+    length_buckets,
+)
 from shard_worker.model.config import ModelConfig
 from shard_worker.model.kernels import torch_only
 from shard_worker.model.loader import load_stage
 from shard_worker.model.model import Stage
-from shard_worker.model.paging import slot_maps
+from shard_worker.model.paging import BLOCK_SIZE, RESERVED_BLOCKS, TRASH_BLOCK, slot_maps
 from shard_worker.model.slices import Layout
 from shard_worker.model.step import KVCache, Rotary, Step
 from shard_worker.telemetry.accounting import Accounting
@@ -58,10 +70,10 @@ def prefilled(stage: Stage, ids: torch.Tensor, pads: torch.Tensor) -> tuple[KVCa
     return cache, rotary
 
 
-def eager_step(stage, cache, rotary, ids, pads, r0, r1, col) -> torch.Tensor:
+def eager_step(stage, cache, rotary, ids, pads, r0, r1, col, tables=None) -> torch.Tensor:
     with torch.inference_mode(), torch_only():
         step = Step.build(r0, r1, col, col + 1, pads, rotary, stage.windows, stage.dtype, stage.device,
-                          tables=cache.contiguous)
+                          tables=cache.contiguous if tables is None else tables)
         return stage.logits(stage.forward(ids, step, cache)[:, -1])
 
 
@@ -115,8 +127,9 @@ def test_a_cpu_rank_keeps_its_fused_layers(checkpoint, monkeypatch):
 
 
 def test_the_decode_step_compiles_without_graph_breaks(checkpoint):
-    """torch.compile(fullgraph=True) fails on any graph break; the compiled step gives the eager
-    step's logits and the same cache writes."""
+    """torch.compile(fullgraph=True) fails on any graph break; the compiled step, reading the pool
+    in place (FlexAttention in the graph, its block masks' tensors given), gives the eager step's
+    logits (gathered) and the same cache writes."""
     stage = load(checkpoint("mistral"))  # a sliding window, and 2 query heads per KV head
     pads = torch.tensor(PADS)
     ids = inputs(stage.config.vocab_size, len(PADS))
@@ -127,7 +140,9 @@ def test_the_decode_step_compiles_without_graph_breaks(checkpoint):
     column, device_pads = torch.tensor([PROMPT_COLS]), pads.clone()
     x = ids[:, PROMPT_COLS:PROMPT_COLS + 1].contiguous()
     with torch.inference_mode():
-        got = step(stage, compiled_cache, rotary, x, column, device_pads, compiled_cache.contiguous, len(PADS), MAX_LEN)
+        masks = decode_masks(stage, compiled_cache, column, device_pads, compiled_cache.contiguous, len(PADS))
+        got = step(stage, compiled_cache, rotary, x, column, device_pads, compiled_cache.contiguous, len(PADS), MAX_LEN,
+                   masks)
     want = eager_step(stage, eager_cache, rotary, x, pads, 0, len(PADS), PROMPT_COLS)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(compiled_cache.k, eager_cache.k, rtol=1e-5, atol=1e-5)
@@ -150,6 +165,61 @@ def test_the_compile_mode_replays_the_eager_steps(checkpoint):
         with torch.inference_mode():
             got = graphs.run(0, len(PADS), col, x, pads, compiled_cache.contiguous)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def paged_batch(vocab: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ids [3, 40], left paddings [0, 5, 2] and block tables [4, 3] (a fourth row no sequence holds:
+    all TRASH) over a pool of 12 blocks, shuffled (not the contiguous ones)."""
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, vocab, (3, 40), generator=gen)
+    tables = torch.full((4, 3), TRASH_BLOCK, dtype=torch.int64)
+    tables[:3] = (torch.randperm(12, generator=gen)[:9] + RESERVED_BLOCKS).view(3, 3)
+    return ids.to(device), torch.tensor([0, 5, 2, 0]), tables
+
+
+@pytest.mark.parametrize("device", [pytest.param(d, marks=[cuda] if d == "cuda" else []) for d in ("cpu", "cuda")
+                                    if d in os.environ.get("SHARD_TEST_DEVICES", "cpu,cuda").split(",")])
+def test_the_compiled_step_reads_in_place_what_the_eager_step_gathers(checkpoint, monkeypatch, device):
+    """SHARD_DECODE_GRAPHS=compile, whose step reads the pool in place (FlexAttention lowered inside
+    the compiled step), against the eager step gathering each row's context, greedy, token for
+    token (float32): three rows left-padded by 0, 5 and 2 over shuffled block tables, a 20-column
+    prompt and 20 steps, so that every row crosses into its third block; the step's bucket also
+    computes a fourth row that no sequence holds. Every slot but the ZERO block starts as NaN: a
+    read of a slot no row wrote, or of a key past a row's own, would show."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    stage = load(checkpoint("mistral"), device)  # two layers (each must read its own pool), a window, GQA
+    c = stage.config
+    ids, pads, tables = paged_batch(c.vocab_size, device)
+    caches = []
+    for _ in range(2):
+        cache = KVCache(c.num_layers, 4, stage.layout.kv_heads, 48, c.head_dim, torch.float32, stage.device)
+        cache.k[:, :, BLOCK_SIZE:], cache.v[:, :, BLOCK_SIZE:] = float("nan"), float("nan")
+        rotary = Rotary(c, 48, stage.device)
+        with torch.inference_mode(), torch_only():
+            step = Step.build(0, 3, 0, 20, pads, rotary, stage.windows, stage.dtype, stage.device, tables=tables)
+            stage.forward(ids[:, :20], step, cache)
+        caches.append(cache)
+    eager_cache, graph_cache = caches
+    torch._dynamo.reset()
+    graphs = DecodeGraphs(stage, graph_cache, rotary, Comm(Topology(0, 1, 1), Accounting()), "compile",
+                          min_length=48)
+    tokens = ids[:, 20:21]
+    for col in range(20, 40):
+        with monkeypatch.context() as env:
+            env.setenv(PAGED_ATTENTION_ENV, "gather")
+            want = eager_step(stage, eager_cache, rotary, tokens, pads, 0, 3, col, tables)
+        with monkeypatch.context() as env, torch.inference_mode():
+            env.setattr(KVCache, "gather", forbidden)  # the compiled step must not take the gather
+            env.setattr(DecodeGraphs, "_record", lambda *_: ())  # nor its eager run (TP=1: no collectives)
+            got = graphs.run(0, 3, col, tokens, pads, tables).clone()
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), f"column {col}"
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        tokens = want.argmax(-1, keepdim=True)
+    assert graphs.captured == 1
+
+
+def forbidden(*args, **kwargs):
+    raise AssertionError("the compiled step gathered the rows' contexts")
 
 
 # ---------------------------------------------------------------- no host synchronisation
@@ -302,28 +372,6 @@ def test_cuda_replay_does_not_synchronise(checkpoint):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-
-
-@cuda
-@pytest.mark.slow
-def test_compiled_step_on_cuda_equals_eager(checkpoint):
-    """mode="reduce-overhead" (inductor's CUDA graphs): the eager step's tokens."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    stage = load(checkpoint("llama"), "cuda")
-    pads = torch.tensor(PADS)
-    ids = inputs(stage.config.vocab_size, len(PADS))
-    eager_cache, rotary = prefilled(stage, ids, pads)
-    graph_cache, _ = prefilled(stage, ids, pads)
-    torch._dynamo.reset()
-    graphs = DecodeGraphs(stage, graph_cache, rotary, Comm(Topology(0, 1, 1), Accounting()), "compile",
-                          min_length=8)
-    tokens = ids[:, PROMPT_COLS:PROMPT_COLS + 1].cuda()
-    for col in range(PROMPT_COLS, PROMPT_COLS + STEPS):
-        want = eager_step(stage, eager_cache, rotary, tokens, pads, 0, 3, col)
-        with torch.inference_mode():
-            got = graphs.run(0, 3, col, tokens, pads, graphs.cache.contiguous).clone()
-        assert torch.equal(got.argmax(-1), want.argmax(-1)), f"column {col}"
-        tokens = want.argmax(-1, keepdim=True)
 
 
 @cuda

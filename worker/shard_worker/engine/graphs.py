@@ -9,12 +9,14 @@ captured once per (batch bucket, context bucket) and replayed:
 - batch buckets 1, 2, 4, ... up to maxBatchSize: a step of rows [r0, r1) replays the bucket that
   covers rows [0, r1); the rows it computes beyond those asked for (free, finished, never used)
   write their own cache rows at the step's column and are otherwise ignored;
-- context buckets 256, 512, ... up to maxModelLen: attention reads that many columns, those past
-  the step's own masked out, and read from the ZERO block (a masked value is still multiplied by
-  0, and 0 x NaN is NaN: what a failed sequence left in a block cannot poison the next).
+- context buckets 256, 512, ... up to maxModelLen: where attention gathers each row's context,
+  it gathers that many columns, those past the step's own masked out, and read from the ZERO
+  block (a masked value is still multiplied by 0, and 0 x NaN is NaN: what a failed sequence left
+  in a block cannot poison the next).
 
 The KV cache is paged (`paging.py`): the rows' block tables are a device buffer too, and the step
-reads and writes the pool through them.
+reads and writes the pool through them; attention reads each row's blocks in place by default
+(`paged.py`: on CUDA, and in compile mode on any device), whatever the context bucket.
 
 `mode` (SHARD_DECODE_GRAPHS): `cuda` captures the eager step with `torch.cuda.CUDAGraph` (one
 memory pool shared by every graph; the tensor-parallel all-reduces are captured too: NCCL
@@ -44,15 +46,16 @@ import torch
 from shard_contract.env import DECODE_GRAPHS_ENV
 
 from ..comm.dist import Comm
-from ..model import kernels
+from ..model import kernels, paged
 from ..model.model import Stage
-from ..model.paging import TRASH_BLOCK
+from ..model.paging import RESERVED_BLOCKS, TRASH_BLOCK
 from ..model.step import KVCache, Rotary, Step
 
 ENV = DECODE_GRAPHS_ENV
 MODES = ("auto", "off", "eager", "cuda", "compile")
 MIN_LENGTH = 256  # the shortest context bucket: below it, reading more columns costs nothing
 Tape = tuple[tuple[str, int], ...]  # a step's collectives: (op, bytes) in issue order
+Masks = dict[int | None, paged.MaskTensors]  # a step's block masks' tensors, per attention window
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -89,15 +92,28 @@ def chosen_mode(stage: Stage, comm: Comm, env: str | None = None) -> str:
     return "cuda" if capturable else "off"
 
 
+def decode_masks(stage: Stage, cache: KVCache, column: torch.Tensor, pads: torch.Tensor, tables: torch.Tensor,
+                 rows: int) -> Masks:
+    """The block masks' tensors (per attention window) of the decode step of rows [0, rows) at
+    device column `column` [1]: what a compiled step takes as inputs, built outside it
+    (`paged.block_mask` says why). Device tensors only."""
+    positions = (column - pads[:rows]).unsqueeze(1)
+    pool = cache.num_blocks + RESERVED_BLOCKS
+    return {w: paged.mask_tensors(tables[:rows], *paged.bounds(positions, w), pool, cache.block_size)
+            for w in stage.windows}
+
+
 def decode_forward(stage: Stage, cache: KVCache, rotary: Rotary, x: torch.Tensor, column: torch.Tensor,
-                   pads: torch.Tensor, tables: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+                   pads: torch.Tensor, tables: torch.Tensor, rows: int, length: int,
+                   masks: Masks | None = None) -> torch.Tensor:
     """One decode step of cache rows [0, rows) at device column `column` [1], attending over
     `length` columns through the rows' block tables `tables`: ids [rows, 1] (first stage) or hidden
     states [rows, 1, H] -> hidden states [rows, 1, H], or, on the last stage, float32 logits [rows,
     vocab]. Torch operators on device tensors only: no host value is read, so it can be captured,
-    replayed and compiled."""
+    replayed and compiled. `masks` (`decode_masks`): where attention reads the pool in place, its
+    block masks' tensors; a compiled step must be given them (else the step builds them)."""
     with kernels.torch_only():
-        step = Step.captured(rows, length, column, pads, rotary, stage.windows, stage.dtype, tables)
+        step = Step.captured(rows, length, column, pads, rotary, stage.windows, stage.dtype, tables, masks)
         hidden = stage.forward(x, step, cache)
         return hidden if stage.lm_head is None else stage.logits(hidden[:, -1])
 
@@ -141,7 +157,8 @@ class DecodeGraphs:
         self._pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self._compiled: Callable[..., torch.Tensor] | None = None
         if mode == "compile":
-            for t in [*stage.tensors().values(), cache.k, cache.v, self.x, self.column, self.pads, self.tables]:
+            pools = [*cache.layer_k, *cache.layer_v]  # what the step takes: each layer's, at its own address
+            for t in [*stage.tensors().values(), *pools, self.x, self.column, self.pads, self.tables]:
                 torch._dynamo.mark_static_address(t)
             self._compiled = torch.compile(decode_forward, mode="reduce-overhead" if device.type == "cuda" else None,
                                            fullgraph=True, dynamic=False)
@@ -198,10 +215,16 @@ class DecodeGraphs:
         return self._graphs[key]
 
     def _forward(self, rows: int, length: int) -> torch.Tensor:
-        fn = self._compiled or decode_forward
-        with self.comm.captured(self.mode != "eager"):
-            return fn(self.stage, self.cache, self.rotary, self.x[:rows], self.column, self.pads, self.tables, rows,
-                      length)
+        if self._compiled is None:
+            with self.comm.captured(self.mode != "eager"):
+                return decode_forward(self.stage, self.cache, self.rotary, self.x[:rows], self.column, self.pads,
+                                      self.tables, rows, length)
+        # the block masks' tensors are built outside the compiled step, a few small kernels (on
+        # CUDA outside its graph too), and passed in
+        masks = decode_masks(self.stage, self.cache, self.column, self.pads, self.tables, rows)
+        with self.comm.captured():
+            return self._compiled(self.stage, self.cache, self.rotary, self.x[:rows], self.column, self.pads,
+                                  self.tables, rows, length, masks)
 
     def _record(self, rows: int, length: int) -> Tape:
         """The collectives of the bucket's step, by one eager run of it (it writes the cache

@@ -37,8 +37,8 @@ class Attention:
         qkv = self.qkv(x)
         if step.firsts is not None:  # a decode step: our kernel where it applies, in one call
             reads, writes = cache.maps(step)
-            out = kernels.attend(qkv, step.cos, step.sin, cache.k[layer], cache.v[layer], step.firsts[self.window],
-                                 step.c0, self.heads, self.kv_heads, slots=reads, wslots=writes)
+            out = kernels.attend(qkv, step.cos, step.sin, cache.layer_k[layer], cache.layer_v[layer],
+                                 step.firsts[self.window], step.c0, self.heads, self.kv_heads, slots=reads, wslots=writes)
             if out is not None:
                 return self.o(out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -47,7 +47,7 @@ class Attention:
         v = v.view(n, s, self.kv_heads, self.head_dim).transpose(1, 2)
         cache.update(layer, step, k, v)
         if not step.fresh and paged.in_place(q.device):  # decode and later chunks: the pool read in place
-            out = paged.attend(q, cache.k[layer], cache.v[layer], cache.mask(step, self.window))
+            out = paged.attend(q, cache.layer_k[layer], cache.layer_v[layer], cache.mask(step, self.window))
             return self.o(out.transpose(1, 2).reshape(n, s, self.q_size))
         keys, values = (k, v) if step.fresh else cache.gather(layer, step)  # a first chunk's keys are its own
         mask = step.masks[self.window]

@@ -18,7 +18,13 @@ queries are grouped, the keys never expanded).
 
 Everything here is device tensors of static shapes (the pool's block count, the step's rows
 and query columns): a captured decode step (CUDA graphs) builds its mask without a host value,
-and launches the kernel, compiled on its own, inside the capture. A masked key is multiplied
+and launches the kernel, compiled on its own, inside the capture; a compiled step (the decode
+graphs' compile mode) takes the mask's tensors as inputs (`mask_tensors`, then `block_mask` in
+the graph) and inductor lowers flex_attention with the step. The pool must reach the kernel as a
+tensor of its own, each layer's (`KVCache.layer_k`): inductor's C++ template (torch 2.13) reads
+its key and value from their buffer's start, dropping a view's storage offset, so `k[layer]`
+taken inside the graph read layer 0's keys at every layer (Triton's template adds the offset).
+A masked key is multiplied
 by 0 in the kernel (0 x NaN is NaN): what a row has not yet written in its last block is
 therefore zeroed when the row writes the position before it (`tail_slots`, used by
 `KVCache.update`), so a block reused from a failed sequence cannot poison its new owner.
@@ -59,11 +65,22 @@ def inverse(tables: torch.Tensor, pool_blocks: int) -> torch.Tensor:
     return inv.scatter_(1, tables, at)
 
 
+MaskTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 def paged_mask(tables: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, pool_blocks: int,
                block_size: int = BLOCK_SIZE) -> BlockMask:
     """The block mask of a pass whose query (b, i) attends to its row's logical positions
     [lo[b, i], hi[b, i]] (device tensors [N, S]; hi < lo: nothing), through the rows' block
     tables `tables` [N, blocks] (device), over a pool of `pool_blocks` blocks of `block_size`."""
+    return block_mask(mask_tensors(tables, lo, hi, pool_blocks, block_size), lo.shape[1], pool_blocks, block_size)
+
+
+def mask_tensors(tables: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, pool_blocks: int,
+                 block_size: int = BLOCK_SIZE) -> MaskTensors:
+    """`paged_mask`'s tensors: each query block's count of pool blocks and their indices (in
+    logical order), the rows' inverse tables, and lo and hi padded to whole query blocks. A
+    compiled step takes them as inputs, built outside it (see `block_mask`)."""
     n, s = lo.shape
     device = tables.device
     q_blocks = -(-s // Q_BLOCK)
@@ -78,16 +95,24 @@ def paged_mask(tables: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, pool_bl
     listed = tables.unsqueeze(1).expand(n, q_blocks, tables.shape[1])
     indices = listed.gather(2, logical.clamp(max=tables.shape[1] - 1))
     indices = torch.where(logical - first.unsqueeze(-1) < count.unsqueeze(-1), indices, TRASH_BLOCK)
-    inv = inverse(tables, pool_blocks)
+    return (count.to(torch.int32).unsqueeze(1), indices.to(torch.int32).unsqueeze(1), inverse(tables, pool_blocks),
+            lo, hi)
+
+
+def block_mask(tensors: MaskTensors, queries: int, pool_blocks: int, block_size: int = BLOCK_SIZE) -> BlockMask:
+    """The BlockMask of `mask_tensors` for `queries` query columns. Inside a compiled step the
+    tensors must be the step's inputs: inductor's C++ template (torch 2.13) cannot take a tensor
+    the graph computes into a mask_mod (one from pointwise operators fails its lowering, no
+    choices; the inverse tables from a scatter gave wrong scores)."""
+    count, indices, inv, lo, hi = tensors
 
     def within(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         held = inv[b, kv // block_size]
         position = held * block_size + kv % block_size
         return (held >= 0) & (position >= lo[b, q]) & (position <= hi[b, q])
 
-    return BlockMask.from_kv_blocks(count.to(torch.int32).unsqueeze(1), indices.to(torch.int32).unsqueeze(1),
-                                    BLOCK_SIZE=(Q_BLOCK, block_size), mask_mod=within,
-                                    seq_lengths=(s, pool_blocks * block_size), compute_q_blocks=False)
+    return BlockMask.from_kv_blocks(count, indices, BLOCK_SIZE=(Q_BLOCK, block_size), mask_mod=within,
+                                    seq_lengths=(queries, pool_blocks * block_size), compute_q_blocks=False)
 
 
 def bounds(positions: torch.Tensor, window: int | None, floor: torch.Tensor | None = None
@@ -115,7 +140,8 @@ def tail_slots(writes: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.Tens
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: BlockMask) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v of q [N, heads, S, d] over the pool keys, values [kv_heads,
-    slots, d] (this layer's, read in place) under `mask` (`paged_mask`) -> [N, heads, S, d]."""
+    slots, d] (this layer's, read in place: `KVCache.layer_k`, a tensor of its own) under `mask`
+    (`paged_mask`) -> [N, heads, S, d]."""
     grouped = q.shape[1] != keys.shape[0]
     out = _kernel(q.device)(q, keys.unsqueeze(0), values.unsqueeze(0), block_mask=mask, enable_gqa=grouped)
     assert isinstance(out, torch.Tensor)
@@ -124,7 +150,10 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Bloc
 
 def _kernel(device: torch.device) -> Attend:
     """flex_attention as a fused kernel, compiled once per device type. Without compiling, flex_attention
-    computes every row's scores against the whole pool (its reference path): never used here."""
+    computes every row's scores against the whole pool (its reference path): never used here.
+    Inside a compiled step, flex_attention itself: the step's compile lowers it."""
+    if torch.compiler.is_compiling():
+        return flex_attention
     kind = device.type
     if kind not in _compiled:
         # dynamic: one kernel for every batch and chunk length (a decode step's shapes differ by
@@ -139,15 +168,11 @@ def in_place(device: torch.device) -> bool:
     CPU rank without our C kernels (not built, or SHARD_KERNEL=torch); a CPU rank with them reads
     in place in its decode attention (`kernels.attend`) and gathers for a later prefill chunk
     (whose queries share the copy; compiling the kernel costs a CPU rank 10-60 s a process).
-    Never inside a compiled step (the decode graphs' compile mode): there inductor builds the mask
-    in the graph, and with torch 2.13's C++ template the step's logits came out wrong (seen while
-    building this; not yet understood, and the Triton one is unchecked there); the captured step
-    of the default `cuda` mode builds the mask eagerly and launches the kernel compiled on its own."""
+    Inside a compiled step (the decode graphs' compile mode) auto reads in place on every device:
+    the kernel is compiled with the step, and the C kernels are not in it."""
     want = os.environ.get(PAGED_ATTENTION_ENV, "auto").strip().lower() or "auto"
     if want not in ("auto", "flex", "gather"):
         raise ValueError(f"{PAGED_ATTENTION_ENV}={want!r}: one of auto, flex, gather")
-    if torch.compiler.is_compiling():
-        return False
     if want != "auto":
         return want == "flex"
-    return device.type == "cuda" or kernels.LEVEL is None
+    return torch.compiler.is_compiling() or device.type == "cuda" or kernels.LEVEL is None

@@ -77,7 +77,8 @@ class Step:
     For the pool read in place (`paged`): `tables` the rows' block tables and `positions` [N, S]
     each query's position (column - padding; negative for a padding query), on the device; without
     tables, `positions` are columns and `floor` each row's padding (the contiguous tables hold a
-    row's columns, padding included). `blocks`: the block masks, per window, built once a step."""
+    row's columns, padding included). `blocks`: the block masks, per window, built once a step
+    (from `block_inputs`, their tensors, where a compiled step was given them)."""
 
     r0: int
     r1: int
@@ -95,6 +96,7 @@ class Step:
     positions: torch.Tensor | None = None
     floor: torch.Tensor | None = None
     blocks: dict[int | None, BlockMask] = field(default_factory=dict)
+    block_inputs: dict[int | None, paged.MaskTensors] | None = None
 
     def __post_init__(self) -> None:
         self.length = self.length or self.c1
@@ -136,23 +138,26 @@ class Step:
 
     @classmethod
     def captured(cls, rows: int, length: int, column: torch.Tensor, pads: torch.Tensor, rotary: Rotary,
-                 windows: set[int | None], dtype: torch.dtype, tables: torch.Tensor) -> Step:
+                 windows: set[int | None], dtype: torch.dtype, tables: torch.Tensor,
+                 block_inputs: dict[int | None, paged.MaskTensors] | None = None) -> Step:
         """A decode step of rows [0, rows) at device column `column` [1], attending over `length`
         cache columns through the rows' block tables `tables` [>= rows, blocks], from device
-        tensors only (no host value: it can be captured and replayed)."""
+        tensors only (no host value: it can be captured and replayed). `block_inputs`: its block
+        masks' tensors per window (`graphs.decode_masks`), where built outside a compiled step."""
         positions = (column - pads[:rows]).clamp(min=0).unsqueeze(1)  # [rows, 1]
         cos, sin = rotary.at(positions, dtype)
         masks: dict[int | None, torch.Tensor | str | None] = {
             w: additive(allowed_keys(pads[:rows], column, 1, length, w), dtype) for w in windows}
         reads, writes = paging.captured_maps(tables[:rows], pads[:rows], column, length)
         return cls(0, rows, 0, 1, cos, sin, masks, None, column, length, reads, writes, tables[:rows],
-                   (column - pads[:rows]).unsqueeze(1))
+                   (column - pads[:rows]).unsqueeze(1), block_inputs=block_inputs)
 
 
 class KVCache:
     """Keys and values of this rank's layers and KV heads, paged: a pool of `num_blocks` blocks of
     `paging.BLOCK_SIZE` positions (and the reserved ZERO and TRASH blocks), allocated (and zeroed,
-    so resident) once: k and v [layers, kv_heads, slots, head_dim]. Which blocks a row holds is
+    so resident) once: k and v [layers, kv_heads, slots, head_dim], and each layer's [kv_heads,
+    slots, head_dim] as a view of its own (`layer_k`, `layer_v`). Which blocks a row holds is
     its block table (the engine's; see `paging`). `tokens`: the positions the pool holds (the
     plan's kvCacheTokens; by default `batch` x `max_len`, every row at its longest).
 
@@ -169,7 +174,12 @@ class KVCache:
         shape = (layers, kv_heads, slots, head_dim)  # a head's positions side by side, as an unpaged cache's
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.batch, self.max_len = batch, max_len
+        # Each layer's pool as a tensor object of its own (views of k and v), which every pass
+        # uses: a compiled step then takes each as a graph input at its own address. `k[layer]`
+        # taken inside the graph is a view at an offset, which inductor's C++ FlexAttention
+        # template (torch 2.13) drops: every layer would read layer 0's keys and values.
+        self.layer_k, self.layer_v = self.k.unbind(0), self.v.unbind(0)
+        self.batch, self.max_len, self.device = batch, max_len, device
         self.blocks_per_row = paging.blocks_for(max_len)
         self.contiguous = paging.contiguous_tables(batch, max_len, self.num_blocks)
 
@@ -182,7 +192,7 @@ class KVCache:
         if step.reads is None or step.writes is None:
             pads = torch.zeros(step.r1 - step.r0, dtype=torch.int64)
             reads, writes = paging.slot_maps(self.contiguous[step.r0:step.r1], pads, pads, step.c0, step.c1)
-            step.reads, step.writes = reads.to(self.k.device), writes.to(self.k.device)
+            step.reads, step.writes = reads.to(self.device), writes.to(self.device)
         return step.reads, step.writes
 
     def update(self, layer: int, step: Step, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -193,22 +203,24 @@ class KVCache:
         n, kv, s, d = k.shape
         at = writes.reshape(-1)
         tail = paged.tail_slots(writes, self.block_size).reshape(-1)
-        for pool, new in ((self.k[layer], k), (self.v[layer], v)):
+        for pool, new in ((self.layer_k[layer], k), (self.layer_v[layer], v)):
             pool.index_copy_(1, at, new.transpose(0, 1).reshape(kv, n * s, d))
             pool.index_fill_(1, tail, 0.0)
 
     def mask(self, step: Step, window: int | None) -> BlockMask:
         """The step's block mask for layers of `window` (`paged.paged_mask`), built once a step."""
+        pool = self.num_blocks + paging.RESERVED_BLOCKS
+        if window not in step.blocks and step.block_inputs is not None:
+            step.blocks[window] = paged.block_mask(step.block_inputs[window], step.c1 - step.c0, pool, self.block_size)
         if window not in step.blocks:
             assert step.positions is not None
-            tables = step.tables if step.tables is not None else self.contiguous[step.r0:step.r1].to(self.k.device)
+            tables = step.tables if step.tables is not None else self.contiguous[step.r0:step.r1].to(self.device)
             lo, hi = paged.bounds(step.positions, window, step.floor)
-            step.blocks[window] = paged.paged_mask(tables, lo, hi, self.num_blocks + paging.RESERVED_BLOCKS,
-                                                   self.block_size)
+            step.blocks[window] = paged.paged_mask(tables, lo, hi, pool, self.block_size)
         return step.blocks[window]
 
     def gather(self, layer: int, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows' keys and values of columns [0, step.length) by their read map: a copy of each
         row's whole context (what the torch path did before `paged`; the bench's reference)."""
         reads, _ = self.maps(step)
-        return self.k[layer][:, reads].transpose(0, 1), self.v[layer][:, reads].transpose(0, 1)
+        return self.layer_k[layer][:, reads].transpose(0, 1), self.layer_v[layer][:, reads].transpose(0, 1)

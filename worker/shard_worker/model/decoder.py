@@ -38,7 +38,8 @@ class Attention:
         if step.firsts is not None:  # a decode step: our kernel where it applies, in one call
             reads, writes = cache.maps(step)
             out = kernels.attend(qkv, step.cos, step.sin, cache.layer_k[layer], cache.layer_v[layer],
-                                 step.firsts[self.window], step.c0, self.heads, self.kv_heads, slots=reads, wslots=writes)
+                                 step.firsts[self.window], step.c0, self.heads, self.kv_heads, slots=reads,
+                                 wslots=writes)
             if out is not None:
                 return self.o(out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -105,7 +105,7 @@ def _run(env_json: str, plan_json: str, job: Any) -> dict:
             result["reports"] = worker.engine.reports()
             blocks = worker.engine.blocks.pool  # the leader's KV-block bookkeeping after the job
             result["kv"] = {"preemptions": worker.engine.preemptions, "free": blocks.free_blocks,
-                            "blocks": blocks.num_blocks}
+                            "blocks": blocks.num_blocks, "prefix_hits": blocks.hits, "prefix_queries": blocks.queries}
             worker.engine.shutdown()
         else:
             worker.engine.follow()

@@ -1,8 +1,9 @@
 """Chunked prefill on real ranks (engine/chunking.py): a joiner's prompt is computed a chunk a step
 within a tiny per-step token budget (SHARD_STEP_TOKENS) while the running sequences take a token
 at every step, and every answer is what it is alone and what HF gives (greedy), across TP and PP,
-in random arrival orders, with the prefix cache, with echo, and when a joiner is cancelled
-mid-prompt (its blocks go back to the pool at once)."""
+in random arrival orders, with the prefix cache (a prompt's blocks cached as its chunks write them),
+with echo, and when a joiner is cancelled mid-prompt (its blocks go back to the pool at once); and
+a joiner's prompt progresses by at least half the budget a step when the decodes alone fill it."""
 
 from __future__ import annotations
 
@@ -107,6 +108,54 @@ def test_chunks_after_a_prefix_cache_hit_and_echo_under_chunking(pool, checkpoin
     assert [c.token_ids for c in out[:2]] == [hf_greedy(model, r["prompt_ids"], r["max_new_tokens"])
                                               for r in (first, joiner)]
     check(out[2], echo["prompt_ids"], model, 2, echo=True)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (1, 2)])
+def test_a_prompts_full_blocks_are_cached_as_its_chunks_write_them(pool, checkpoint, hf_model, tp, pp):
+    """A joiner's full prompt blocks join the prefix cache as the chunks that complete them are
+    computed, not when its whole prompt is: a second request sharing its first 64 tokens, arriving
+    while the first is still mid-prompt (36 of its 70 tokens computed, 3 a step), takes the two
+    blocks already written (the pool's hit counter says so), computes the rest, and both answer as
+    alone (no cache) and as HF."""
+    model_dir = checkpoint("llama-4layers")
+    plan = make_plan(model_dir, tp, pp, max_len=128, batch=3)
+    shared = prompt_of(64, 3)
+    first = {"prompt_ids": shared + [5, 6, 7, 9, 11, 13], "max_new_tokens": 6, "ignore_eos": True}
+    second = {"prompt_ids": shared + [21, 8, 4, 30], "max_new_tokens": 6, "ignore_eos": True}
+    running = {**RUNNING, "max_new_tokens": 40}
+    # budget 4 beside one decode: 3 prompt tokens a step; the first joins at boundary 1, so by
+    # boundary 13 it has 36 tokens computed (2 full blocks of 16) and 34 to go
+    job = ContinuousJob([running], arrivals={1: [first], 13: [second]}, env={"SHARD_STEP_TOKENS": "4"})
+    results = pool.run(plan, model_dir, job)
+    out = results[0]["output"].completions
+    took = events(results, "tokens")
+    assert next(step for step, indices in took if 1 in indices) > 13  # the first's prompt was not done yet
+    assert [c.cached_tokens for c in out] == [0, 0, 32]
+    # lookups in blocks (never a prompt's last token's block): 0 + 4 for the first, 4 for the second
+    assert (results[0]["kv"]["prefix_hits"], results[0]["kv"]["prefix_queries"]) == (2, 8)
+    model = hf_model(model_dir)
+    assert [c.token_ids for c in out] == [alone(pool, model_dir, plan, r) for r in (running, first, second)]
+    assert [c.token_ids for c in out[1:]] == [hf_greedy(model, r["prompt_ids"], 6) for r in (first, second)]
+
+
+def test_a_joiner_beside_more_decodes_than_the_budget_gets_half_the_budget_a_step(pool, checkpoint, hf_model):
+    """The budget's floor on real ranks: 4 sequences decode (every row of the batch but the
+    joiner's) under a budget of 4 tokens, which the decodes alone fill; the joiner's 30-token prompt
+    still takes 2 tokens a step (half the budget), so it is done in 15 steps, while all 4 still
+    decode (24 steps each), and every answer is what it is alone and HF's."""
+    model_dir = checkpoint("llama-4layers")
+    plan = make_plan(model_dir, 1, 1, max_len=96, batch=5)
+    running = [{**RUNNING, "prompt_ids": prompt_of(8, salt)} for salt in range(4)]
+    joiner = {"prompt_ids": PROMPT, "max_new_tokens": 6, "ignore_eos": True}
+    job = ContinuousJob(running, arrivals={1: [joiner]}, env={"SHARD_STEP_TOKENS": "4"})
+    results = pool.run(plan, model_dir, job)
+    out = [c.token_ids for c in results[0]["output"].completions]
+    took = events(results, "tokens")
+    first = next(step for step, indices in took if 4 in indices)
+    assert first - 1 == len(PROMPT) // 2  # joined at boundary 1: 2 tokens in each step after it
+    assert all(set(range(4)) <= set(indices) for step, indices in took if step <= first)  # all 4 decoded meanwhile
+    assert out == [alone(pool, model_dir, plan, r) for r in (*running, joiner)]
+    assert out[4] == hf_greedy(hf_model(model_dir), PROMPT, 6)
 
 
 @cache

@@ -1,14 +1,15 @@
 """The composition of a continuous batch's steps (engine/chunking.py), as a pure model: the
-joiners' prompts advance a chunk a step, oldest first, within the budget the decodes leave; a
-prompt that ends is framed in so that no padding is negative and every row still ends before
-maxModelLen; no position moves; every prompt finishes."""
+joiners' prompts advance a chunk a step, oldest first, within the budget the decodes leave and by
+at least half the budget however many rows decode; a prompt that ends is framed in so that no
+padding is negative and every row still ends before maxModelLen; no position moves; every prompt
+finishes."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shard_worker.engine.chunking import Prefill, frame, plan_step
+from shard_worker.engine.chunking import Prefill, frame, plan_step, prompt_tokens
 
 
 def test_frame_is_the_largest_position_when_every_row_still_fits():
@@ -43,6 +44,26 @@ def test_an_older_joiner_whose_last_token_cannot_be_framed_holds_it_and_the_youn
     assert col == 4 and pads == {1: 0, 2: 2}  # reframed down: the batch starts over at column 4
 
 
+def test_prompts_take_what_the_decodes_leave_and_at_least_half_the_budget():
+    assert [prompt_tokens(32, d) for d in (0, 8, 16, 17, 31, 32, 64)] == [32, 24, 16, 16, 16, 16, 16]
+    assert [prompt_tokens(b, 5) for b in (1, 2, 3)] == [1, 1, 1]
+
+
+def test_a_joiner_beside_more_decodes_than_the_budget_still_gets_half_the_budget_a_step():
+    """64 streams decoding under a budget of 32: a 100-token prompt is done in 7 steps (16 tokens
+    a step), not 100 (one token a step, all the decodes left of the budget)."""
+    decoding = {row: (40, 500) for row in range(64)}
+    p = Prefill(row=64, length=100, done=0, new=8)
+    sizes = []
+    for step in range(200):
+        chunks, col, _ = plan_step([p], decoding, col=40 + step, budget=32, max_len=1024)
+        sizes.append(sum(c.end - c.start for c in chunks))
+        if chunks and chunks[-1].last:
+            break
+        decoding = {row: (q + 1, s - 1) for row, (q, s) in decoding.items()}
+    assert sizes == [16] * 6 + [4] and col == 100 and p.done == 100
+
+
 @st.composite
 def batches(draw):
     max_len = draw(st.integers(8, 48))
@@ -68,8 +89,10 @@ def test_every_step_keeps_the_budget_the_order_and_the_positions_and_every_promp
         if not waiting:
             break
         before = {p.row: p.done for p in waiting}
+        share, remaining = prompt_tokens(budget, len(decoding)), sum(p.remaining for p in waiting)
         chunks, col, new_pads = plan_step(waiting, decoding, col, budget, max_len)
-        assert sum(c.end - c.start for c in chunks) <= max(1, budget - len(decoding))
+        took = sum(c.end - c.start for c in chunks)
+        assert took <= max(budget - len(decoding), budget // 2, 1)
         # (no chunk at all: the oldest prompt's last token waits for rows to finish)
         assert chunks or waiting[0].remaining == 1
         rows = [c.row for c in chunks]
@@ -86,6 +109,8 @@ def test_every_step_keeps_the_budget_the_order_and_the_positions_and_every_promp
                 decoding[p.row] = (p.length, max(1, p.new - 1))
         assert all(pad >= 0 for pad in new_pads.values())
         assert all(col + s - 1 <= max_len - 1 for _, s in decoding.values())
+        held = any(p.remaining == 1 for p in waiting if p.row not in framed)  # a last token waits
+        assert took == min(share, remaining) or held  # the prompts take all of their share
         waiting = [p for p in waiting if p.row not in framed]
         # one decode step: each row's position moves on, the finished rows leave
         decoding = {row: (q + 1, s - 1) for row, (q, s) in decoding.items() if s > 1}

@@ -140,7 +140,7 @@ def test_a_continuous_batch_admits_with_its_prompt_blocks_grows_and_preempts_int
     a, _ = blocks.reserve(long, optimistic=True)
     blocks.hold(0, a)
     assert not blocks.lacks(0, 7) and blocks.lacks(0, 8)
-    assert blocks.grow(0) == (2, blocks.held[0][0][2]) and not blocks.lacks(0, 11)
+    assert blocks.grow(0) == (2, blocks.held[0].blocks[2]) and not blocks.lacks(0, 11)
     b, _ = blocks.reserve(request(3, 9), optimistic=True)  # 1 block (3 + 1 positions)
     blocks.hold(1, b)
     assert blocks.pool.free_blocks == 0 and blocks.grow(0) is None and blocks.room() == 0
@@ -154,3 +154,31 @@ def test_a_continuous_batch_admits_with_its_prompt_blocks_grows_and_preempts_int
     blocks.hold(0, c)
     blocks.release_all()
     assert blocks.pool.free_blocks == 4
+
+
+def test_a_prompts_full_blocks_join_the_prefix_cache_as_its_chunks_write_them():
+    """Chunked prefill: each full prompt block is offered once the chunk that completes it is
+    computed (`written`), so a request sharing the prefix takes the blocks written so far; one
+    preempted mid-prompt offers no more (the rest are not written), and its rejoin takes its own
+    written blocks back."""
+    blocks = Blocks(num_blocks=12, block_size=BS, first_id=RESERVED_BLOCKS)
+    long = request(13, 2)  # 3 full blocks of 4 (and a 13th token)
+    a, _ = blocks.reserve(long, optimistic=True)
+    blocks.hold(0, a)
+    blocks.written(0, 3)  # a chunk of 3 tokens: no block full yet
+    assert blocks.pool.cached_blocks == 0
+    blocks.written(0, 9)  # two blocks complete
+    blocks.written(0, 9)  # (offered once)
+    assert blocks.pool.cached_blocks == 2
+    b, start = blocks.reserve(request(13, 4), optimistic=True)  # the same prompt, arriving mid-prompt
+    assert start == 2 * BS and b[:2] == a[:2] and blocks.pool.hits == 2
+    blocks.hold(1, b)
+    blocks.preempt(0, [])  # mid-prompt: its third block is not written
+    assert blocks.pool.cached_blocks == 2
+    c, start = blocks.reserve(long, optimistic=True)  # it rejoins: its written blocks come back
+    assert start == 2 * BS and c[:2] == a[:2]
+    blocks.hold(0, c)
+    blocks.written(0, 13)  # its prompt is done: the third block too
+    assert blocks.pool.cached_blocks == 3
+    blocks.release_all()
+    assert blocks.pool.free_blocks == 12

@@ -108,7 +108,8 @@ class Boundary:
         prefills[:] = [p for p in prefills if p.remaining > 0]
         for row in joined:
             seqs.by_row[row].prefilling = False  # type: ignore[union-attr]
-        self.blocks.computed(joined)
+        for c in chunks:  # the full blocks they completed join the prefix cache now, mid-prompt too
+            self.blocks.written(c.row, c.end)
         seqs.feed(joined, tokens)
         return col, joined, tokens.tolist()
 

@@ -2,8 +2,13 @@
 of those who joined, under a per-step token budget. Pure Python, no torch.
 
 Every step computes one token of each decoding row (the decode unit, one column) and then, with
-what is left of the budget (`step_tokens` less the decoding rows, at least one token so every
-prompt advances), consecutive chunks of the joiners' prompts, oldest joiner first. A joiner's
+what is left of the budget (`step_tokens` less the decoding rows), consecutive chunks of the
+joiners' prompts, oldest joiner first. Decodes always run, and the prompts always get at least half
+the budget (`prompt_tokens`): when the decodes alone fill it (64 streams on a CPU budget of 16) a
+budget's worth is a floor, not a ceiling, or a joiner would creep one token a step, its first token
+hundreds of steps away. By the budget's own measure (the prompt tokens that cost about one small
+decode step, contract sharding.py) half a budget adds at most about half such a step to a step
+already past it. A joiner's
 prompt is computed by position (a chunk's unit has no padding: paging.py places KV by position,
 so it does not matter at which column a chunk is computed); until its last chunk the row is
 *parked*: its padding lies past every decode column, so the decode steps that compute it (it may
@@ -58,14 +63,21 @@ def frame(positions: list[int], steps_left: list[int], max_len: int) -> int | No
     return col if col + max(steps_left, default=1) - 1 <= max_len - 1 else None
 
 
+def prompt_tokens(budget: int, decodes: int) -> int:
+    """The prompt tokens of a step with `decodes` decoding rows under a budget of `budget` tokens:
+    what the decodes leave, and at least half the budget (at least one token), so prefills always
+    progress however many rows decode."""
+    return max(budget - decodes, budget // 2, 1)
+
+
 def plan_step(prefills: list[Prefill], decoding: dict[int, tuple[int, int]], col: int, budget: int,
               max_len: int) -> tuple[list[Chunk], int, dict[int, int]]:
-    """This step's chunks, oldest joiner first, within `budget` tokens less one per decoding row
-    (at least one token), given the decoding rows (row -> (next position, decode steps left)) at
-    decode column `col`. Advances each prefill's `done`. Returns the chunks, the decode column
-    after the joiners whose prompts end now are framed in, and the decoding rows' new paddings
-    (row -> pad; the joiners' included: their prompts end at that column)."""
-    left = max(1, budget - len(decoding))
+    """This step's chunks, oldest joiner first, within `prompt_tokens(budget, decodes)`, given the
+    decoding rows (row -> (next position, decode steps left)) at decode column `col`. Advances each
+    prefill's `done`. Returns the chunks, the decode column after the joiners whose prompts end now
+    are framed in, and the decoding rows' new paddings (row -> pad; the joiners' included: their
+    prompts end at that column)."""
+    left = prompt_tokens(budget, len(decoding))
     decoding = dict(decoding)
     chunks: list[Chunk] = []
     blocked = False  # an older joiner's last token waits: no younger one starts decoding before it

@@ -18,6 +18,7 @@ import hashlib
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ..model.paging import blocks_for
 
@@ -126,9 +127,27 @@ class BlockPool:
             self._uncache(block)
 
 
+@dataclass
+class Held:
+    """A sequence's blocks (cache ids, in position order), its prompt's prefix keys (one a full
+    block), and how many of its leading blocks are in the prefix cache: those it took from it
+    (hits), then those it has offered since (each once its KV is written)."""
+
+    blocks: list[int]
+    keys: list[bytes]
+    cached: int
+
+
 class Blocks:
     """The engine's side of the pool: the blocks each cache row's sequence holds, its prompt's
     prefix keys, and the prefix cache's lookups and offers.
+
+    A full prompt block is offered to the prefix cache as soon as the chunk that completes it has
+    been computed (`written`), as vLLM does, not when the whole prompt is: a request sharing a long
+    system prompt with one still being prefilled takes the blocks already done. (Down a pipeline
+    the leader does not wait for the later stages: each stage runs its units in order, so whoever
+    reads a block there runs after the chunk that wrote it.) A sequence preempted or cancelled
+    mid-prompt has offered exactly its written blocks.
 
     A fixed batch reserves, at admission, every block a sequence may ever hold (`needed`: its
     prompt and every token it may generate). A continuous batch admits optimistically, as vLLM
@@ -147,8 +166,8 @@ class Blocks:
         # Blocks kept free while sequences run (vLLM's watermark: 1%), so that an admission does not
         # preempt a running sequence at the next step.
         self.watermark = num_blocks // 100
-        self.held: dict[int, tuple[list[int], list[bytes], int]] = {}  # row -> blocks, prompt keys, cached blocks
-        self.unplaced: list[tuple[list[int], list[bytes], int]] = []  # reserved, no row yet
+        self.held: dict[int, Held] = {}  # row -> its sequence's blocks
+        self.unplaced: list[Held] = []  # reserved, no row yet
 
     def needed(self, request) -> int:
         """Blocks a request holds at most while it runs (a prefix-cache hit takes fewer free ones)."""
@@ -181,27 +200,36 @@ class Blocks:
             self.pool.release(hit)
             raise RuntimeError(f"{want} KV blocks reserved with {self.pool.free_blocks} free")
         blocks = [b + self.first_id for b in hit + got]
-        self.unplaced.append((blocks, keys, len(hit)))
+        self.unplaced.append(Held(blocks, keys, len(hit)))
         return blocks, len(hit) * self.block_size
 
     def hold(self, row: int, blocks: list[int]) -> None:
         """The reservation `blocks` now belongs to `row`'s sequence."""
         for i, entry in enumerate(self.unplaced):
-            if entry[0] == list(blocks):
+            if entry.blocks == list(blocks):
                 self.held[row] = self.unplaced.pop(i)
                 return
+
+    def written(self, row: int, end: int) -> None:
+        """`row`'s prompt is computed up to position `end` (a chunk ended there): its full blocks
+        before it join the prefix cache (those not offered yet)."""
+        entry = self.held.get(row)
+        if entry is None:
+            return
+        upto = min(len(entry.keys), end // self.block_size)
+        for b in range(entry.cached, upto):
+            self.pool.cache(entry.blocks[b] - self.first_id, entry.keys[b])
+        entry.cached = max(entry.cached, upto)
 
     def computed(self, rows) -> None:
         """The prompts of `rows` are prefilled on every rank: their full blocks join the prefix cache."""
         for row in rows:
             if row in self.held:
-                blocks, keys, cached = self.held[row]
-                for b in range(cached, len(keys)):
-                    self.pool.cache(blocks[b] - self.first_id, keys[b])
+                self.written(row, len(self.held[row].keys) * self.block_size)
 
     def lacks(self, row: int, position: int) -> bool:
         """Whether `row`'s sequence holds no block for `position` yet (the leader's view)."""
-        return row in self.held and position // self.block_size >= len(self.held[row][0])
+        return row in self.held and position // self.block_size >= len(self.held[row].blocks)
 
     def grow(self, row: int) -> tuple[int, int] | None:
         """One more block for `row`'s sequence: (its index in the row's table, its cache id), or
@@ -209,7 +237,7 @@ class Blocks:
         got = self.pool.allocate(1)
         if got is None:
             return None
-        blocks = self.held[row][0]
+        blocks = self.held[row].blocks
         blocks.append(got[0] + self.first_id)
         return len(blocks) - 1, blocks[-1]
 
@@ -219,20 +247,19 @@ class Blocks:
         offered to the prefix cache first, so its recompute may take them back."""
         entry = self.held.get(row)
         if entry is not None:
-            blocks, _, cached = entry
             keys = chain_hashes(tokens, self.block_size)
-            for b in range(cached, min(len(keys), len(blocks))):
-                self.pool.cache(blocks[b] - self.first_id, keys[b])
+            for b in range(entry.cached, min(len(keys), len(entry.blocks))):
+                self.pool.cache(entry.blocks[b] - self.first_id, keys[b])
         self.release(row)
 
     def release(self, row: int) -> None:
         entry = self.held.pop(row, None)
         if entry is not None:
-            self.pool.release([b - self.first_id for b in entry[0]])
+            self.pool.release([b - self.first_id for b in entry.blocks])
 
     def release_all(self) -> None:
         for row in list(self.held):
             self.release(row)
-        for blocks, _, _ in self.unplaced:
-            self.pool.release([b - self.first_id for b in blocks])
+        for entry in self.unplaced:
+            self.pool.release([b - self.first_id for b in entry.blocks])
         self.unplaced.clear()

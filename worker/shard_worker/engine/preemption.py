@@ -54,7 +54,8 @@ def grow(blocks: Blocks, seqs: Sequences, pads: torch.Tensor, col: int,
                 seq = seqs.by_row[victim]
                 assert seq is not None
                 # its KV is computed up to its newest token (the next decode step's input); a prompt
-                # still computed in chunks offers none (its blocks are not all written)
+                # still computed in chunks offers no more: its chunks offered the blocks they
+                # completed (Blocks.written), the rest are not written
                 blocks.preempt(victim, [] if seq.prefilling else seq.request.prompt_ids + seq.tokens[:-1])
                 actions.append(["preempt", victim])
             apply(actions[-1])

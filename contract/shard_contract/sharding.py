@@ -65,11 +65,18 @@ def kv_sequence_tokens(pool_tokens: int) -> int:
 # they cost the same at n = FLOP/s / (bytes/s), the machine's ridge point: an H100's 989 TFLOP/s
 # (bf16 dense) over 3.35 TB/s is ~300, hence 256 (the decodes and attention take the rest). A
 # CPU core's is a few FLOPs a byte (fp32 weights: 4 bytes a parameter; AVX2/AVX-512 FMAs at a
-# few tens of GFLOP/s against ~10-20 GB/s), but a small model's decode step is dominated by its
-# per-step overheads, not by its weights: measured on the 2-core bench machine, a 32-token chunk
-# costs about one decode step of the demo model (docs/benchmarks.md). SHARD_STEP_TOKENS overrides
-# it (contract env.py).
-STEP_TOKENS = {"gpu": 256, "cpu": 32}
+# few tens of GFLOP/s against ~10-20 GB/s), so the CPU's is measured, not derived:
+# bench/step_budget.py on the serve bench's demo model (51.5M, float32, one rank of 2 threads) on
+# the 2-vCPU bench machine, 2026-12-06 18:09-18:22 UTC, niced, 1-min load 1.6-3.3 (about 2 of it the
+# bench's own threads; 4 ABBA rounds): beside the serve bench's 8 short streams (a 14-17 ms step), a chunk of
+# a 1900-token prompt costs ~20 ms plus ~1.2 ms a token (the torch prefill path; each chunk
+# attends to the whole prompt before it), so a step with an 8-token chunk took 3.0x one without
+# (3.4x at the deepest chunks), 16 tokens 5.6x, 32 5.9x, 256 25x. No chunk size meets the serve
+# bench's <= 2x: 16 gives the smallest measured (8-token chunks beside 8 decodes, at least 8 beside
+# more: 1.35x beside 63), at the price of a long prompt's first token (1900 tokens: ~240 steps).
+# The <= 2x goal needs a cheaper chunk, not a smaller budget (docs/benchmarks.md, The step budget).
+# SHARD_STEP_TOKENS overrides it (contract env.py).
+STEP_TOKENS = {"gpu": 256, "cpu": 16}
 
 
 def prefill_rows(max_batch: int, max_len: int, kind: str = "gpu") -> int:

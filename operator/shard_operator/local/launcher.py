@@ -54,14 +54,15 @@ class LaunchError(RuntimeError):
 def plan_local(model_dir: str | os.PathLike[str], tp: int, pp: int, *, dtype: str = "auto",
                quantization: str = "none", max_model_len: int | None = None, max_batch_size: int = 1,
                devices: str | None = None, device_kind: DeviceKind = "cpu", layer_partition: list[int] | None = None,
-               kv_cache_memory_fraction: float | None = None) -> Plan:
-    """Plan `model_dir` over TP x PP ranks of this machine (or the `devices` spec)."""
+               kv_cache_memory_fraction: float | None = None, kv_cache_memory: str | None = None) -> Plan:
+    """Plan `model_dir` over TP x PP ranks of this machine (or the `devices` spec); the KV cache
+    as spec.serving gives it: a fraction of the free memory, or a quantity such as "512MiB"."""
     profile = profile_model(model_dir)
     spec = ShardedModelSpec(
         model=ModelSpec(path=str(model_dir), dtype=dtype, quantization=quantization, max_model_len=max_model_len,
                         max_batch_size=max_batch_size),
         parallelism=Parallelism(tensor=tp, pipeline=pp, layer_partition=layer_partition),
-        serving=Serving(kv_cache_memory_fraction=kv_cache_memory_fraction))
+        serving=Serving(kv_cache_memory_fraction=kv_cache_memory_fraction, kv_cache_memory=kv_cache_memory))
     inventory = parse_devices(devices, kind=device_kind) if devices is not None else local_inventory(ranks=tp * pp)
     return make_plan(profile, spec, inventory)
 

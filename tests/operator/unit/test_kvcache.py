@@ -92,6 +92,29 @@ def test_a_quantity_is_the_bytes_of_every_rank_and_must_fit():
     assert "kvCacheMemory" in err.value.message
 
 
+def test_the_local_plan_takes_a_quantity_as_the_spec_does(hf_checkpoint):
+    """`plan_local` (shardctl's and the benches' plan) passes kvCacheMemory through: a quantity of
+    exactly N tokens' pool gives N tokens (bench/serve_peer.py sizes its overflow group so)."""
+    from pydantic import ValidationError
+
+    from shard_operator.local.launcher import plan_local
+
+    model, _ = hf_checkpoint()
+    roomy = plan_local(model, 1, 1, max_model_len=64, max_batch_size=4, devices="localhost:1GiB",
+                       kv_cache_memory_fraction=0.5)
+    (r,) = roomy.ranks
+    token_bytes = r.predicted_bytes.kv_cache // kv_pool_tokens(r.kv_cache_tokens)
+    for tokens in (64, 160, 1024):
+        p = plan_local(model, 1, 1, max_model_len=64, max_batch_size=4, devices="localhost:1GiB",
+                       kv_cache_memory=f"{kv_pool_tokens(tokens) * token_bytes}B")
+        assert p.kv_cache_memory == kv_pool_tokens(tokens) * token_bytes and p.kv_cache_memory_fraction is None
+        assert p.kv_cache_tokens == tokens
+        assert p.ranks[0].predicted_bytes.kv_cache == kv_pool_tokens(tokens) * token_bytes
+    with pytest.raises(ValidationError, match="at most one of"):
+        plan_local(model, 1, 1, max_model_len=64, devices="localhost:1GiB", kv_cache_memory_fraction=0.5,
+                   kv_cache_memory="1MiB")
+
+
 def test_a_layout_fits_only_with_room_for_one_whole_sequence():
     """vLLM refuses to start when its cache holds less than maxModelLen tokens; the planner takes
     more devices instead (here a second) or says it does not fit."""

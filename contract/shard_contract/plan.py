@@ -149,6 +149,10 @@ class Plan(BaseModel):
     replicas: int
     max_model_len: int
     max_batch_size: int
+    max_batch_size_chosen: bool = Field(False, description=(
+        "spec.model.maxBatchSize was left out on GPUs and the planner chose max_batch_size: the "
+        "largest power of two up to 256 whose running rows leave each rank's KV cache room for a "
+        "maxModelLen sequence (any such cap still honours the spec)."))
     memory_headroom: float
     nvls: bool = Field(False, description="NCCL's NVLS buffers are budgeted in each GPU rank's overhead "
                                           "(the spec turned NVLS on).")
@@ -158,7 +162,8 @@ class Plan(BaseModel):
     kv_cache_memory: int | None = Field(None, description="spec.serving.kvCacheMemory in bytes, as asked.")
     groups: list[GroupPlan]
     ranks: list[RankPlan]
-    reason: str = Field("", description="Why this TP x PP was chosen.")
+    reason: str = Field("", description="Why this TP x PP was chosen (and max_batch_size, when the planner chose it "
+                                        "below the default).")
 
     @property
     def world_size(self) -> int:

@@ -80,9 +80,43 @@ STEP_TOKENS = {"gpu": 256, "cpu": 16}
 
 
 def prefill_rows(max_batch: int, max_len: int, kind: str = "gpu") -> int:
-    """Rows of the largest forward pass: a prefill chunk of every running sequence, at most
-    MAX_STEP_TOKENS[kind] tokens (at least one row)."""
+    """Rows of the largest prefill forward pass: a prefill chunk of as many running sequences as
+    MAX_STEP_TOKENS[kind] tokens allow (at least one row). The worker prefills a batch's prompts in
+    units of at most these rows (its warm-up runs one), while up to maxBatchSize rows decode."""
     return max(1, min(max_batch, MAX_STEP_TOKENS[kind] // min(max_len, PREFILL_CHUNK)))
+
+
+# The decode step a GPU rank replays (the worker's engine/graphs.py): one captured graph per batch
+# bucket and context bucket, each keeping its output for the rank's life (the planner counts them).
+DECODE_MIN_LENGTH = 256  # the shortest context bucket: below it, reading more columns costs nothing
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, ... below max_batch, then max_batch."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+def length_buckets(max_len: int, shortest: int = DECODE_MIN_LENGTH) -> list[int]:
+    """`shortest`, twice that, ... below max_len, then max_len."""
+    out, n = [], shortest
+    while n < max_len:
+        out.append(n)
+        n *= 2
+    return out + [max_len]
+
+
+# Query columns a block of a paged attention mask covers (the worker's model/paged.py): a decode
+# step's one column takes a block, a prefill chunk's columns one per MASK_QUERY_BLOCK.
+MASK_QUERY_BLOCK = 128
+# Whether a kind of rank builds a block mask over its whole pool for each pass that reads it in
+# place (FlexAttention, model/paged.py): a GPU rank does; a CPU rank with the C kernels (the
+# default build) reads in place in its decode attention without one and gathers for a later chunk.
+# The planner counts those masks in a GPU rank's activations (sizing.mask_bytes).
+PAGED_MASKS = {"gpu": True, "cpu": False}
 
 
 class Heads(Protocol):

@@ -22,7 +22,7 @@ from shard_operator.local.launcher import plan_local, run_generate
 from shard_worker.engine.kvblocks import Blocks
 from shard_worker.model import paging
 from shard_worker.model.step import KVCache
-from shard_worker.rank.runtime import cache_rows, cache_tokens
+from shard_worker.rank.runtime import cache_rows, cache_tokens, warm_rows
 
 from .conftest import make_plan
 
@@ -33,16 +33,18 @@ def _with_tokens(plan: Plan, tokens: int) -> Plan:
     return plan.model_copy(update={"ranks": [r.model_copy(update={"kv_cache_tokens": tokens}) for r in plan.ranks]})
 
 
-@pytest.mark.parametrize("batch, max_len, tokens, rows", [
+@pytest.mark.parametrize("batch, max_len, tokens, warm", [
     (4, 64, 4 * 64, 4),  # the reservation: maxBatchSize rows
     (4, 64, 2 * 64 + 63, 4),  # fewer tokens: the rows share the blocks there are (admission waits for them)
     (4, 64, 10**9, 4),  # more tokens than rows can use: the cap
-    (256, 4096, 10**9, MAX_STEP_TOKENS["cpu"] // 512),  # the largest pass the plan sized activations for
+    # 256 rows run at once; a prefill pass (and the warm-up) takes the rows the plan sized activations for
+    (256, 4096, 10**9, MAX_STEP_TOKENS["cpu"] // 512),
 ])
-def test_cache_rows(checkpoint, batch, max_len, tokens, rows):
+def test_cache_rows(checkpoint, batch, max_len, tokens, warm):
     plan = _with_tokens(make_plan(checkpoint("llama"), 1, 1, max_len=64, batch=4), tokens)
     plan = plan.model_copy(update={"max_batch_size": batch, "max_model_len": max_len})
-    assert cache_rows(plan, plan.ranks[0]) == rows == min(prefill_rows(batch, max_len, "cpu"), batch)
+    assert cache_rows(plan) == batch
+    assert warm_rows(plan, plan.ranks[0]) == warm == prefill_rows(batch, max_len, "cpu")
     assert cache_tokens(plan, plan.ranks[0]) == tokens
 
 

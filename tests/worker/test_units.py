@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from shard_contract.wire import GenerateRequest
 from shard_worker.comm.dist import Topology
-from shard_worker.engine.pipeline import prefill_units, split
+from shard_worker.engine.pipeline import prefill_units
 from shard_worker.engine.sequences import SequenceState
 from shard_worker.model.attention import CAUSAL, attention_mask
 from shard_worker.model.config import ConfigError, ModelConfig
@@ -157,12 +157,14 @@ def test_the_mask_is_left_out_where_sdpa_can_do_without(pads, c0, c1, window, ki
     assert (mask if not isinstance(mask, torch.Tensor) else "mask") == kind
 
 
-@given(batch=st.integers(1, 7), cols=st.integers(1, 40), stages=st.integers(1, 4), chunk=st.integers(1, 16))
-def test_prefill_units_cover_each_cell_once_in_order(batch, cols, stages, chunk):
-    units = prefill_units((0, batch), (0, cols), stages, chunk)
+@given(batch=st.integers(1, 7), cols=st.integers(1, 40), stages=st.integers(1, 4), chunk=st.integers(1, 16),
+       max_rows=st.none() | st.integers(1, 8))
+def test_prefill_units_cover_each_cell_once_in_order(batch, cols, stages, chunk, max_rows):
+    units = prefill_units((0, batch), (0, cols), stages, chunk, max_rows)
     seen = {}
     for i, u in enumerate(units):
         assert u.cols <= chunk
+        assert max_rows is None or u.rows <= max_rows  # no pass larger than the plan sized activations for
         for r in range(u.r0, u.r1):
             for c in range(u.c0, u.c1):
                 assert (r, c) not in seen
@@ -173,7 +175,7 @@ def test_prefill_units_cover_each_cell_once_in_order(batch, cols, stages, chunk)
         assert order == sorted(order)
     assert len(units) >= min(stages, batch * cols)
     assert [u.c1 == cols for u in units] == [u.emits for u in units]
-    assert sum(u.emits for u in units) == len(split(batch, stages))
+    assert sum(u.emits for u in units) == len({(u.r0, u.r1) for u in units})  # each micro-batch's last chunk
 
 
 def test_a_joiners_prefill_fills_its_row_from_its_padding_to_the_decode_column():

@@ -26,14 +26,14 @@ def one_rank(model_dir, batch: int, max_len: int) -> tuple[Stage, KVCache, Rotar
     return stage, cache, Rotary(config, max_len, torch.device("cpu"))
 
 
-def test_largest_pass_is_every_row_by_the_last_chunk():
+def test_largest_pass_is_the_prefill_rows_by_the_last_chunk():
     assert largest_pass(8, 4096, 512) == (8, 3584, 4096)
     assert largest_pass(2, 100, 512) == (2, 0, 100)  # a context shorter than a chunk: all of it
 
 
 def test_warm_up_runs_the_largest_pass_and_leaves_the_cache_zeroed(checkpoint):
     stage, cache, rotary = one_rank(checkpoint("llama"), batch=3, max_len=96)
-    warm = warm_up(stage, cache, rotary, max_batch=3, max_len=96, chunk=32)
+    warm = warm_up(stage, cache, rotary, rows=3, max_len=96, chunk=32)
     assert (warm.rows, warm.cols) == (3, 32)
     assert warm.activations >= 0
     assert not cache.k.any() and not cache.v.any()
@@ -47,6 +47,6 @@ def test_an_out_of_memory_in_the_warm_up_names_the_plan(checkpoint):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB")
 
     stage.forward = forward  # what a device too small for the activations raises
-    with pytest.raises(WarmupOutOfMemory, match=r"2 rows, maxBatchSize, x 64 prefill tokens.*maxModelLen"):
-        warm_up(stage, cache, rotary, max_batch=2, max_len=64)
+    with pytest.raises(WarmupOutOfMemory, match=r"2 rows x 64 prefill tokens.*maxModelLen"):
+        warm_up(stage, cache, rotary, rows=2, max_len=64)
     assert not cache.k.any(), "the cache is zeroed whatever happened"

@@ -81,8 +81,11 @@ class ModelSpec(ApiModel):
         "Longest sequence (prompt + generated) served; sizes the KV cache. Default: the model's "
         "max_position_embeddings, at most 4096."))
     max_batch_size: int | None = Field(None, ge=1, description=(
-        "The most sequences running at once (a cap: the KV cache is sized by spec.serving). "
-        "Default: 256 on GPUs, 1 on CPUs."))
+        "The most sequences running at once (a cap: the KV cache is sized by spec.serving); each "
+        "running row costs memory beside the KV cache (the sampler, the captured decode steps, the "
+        "block masks). Default on GPUs: the largest power of two up to 256 that leaves each rank's "
+        "KV cache room for one maxModelLen sequence (status.plan.reason says when it is less); on "
+        "CPUs 1."))
 
 
 def inside(root: Path, path: str, field: str = "spec.model.path", within: str = "the volume") -> Path:

@@ -14,6 +14,9 @@ How it decides, in order:
    among them the shortest critical path (one decode step through every stage, collectives and
    hops included); layouts within `tolerance` of it count as ties and the one with fewer devices
    wins.
+5. With `maxBatchSize` unset on GPUs, steps 2-4 run for a cap of 256 running rows and, when that
+   places fewer groups than one row does, for smaller powers of two: the largest that places as
+   many is the plan's (`rowcap.py`; every row costs memory beside the KV cache).
 With `spec.placement.offload` (policy auto, when nothing fits otherwise; always) a stage may hold
 more layers than its memory by streaming some in at every step (`offload.py`): the same search,
 with each stage's time max(compute, streaming) and its layers resident as far as they fit.
@@ -28,8 +31,9 @@ fit is `advice.py`'s: every suggestion was checked by planning again with it app
 The modules, each with one job: `request` (the spec resolved, the options, PlanError), `blocks`
 (devices cut into tensor-parallel blocks), `sizing` (bytes a rank holds), `costs` (a stage's
 memory and time; the layer split), `transport`, `step` and `offload` (what collectives, hops, a
-step's launches and streamed layers cost), `search` (the layouts tried and the one chosen, as a
-Plan), `explain` and `advice` (why not, and what would fit), `planner` (the entry point: search, else explain).
+step's launches and streamed layers cost), `rowcap` (an unset maxBatchSize's cap), `search` (the
+layouts tried and the one chosen, as a Plan), `explain` and `advice` (why not, and what would
+fit), `planner` (the entry point: search, else explain).
 Beside them: the planner's inputs, `profile` (the model) and `inventory` (the devices), and
 what uses a plan without running anything: `replan` (keep, extend, repair or replace the current
 plan), `report` (the plan table, `--explain`) and `picture` (a plan or a shortfall, drawn).

@@ -94,7 +94,7 @@ def spec_changes(spec: ShardedModelSpec, asked: Asked) -> list[list[Change]]:
         parallelism.append(("set tensor: auto and pipeline: auto",
                             {"parallelism": {"tensor": "auto", "pipeline": "auto", "layerPartition": None}}))
     lengths = [asked.max_len // 2**k for k in range(1, 7) if asked.max_len // 2**k >= SHORTEST_CONTEXT]
-    batches = [asked.batch // 2**k for k in range(1, 8) if asked.batch // 2**k >= 1]
+    batches = [asked.batch // 2**k for k in range(1, asked.batch.bit_length())]  # halved down to 1
     kinds = [parallelism,
              [(f"lower maxModelLen to {n} (from {asked.max_len}; the KV cache shrinks with it)",
                {"model": {"maxModelLen": n}}) for n in lengths],

@@ -21,6 +21,8 @@ from .sizing import (
     layer_read_bytes,
     layer_streamed_bytes,
     layer_weight_bytes,
+    mask_bytes,
+    mask_token_bytes,
     nvls_bytes,
     weight_bytes,
 )
@@ -141,9 +143,11 @@ class Costs:
         empty = Shard(tp=tp, layers=(0, 0), embeds=embeds, has_lm_head=has_lm_head)
         layer_bytes = self.layer_bytes(tp)
         policy = self.kv_policy(kind)
+        # the block masks over the pool a layout must make room for, whatever its layers
+        masks = mask_bytes(request.max_len, request.batch, kvcache.fit_tokens(policy, request), kind)
         fixed = (weight_bytes(profile, empty, request.dtype)
                  + activation_bytes(profile, empty, request.max_len, request.batch, request.dtype, kind)
-                 + self.overhead(kind, tp, not (embeds and has_lm_head)) + kvcache.fixed_bytes(policy))
+                 + self.overhead(kind, tp, not (embeds and has_lm_head)) + kvcache.fixed_bytes(policy) + masks)
         bandwidth = speed * 1e12
         collective = self.options.transport.collective(kind,
                                                        pod_layout(request.pod_layout, kind, tp)) if tp > 1 else 0.0
@@ -156,7 +160,8 @@ class Costs:
             layer_seconds=(step.layer_seconds(kind, layer_bytes, self.layer_bytes(tp, "none"), bandwidth)
                            + 2 * collective),
             usable=int(memory * (1 - request.headroom)),
-            max_layers=kvcache.max_layers(policy, kv_token_bytes(profile, tp, 1, request.dtype), request),
+            max_layers=kvcache.max_layers(policy, kv_token_bytes(profile, tp, 1, request.dtype), request,
+                                          mask_token_bytes(request.max_len, request.batch, kind)),
         )
 
 

@@ -8,20 +8,20 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from shard_contract.plan import Plan
 from shard_contract.units import apart, count, exactly, human
 
 from ..api import OFFLOAD_INT8, ShardedModelSpec
 from . import kvcache, offload
-from .advice import Asked, Fits, Suggestion, offer, suggestions
+from .advice import Asked, Fits, Suggestion, offer, patched, suggestions
 from .costs import Costs, partition_layers
 from .inventory import Inventory
 from .profile import ModelProfile
-from .request import PlannerOptions, Request, Shortfall, pool_kind, resolve_request
-from .search import fitting, pick, places, to_plan
-from .sizing import Shard, activation_bytes, kv_token_bytes, nvls_bytes, weight_bytes
+from .request import PlanError, PlannerOptions, Request, Shortfall, pool_kind, resolve_request
+from .search import NothingFits, places, search
+from .sizing import Shard, activation_bytes, kv_token_bytes, mask_bytes, nvls_bytes, running_bytes, weight_bytes
 
 STREAMING_FITS = "Streaming layers would fit it (planned): "
 
@@ -34,17 +34,17 @@ def offload_note(profile: ModelProfile, spec: ShardedModelSpec, request: Request
     if request.offload.policy != "never":
         return ("Offload streams the decoder layers' projections only: each rank keeps its KV cache, "
                 "activations, runtime, embeddings or LM head and its staging slots resident.")
-    auto = replace(request, offload=request.offload.model_copy(update={"policy": "auto"}))
-    found = fitting(profile, spec, inventory, auto, tps, options, streaming=True)
-    if not found:
+    # what planning with auto would give (the running-row cap chosen as it would be)
+    try:
+        fitted = search(profile, patched(spec, {"placement": {"offload": {"policy": "auto"}}}), inventory, options)
+    except (NothingFits, PlanError):
         return ""
-    found, best = pick(found, options.tolerance)
-    fitted = to_plan(profile, spec, auto, Costs(profile, auto, options, streaming=True), best, found)
     per_step = sum(r.offload.streamed_bytes for r in fitted.group(0) if r.offload)
     step = fitted.groups[0].critical_path_seconds
     return (f"{STREAMING_FITS}set spec.placement.offload.policy auto: streaming {offload.layer_count(fitted)} "
-            f"({human(per_step)} per decode step over the group) fits it at tensor={best.tp} x pipeline={best.pp}, "
-            f"est. {step * 1e3:.2f} ms per decode step ({1 / step:.1f} tokens/s per sequence).")
+            f"({human(per_step)} per decode step over the group) fits it at tensor={fitted.tensor_parallel} x "
+            f"pipeline={fitted.pipeline_parallel}, est. {step * 1e3:.2f} ms per decode step ({1 / step:.1f} "
+            f"tokens/s per sequence).")
 
 
 def _memoised(fits: Fits) -> Fits:
@@ -83,10 +83,11 @@ class _Question:
 def _suggest(q: _Question, at_least: int, fitting: int = 0) -> tuple[Suggestion, ...]:
     request = resolve_request(q.profile, q.spec, pool_kind(q.inventory))
     whole = Shard(tp=1, layers=(0, q.profile.shape.num_layers), embeds=True, has_lm_head=True)
+    weights = {(d, k): weight_bytes(q.profile, whole, d, k)
+               for d in ("bfloat16", request.dtype) for k in ("int8", request.quantization)}
+    # a cap left to the planner is tried down to one row already: no smaller one to suggest
     asked = Asked(dtype=request.dtype, quantization=request.quantization, max_len=request.max_len,
-                  batch=request.batch, weights={(d, k): weight_bytes(q.profile, whole, d, k)
-                                                for d in ("bfloat16", request.dtype) for k in ("int8",
-                                                                                               request.quantization)})
+                  batch=1 if request.rows_chosen else request.batch, weights=weights)
     fits = _memoised(lambda spec, inventory, groups: places(q.profile, spec, inventory, groups, q.options))
     return tuple(suggestions(q.spec, q.inventory, asked, fits, at_least, fitting))
 
@@ -138,7 +139,8 @@ def capacity_needed(profile: ModelProfile, request: Request, inventory: Inventor
     policy = kvcache.kv_policy(request, kind)
     per_device = options.runtime_overhead[kind] + nvls_bytes(request.nvls, kind, max(tps), False) + \
         activation_bytes(profile, Shard(tp=max(tps), layers=(0, 0), embeds=False, has_lm_head=False),
-                         request.max_len, request.batch, request.dtype, kind) + kvcache.fixed_bytes(policy)
+                         request.max_len, request.batch, request.dtype, kind) + kvcache.fixed_bytes(policy) + \
+        mask_bytes(request.max_len, request.batch, kvcache.fit_tokens(policy, request), kind)
     kv = kv_token_bytes(profile, 1, profile.shape.num_layers, request.dtype) * kvcache.fit_tokens(policy, request)
     return Shortfall(weights=weight_bytes(profile, whole, request.dtype, request.quantization), kv_cache=kv,
                      per_device=per_device, devices=tuple(inventory.devices),
@@ -160,6 +162,22 @@ def _rank_minimum(profile: ModelProfile, request: Request, options: PlannerOptio
 def _fixed_kv(request: Request, inventory: Inventory) -> str:
     fixed = kvcache.fixed_bytes(kvcache.kv_policy(request, inventory.devices[0].kind))
     return f" and its KV cache ({exactly(fixed)}, kvCacheMemory)" if fixed else ""
+
+
+def _rows_fact(profile: ModelProfile, request: Request, inventory: Inventory, tps: list[int],
+               found: list[Suggestion]) -> list[str]:
+    """What the running-row cap costs, when the spec gives one and a smaller one would fit (a
+    suggestion says which); or that the planner tried one row, when it chooses the cap."""
+    if request.rows_chosen:
+        return ["With maxBatchSize unset it was planned at 1 running row, the least the planner chooses on GPUs."]
+    if not any("maxBatchSize" in s.patch.get("model", {}) for s in found):
+        return []
+    kind = inventory.devices[0].kind
+    last = Shard(tp=max(tps), layers=(0, 0), embeds=False, has_lm_head=True)
+    rows = running_bytes(profile, last, request.max_len, request.batch, request.dtype, kind) + mask_bytes(
+        request.max_len, request.batch, kvcache.fit_tokens(kvcache.kv_policy(request, kind), request), kind)
+    return [f"The spec's maxBatchSize {request.batch}: its running rows cost a last-stage rank ~{exactly(rows)} "
+            f"beside the KV cache (the sampler's logits, the captured decode steps, the block masks)."]
 
 
 def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: Request, inventory: Inventory,
@@ -210,6 +228,7 @@ def explain_infeasible(profile: ModelProfile, spec: ShardedModelSpec, request: R
     largest = max(usable) - per_device
     at_least = math.ceil((need - sum(usable)) / largest) if need > sum(usable) and largest > 0 else 1
     found = list(_suggest(_Question.of(profile, spec, inventory, options), at_least=at_least))
+    lines += _rows_fact(profile, request, inventory, tps, found)
     if found or not offload_note.startswith(STREAMING_FITS):
         lines.append(offer(found))
     if offload_note:

@@ -1,6 +1,6 @@
 """The KV cache's size on each rank, in tokens: from what the plan leaves free (a fraction of it,
-or a quantity of bytes), or, on a CPU whose spec says neither, maxBatchSize sequences of
-maxModelLen tokens. Pure.
+or a quantity of bytes; a GPU's default is 0.9 of it), or, on a CPU whose spec says neither,
+maxBatchSize sequences of maxModelLen tokens. Pure.
 
 The tokens are what the worker's paged cache gives sequences: whole blocks (a sequence takes
 `kv_whole_blocks(length)` positions), and its pool also holds the reserved blocks no sequence uses
@@ -24,8 +24,6 @@ from shard_contract.units import count
 from ..api import DEFAULT_GPU_FRACTION
 from .request import Request
 
-GPU_DEFAULT_FROM_FREE = False  # step 2 of issue 28 turns it on with maxBatchSize's GPU default
-
 
 @dataclass(frozen=True)
 class KvPolicy:
@@ -45,7 +43,7 @@ def kv_policy(request: Request, kind: str) -> KvPolicy:
         return KvPolicy("bytes", bytes=request.kv_bytes)
     if request.kv_fraction is not None:
         return KvPolicy("fraction", fraction=request.kv_fraction)
-    if kind == "gpu" and GPU_DEFAULT_FROM_FREE:
+    if kind == "gpu":
         return KvPolicy("fraction", fraction=DEFAULT_GPU_FRACTION)
     return KvPolicy("reserve")
 
@@ -76,18 +74,21 @@ def fixed_bytes(policy: KvPolicy) -> int:
     return policy.bytes if policy.mode == "bytes" else 0
 
 
-def max_layers(policy: KvPolicy, layer_token_bytes: int, request: Request) -> int | None:
-    """The most layers whose cache of one whole sequence the quantity holds (None: no bound)."""
+def max_layers(policy: KvPolicy, layer_token_bytes: int, request: Request, mask_token_bytes: int = 0) -> int | None:
+    """The most layers whose cache of one whole sequence the quantity holds, beside the block
+    masks over it (`mask_token_bytes` a position; None: no bound)."""
     if policy.mode != "bytes" or layer_token_bytes <= 0:
         return None
-    return policy.bytes // (layer_token_bytes * kv_pool_tokens(sequence_tokens(request)))
+    pool = kv_pool_tokens(sequence_tokens(request))
+    return max(policy.bytes - mask_token_bytes * pool, 0) // (layer_token_bytes * pool)
 
 
 def rank_tokens(policy: KvPolicy, free: int, per_token: int, request: Request) -> int:
     """Tokens a rank's cache holds for sequences (whole blocks): `free` is its usable memory less
-    its weights, activations, overhead and staging; `per_token` its bytes of one token's KV. Its
-    pool (these and the reserved blocks, `kv_pool_tokens`) never takes more than the share of
-    `free` the policy gives (a reservation is what `fit_tokens` made room for)."""
+    its weights, activations, overhead and staging; `per_token` its bytes of one token's KV and of
+    the block masks over it (`sizing.mask_token_bytes`). Its pool (these and the reserved blocks,
+    `kv_pool_tokens`) never takes more than the share of `free` the policy gives (a reservation is
+    what `fit_tokens` made room for)."""
     if policy.mode == "reserve" or per_token <= 0:
         return reserved_tokens(request)
     budget = policy.bytes if policy.mode == "bytes" else int(policy.fraction * max(free, 0))

@@ -75,10 +75,14 @@ def incompatibility(current: Plan, profile: ModelProfile, spec: ShardedModelSpec
     if current.profile_digest != profile.digest or current.model != profile.name:
         return "the checkpoint changed"
     request = resolve_request(profile, spec, "gpu" if any(r.kind == "gpu" for r in current.ranks) else "cpu")
+    # an unset maxBatchSize on GPUs allows whatever cap the planner chose (rowcap.py), and no other
+    rows: int | str = request.batch
+    if request.rows_chosen:
+        rows = current.max_batch_size if current.max_batch_size_chosen else "the planner's choice"
     for what, old, new in (("dtype", current.dtype, request.dtype),
                            ("quantization", current.quantization, request.quantization),
                            ("maxModelLen", current.max_model_len, request.max_len),
-                           ("maxBatchSize", current.max_batch_size, request.batch),
+                           ("maxBatchSize", current.max_batch_size, rows),
                            ("memoryHeadroom", current.memory_headroom, request.headroom),
                            ("nccl.nvls", current.nvls, request.nvls),
                            ("serving.kvCacheMemoryFraction", current.kv_cache_memory_fraction, request.kv_fraction),

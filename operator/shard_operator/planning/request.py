@@ -22,10 +22,13 @@ from .transport import Transport
 
 DEFAULT_MAX_MODEL_LEN = 4096
 # The most sequences running at once when the spec leaves maxBatchSize out. A GPU's KV cache holds
-# what its free memory allows and the cap only bounds a step's rows (vLLM's default max_num_seqs);
-# a CPU's cache is reserved for maxBatchSize whole sequences unless spec.serving says otherwise,
-# so its default stays one.
-DEFAULT_MAX_BATCH = {"gpu": 1, "cpu": 1}  # gpu: 256 once GPU_DEFAULT_FROM_FREE
+# what its free memory allows and the cap bounds the rows that decode together (vLLM's default
+# max_num_seqs); what those rows cost beyond the KV (captured decode steps, the sampler, block
+# masks) the planner counts (sizing.running_bytes, sizing.mask_bytes), and where 256 of them leave
+# no room for one sequence's KV it takes a smaller power of two (rowcap.py). A CPU's cache is
+# reserved for maxBatchSize whole sequences unless spec.serving says otherwise, so its default
+# stays one.
+DEFAULT_MAX_BATCH = {"gpu": 256, "cpu": 1}
 # `dtype: auto` of a bfloat16 checkpoint on GPUs without native bfloat16 (compute capability < 8.0)
 AUTO_FALLBACK = {"bfloat16": "float16"}
 
@@ -102,6 +105,8 @@ class Request:
     nvls: bool = False  # spec.worker.nccl.nvls: NCCL's NVLS buffers are budgeted
     kv_fraction: float | None = None  # spec.serving.kvCacheMemoryFraction
     kv_bytes: int | None = None  # spec.serving.kvCacheMemory
+    # maxBatchSize unset on GPUs: `batch` is the most the planner may choose, and it chooses (rowcap.py)
+    rows_chosen: bool = False
 
 
 def pool_kind(inventory: Inventory) -> str:
@@ -112,7 +117,8 @@ def pool_kind(inventory: Inventory) -> str:
 def resolve_request(profile: ModelProfile, spec: ShardedModelSpec, kind: str = "gpu") -> Request:
     """What the spec asks for in numbers: dtype `auto` and an unset maxModelLen resolved against
     the profile, an unset maxBatchSize by the kind of device it runs on (`kind`: gpu when the
-    pool has any); a PlanError (InvalidSpec) for a length the model cannot take."""
+    pool has any; on GPUs the most the planner may choose); a PlanError (InvalidSpec) for a length
+    the model cannot take."""
     dtype = profile.dtype if spec.model.dtype == "auto" else spec.model.dtype
     max_len = spec.model.max_model_len or min(profile.shape.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     if max_len > profile.shape.max_position_embeddings:
@@ -121,6 +127,7 @@ def resolve_request(profile: ModelProfile, spec: ShardedModelSpec, kind: str = "
     off = spec.placement.offload
     return Request(dtype=dtype, quantization=spec.model.quantization, max_len=max_len,
                    batch=spec.model.max_batch_size or DEFAULT_MAX_BATCH[kind],
+                   rows_chosen=spec.model.max_batch_size is None and kind == "gpu",
                    kv_fraction=spec.serving.kv_cache_memory_fraction, kv_bytes=spec.serving.kv_cache_bytes,
                    replicas=spec.replicas, headroom=spec.placement.memory_headroom,
                    spread_replicas=spec.placement.topology.spread_replicas, pod_layout=spec.placement.pod_layout,

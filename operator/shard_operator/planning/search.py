@@ -13,13 +13,14 @@ from shard_contract.sharding import kv_pool_tokens, valid_tensor_degrees
 from shard_contract.units import count
 
 from ..api import ShardedModelSpec
-from . import kvcache, offload
+from . import kvcache, offload, rowcap
 from .blocks import Block, BlockPool, arrangements, make_blocks
 from .costs import Costs
 from .inventory import Inventory, SkippedNode
 from .profile import ModelProfile
 from .request import (
     AUTO_FALLBACK,
+    DEFAULT_MAX_BATCH,
     PlanError,
     PlannerOptions,
     Request,
@@ -34,6 +35,9 @@ from .sizing import (
     layer_copied_bytes,
     layer_read_bytes,
     layer_streamed_bytes,
+    mask_bytes,
+    mask_token_bytes,
+    running_bytes,
     weight_bytes,
 )
 
@@ -86,8 +90,53 @@ class NothingFits(Exception):
 
 def search(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory, options: PlannerOptions) -> Plan:
     """The Plan of the layout chosen among those that place the most groups; NothingFits when not
-    one group fits anywhere (what `planner.plan` explains)."""
+    one group fits anywhere (what `planner.plan` explains). With maxBatchSize left to the planner,
+    the largest cap that places as many groups as one row does (`rowcap.py`)."""
+    request, inventory, tps, tried = _with_cap(profile, spec, inventory, options)
+    found, streaming = tried[request.batch]
+    if not found:
+        raise NothingFits(request, inventory, tps)
+    found, best = pick(found, options.tolerance)
+    request, why = _fallback_dtype(request, spec, best)
+    result = to_plan(profile, spec, request, Costs(profile, request, options, streaming), best, found)
+    larger = tried.get(2 * request.batch)
+    note = rowcap.explain(request.batch, DEFAULT_MAX_BATCH["gpu"], request.max_len,
+                          _score(larger, request) if larger else None, running_cost(profile, result)) \
+        if request.rows_chosen else ""
+    reason = "; ".join(filter(None, [result.reason + why, note]))
+    return result.model_copy(update={"reason": reason}) if reason != result.reason else result
+
+
+Tried = dict[int, tuple[list[Candidate], bool]]  # per cap: the layouts that fit, and whether they stream
+
+
+def _with_cap(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
+              options: PlannerOptions) -> tuple[Request, Inventory, list[int], Tried]:
+    """The request with its running-row cap (as given, or chosen: `rowcap.choose`), the devices,
+    the tensor degrees, and the layouts found at every cap tried (the chosen one's among them)."""
     request, inventory, tps = prepare(profile, spec, inventory)
+    tried: Tried = {}
+
+    def score(cap: int) -> rowcap.Score:
+        if cap not in tried:
+            tried[cap] = _layouts(profile, spec, inventory, replace(request, batch=cap), tps, options)
+        return _score(tried[cap], request)
+
+    cap = rowcap.choose(rowcap.caps(request), score, max(request.replicas, 1))
+    score(cap)
+    return replace(request, batch=cap), inventory, tps, tried
+
+
+def _score(layouts: tuple[list[Candidate], bool], request: Request) -> rowcap.Score:
+    """Groups placed, and whether without streaming layers the spec does not ask to stream."""
+    found, streaming = layouts
+    return max((len(c.groups) for c in found), default=0), not streaming or request.offload.policy == "always"
+
+
+def _layouts(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory, request: Request,
+             tps: list[int], options: PlannerOptions) -> tuple[list[Candidate], bool]:
+    """The layouts that fit, and whether their layers stream: offload auto streams only when
+    holding every layer places fewer groups than streaming does."""
     streaming, *then = streaming_modes(request)
     found = fitting(profile, spec, inventory, request, tps, options, streaming)
     placed = max((len(c.groups) for c in found), default=0)
@@ -96,12 +145,17 @@ def search(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory, 
         # auto: only when streaming places more replicas than holding every layer does
         if max((len(c.groups) for c in more), default=0) > placed:
             found, streaming = more, True
-    if not found:
-        raise NothingFits(request, inventory, tps)
-    found, best = pick(found, options.tolerance)
-    request, why = _fallback_dtype(request, spec, best)
-    result = to_plan(profile, spec, request, Costs(profile, request, options, streaming), best, found)
-    return result.model_copy(update={"reason": result.reason + why}) if why else result
+    return found, streaming
+
+
+def running_cost(profile: ModelProfile, plan: Plan) -> int:
+    """What the plan's running rows cost its most loaded rank beyond the KV cache (the sampler,
+    the captured decode steps, the block masks over its pool)."""
+    return max((running_bytes(profile, Shard(tp=plan.tensor_parallel, layers=r.layers, embeds=r.embeds,
+                                             has_lm_head=r.has_lm_head), plan.max_model_len, plan.max_batch_size,
+                              plan.dtype, r.kind)
+                + mask_bytes(plan.max_model_len, plan.max_batch_size, kv_pool_tokens(r.kv_cache_tokens), r.kind)
+                for r in plan.ranks), default=0)
 
 
 def streaming_modes(request: Request) -> list[bool]:
@@ -128,7 +182,7 @@ def fitting(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
 def consider(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory,
              options: PlannerOptions) -> tuple[Request, list[int], list[Considered]]:
     """Every layout the planner tries, in order (`plan` chooses among those that fit)."""
-    request, inventory, tps = prepare(profile, spec, inventory)
+    request, inventory, tps, _ = _with_cap(profile, spec, inventory, options)
     streaming = streaming_modes(request)[0]
     return request, tps, list(_tries(profile, spec, inventory, request, tps, options, streaming=streaming))
 
@@ -309,7 +363,9 @@ def to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, cos
         tokens = group_kv_tokens(profile, request, costs, tp, sized)
         for stage, (block, shard, off, predicted) in enumerate(sized):
             kv = kv_token_bytes(profile, tp, shard.layers[1] - shard.layers[0], request.dtype) * kv_pool_tokens(tokens)
-            predicted = PredictedBytes(**{**predicted.model_dump(exclude={"total"}), "kv_cache": kv})
+            masks = mask_bytes(request.max_len, request.batch, kv_pool_tokens(tokens), block.kind)
+            predicted = PredictedBytes(**{**predicted.model_dump(exclude={"total"}), "kv_cache": kv,
+                                          "activations": predicted.activations + masks})
             for tp_rank, device in enumerate(block.devices):
                 ranks.append(RankPlan(
                     replica=replica, rank=stage * tp + tp_rank, stage=stage, tp_rank=tp_rank,
@@ -329,17 +385,20 @@ def to_plan(profile: ModelProfile, spec: ShardedModelSpec, request: Request, cos
         replicas=request.replicas, max_model_len=request.max_len, max_batch_size=request.batch,
         memory_headroom=request.headroom, nvls=request.nvls, groups=groups, ranks=ranks,
         kv_cache_memory_fraction=request.kv_fraction, kv_cache_memory=request.kv_bytes,
+        max_batch_size_chosen=request.rows_chosen,
         reason="; ".join(filter(None, [_reason(spec, best, found), offload.summary(ranks, request.offload.policy)])))
 
 
 def group_kv_tokens(profile: ModelProfile, request: Request, costs: Costs, tp: int,
                     sized: list[tuple[Block, Shard, OffloadPlan | None, PredictedBytes]]) -> int:
     """Tokens of KV cache a group's ranks hold: what its most constrained rank holds of what its
-    device leaves free below the headroom after its weights, activations, overhead and staging."""
+    device leaves free below the headroom after its weights, activations, overhead and staging
+    (each token's keys and values, and its share of the block masks the passes build over it)."""
     held = []
     for block, shard, _, predicted in sized:
         usable = min(int(d.memory_bytes * (1 - request.headroom)) for d in block.devices)
-        per_token = kv_token_bytes(profile, tp, shard.layers[1] - shard.layers[0], request.dtype)
+        per_token = kv_token_bytes(profile, tp, shard.layers[1] - shard.layers[0], request.dtype) \
+            + mask_token_bytes(request.max_len, request.batch, block.kind)
         held.append(kvcache.rank_tokens(costs.kv_policy(block.kind), usable - predicted.total, per_token, request))
     return min(held)
 
@@ -377,6 +436,7 @@ def places(profile: ModelProfile, spec: ShardedModelSpec, inventory: Inventory, 
         request, inventory, tps = prepare(profile, spec, inventory)
     except PlanError:
         return False
+    request = replace(request, batch=rowcap.caps(request)[-1])  # a chosen cap places what one row does
     return any(c.candidate is not None and len(c.candidate.groups) >= groups
                for mode in streaming_modes(request)
                for c in _tries(profile, spec, inventory, request, tps[::-1], options or PlannerOptions(), groups,

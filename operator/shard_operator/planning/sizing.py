@@ -16,11 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shard_contract.sharding import (
+    KV_BLOCK_SIZE,
     KV_GATHERED,
+    MASK_QUERY_BLOCK,
+    PAGED_MASKS,
     PREFILL_CHUNK,
+    batch_buckets,
+    ceil_div,
     kv_heads_per_rank,
     kv_pool_tokens,
     kv_whole_blocks,
+    length_buckets,
     prefill_rows,
     vocab_rows_per_rank,
 )
@@ -49,6 +55,18 @@ def nvls_bytes(nvls: bool, kind: str, tp: int, pipeline: bool) -> int:
     if not nvls or kind != "gpu":
         return 0
     return NVLS_BYTES * (int(tp > 1 or pipeline) + int(tp > 1 and pipeline))
+
+# The sampler's working set per logit of the rows it draws for (the worker's engine/sampling.py, on
+# every rank of the last stage): a draw with top_p or top_k holds about nine [rows, vocab] float64
+# tensors at once (the logits as float64, scaled, their probabilities, the sorted ones and their
+# order, the cumulative sums, the Gumbel noise's hashes), and a row with penalties keeps its token
+# counts (int32) and prompt mask (bool). Counted from the code, not measured.
+SAMPLER_LOGIT_BYTES = 9 * 8 + 4 + 1
+# What building one pass's block mask holds at its peak (the worker's model/paged.py `paged_mask`),
+# per row and query block, per block of the pool: the logical block ids, their table entries, the
+# selection of those the row reads and a temporary (int64 each), and the int32 inverse table and
+# indices the mask keeps for the pass. Counted from the code, not measured.
+MASK_BYTES_PER_BLOCK = 4 * 8 + 4 + 4
 
 QUANTIZATIONS = ("none", "int8")
 SCALE_BYTES = 4  # one float32 scale per output row of an int8 matrix
@@ -147,23 +165,74 @@ def kv_cache_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: int
 
 def activation_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: int, dtype: str = "auto",
                      kind: str = "gpu") -> int:
-    """Workspace of the largest forward pass: one prefill chunk of every running sequence (at most
-    MAX_STEP_TOKENS of its kind: `prefill_rows`) through a layer.
+    """Workspace of the largest forward pass: one prefill chunk of as many running sequences as
+    MAX_STEP_TOKENS of its kind allow (`prefill_rows`) through a layer, and what maxBatchSize
+    decoding rows add (`running_bytes`).
 
-    Live at once: the residual stream and a normalised copy, the local q/k/v and attention output,
-    the local gate/up/product of the MLP, what attention allocates on its masked path, the context
-    it copies out of the paged pool (`gathered_kv_bytes`), and on the last stage the gathered
-    float32 logits of the batch's last tokens.
+    Live at once: each token's share (`token_activation_bytes`), what attention allocates on its
+    masked path, the context it copies out of the paged pool (`gathered_kv_bytes`), and on the last
+    stage the gathered float32 logits of the batch's last tokens. The block masks over the pool
+    are counted with it once its size is known (`mask_bytes`).
     """
-    tp, act = shard.tp, profile.dtype_bytes(dtype)
+    tp = shard.tp
     tokens = prefill_rows(batch, max_len, kind) * min(max_len, PREFILL_CHUNK)
-    q_local = profile.shape.num_heads // tp * profile.shape.head_dim
-    kv_local = kv_heads_per_rank(profile.shape, tp) * profile.shape.head_dim
-    per_token = (3 * profile.shape.hidden_size + 2 * q_local + 2 * kv_local
-                 + 3 * profile.shape.intermediate_size // tp) * act
     logits = batch * profile.shape.vocab_size * 4 * 2 if shard.has_lm_head else 0
-    return tokens * per_token + attention_workspace_bytes(profile, tp, max_len, batch, dtype, kind) \
-        + gathered_kv_bytes(profile, tp, max_len, batch, dtype, kind) + logits
+    return tokens * token_activation_bytes(profile, tp, dtype) \
+        + attention_workspace_bytes(profile, tp, max_len, batch, dtype, kind) \
+        + gathered_kv_bytes(profile, tp, max_len, batch, dtype, kind) + logits \
+        + running_bytes(profile, shard, max_len, batch, dtype, kind)
+
+
+def token_activation_bytes(profile: ModelProfile, tp: int, dtype: str = "auto") -> int:
+    """Live at once for each token through a layer: the residual stream and a normalised copy,
+    the local q/k/v and attention output, the local gate/up/product of the MLP."""
+    shape, act = profile.shape, profile.dtype_bytes(dtype)
+    q_local = shape.num_heads // tp * shape.head_dim
+    kv_local = kv_heads_per_rank(shape, tp) * shape.head_dim
+    return (3 * shape.hidden_size + 2 * q_local + 2 * kv_local + 3 * shape.intermediate_size // tp) * act
+
+
+def running_bytes(profile: ModelProfile, shard: Shard, max_len: int, batch: int, dtype: str = "auto",
+                  kind: str = "gpu") -> int:
+    """What up to `batch` (maxBatchSize) decoding rows cost a rank beyond its largest prefill pass.
+
+    On the last stage, the sampler's working set over their logits (`SAMPLER_LOGIT_BYTES`). On a
+    GPU rank, the decode steps it replays (the worker's engine/graphs.py): every (batch, context)
+    bucket's graph keeps its output (the last stage's float32 logits [rows, vocab], another
+    stage's hidden states [rows, 1, hidden]), and the largest step's own memory lives in the
+    graphs' pool, beside the eager allocator's prefill peak: its rows through a layer, their
+    logits gathered, and its slot maps and mask over maxModelLen columns (`Step.captured`: about
+    six int64 [rows, columns] tensors at once, a boolean mask and its additive copy). The block
+    masks its passes build grow with the pool: `mask_bytes`."""
+    shape, act = profile.shape, profile.dtype_bytes(dtype)
+    total = batch * shape.vocab_size * SAMPLER_LOGIT_BYTES if shard.has_lm_head else 0
+    if kind == "gpu":
+        row_out = shape.vocab_size * 4 if shard.has_lm_head else shape.hidden_size * act
+        total += sum(batch_buckets(batch)) * len(length_buckets(max_len)) * row_out
+        total += batch * (token_activation_bytes(profile, shard.tp, dtype) + (2 * row_out if shard.has_lm_head else 0)
+                          + max_len * (6 * 8 + 1 + act))
+    return total
+
+
+def mask_rows(max_len: int, batch: int, kind: str = "gpu") -> int:
+    """Rows x query blocks of the block masks a rank holds at once over its pool (where
+    `PAGED_MASKS[kind]`): the largest decode step's rows (in the graphs' pool) and the largest
+    prefill pass's rows by its chunk's query blocks (in the eager allocator's)."""
+    if not PAGED_MASKS[kind]:
+        return 0
+    return batch + prefill_rows(batch, max_len, kind) * ceil_div(min(max_len, PREFILL_CHUNK), MASK_QUERY_BLOCK)
+
+
+def mask_token_bytes(max_len: int, batch: int, kind: str = "gpu") -> int:
+    """What the block masks cost per position of the pool (rounded up to a byte): what each token
+    of KV costs beside its keys and values."""
+    return ceil_div(mask_rows(max_len, batch, kind) * MASK_BYTES_PER_BLOCK, KV_BLOCK_SIZE)
+
+
+def mask_bytes(max_len: int, batch: int, pool_tokens: int, kind: str = "gpu") -> int:
+    """The block masks over a pool of `pool_tokens` positions (`kv_pool_tokens`): the same
+    per-position figure the KV cache's sizing divides by, so the two agree."""
+    return mask_token_bytes(max_len, batch, kind) * pool_tokens
 
 
 def gathered_kv_bytes(profile: ModelProfile, tp: int, max_len: int, batch: int, dtype: str = "auto",

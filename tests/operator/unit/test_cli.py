@@ -142,8 +142,9 @@ def test_replicas_that_do_not_all_fit_print_the_plan_of_those_that_do_and_exit_2
     assert code == 2
     assert "1 of 2 replicas (the others do not fit)" in out and "group 0: critical path" in out
     assert "group 1" not in out
-    assert err.startswith("shardctl: InsufficientCapacity: 2 replicas wanted, 1 fits: tensor=2 x pipeline=1 x 2 "
-                          "replicas needs 4 devices, tensor-parallel ranks on one node; the pool has 3")
+    # 256 running rows (maxBatchSize unset) fit three stages, not two tensor-parallel ranks
+    assert err.startswith("shardctl: InsufficientCapacity: 2 replicas wanted, 1 fits: tensor=1 x pipeline=3 x 2 "
+                          "replicas needs 6 devices; the pool has 3")
 
 
 def test_impossible_parallelism_is_named_before_the_devices_are_looked_at(capsys, tmp_path):

@@ -22,7 +22,7 @@ from shard_operator.planning.inventory import Device, Inventory, parse_devices
 from shard_operator.planning.profile import profile_from_config
 from shard_operator.planning.replan import incompatibility
 from shard_operator.planning.report import render_plan
-from shard_operator.planning.sizing import kv_token_bytes
+from shard_operator.planning.sizing import kv_token_bytes, mask_bytes, mask_token_bytes
 
 LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -35,14 +35,26 @@ def spec(serving=None, **fields):
     return parse_spec({"model": model, **({"serving": serving} if serving is not None else {}), **fields})
 
 
+def masks_of(p: Plan, r) -> int:
+    """The block masks a GPU rank's passes build over its pool, counted in its activations."""
+    return mask_bytes(p.max_model_len, p.max_batch_size, kv_pool_tokens(r.kv_cache_tokens), r.kind)
+
+
 def free_of(p: Plan, r) -> int:
-    """What the plan leaves free on a rank below its headroom, before the KV cache."""
+    """What the plan leaves free on a rank below its headroom, before the KV cache (and the block
+    masks over it)."""
     b = r.predicted_bytes
-    return r.usable_bytes - (b.weights + b.activations + b.overhead + b.staging)
+    return r.usable_bytes - (b.weights + b.activations - masks_of(p, r) + b.overhead + b.staging)
 
 
 def per_token(profile, p: Plan, r) -> int:
+    """One token's keys and values on the rank."""
     return kv_token_bytes(profile, p.tensor_parallel, r.layers[1] - r.layers[0], p.dtype)
+
+
+def cost_per_token(profile, p: Plan, r) -> int:
+    """What a token of KV costs the rank: its keys and values, and its share of the block masks."""
+    return per_token(profile, p, r) + mask_token_bytes(p.max_model_len, p.max_batch_size, r.kind)
 
 
 # ---------------------------------------------------------------- the modes (tables)
@@ -56,7 +68,7 @@ def test_a_fraction_gives_the_cache_that_share_of_what_the_plan_leaves_free():
     (r,) = p.ranks
     assert p.max_batch_size == 256  # a cap on running sequences, not a reservation
     # the tokens sequences get (whole blocks); the bytes also hold the pool's reserved blocks
-    assert r.kv_cache_tokens == kv_sequence_tokens(int(0.9 * free_of(p, r)) // per_token(profile, p, r))
+    assert r.kv_cache_tokens == kv_sequence_tokens(int(0.9 * free_of(p, r)) // cost_per_token(profile, p, r))
     assert r.kv_cache_tokens % KV_BLOCK_SIZE == 0
     assert r.predicted_bytes.kv_cache == kv_pool_tokens(r.kv_cache_tokens) * per_token(profile, p, r)
     assert r.predicted_bytes.total <= r.usable_bytes
@@ -73,7 +85,7 @@ def test_a_cpu_reserves_max_batch_size_sequences_unless_the_spec_gives_a_fractio
     assert plan(profile, spec(model={"maxModelLen": 1024}), cpu).kv_cache_tokens == 1024  # CPU default: 1
     half = plan(profile, spec(model={"maxModelLen": 1024}, serving={"kvCacheMemoryFraction": 0.5}), cpu)
     (r,) = half.ranks
-    assert r.kv_cache_tokens == kv_sequence_tokens(int(0.5 * free_of(half, r)) // per_token(profile, half, r))
+    assert r.kv_cache_tokens == kv_sequence_tokens(int(0.5 * free_of(half, r)) // cost_per_token(profile, half, r))
     assert r.kv_cache_tokens > 1000 * 1024  # 64 GiB of host budget, 16 KiB a token at 2 layers
     assert half.max_batch_size == 1
 
@@ -83,8 +95,8 @@ def test_a_quantity_is_the_bytes_of_every_rank_and_must_fit():
     p = plan(profile, spec(model={"maxModelLen": 8192}, serving={"kvCacheMemory": "20Gi"},
                            parallelism={"tensor": 2, "pipeline": 1}), parse_devices("a:80GiB*2:H100"))
     for r in p.ranks:
-        assert r.kv_cache_tokens == kv_sequence_tokens(20 * GiB // per_token(profile, p, r))
-        assert r.predicted_bytes.kv_cache <= 20 * GiB
+        assert r.kv_cache_tokens == kv_sequence_tokens(20 * GiB // cost_per_token(profile, p, r))
+        assert r.predicted_bytes.kv_cache + masks_of(p, r) <= 20 * GiB
     with pytest.raises(PlanError) as err:
         plan(profile, spec(model={"maxModelLen": 8192}, serving={"kvCacheMemory": "70Gi"},
                            parallelism={"tensor": 1, "pipeline": 1}), parse_devices("a:80GiB:H100"))
@@ -120,10 +132,12 @@ def test_a_layout_fits_only_with_room_for_one_whole_sequence():
     more devices instead (here a second) or says it does not fit."""
     profile = profile_from_config(LLAMA_8B)
     # one sequence of 131072 tokens is 16 GiB of KV: not beside 15 GiB of weights on a 24 GiB card
-    p = plan(profile, spec(model={"maxModelLen": 131072}, serving=NINE_TENTHS), parse_devices("a:24GiB*2"))
+    # (one running row: 256 would add their prefill pass and decode steps at that length)
+    one = {"maxModelLen": 131072, "maxBatchSize": 1}
+    p = plan(profile, spec(model=one, serving=NINE_TENTHS), parse_devices("a:24GiB*2"))
     assert p.world_size == 2 and p.kv_cache_tokens >= 131072
     with pytest.raises(PlanError):
-        plan(profile, spec(model={"maxModelLen": 131072}, serving=NINE_TENTHS), parse_devices("a:24GiB"))
+        plan(profile, spec(model=one, serving=NINE_TENTHS), parse_devices("a:24GiB"))
 
 
 def test_two_small_gpus_are_not_one_big_one():
@@ -133,7 +147,7 @@ def test_two_small_gpus_are_not_one_big_one():
     p = plan(profile, spec(model={"maxModelLen": 4096}, parallelism={"tensor": 1, "pipeline": 2},
                            serving={"kvCacheMemoryFraction": 1.0}),
              parse_devices("a:80GiB:H100,b:24GiB:L4"))
-    tokens = [kv_sequence_tokens(int(free_of(p, r)) // per_token(profile, p, r)) for r in p.ranks]
+    tokens = [kv_sequence_tokens(int(free_of(p, r)) // cost_per_token(profile, p, r)) for r in p.ranks]
     assert len(set(tokens)) == 2
     assert all(r.kv_cache_tokens == min(tokens) for r in p.ranks)
     assert all(r.predicted_bytes.kv_cache == kv_pool_tokens(min(tokens)) * per_token(profile, p, r) for r in p.ranks)
@@ -250,11 +264,11 @@ def test_the_cache_fits_below_the_headroom_and_takes_its_share_of_what_is_free(d
         share = [fraction * free_of(p, r) for r in group]
         for r, most in zip(group, share, strict=True):
             assert r.predicted_bytes.total <= r.usable_bytes  # fits with headroom
-            assert r.predicted_bytes.kv_cache <= most  # never above its share of what is free
+            assert r.predicted_bytes.kv_cache + masks_of(p, r) <= most  # never above its share of what is free
         # the most constrained rank takes its share but for less than a block (whole blocks, the
         # reserved ones counted), and its sequences get whole blocks
         assert group[0].kv_cache_tokens % KV_BLOCK_SIZE == 0
-        assert min(most - r.predicted_bytes.kv_cache - KV_BLOCK_SIZE * per_token(profile, p, r)
+        assert min(most - r.predicted_bytes.kv_cache - masks_of(p, r) - KV_BLOCK_SIZE * cost_per_token(profile, p, r)
                    for r, most in zip(group, share, strict=True)) < 0
 
 
@@ -292,8 +306,9 @@ def test_a_quantity_is_never_exceeded_and_fits_below_the_headroom(data):
         return
     for r in p.ranks:
         assert max_len <= r.kv_cache_tokens == p.group_kv_cache_tokens(r.replica)
-        assert r.predicted_bytes.kv_cache <= quantity and r.predicted_bytes.total <= r.usable_bytes
+        assert r.predicted_bytes.kv_cache + masks_of(p, r) <= quantity
+        assert r.predicted_bytes.total <= r.usable_bytes
     # the most constrained rank of each group holds all but less than a block of the quantity
     for g in p.groups:
-        assert min(quantity - r.predicted_bytes.kv_cache - KV_BLOCK_SIZE * per_token(profile, p, r)
-                   for r in p.group(g.replica)) < 0
+        assert min(quantity - r.predicted_bytes.kv_cache - masks_of(p, r)
+                   - KV_BLOCK_SIZE * cost_per_token(profile, p, r) for r in p.group(g.replica)) < 0

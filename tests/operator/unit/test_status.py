@@ -140,9 +140,10 @@ def test_shards_and_groups_report_plan_and_pods():
     assert status["groups"] == [{"replica": 0, "revision": "new", "planHash": plan.group_hash(0), "state": "Starting",
                                  "readyRanks": 1, "ranks": 2, "restarts": 1, "message": ""}]
     assert status["plan"]["tensorParallel"] == 2 and status["plan"]["hash"] == plan.hash
-    # the KV cache's capacity in tokens: maxBatchSize sequences of maxModelLen, per group
-    assert status["plan"]["kvCacheTokens"] == plan.max_batch_size * plan.max_model_len > 0
-    assert {s["kvCacheTokens"] for s in status["shards"]} == {plan.max_batch_size * plan.max_model_len}
+    # the KV cache's capacity in tokens, per group (a GPU's: 0.9 of what the plan leaves free)
+    assert status["plan"]["kvCacheTokens"] == plan.kv_cache_tokens >= plan.max_model_len
+    assert {s["kvCacheTokens"] for s in status["shards"]} == {plan.kv_cache_tokens}
+    assert status["plan"]["reason"] == plan.reason  # why this layout (and a chosen maxBatchSize)
     assert status["selector"] == "sharding.dev/model=m,sharding.dev/role=leader"
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from shard_contract.env import step_token_budget
+from shard_contract.sharding import prefill_rows
 from shard_contract.wire import Completion, GenerateRequest
 
 from ..comm.dist import Comm
@@ -68,6 +69,9 @@ class Engine:
         # the per-step token budget of a continuous batch (decodes + joiners' prompt chunks:
         # chunking.py); the leader's, sent with each generate so that every rank composes alike
         self.step_tokens = step_tokens or step_token_budget(stage.device.type)
+        # the most rows a prefill pass computes together: those the plan sized activations for
+        # (a batch of up to maxBatchSize rows prefills in several passes, then decodes together)
+        self.prefill_rows = prefill_rows(cache.batch, max_len, "gpu" if stage.device.type == "cuda" else "cpu")
         # The paged KV cache's bookkeeping (kvblocks.py): the leader's alone decides which blocks
         # each sequence holds; the other ranks hear it with the requests and joins.
         self.blocks = Blocks(cache.num_blocks, cache.block_size, decides=comm.topo.rank == 0,
@@ -274,7 +278,7 @@ class Engine:
             ids[i, int(rows.pads[i]):] = torch.tensor(r.prompt_ids)
         # what every row took from the prefix cache is not computed again (when all of them took some)
         c0 = int((rows.pads + rows.starts)[:len(requests)].min())
-        units = prefill_units((0, len(requests)), (c0, prompt_cols), self.topo.pp)
+        units = prefill_units((0, len(requests)), (c0, prompt_cols), self.topo.pp, max_rows=self.prefill_rows)
         return self.runner.run([(u, ids[u.r0:u.r1, u.c0:u.c1]) for u in units], rows, vocab)
 
     def _report(self, took: list[SequenceState], hooks: Hooks | None) -> None:

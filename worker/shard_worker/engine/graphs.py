@@ -6,9 +6,10 @@ function of persistent device buffers only (`decode_forward`: the input ids or h
 the step's cache column, each row's left padding and block table; the KV cache and the weights it closes over),
 captured once per (batch bucket, context bucket) and replayed:
 
-- batch buckets 1, 2, 4, ... up to maxBatchSize: a step of rows [r0, r1) replays the bucket that
-  covers rows [0, r1); the rows it computes beyond those asked for (free, finished, never used)
-  write their own cache rows at the step's column and are otherwise ignored;
+- batch buckets 1, 2, 4, ... up to maxBatchSize (`shard_contract.sharding.batch_buckets`): a step
+  of rows [r0, r1) replays the bucket that covers rows [0, r1); the rows it computes beyond those
+  asked for (free, finished, never used) write their own cache rows at the step's column and are
+  otherwise ignored;
 - context buckets 256, 512, ... up to maxModelLen: where attention gathers each row's context,
   it gathers that many columns, those past the step's own masked out, and read from the ZERO
   block (a masked value is still multiplied by 0, and 0 x NaN is NaN: what a failed sequence left
@@ -44,6 +45,7 @@ from collections.abc import Callable
 import torch
 
 from shard_contract.env import DECODE_GRAPHS_ENV
+from shard_contract.sharding import DECODE_MIN_LENGTH, batch_buckets, length_buckets
 
 from ..comm.dist import Comm
 from ..model import kernels, paged
@@ -53,27 +55,9 @@ from ..model.step import KVCache, Rotary, Step
 
 ENV = DECODE_GRAPHS_ENV
 MODES = ("auto", "off", "eager", "cuda", "compile")
-MIN_LENGTH = 256  # the shortest context bucket: below it, reading more columns costs nothing
+MIN_LENGTH = DECODE_MIN_LENGTH  # the shortest context bucket (the contract's: the planner counts the graphs)
 Tape = tuple[tuple[str, int], ...]  # a step's collectives: (op, bytes) in issue order
 Masks = dict[int | None, paged.MaskTensors]  # a step's block masks' tensors, per attention window
-
-
-def batch_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, ... below max_batch, then max_batch."""
-    out, b = [], 1
-    while b < max_batch:
-        out.append(b)
-        b *= 2
-    return out + [max_batch]
-
-
-def length_buckets(max_len: int, shortest: int = MIN_LENGTH) -> list[int]:
-    """`shortest`, twice that, ... below max_len, then max_len."""
-    out, n = [], shortest
-    while n < max_len:
-        out.append(n)
-        n *= 2
-    return out + [max_len]
 
 
 def smallest(buckets: list[int], at_least: int) -> int:

@@ -130,16 +130,18 @@ def chunk_units(row: int, start: int, end: int, last: bool, stages: int) -> list
 
 
 def prefill_units(rows: tuple[int, int], cols: tuple[int, int], stages: int,
-                  chunk: int = PREFILL_CHUNK) -> list[Unit]:
+                  chunk: int = PREFILL_CHUNK, max_rows: int | None = None) -> list[Unit]:
     """The prefill of rows [r0, r1), left-padded prompts ending at column c1, over columns
     [c0, c1), in processing order; the units that reach c1 emit.
 
-    Rows go into min(rows, stages) micro-batches; columns into chunks of at most `chunk`, and into
-    enough chunks that there are at least `stages` units to keep every stage busy. Chunks come
-    first in the order, so each row's cache fills left to right on every stage.
+    Rows go into min(rows, stages) micro-batches, or more so that none has over `max_rows` rows
+    (the rows of the largest pass the plan sized activations for: `sharding.prefill_rows`);
+    columns into chunks of at most `chunk`, and into enough chunks that there are at least
+    `stages` units to keep every stage busy. Chunks come first in the order, so each row's cache
+    fills left to right on every stage.
     """
     (r0, r1), (c0, c1) = rows, cols
-    row_groups = split(r1 - r0, stages)
+    row_groups = split(r1 - r0, max(stages, -(-(r1 - r0) // max_rows) if max_rows else 1))
     n_chunks = max(-(-(c1 - c0) // chunk), -(-stages // len(row_groups)))
     return [Unit(r0 + a, r0 + b, c0 + left, c0 + right, emits=c0 + right == c1)
             for left, right in split(c1 - c0, n_chunks) for a, b in row_groups]

@@ -1,12 +1,15 @@
 """The warm-up pass a rank runs before it says ready: its largest forward pass, measured.
 
-A rank's peak memory is its weights and KV cache plus the activations of its largest forward
-pass: maxBatchSize rows by one prefill chunk, attending to the whole context (the last chunk of a
-maxModelLen prompt: its mask and, for GQA under a mask, K/V expanded to the query heads, are the
-largest). Without a warm-up that peak is first met under the first big load, where an
-out-of-memory kills the group while it serves; with it, a plan whose activations do not fit fails
-at start, with a reason that names the plan's numbers, and the peak it reached is part of what the
-rank reports (`ResidentBytes.activations`, and `peak`).
+A rank's peak memory is its weights and KV cache plus the activations of its largest forward pass:
+the rows a prefill pass computes together (`sharding.prefill_rows`: maxBatchSize, at most
+MAX_STEP_TOKENS of prefill chunks) by one prefill chunk, attending to the whole context (the last
+chunk of a maxModelLen prompt: its mask and, for GQA under a mask, K/V expanded to the query heads,
+are the largest). What up to maxBatchSize decoding rows cost beyond it (a GPU rank's captured
+decode steps, the sampler's working set) is the planner's estimate, not measured here. Without a
+warm-up that peak is first met under the first big load, where an out-of-memory kills the group
+while it serves; with it, a plan whose activations do not fit fails at start, with a reason that
+names the plan's numbers, and the peak it reached is part of what the rank reports
+(`ResidentBytes.activations`, and `peak`).
 
 Every rank of a stage runs the same pass on made-up input (token ids on the first stage, zeros
 elsewhere), so the tensor-parallel all-reduces inside it meet; stages do not talk to each other.
@@ -37,15 +40,17 @@ class Warmup:
     activations: int  # bytes above what the rank held before the pass, at its peak
 
 
-def largest_pass(max_batch: int, max_len: int, chunk: int = PREFILL_CHUNK) -> tuple[int, int, int]:
-    """Rows, first and end column of the plan's largest forward pass: every row, the last chunk."""
+def largest_pass(rows: int, max_len: int, chunk: int = PREFILL_CHUNK) -> tuple[int, int, int]:
+    """Rows, first and end column of the plan's largest forward pass: `rows` (the rows of a
+    prefill pass), the last chunk."""
     cols = min(max_len, chunk)
-    return max_batch, max_len - cols, max_len
+    return rows, max_len - cols, max_len
 
 
-def warm_up(stage: Stage, cache: KVCache, rotary: Rotary, max_batch: int, max_len: int,
+def warm_up(stage: Stage, cache: KVCache, rotary: Rotary, rows: int, max_len: int,
             chunk: int = PREFILL_CHUNK) -> Warmup:
-    rows, c0, c1 = largest_pass(max_batch, max_len, chunk)
+    """The largest prefill pass of `rows` rows (at most the cache's) at maxModelLen, measured."""
+    rows, c0, c1 = largest_pass(rows, max_len, chunk)
     device, cuda = stage.device, stage.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
@@ -69,7 +74,7 @@ def warm_up(stage: Stage, cache: KVCache, rotary: Rotary, max_batch: int, max_le
                 torch.cuda.synchronize(device)
     except torch.cuda.OutOfMemoryError as err:
         raise WarmupOutOfMemory(
-            f"the warm-up pass at the plan's largest forward pass ({rows} rows, maxBatchSize, x {c1 - c0} prefill "
+            f"the warm-up pass at the plan's largest forward pass ({rows} rows x {c1 - c0} prefill "
             f"tokens attending to {c1} positions, maxModelLen) ran out of device memory: the plan's activations "
             f"do not fit beside its weights and KV cache; lower maxBatchSize or maxModelLen, or raise "
             f"memoryHeadroom ({str(err).splitlines()[0]})") from None

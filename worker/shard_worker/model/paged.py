@@ -44,11 +44,13 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from shard_contract.env import PAGED_ATTENTION_ENV
+from shard_contract.sharding import MASK_QUERY_BLOCK
 
 from . import kernels
 from .paging import BLOCK_SIZE, TRASH_BLOCK
 
-Q_BLOCK = 128  # query columns a mask block: a decode step's one, a chunk's in 128s (Triton's BLOCK_M divides it)
+# query columns a mask block: a decode step's one, a chunk's in 128s (Triton's BLOCK_M divides it)
+Q_BLOCK = MASK_QUERY_BLOCK
 _FAR = 1 << 30  # a bound no position reaches: the padded query columns of a mask read nothing
 
 Attend = Callable[..., torch.Tensor]

@@ -59,7 +59,7 @@ class Rank:
         self.rank_plan = plan.rank_plan(env.replica, env.rank)
         self.rank, self.leader = env.rank, env.rank == 0
         self.metrics = RankMetrics(env.model_name, env.replica, self.rank_plan, self.leader,
-                                   max_batch=cache_rows(plan, self.rank_plan), max_len=plan.max_model_len)
+                                   max_batch=cache_rows(plan), max_len=plan.max_model_len)
         self.worker: Worker | None = None
         self.state, self.error = "loading", ""
         self.problems: list[str] = []

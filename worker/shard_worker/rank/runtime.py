@@ -117,11 +117,16 @@ def freeze_loaded_objects() -> None:
     gc.freeze()
 
 
-def cache_rows(plan: Plan, rank_plan: RankPlan) -> int:
-    """Rows of the paged KV cache (the most sequences that run at once; each holds only the blocks
-    it needs): maxBatchSize, at most the rows of the largest forward pass the plan sized
-    activations for (`prefill_rows`); at least one."""
-    return max(1, min(plan.max_batch_size, prefill_rows(plan.max_batch_size, plan.max_model_len, rank_plan.kind)))
+def cache_rows(plan: Plan) -> int:
+    """Rows of the paged KV cache: the most sequences that run at once (maxBatchSize; each holds
+    only the blocks it needs). They decode together; their prompts prefill in passes of at most
+    the rows the plan sized activations for (`warm_rows`)."""
+    return max(1, plan.max_batch_size)
+
+
+def warm_rows(plan: Plan, rank_plan: RankPlan) -> int:
+    """Rows of the largest prefill pass, which the warm-up runs: `prefill_rows` of the plan."""
+    return prefill_rows(plan.max_batch_size, plan.max_model_len, rank_plan.kind)
 
 
 def cache_tokens(plan: Plan, rank_plan: RankPlan) -> int:
@@ -195,7 +200,7 @@ class Worker:
             stats = load_stage(stage, env.model_dir, progress)
             loaded = MemorySample.take(device)
             # paged: the group's KV tokens in blocks (every rank holds the blocks the leader hands out)
-            cache = KVCache(layout.layers[1] - layout.layers[0], cache_rows(plan, rank_plan), layout.kv_heads,
+            cache = KVCache(layout.layers[1] - layout.layers[0], cache_rows(plan), layout.kv_heads,
                             plan.max_model_len, config.head_dim, dtype, device, tokens=cache_tokens(plan, rank_plan))
             cached = MemorySample.take(device)
             if offload is not None:  # the staging slots (and a GPU's pinned host copies); started
@@ -208,7 +213,7 @@ class Worker:
             # Before ready: the plan's largest forward pass, so that its activations fail here
             # (a plan-level reason) rather than under the first big load.
             try:
-                warm = warm_up(stage, cache, rotary, cache.batch, plan.max_model_len)
+                warm = warm_up(stage, cache, rotary, warm_rows(plan, rank_plan), plan.max_model_len)
             except WarmupOutOfMemory as err:
                 raise ActivationsDoNotFit(str(err)) from None
             peak = max(staged.peak_rss, MemorySample.take(device).peak_rss) - baseline.rss

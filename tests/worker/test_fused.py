@@ -5,6 +5,10 @@ sliding windows (Mistral), left-padded rows, and with two threads. TP=2 (through
 checked end to end by tests/worker/test_offload.py, whose streamed layers run in Python and whose
 resident ones run fused, with logits that must be equal.
 
+Mixed steps too: a prompt chunk's tokens (each at its own position, crossing a KV block) fused on
+their own, and beside a decode step's rows in one pass (`Stage.forward_parts`), against the Python
+layers running the chunk and then the decode step.
+
 And SwiGLU's product in C (`kernels.silu_mul`) against torch's F.silu(gate) * up."""
 
 from __future__ import annotations
@@ -71,6 +75,112 @@ def _run(model_dir, dtype: torch.dtype, quantization: str, use_fused: bool, pads
             step = Step.build(r0, r1, col, col + 1, pads_t, rotary, stage.windows, dtype, cpu)
             outs.append(stage.forward(ids[r0:r1], step, cache))
     return outs, cache, ran
+
+
+def _stage(model_dir, dtype: torch.dtype, quantization: str, use_fused: bool):
+    """A whole-model stage (TP=1) whose fused layer calls are counted (`stage.ran`)."""
+    from shard_worker.comm.dist import Comm, Topology
+    from shard_worker.model.config import ModelConfig
+    from shard_worker.model.loader import load_stage
+    from shard_worker.model.model import Stage
+    from shard_worker.model.slices import Layout
+    from shard_worker.telemetry.accounting import Accounting
+
+    config = ModelConfig.from_dir(model_dir)
+    layout = Layout(config, tp=1, tp_rank=0, layers=(0, config.num_layers), embeds=True, has_lm_head=True)
+    stage = Stage(layout, Comm(Topology(rank=0, tp=1, pp=1), Accounting()), dtype, torch.device("cpu"),
+                  quantization=quantization)
+    load_stage(stage, model_dir)
+    stage.fused.enabled = use_fused
+    stage.ran = 0
+    real_run = stage.fused.run
+
+    def counted(*args):
+        out = real_run(*args)
+        stage.ran += out is not None
+        return out
+
+    stage.fused.run = counted
+    return stage, config, layout
+
+
+# a joiner's prompt in row 2, by chunks (the second crosses KV block 0 -> 1, 9 tokens: a group of the
+# matrix products of one row) while rows 0 and 1 (left-padded) decode
+CHUNKS = [(0, 10), (10, 19), (19, 27), (27, 29)]
+
+
+def _mixed(model_dir, dtype: torch.dtype, quantization: str, use_fused: bool, together: bool, per_token: bool = True):
+    """Rows 0-1 prefilled, then at each step a chunk of row 2's prompt (by position) and a decode
+    step of rows 0-1: in one pass (`together`: `forward_parts`), else the chunk then the decode
+    step. The hidden states of every pass, the KV cache and the fused layer calls. Without
+    `per_token`, the chunks' steps are what torch's attention takes (the gathered context)."""
+    from shard_worker.model.step import KVCache, Rotary, Step
+
+    stage, config, layout = _stage(model_dir, dtype, quantization, use_fused)
+    cpu, prompt = torch.device("cpu"), 7
+    cache = KVCache(config.num_layers, 3, layout.kv_heads, 48, config.head_dim, dtype, cpu)
+    rotary, pads, parked = Rotary(config, 48, cpu), torch.tensor([0, 3, 0]), torch.zeros(3, dtype=torch.int64)
+    tables, starts = cache.contiguous, torch.zeros(3, dtype=torch.int64)
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, prompt), generator=generator)
+    joiner = torch.randint(0, SHAPE["vocab_size"], (1, CHUNKS[-1][1]), generator=generator)
+
+    def step(r0, r1, c0, c1, rows_pads, per_token=False):
+        return Step.build(r0, r1, c0, c1, rows_pads, rotary, stage.windows, dtype, cpu, tables=tables, starts=starts,
+                          per_token=per_token)
+
+    outs = [stage.forward(ids, step(0, 2, 0, prompt, pads), cache)]
+    for i, (a, b) in enumerate(CHUNKS):
+        col = prompt + i
+        chunk = (joiner[:, a:b], step(2, 3, a, b, parked, per_token=per_token))
+        decode = (torch.randint(0, SHAPE["vocab_size"], (2, 1), generator=generator), step(0, 2, col, col + 1, pads))
+        if together:
+            outs += stage.forward_parts([chunk, decode], cache)
+        else:
+            outs += [stage.forward(*chunk, cache), stage.forward(*decode, cache)]
+    return outs, cache, stage.ran
+
+
+@pytest.mark.parametrize("dtype,quantization", [(torch.float32, "none"), (torch.bfloat16, "none"),
+                                                (torch.bfloat16, "int8")])
+def test_a_chunk_beside_decode_rows_fused_in_one_pass_computes_what_python_layers_do(model, dtype, quantization):
+    python, python_cache, none = _mixed(model, dtype, quantization, False, together=False)
+    ours, our_cache, ran = _mixed(model, dtype, quantization, True, together=True)
+    alone, alone_cache, ran_alone = _mixed(model, dtype, quantization, True, together=False)
+    layers = SHAPE["num_layers"]
+    assert none == 0 and ran == len(CHUNKS) * layers and ran_alone == 2 * len(CHUNKS) * layers
+    for i, (a, b, c) in enumerate(zip(python, ours, alone, strict=True)):
+        assert torch.equal(a, b), f"pass {i}: hidden states differ (max {(a.float() - b.float()).abs().max()})"
+        assert torch.equal(a, c), f"pass {i}: a chunk fused alone differs"
+    for cache in (our_cache, alone_cache):
+        assert torch.equal(python_cache.k, cache.k) and torch.equal(python_cache.v, cache.v)
+
+
+def test_a_chunk_with_two_threads_computes_the_same(model):
+    before = torch.get_num_threads()
+    python, _, _ = _mixed(model, torch.bfloat16, "none", False, together=False)
+    torch.set_num_threads(2)
+    try:
+        ours, _, ran = _mixed(model, torch.bfloat16, "none", True, together=True)
+    finally:
+        torch.set_num_threads(before)
+    assert ran > 0 and all(torch.equal(a, b) for a, b in zip(python, ours, strict=True))
+
+
+def test_a_pass_of_parts_without_fused_layers_runs_each_part_through_forward(model):
+    python, _, _ = _mixed(model, torch.float32, "none", False, together=True)  # fused off: parts one by one
+    reference, _, _ = _mixed(model, torch.float32, "none", False, together=False)
+    assert all(torch.equal(a, b) for a, b in zip(python, reference, strict=True))
+
+
+def test_a_chunks_attention_in_c_is_torchs_within_rounding(model):
+    """The chunk's tokens attend causally over their cache up to their own positions, the keys of the
+    chunk's earlier tokens included: what torch's attention over the gathered context gives."""
+    ours, our_cache, _ = _mixed(model, torch.float32, "none", True, together=True)
+    torchs, torch_cache, _ = _mixed(model, torch.float32, "none", False, together=False, per_token=False)
+    for i, (a, b) in enumerate(zip(ours, torchs, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"pass {i}")
+    torch.testing.assert_close(our_cache.k, torch_cache.k, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype,quantization", [(torch.float32, "none"), (torch.bfloat16, "none"),

@@ -1,5 +1,6 @@
 """The decode kernels (`shard_worker.model.kernels`) against `F.linear`: every level this CPU runs and
-torch's own path, float32 / bfloat16 / int8 weights, 1-8 rows, shapes of real models and odd
+torch's own path, float32 / bfloat16 / int8 weights, 1-8 rows (and up to MAX_TOKENS in groups of 8),
+shapes of real models and odd
 sizes (row tails of every length), rows split over 2 threads; and the fallback when the extension
 is absent. Every level this CPU runs is tested by name (`level=`), so a machine with AVX-512
 tests the AVX2 and portable paths too.
@@ -63,6 +64,31 @@ def test_float_weights_match_f_linear(level, dtype):
 
 
 @pytest.mark.parametrize("level", kernels.LEVELS, ids=str)
+def test_more_rows_than_a_group_give_each_groups_bits(level):
+    """9 to MAX_TOKENS rows (a decode step's and a chunk's tokens in one pass) are multiplied in groups
+    of MAX_ROWS while a block of W is in L2: each row gets the very bits of its group's own call
+    (bfloat16's one-row path included: 9 rows end with a group of one), on 2 threads too."""
+    torch.manual_seed(4)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for dtype, wdtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                  (torch.bfloat16, torch.int8)):
+                for n, k in [(384, 2048), (300, 100), (9, 33)]:
+                    w = torch.randn(n, k)
+                    w, scale = quantize(w) if wdtype == torch.int8 else (w.to(wdtype), None)
+                    for rows in (9, 16, 23, kernels.MAX_TOKENS):
+                        x = torch.randn(rows, k).to(dtype)
+                        y = kernels.linear(x, w, scale, level=level)
+                        groups = [kernels.linear(x[i:i + kernels.MAX_ROWS], w, scale, level=level)
+                                  for i in range(0, rows, kernels.MAX_ROWS)]
+                        assert torch.equal(y, torch.cat(groups)), (dtype, wdtype, n, k, rows)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("level", kernels.LEVELS, ids=str)
 def test_rows_split_over_threads(level):
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -91,7 +117,7 @@ def test_int8_weights_match_f_linear_of_the_dequantized_weight(level, dtype):
     for n, k in [*SHAPES, (40, 129), (24, 255)]:
         q, scale = quantize(torch.randn(n, k))
         dequantized = (q.float() * scale.unsqueeze(1)).double()
-        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 40):  # 9 and 40: prefill, torch's path (dequantized chunks)
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 40, 65):  # 9 and 40: ours in groups of 8; 65: torch's path
             x = (torch.randn(rows, k) * torch.rand(rows, k).pow(8) * 30).to(dtype)  # a wide range within blocks
             y = kernels.linear(x, q, scale, level=level)
             assert y.dtype == dtype and y.shape == (rows, n)

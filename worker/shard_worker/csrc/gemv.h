@@ -48,6 +48,9 @@ enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };    /* weight dtypes */
 enum { X_F32 = 0, X_BF16 = 1 };              /* activation (and output) dtypes */
 enum { PORTABLE = 0, AVX2 = 1, AVX512 = 2, AVX512_VNNI = 3, AVX512_BF16 = 4, LEVELS = 5 };
 #define MAX_M 8
+/* x rows one call takes (a decode step's rows and a prompt chunk's tokens together): groups of at
+ * most MAX_M, each multiplied with a block of W's rows while that block is in L2 (gemv_groups) */
+#define MAX_TOKENS 64
 /* int8 weights: x's columns share a scale by blocks of QBLOCK (a multiple of 32: a block is
  * whole vectors but in its last one); its values are int16 in [-QMAX, QMAX] */
 #define QBLOCK 128  /* the int8 tiles unroll a block: 4 x 32 (AVX-512) and 8 x 16 (AVX2) columns */
@@ -223,6 +226,11 @@ void detect(void);
 void quantize_with(int level, const Job *j, int16_t *xq, float *xs);
 int gemv_run(int wtype, int xtype, const void *w, const void *scale, const void *x, void *y, int64_t n, int64_t k,
              int64_t ldw, int64_t m, int64_t ldx, int64_t ldy, int threads, int level);
+int gemv_groups(int wtype, int xtype, const void *w, const void *scale, const void *x, void *y, int64_t n,
+                int64_t k, int64_t ldw, int64_t m, int64_t ldx, int64_t ldy, const int64_t *ends, int groups,
+                int threads, int level);
+int split_groups(int64_t m, int64_t *ends);
+int groups_valid(const int64_t *ends, int groups, int64_t m);
 int gemv_valid(int wtype, int xtype, const void *scale, int64_t n, int64_t k, int64_t ldw, int64_t m, int64_t ldx,
                int64_t ldy);
 
@@ -235,10 +243,14 @@ typedef struct {
                                    * `slots`, the layer's paged pool [kv_heads, slots, hd] */
     int64_t cache_row, cache_head; /* their strides, in elements (a column is hd; paged: a slot is cache_row) */
     const int64_t *first;         /* [n]: the first column each row attends to */
-    int64_t col;                  /* the step's column: its k and v are written there */
-    const int64_t *slots;         /* paged (or NULL): [n, ld_slots], the pool slot of each of a row's columns */
+    int64_t col;                  /* the step's column: its k and v are written there (with `cols`: the largest) */
+    const int64_t *cols;          /* paged (or NULL: `col` for all): [n], each token's own column, the last
+                                   * it attends to (a prompt chunk's tokens, each at its position) */
+    const int64_t *srow;          /* paged (or NULL: its own): [n], each token's row of `slots` (a chunk's
+                                   * tokens share their sequence's) */
+    const int64_t *slots;         /* paged (or NULL): [rows, ld_slots], the pool slot of each of a row's columns */
     int64_t ld_slots;             /* (its block table, expanded once a step for every layer) */
-    const int64_t *wslot;         /* paged: [n], the slot the step's k and v are written to */
+    const int64_t *wslot;         /* paged: [n], the slot each token's k and v are written to */
     void *out;                    /* [n, heads * hd] */
     int64_t n, heads, kv_heads, hd;
     float scale;

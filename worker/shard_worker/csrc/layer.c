@@ -1,4 +1,5 @@
-/* A whole decoder layer: a decode step's layer in one call, the GIL released throughout: what
+/* A whole decoder layer: a step's layer in one call (a decode step's rows, a prompt chunk's
+ * tokens, or both), the GIL released throughout: what
  * the Python layer does with the calls of module.c, in the same order and with the same roundings, so the bits are the same (the
  * tests compare them), without ~0.5 ms of Python and torch dispatch a layer (a fifth of a TP=2
  * rank's decode step in bfloat16):
@@ -46,47 +47,49 @@ static int reduce(const LayerPlan *p, void *y, int64_t n, int64_t *round, double
     return missed;
 }
 
-/* x [n, hidden] (in place): the layer's decode step for rows [r0, r0 + n) of its cache at column
- * `col` (paged, `slots` non-NULL: each row's columns live at the pool slots it names, see Attn)
- * `col`. Returns 0; -1 when memory ran out; or 1 + the peer that missed an all-reduce. */
-int decode_layer_run(const LayerPlan *p, void *x, int64_t n, int64_t col, const int64_t *first, const void *cos,
-                     const void *sin, int64_t r0, const int64_t *slots, int64_t ld_slots, const int64_t *wslot,
-                     int threads, int level, int64_t *round, double *comm) {
+/* x [n, hidden] (in place): the layer's step for the tokens of `s` (LayerStep: decode rows, a
+ * chunk's tokens, or both; their K/V written before any attends). Returns 0; -1 when memory ran
+ * out; or 1 + the peer that missed an all-reduce. */
+int layer_run(const LayerPlan *p, void *x, const LayerStep *s, int threads, int level, int64_t *round,
+              double *comm) {
     const int xt = (int)p->xtype, wt = (int)p->wtype;
-    const int64_t h = p->hidden, hd = p->head_dim, q = p->heads * hd, kv = p->kv_heads * hd, inter = p->inter;
-    const int64_t nqkv = q + 2 * kv, esize = xt == X_F32 ? 4 : 2;
+    const int64_t n = s->n, h = p->hidden, hd = p->head_dim, q = p->heads * hd, kv = p->kv_heads * hd;
+    const int64_t inter = p->inter, nqkv = q + 2 * kv, esize = xt == X_F32 ? 4 : 2;
     const float eps = (float)p->eps;
+    int64_t by_size[MAX_TOKENS];
+    const int64_t *ends = s->ends;
+    int groups = s->groups;
+    if (!ends) { groups = split_groups(n, by_size); ends = by_size; }
     char *buf = (char *)malloc((size_t)(n * (h + nqkv + q + 3 * inter) * esize));
     if (!buf) return -1;
     char *hbuf = buf, *qkv = hbuf + n * h * esize, *att = qkv + n * nqkv * esize, *gu = att + n * q * esize;
     char *act = gu + n * 2 * inter * esize;
     void *out = hbuf;  /* the o and down products reuse h's rows: h is read before each is written */
     int status = 0;
+#define PRODUCT(name, in, y, rows, cols) \
+    gemv_groups(wt, xt, p->name##_w, p->name##_scale, in, y, rows, cols, p->name##_ldw, n, cols, rows, ends, groups, \
+                threads, level)
     rms_norm_run(level, xt, x, p->in_norm, hbuf, n, h, eps);
-    if (gemv_run(wt, xt, p->qkv_w, p->qkv_scale, hbuf, qkv, nqkv, h, p->qkv_ldw, n, h, nqkv, threads, level))
-        goto oom;
+    if (PRODUCT(qkv, hbuf, qkv, nqkv, h)) goto oom;
     if (p->qkv_bias) add_rows_run(level, xt, qkv, p->qkv_bias, n, nqkv, 0);
-    const int64_t from = slots ? 0 : r0 * p->cache_row * esize;  /* paged: the slots say where each row is */
-    const Attn a = {.xtype = xt, .qkv = qkv, .cos = cos, .sin = sin, .kc = (char *)p->k_cache + from,
+    const int64_t from = s->slots ? 0 : s->r0 * p->cache_row * esize;  /* paged: the slots say where each row is */
+    const Attn a = {.xtype = xt, .qkv = qkv, .cos = s->cos, .sin = s->sin, .kc = (char *)p->k_cache + from,
                     .vc = (char *)p->v_cache + from, .cache_row = p->cache_row, .cache_head = p->cache_head,
-                    .first = first, .col = col, .slots = slots, .ld_slots = ld_slots, .wslot = wslot, .out = att,
-                    .n = n, .heads = p->heads, .kv_heads = p->kv_heads, .hd = hd,
-                    .scale = (float)(1.0 / __builtin_sqrt((double)hd))};
+                    .first = s->first, .col = s->col, .cols = s->cols, .srow = s->srow, .slots = s->slots,
+                    .ld_slots = s->ld_slots, .wslot = s->wslot, .out = att, .n = n, .heads = p->heads,
+                    .kv_heads = p->kv_heads, .hd = hd, .scale = (float)(1.0 / __builtin_sqrt((double)hd))};
     if (attend_run(&a, threads, level)) goto oom;
-    if (gemv_run(wt, xt, p->o_w, p->o_scale, att, out, h, q, p->o_ldw, n, q, h, threads, level)) goto oom;
+    if (PRODUCT(o, att, out, h, q)) goto oom;
     int missed = reduce(p, out, n, round, comm);
     if (missed >= 0) { status = 1 + missed; goto done; }
     if (p->o_bias) add_rows_run(level, xt, out, p->o_bias, n, h, 0);
     add_rows_run(level, xt, x, out, n, h, h);
     rms_norm_run(level, xt, x, p->post_norm, hbuf, n, h, eps);
-    if (gemv_run(wt, xt, p->gate_up_w, p->gate_up_scale, hbuf, gu, 2 * inter, h, p->gate_up_ldw, n, h,
-                 2 * inter, threads, level))
-        goto oom;
+    if (PRODUCT(gate_up, hbuf, gu, 2 * inter, h)) goto oom;
     if (p->gate_up_bias) add_rows_run(level, xt, gu, p->gate_up_bias, n, 2 * inter, 0);
     silu_mul_run(level, xt, gu, act, n, inter);
-    if (gemv_run(wt, xt, p->down_w, p->down_scale, act, out, h, inter, p->down_ldw, n, inter, h, threads,
-                 level))
-        goto oom;
+    if (PRODUCT(down, act, out, h, inter)) goto oom;
+#undef PRODUCT
     missed = reduce(p, out, n, round, comm);
     if (missed >= 0) { status = 1 + missed; goto done; }
     if (p->down_bias) add_rows_run(level, xt, out, p->down_bias, n, h, 0);

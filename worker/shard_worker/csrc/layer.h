@@ -1,4 +1,4 @@
-/* A whole decoder layer's decode step in one call (layer.c): its fixed part, the plan. Python
+/* A whole decoder layer's step in one call (layer.c): its fixed part, the plan. Python
  * mirrors this struct field for field (fused.LayerPlan, a ctypes.Structure); every field is 8
  * bytes, so the two agree without padding, and module.c exports its size for the mirror to check. */
 #ifndef SHARD_GEMV_LAYER_H
@@ -27,10 +27,26 @@ typedef struct {
     double shm_timeout;                     /* seconds */
 } LayerPlan;
 
+/* What one call computes: n tokens (x's rows) -- a decode step's rows, a prompt chunk's tokens,
+ * or both -- each with its rope, its first and last cache columns, and where its K/V row lives */
+typedef struct {
+    int64_t n;                    /* tokens */
+    int64_t col;                  /* the largest column a token attends to */
+    const int64_t *cols;          /* paged (or NULL: `col` for all): [n] each token's own column */
+    const int64_t *first;         /* [n] the first column each token attends to */
+    const void *cos, *sin;        /* [n, head_dim] each token's rope, in the dtype */
+    int64_t r0;                   /* unpaged: the cache row of the first token (one token a row) */
+    const int64_t *slots;         /* paged (or NULL): [rows, ld_slots] the pool slot of each row's columns */
+    int64_t ld_slots;
+    const int64_t *srow;          /* paged (or NULL: its own): [n] each token's row of `slots` */
+    const int64_t *wslot;         /* paged: [n] each token's write slot */
+    const int64_t *ends;          /* the matrix products' groups of tokens (gemv_groups), or NULL: by MAX_M */
+    int groups;
+} LayerStep;
+
 const char *layer_problem(const LayerPlan *p);
-int decode_layer_run(const LayerPlan *p, void *x, int64_t n, int64_t col, const int64_t *first, const void *cos,
-                     const void *sin, int64_t r0, const int64_t *slots, int64_t ld_slots, const int64_t *wslot,
-                     int threads, int level, int64_t *round, double *comm);
+int layer_run(const LayerPlan *p, void *x, const LayerStep *s, int threads, int level, int64_t *round,
+              double *comm);
 
 #pragma GCC visibility pop
 #endif

@@ -55,16 +55,17 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
 }
 static PyObject *py_attend(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long qkv, cs, sn, kc, vc, first, out, slots, wslot;
+    unsigned long long qkv, cs, sn, kc, vc, first, out, slots, wslot, cols = 0, srow = 0;
     int xtype, threads, level;
     long long n, heads, kv_heads, hd, cache_row, cache_head, col, ld_slots;
     double scale;
-    if (!PyArg_ParseTuple(args, "iKKKKKKKLLLLLLLKLKdii", &xtype, &qkv, &cs, &sn, &kc, &vc, &first, &out, &n, &heads,
-                          &kv_heads, &hd, &cache_row, &cache_head, &col, &slots, &ld_slots, &wslot, &scale, &threads,
-                          &level))
+    if (!PyArg_ParseTuple(args, "iKKKKKKKLLLLLLLKLKdii|KK", &xtype, &qkv, &cs, &sn, &kc, &vc, &first, &out, &n,
+                          &heads, &kv_heads, &hd, &cache_row, &cache_head, &col, &slots, &ld_slots, &wslot, &scale,
+                          &threads, &level, &cols, &srow))
         return NULL;
     Attn a = {.xtype = xtype, .qkv = PTR(qkv), .cos = PTR(cs), .sin = PTR(sn), .kc = PTR(kc), .vc = PTR(vc),
               .cache_row = cache_row, .cache_head = cache_head, .first = (const int64_t *)PTR(first), .col = col,
+              .cols = (const int64_t *)PTR(cols), .srow = (const int64_t *)PTR(srow),
               .slots = (const int64_t *)PTR(slots), .ld_slots = ld_slots, .wslot = (const int64_t *)PTR(wslot),
               .out = PTR(out), .n = n, .heads = heads, .kv_heads = kv_heads, .hd = hd, .scale = (float)scale};
     if (!attend_valid(&a, n) || level < 0 || level >= LEVELS || !supported[level]) {
@@ -157,29 +158,35 @@ static PyObject *py_layer_problem(PyObject *self, PyObject *args) {
 static PyObject *py_decode_layer(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *obj;
-    unsigned long long x, first, cos, sin, slots, wslot;
+    unsigned long long x, first, cos, sin, slots, wslot, cols, srow, ends;
     long long n, col, r0, round, ld_slots;
-    int threads, level;
+    int threads, level, groups;
     LayerPlan p;
-    if (!PyArg_ParseTuple(args, "OKLLKKKLKLKiiL", &obj, &x, &n, &col, &first, &cos, &sin, &r0, &slots, &ld_slots,
-                          &wslot, &threads, &level, &round)
+    if (!PyArg_ParseTuple(args, "OKLLKKKKLKLKKKiiiL", &obj, &x, &n, &col, &cols, &first, &cos, &sin, &r0, &slots,
+                          &ld_slots, &srow, &wslot, &ends, &groups, &threads, &level, &round)
         || plan_from(obj, &p) < 0)
         return NULL;
     const int paged = slots != 0;  /* then the plan's cache is a pool of slots, and the slots say where rows are */
-    if (n < 1 || n > MAX_M || r0 < 0 || col < 0 || level < 0
-        || (paged ? !wslot || ld_slots <= col : r0 + n > p.cache_rows || col >= p.cache_len)
-        || level >= LEVELS || !supported[level] || layer_problem(&p)
+    const Attn a = {.xtype = (int)p.xtype, .first = (const int64_t *)PTR(first), .col = col,
+                    .cols = (const int64_t *)PTR(cols), .srow = (const int64_t *)PTR(srow),
+                    .slots = (const int64_t *)PTR(slots), .ld_slots = ld_slots, .wslot = (const int64_t *)PTR(wslot),
+                    .cache_row = p.cache_row, .cache_head = p.cache_head,
+                    .n = n, .heads = p.heads, .kv_heads = p.kv_heads, .hd = p.head_dim};
+    if (n < 1 || n > MAX_TOKENS || r0 < 0 || col < 0 || level < 0 || level >= LEVELS || !supported[level]
+        || layer_problem(&p) || (paged ? !wslot : r0 + n > p.cache_rows || col >= p.cache_len || cols || srow)
+        || !attend_valid(&a, n) || (ends && !groups_valid((const int64_t *)PTR(ends), groups, n))
         || (p.shm_size > 1 && n * p.hidden * (p.xtype ? 2 : 4) > p.shm_slot_bytes)) {
-        PyErr_SetString(PyExc_ValueError, "decode_layer: unsupported rows, column, level or plan");
+        PyErr_SetString(PyExc_ValueError, "decode_layer: unsupported tokens, columns, groups, level or plan");
         return NULL;
     }
+    const LayerStep step = {.n = n, .col = col, .cols = a.cols, .first = a.first, .cos = PTR(cos), .sin = PTR(sin),
+                            .r0 = r0, .slots = a.slots, .ld_slots = ld_slots, .srow = a.srow, .wslot = a.wslot,
+                            .ends = (const int64_t *)PTR(ends), .groups = groups};
     int64_t rounds = round;
     double comm = 0.0;
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = decode_layer_run(&p, PTR(x), n, col, (const int64_t *)PTR(first), PTR(cos), PTR(sin), r0,
-                              (const int64_t *)PTR(slots), ld_slots, (const int64_t *)PTR(wslot), threads, level,
-                              &rounds, &comm);
+    status = layer_run(&p, PTR(x), &step, threads, level, &rounds, &comm);
     Py_END_ALLOW_THREADS
     if (status < 0) return PyErr_NoMemory();
     return Py_BuildValue("(id)", status - 1, comm);
@@ -219,8 +226,9 @@ static PyMethodDef methods[] = {
      "linear(wtype, xtype, w, scale, x, y, n, k, m, ldx, ldy, threads, level): y = x W^T (* scale), by pointers"},
     {"attend", py_attend, METH_VARARGS,
      "attend(xtype, qkv, cos, sin, k_cache, v_cache, first, out, n, heads, kv_heads, head_dim, cache_row, cache_head, "
-     "col, slots, ld_slots, wslot, scale, threads, level): one decode step's attention (rope, cache write, "
-     "softmax(q k / scale) v); slots 0: a contiguous cache, else a paged pool read through each row's slots"},
+     "col, slots, ld_slots, wslot, scale, threads, level[, cols, srow]): a step's attention (rope, cache write, "
+     "softmax(q k / scale) v); slots 0: a contiguous cache, else a paged pool read through each row's slots; cols: "
+     "each token's column (a chunk's), srow: each token's row of slots"},
     {"shm_all_reduce", py_shm_all_reduce, METH_VARARGS,
      "shm_all_reduce(xtype, t, numel, slots, slot_bytes, flags, flag_stride, size, rank, round, timeout) -> peer "
      "that missed the timeout or -1: one round of shm.ShmGroup.all_reduce"},
@@ -233,8 +241,9 @@ static PyMethodDef methods[] = {
      "silu_mul(xtype, gate_up, out, n, inter, level): out = silu(gate) * up for rows [n, 2 inter] = (gate | up)"},
     {"layer_problem", py_layer_problem, METH_VARARGS, "layer_problem(plan) -> what is wrong with a layer plan, or None"},
     {"decode_layer", py_decode_layer, METH_VARARGS,
-     "decode_layer(plan, x, n, col, first, cos, sin, r0, threads, level, round) -> (peer that missed an all-reduce "
-     "or -1, seconds in all-reduces): a decoder layer's decode step, x updated in place"},
+     "decode_layer(plan, x, n, col, cols, first, cos, sin, r0, slots, ld_slots, srow, wslot, ends, groups, threads, "
+     "level, round) -> (peer that missed an all-reduce or -1, seconds in all-reduces): a decoder layer's step for n "
+     "tokens (decode rows and chunk tokens), x updated in place"},
     {"levels", py_levels, METH_NOARGS, "the kernel levels this CPU runs, slowest first"},
     {NULL, NULL, 0, NULL},
 };
@@ -246,6 +255,7 @@ PyMODINIT_FUNC PyInit__gemv(void) {
     pthread_atfork(NULL, NULL, forget_workers);
     PyObject *mod = PyModule_Create(&module);
     if (mod && (PyModule_AddIntConstant(mod, "QBLOCK", QBLOCK) < 0
+                || PyModule_AddIntConstant(mod, "MAX_TOKENS", MAX_TOKENS) < 0
                 || PyModule_AddIntConstant(mod, "LAYER_PLAN_SIZE", (long)sizeof(LayerPlan)) < 0))
         Py_CLEAR(mod);
     return mod;

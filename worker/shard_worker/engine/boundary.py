@@ -104,7 +104,8 @@ class Boundary:
         prompts = {c.row: torch.tensor([rows.requests[c.row].prompt_ids]) for c in chunks}  # type: ignore[union-attr]
         work = [(u, prompts[c.row][:, u.c0:u.c1]) for c in chunks
                 for u in chunk_units(c.row, c.start, c.end, c.last, self.topo.pp)]
-        tokens, _ = self.runner.run(work, rows, None)
+        # chunks that end no prompt ride with the step's decode unit where they can (`Runner.defer`)
+        tokens = torch.zeros(0, dtype=torch.int64) if self.runner.defer(work) else self.runner.run(work, rows, None)[0]
         prefills[:] = [p for p in prefills if p.remaining > 0]
         for row in joined:
             seqs.by_row[row].prefilling = False  # type: ignore[union-attr]

@@ -247,11 +247,13 @@ class Engine:
             col, joined, join_tokens = self.boundary.join(seqs, rows, col, prefills, hooks, continuous,
                                                           self.step_tokens)
             if not seqs.live():  # every client left, and nobody joined
+                self.runner.flush(rows)
                 break
             # Rows outside the decoding ones are not computed (a CPU matmul of 4 rows can cost
             # twice one row's); logits are returned for every row of a fixed batch.
             span = (0, rows.used) if return_logits else seqs.live_span()
             if span is None:  # every running sequence's prompt is still being computed
+                self.runner.flush(rows)
                 continue
             lo, hi = span
             unit = Unit(lo, hi, col, col + 1, emits=True)
@@ -264,6 +266,7 @@ class Engine:
             col += 1
             out.decode_steps += 1
             out.decode_rows += hi - lo
+        self.runner.flush(rows)
         self.runner.stop()
         out.decode_seconds = time.perf_counter() - start - out.prefill_seconds
         out.completions = [s.completion() for s in seqs.all]

@@ -37,6 +37,8 @@ class Runner:
         self.graphs = DecodeGraphs(stage, cache, rotary, comm, mode) if mode != "off" else None
         self.prompt_cols = 0
         self.decode_mark: tuple[float, Counters] | None = None  # when the decode steps began
+        # chunks of prompts that end later, waiting to ride with the step's decode unit (`defer`)
+        self.pending: list[tuple[Unit, torch.Tensor]] = []
 
     def begin(self, prompt_cols: int) -> None:
         """A generate starts: its first batch's prompts end at `prompt_cols`; no decode step yet."""
@@ -87,11 +89,45 @@ class Runner:
             if self.graphs is not None and unit.cols == 1 and not unit.positions:  # a decode step, replayed
                 out = self.graphs.run(unit.r0, unit.r1, unit.c0, x, rows.pads, rows.tables)
                 return (None, out) if self.topo.is_last else (out, None)
-            step = Step.build(unit.r0, unit.r1, unit.c0, unit.c1, self._pads(unit, rows), self.rotary,
-                              self.stage.windows, self.stage.dtype, self.stage.device, tables=rows.tables,
-                              starts=rows.starts)
-            hidden = self.stage.forward(x, step, self.cache)
+            hidden = self.stage.forward(x, self._step(unit, rows), self.cache)
             return hidden, self.stage.logits(hidden[:, -1]) if logits_here else None
+
+    def _step(self, unit: Unit, rows: Rows) -> Step:
+        """The unit's forward pass context; a chunk's tokens each at its own column (`per_token`)."""
+        return Step.build(unit.r0, unit.r1, unit.c0, unit.c1, self._pads(unit, rows), self.rotary,
+                          self.stage.windows, self.stage.dtype, self.stage.device, tables=rows.tables,
+                          starts=rows.starts, per_token=unit.positions)
+
+    # ------------------------------------------------------------ chunks beside the decode unit
+    def defer(self, work: list[tuple[Unit, torch.Tensor]]) -> bool:
+        """Keep chunks of prompts that do not end in this step (units that do not emit) to run with
+        the step's decode unit, in one pass where the fused layers take both (`Stage.forward_parts`:
+        each layer's weights read once for all), when this rank is the whole pipeline and runs its
+        decode steps eagerly. Returns whether it kept them (else the caller runs them now)."""
+        if self.topo.pp != 1 or self.graphs is not None or any(u.emits or not u.positions for u, _ in work):
+            return False
+        self.pending += work
+        return True
+
+    def flush(self, rows: Rows) -> None:
+        """Run the kept chunks now (no decode unit comes in this step)."""
+        if self.pending:
+            self.run([], rows, None)
+
+    def _merged(self, work: list[tuple[Unit, torch.Tensor]], rows: Rows,
+                return_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Kept chunks and the decode unit after them (`defer`), as one pass of this stage (the
+        last: pp = 1): the chunks' prompt log-probabilities, the decode unit's tokens."""
+        decode = work[-1][0]
+        if self.decode_mark is None and decode.c0 >= self.prompt_cols:  # the first decode step
+            self.decode_mark = (time.perf_counter(), self.acct.snapshot())
+        with self.acct.computing():
+            parts = [(x.to(self.stage.device, non_blocking=True), self._step(u, rows)) for u, x in work]
+            hiddens = self.stage.forward_parts(parts, self.cache)
+            logits = self.stage.logits(hiddens[-1][:, -1])
+        for (unit, _), hidden in zip(work, hiddens, strict=True):
+            self._prompt_logprobs(unit, hidden, rows)
+        return self._sample(decode, logits, rows, return_logits)
 
     @staticmethod
     def _pads(unit: Unit, rows: Rows) -> torch.Tensor:
@@ -134,7 +170,13 @@ class Runner:
             vocab: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The first stage: run each unit, with its token ids, through the pipeline. Returns the
         tokens (and with `vocab`, the logits) sampled after the emitting units, in row order."""
+        work, self.pending = self.pending + work, []
         emitted: list[tuple[Unit, torch.Tensor, torch.Tensor | None]] = []
+        if len(work) > 1 and self.topo.pp == 1 and work[-1][0].emits and not work[-1][0].positions \
+                and all(u.positions and not u.emits for u, _ in work[:-1]):  # kept chunks, then the decode unit
+            unit = work[-1][0]
+            emitted.append((unit, *self._merged(work, rows, vocab is not None)))
+            work = []
         for unit, ids in work:
             sampled = self._through(unit, ids.to(self.stage.device, non_blocking=True), rows, vocab is not None)
             if sampled is not None:

@@ -57,12 +57,13 @@ def mask_kind(pads: torch.Tensor, c0: int, c1: int, window: int | None) -> str |
     return MASKED
 
 
-def first_columns(pads: torch.Tensor, col: int, window: int | None) -> torch.Tensor:
+def first_columns(pads: torch.Tensor, col: int | torch.Tensor, window: int | None) -> torch.Tensor:
     """For a decode step (one query column, `col`), the first cache column each row attends to:
     what `attention_mask` allows it is the columns from there to `col` (from its first token, or
-    only itself for a padding query; no further back than the window)."""
-    first = torch.where(pads <= col, pads, torch.full_like(pads, col))
-    return first if window is None else first.clamp(min=col - window + 1)
+    only itself for a padding query; no further back than the window). `col` may be a tensor of
+    query columns (a chunk's, [N, S], with pads [N, 1]): each one's first column, the same rule."""
+    first = torch.where(pads <= col, pads, col)
+    return first if window is None else torch.maximum(first, torch.as_tensor(col - window + 1))
 
 
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

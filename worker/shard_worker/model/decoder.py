@@ -2,8 +2,9 @@
 
 Per rank, q/k/v are one column-parallel matrix and gate/up another (two matmuls where HF does
 five), o and down are row-parallel: two all-reduces a layer, written where they happen (in the
-row-parallel layers' forward, `layers.py`). A decode step's attention is our C kernel where it
-applies (`kernels.attend`); otherwise the pool is read in place (`paged.py`) or gathered.
+row-parallel layers' forward, `layers.py`). A decode step's attention, and a small prompt chunk's
+(a step built `per_token`), is our C kernel where it applies (`kernels.attend`); otherwise the pool
+is read in place (`paged.py`) or gathered.
 
 A streamed layer (offload) holds its norms and biases but not its four projection matrices: a
 streamer (`offload.py`) lends them to it for each forward pass (`DecoderLayer.borrow`).
@@ -35,11 +36,11 @@ class Attention:
     def __call__(self, x: torch.Tensor, step: Step, cache: KVCache, layer: int) -> torch.Tensor:
         n, s, _ = x.shape
         qkv = self.qkv(x)
-        if step.firsts is not None:  # a decode step: our kernel where it applies, in one call
+        if step.firsts is not None:  # a decode step or a small chunk: our kernel where it applies, in one call
             reads, writes = cache.maps(step)
             out = kernels.attend(qkv, step.cos, step.sin, cache.layer_k[layer], cache.layer_v[layer],
                                  step.firsts[self.window], step.c0, self.heads, self.kv_heads, slots=reads,
-                                 wslots=writes)
+                                 wslots=writes, cols=step.cols)
             if out is not None:
                 return self.o(out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -1,4 +1,4 @@
-"""A decode step's decoder layers, one C call each (`_gemv.decode_layer`).
+"""A step's decoder layers, one C call each (`_gemv.decode_layer`).
 
 The Python layers (`decoder.DecoderLayer`) call our kernels one by one: RMSNorm, the q/k/v product,
 attention, the o product, its all-reduce, ... Each call does microseconds of work behind tens of
@@ -6,20 +6,29 @@ microseconds of Python and torch dispatch: about half a millisecond a layer, a f
 TP=2 rank's decode step on our 2-core machines (`perf`: libpython and libtorch 20% of its time).
 Here a layer's fixed part -- its weights, norms, KV cache and the TP group's shared memory -- is
 packed once into a plan (`LayerPlan`, the ctypes mirror of the C struct in csrc/layer.h), and each
-decode step runs a layer in one call with the GIL released. The C layer calls the same kernels in the
+step runs a layer in one call with the GIL released. The C layer calls the same kernels in the
 same order with the same roundings as the Python layer, so both give the same bits
 (tests/worker/test_fused.py).
 
-It takes CPU decode steps (1-8 rows of one token) through resident layers in float32 or bfloat16
-(int8 weights too), at TP = 1 or with TP ranks that sum through shared memory. Prefill, GPUs,
-streamed (offloaded) layers, TP over gloo and `SHARD_KERNEL=torch` keep the Python layers, and
-`SHARD_FUSED_LAYERS=0` turns this off.
+It takes CPU steps of up to `kernels.MAX_TOKENS` tokens through resident layers in float32 or
+bfloat16 (int8 weights too), at TP = 1 or with TP ranks that sum through shared memory: a decode
+step's rows (one token each), a prompt chunk's tokens (a step built `per_token`: each token at its
+own position, attending causally over its sequence's cache up to it; every token's K/V is written
+before any attends), or both in one pass (`ready_parts`, `Stage.forward_parts`: the engine's
+chunks of prompts that end later ride with the step's decode rows, `Runner.defer`). One pass reads
+each weight from memory once for all its tokens: the products take them in groups of 8 rows (each
+part's own, so each gets the bits its own call gives) while a block of the weight's rows is in L2,
+and a chunk's tokens attend as one span (each cached column made float32 once for all of them).
+What that bought is in docs/benchmarks.md ("The step budget"). Prefill (the first batch's, and
+chunks past MAX_TOKENS), GPUs, streamed (offloaded) layers, TP over gloo and `SHARD_KERNEL=torch`
+keep the Python layers, and `SHARD_FUSED_LAYERS=0` turns this off.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -58,6 +67,7 @@ class StepTables(Protocol):
     cos: torch.Tensor
     sin: torch.Tensor
     firsts: dict[int | None, torch.Tensor] | None
+    cols: torch.Tensor | None
 
 
 class Pools(Protocol):
@@ -69,8 +79,54 @@ class Pools(Protocol):
     def maps(self, step: Any) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-# A step's tables as the C layer reads them: cos, sin, first columns per window, read and write slots.
-_Tables = tuple[torch.Tensor, torch.Tensor, dict[int | None, torch.Tensor], torch.Tensor, torch.Tensor]
+@dataclass
+class Tables:
+    """A pass's tokens as the C layer reads them (`LayerStep` in csrc/layer.h): one part or several
+    (a decode step's rows, then a chunk's tokens), one token a row of x. `reads` [rows, width]: each
+    part's rows' read slots (padded with the ZERO block's first slot, never attended); `srow` each
+    token's row of them; `ends` the matrix products' groups: each part's own (`split_groups`)."""
+
+    tokens: int
+    col: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    firsts: dict[int | None, torch.Tensor]
+    cols: torch.Tensor
+    reads: torch.Tensor
+    srow: torch.Tensor
+    writes: torch.Tensor
+    ends: torch.Tensor
+
+
+def split_groups(tokens: int, at: int = 0) -> list[int]:
+    """Where the groups of `tokens` rows end (from row `at`), as csrc/matmul.c's split_groups: a
+    part's rows multiplied by MAX_ROWS, as its own call of `kernels.linear` would."""
+    return [at + e for e in range(kernels.MAX_ROWS, tokens, kernels.MAX_ROWS)] + [at + tokens]
+
+
+def tables(parts: list[tuple[int, int, StepTables, torch.Tensor, torch.Tensor]]) -> Tables:
+    """The tables of a pass of `parts`: (rows, tokens a row, step, reads, writes) each."""
+    width = max(reads.shape[1] for _, _, _, reads, _ in parts)
+    reads_all, srow, cols, ends, cos, sin = [], [], [], [], [], []
+    firsts: dict[int | None, list[torch.Tensor]] = {}
+    row = token = 0
+    for rows, s, step, reads, _ in parts:
+        assert step.firsts is not None
+        reads_all.append(torch.nn.functional.pad(reads.to(torch.int64), (0, width - reads.shape[1]), value=0))
+        srow.append(torch.arange(row, row + rows, dtype=torch.int64).repeat_interleave(s))
+        cols.append(step.cols.reshape(-1) if step.cols is not None
+                    else torch.full((rows * s,), step.c0, dtype=torch.int64))
+        ends += split_groups(rows * s, token)
+        cos.append(step.cos.reshape(rows * s, -1))
+        sin.append(step.sin.reshape(rows * s, -1))
+        for w, f in step.firsts.items():
+            firsts.setdefault(w, []).append(f.reshape(-1).to(torch.int64))
+        row, token = row + rows, token + rows * s
+    col = torch.cat(cols).to(torch.int64).contiguous()
+    return Tables(token, int(col.max()), torch.cat(cos).contiguous(), torch.cat(sin).contiguous(),
+                  {w: torch.cat(f).contiguous() for w, f in firsts.items()}, col, torch.cat(reads_all).contiguous(),
+                  torch.cat(srow), torch.cat([w.reshape(-1).to(torch.int64) for *_, w in parts]).contiguous(),
+                  torch.tensor(ends, dtype=torch.int64))
 
 
 if kernels._gemv is not None and ctypes.sizeof(LayerPlan) != kernels._gemv.LAYER_PLAN_SIZE:
@@ -79,8 +135,9 @@ if kernels._gemv is not None and ctypes.sizeof(LayerPlan) != kernels._gemv.LAYER
 
 
 class FusedDecode:
-    """The fused layers of one stage: `ready` says whether a forward pass can use them, `run`
-    takes one layer. Plans are built on first use, for the KV cache they were built with."""
+    """The fused layers of one stage: `ready` says whether a forward pass (or `ready_parts`: a
+    pass of several parts) can use them, `run` takes one layer. Plans are built on first use, for
+    the KV cache they were built with."""
 
     def __init__(self, comm: Comm | None):
         tp = comm.topo.tp if comm is not None else 1
@@ -93,47 +150,58 @@ class FusedDecode:
         self._level = kernels.LEVELS.index(level) if level is not None and self.enabled else -1
         self._plans: dict[int, tuple[bytes | None, tuple[object, ...]]] = {}  # slot -> (plan, what it points at)
         self._cache: Pools | None = None
-        self._step: StepTables | None = None  # the step `ready` prepared, and its tables as the C layer reads them
-        self._tables: _Tables | None = None
+        self._tables: Tables | None = None  # the pass `ready` prepared, as the C layer reads it
 
     def ready(self, x: torch.Tensor, step: StepTables, cache: Pools) -> bool:
         """Whether this forward pass's layers can run fused (then `run` takes the resident ones)."""
-        if kernels.in_torch_only():  # a step that must stay in torch (captured, compiled, tested)
+        return self.ready_parts([(x, step)], cache)
+
+    def ready_parts(self, parts: list[tuple[torch.Tensor, StepTables]], cache: Pools) -> bool:
+        """Whether a pass of `parts` (x [rows, tokens, hidden] and its step each: a decode step's
+        rows, a chunk's tokens), concatenated one token a row, can run fused."""
+        if kernels.in_torch_only() or not self.enabled:  # a step that must stay in torch (captured, compiled, tested)
             return False
-        firsts = step.firsts
-        if not (self.enabled and firsts is not None and x.device.type == "cpu" and x.dtype in kernels._XTYPES
-                and x.dim() == 3 and x.shape[1] == 1 and 1 <= x.shape[0] <= kernels.MAX_ROWS
-                and cache.k.dtype == x.dtype):
+        tokens = sum(x.shape[0] * x.shape[1] for x, _ in parts)
+        if not 1 <= tokens <= kernels.MAX_TOKENS or cache.k.dtype not in kernels._XTYPES:
             return False
-        if self._group is not None and not self._group.fits(x):
+        for x, step in parts:
+            if not (step.firsts is not None and x.device.type == "cpu" and x.dtype == cache.k.dtype
+                    and x.dim() == 3 and (x.shape[1] == 1 or step.cols is not None)):
+                return False
+        x0 = parts[0][0]
+        if self._group is not None and tokens * x0.shape[-1] * x0.element_size() > shm.SLOT_BYTES:
             return False
         if cache is not self._cache:
             self._plans, self._cache = {}, cache
-        self._step = step
-        reads, writes = cache.maps(step)
-        if reads.device.type != "cpu":
+        maps = [cache.maps(step) for _, step in parts]
+        if any(reads.device.type != "cpu" for reads, _ in maps):
             return False
-        self._tables = (step.cos.contiguous(), step.sin.contiguous(),
-                        {w: f.to(torch.int64).contiguous() for w, f in firsts.items()},
-                        reads.to(torch.int64).contiguous(), writes.to(torch.int64).contiguous())
+        self._tables = tables([(x.shape[0], x.shape[1], step, reads, writes)
+                               for (x, step), (reads, writes) in zip(parts, maps, strict=True)])
         return True
 
+    def covers(self, layers: list[Any], dtype: torch.dtype) -> bool:
+        """Whether every one of `layers` runs fused (after `ready`): a pass of several parts has
+        no Python layer to fall back on for one of them."""
+        cache = self._cache
+        return cache is not None and all(self._plan(layer, slot, dtype, cache) is not None
+                                         for slot, layer in enumerate(layers))
+
     def run(self, layer: Any, slot: int, x: torch.Tensor) -> torch.Tensor | None:
-        """x [n, 1, hidden] (this pass's own copy) through `layer` in place; None where the layer
-        cannot run fused (the caller runs it in Python). Only after `ready` said yes."""
-        step, cache, tables = self._step, self._cache, self._tables
-        if step is None or cache is None or tables is None:
+        """x [tokens, ..., hidden] (this pass's own copy, contiguous) through `layer` in place; None
+        where the layer cannot run fused (the caller runs it in Python). Only after `ready`."""
+        cache, t = self._cache, self._tables
+        if cache is None or t is None:
             raise RuntimeError("FusedDecode.run before ready")
         plan = self._plan(layer, slot, x.dtype, cache)
         if plan is None:
             return None
-        cos, sin, firsts, reads, writes = tables
         group = self._group
         rounds = group.round if group is not None else 0
         missed, seconds = kernels.native().decode_layer(
-            plan, x.data_ptr(), x.shape[0], step.c0, firsts[layer.attn.window].data_ptr(), cos.data_ptr(),
-            sin.data_ptr(), step.r0, reads.data_ptr(), reads.shape[1], writes.data_ptr(), torch.get_num_threads(),
-            self._level, rounds)
+            plan, x.data_ptr(), t.tokens, t.col, t.cols.data_ptr(), t.firsts[layer.attn.window].data_ptr(),
+            t.cos.data_ptr(), t.sin.data_ptr(), 0, t.reads.data_ptr(), t.reads.shape[1], t.srow.data_ptr(),
+            t.writes.data_ptr(), t.ends.data_ptr(), t.ends.numel(), torch.get_num_threads(), self._level, rounds)
         if group is not None:
             group.round += 2
             if missed >= 0:

@@ -5,8 +5,10 @@ A decode step multiplies a few token vectors by every weight matrix once, so it 
 bytes of weights read; torch's CPU matrix-vector products stop well short of the memory's
 bandwidth (bfloat16 and int8 the most). `_gemv` streams float32, bfloat16 and int8 weights
 (one float32 scale per output row) for 1-8 rows of x, with AVX-512, AVX2 or portable C chosen
-by CPUID. Everything else -- prefill, float16, GPUs, a package built without a compiler -- goes
-through torch. With int8 weights every path quantizes x first (`quant.quantize_activations`).
+by CPUID, and up to MAX_TOKENS rows in groups of 8 that share each block of the weight while it is
+in L2 (a decode step's rows beside a prompt chunk's tokens). Everything else -- prefill, float16,
+GPUs, a package built without a compiler -- goes through torch. With int8 weights every path
+quantizes x first (`quant.quantize_activations`).
 The rest of a decode step has C versions too where torch's operators cost more than their work:
 RMSNorm, attention (with its rope and KV-cache write) and SwiGLU's silu(gate) * up; `fused.py`
 runs a whole decoder layer in one call.
@@ -47,7 +49,11 @@ def _extension() -> ModuleType | None:
 
 _gemv = _extension()
 
-MAX_ROWS = 8  # rows of x one call of ours takes; more is prefill, where torch's GEMMs win
+MAX_ROWS = 8  # rows of x our kernels multiply together (a group: one read of each weight)
+# rows one call of ours takes: groups of MAX_ROWS, each block of W read from memory once and from L2
+# by the other groups (a decode step's rows and a prompt chunk's tokens together); more is
+# prefill, where torch's GEMMs win
+MAX_TOKENS: int = _gemv.MAX_TOKENS if _gemv is not None else MAX_ROWS
 LEVELS: list[str] = _gemv.levels() if _gemv is not None else []  # slowest first
 _WTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 _XTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -168,7 +174,7 @@ def _adjacent_merged(blocks: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
 
 
 def _ours(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, rows: int) -> bool:
-    return (1 <= rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype in _XTYPES
+    return (1 <= rows <= MAX_TOKENS and x.device.type == "cpu" and x.dtype in _XTYPES
             and weight.device.type == "cpu" and weight.stride(1) == 1
             and (weight.shape[0] <= 1 or weight.stride(0) >= weight.shape[1])
             and (weight.dtype == x.dtype or (weight.dtype == torch.int8 and scale is not None
@@ -218,31 +224,42 @@ def silu_mul(gate_up: torch.Tensor, level: str | None = "default") -> torch.Tens
 
 def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            first: torch.Tensor, col: int, heads: int, kv_heads: int, level: str | None = "default",
-           slots: torch.Tensor | None = None, wslots: torch.Tensor | None = None) -> torch.Tensor | None:
-    """One decode step's attention for rows [n] of one layer: rope (HF's, `cos` / `sin` [n, ...,
-    head_dim] in qkv's dtype) on q and k; k and v written into the caches (this layer's [rows,
-    kv_heads, max_len, head_dim], from the step's first row) at column `col`; then each query
-    head's softmax(q k^T / sqrt(head_dim)) v over the cached columns [first[row], col] of its KV
-    head. Paged (`slots` [n, >= col + 1] and `wslots` [n, 1], int64): the caches are this layer's
-    pools [kv_heads, slots, head_dim], row b's column c is read in place at slot slots[b, c], and
-    its k and v are written at wslots[b] (`paging.slot_maps`). `qkv`: [n, 1, (heads + 2 kv_heads)
-    head_dim]. Returns [n, 1, heads * head_dim], or None where ours does not apply (the caller
-    uses torch). `level` as for `linear`."""
+           slots: torch.Tensor | None = None, wslots: torch.Tensor | None = None,
+           cols: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A step's attention for rows [n] of one layer: rope (HF's, `cos` / `sin` [n, ..., head_dim]
+    in qkv's dtype) on q and k; k and v written into the caches (this layer's [rows, kv_heads,
+    max_len, head_dim], from the step's first row) at column `col`; then each query head's
+    softmax(q k^T / sqrt(head_dim)) v over the cached columns [first[row], col] of its KV head.
+    Paged (`slots` [n, >= col + 1] and `wslots` [n, s], int64): the caches are this layer's pools
+    [kv_heads, slots, head_dim], row b's column c is read in place at slot slots[b, c], and its k
+    and v are written at wslots[b] (`paging.slot_maps`). `qkv`: [n, s, (heads + 2 kv_heads)
+    head_dim]: a decode step's one token a row (s = 1), or a chunk's s tokens a row, paged, each at
+    its column `cols` [n, s] attending to [first[b, j], cols[b, j]] (`first` [n, s]), the keys of
+    the tokens before it in the chunk included (every token's k and v are written first). Returns
+    [n, s, heads * head_dim], or None where ours does not apply (the caller uses torch). `level`
+    as for `linear`."""
     level = _default() if level == "default" else level
-    n, hd = qkv.shape[0], k_cache.shape[-1]
-    if level is None or not (_step_ops(qkv) and qkv.is_contiguous() and qkv.shape[1] == 1 and k_cache.dtype == qkv.dtype
-            and k_cache.stride()[-2:] == (hd, 1) and v_cache.stride() == k_cache.stride()
-            and (slots is None or (wslots is not None and slots.device.type == "cpu"))):
+    n, s, hd = qkv.shape[0], qkv.shape[1], k_cache.shape[-1]
+    per_token = s > 1 or cols is not None
+    if level is None or not (_step_ops(qkv) and qkv.is_contiguous() and n * s <= MAX_TOKENS
+            and k_cache.dtype == qkv.dtype and k_cache.stride()[-2:] == (hd, 1) and v_cache.stride() == k_cache.stride()
+            and (slots is None or (wslots is not None and slots.device.type == "cpu"))
+            and (not per_token or (slots is not None and cols is not None))):
         return None
-    out = torch.empty(n, 1, heads * hd, dtype=qkv.dtype)
+    out = torch.empty(n, s, heads * hd, dtype=qkv.dtype)
     cos, sin, first = cos.contiguous(), sin.contiguous(), first.to(torch.int64).contiguous()
     paged, row, head = (0, 0, 0), k_cache.stride(0), k_cache.stride(1)
     if slots is not None and wslots is not None:  # a pool [kv_heads, slots, head_dim]: a slot's stride, a head's
         slots, wslots = slots.to(torch.int64).contiguous(), wslots.to(torch.int64).contiguous()
         paged, row, head = (slots.data_ptr(), slots.shape[1], wslots.data_ptr()), k_cache.stride(1), k_cache.stride(0)
+    tokens: tuple[int, ...] = ()
+    if per_token and cols is not None:  # each token's column, and its row of slots (a chunk's tokens share it)
+        cols = cols.to(torch.int64).contiguous()
+        srow = torch.arange(n, dtype=torch.int64).repeat_interleave(s)
+        col, tokens = int(cols.max()), (cols.data_ptr(), srow.data_ptr())
     native().attend(_XTYPES[qkv.dtype], qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
-                 v_cache.data_ptr(), first.data_ptr(), out.data_ptr(), n, heads, kv_heads, hd, row, head, col,
-                 *paged, hd**-0.5, torch.get_num_threads(), LEVELS.index(level))
+                 v_cache.data_ptr(), first.data_ptr(), out.data_ptr(), n * s, heads, kv_heads, hd, row, head, col,
+                 *paged, hd**-0.5, torch.get_num_threads(), LEVELS.index(level), *tokens)
     return out
 
 

@@ -71,6 +71,9 @@ class Stage:
         """Token ids [N, S] (first stage) or hidden states [N, S, H] -> hidden states [N, S, H]."""
         if self.embed is not None:
             x = self.embed(x)
+        return self._layers(x, step, cache)
+
+    def _layers(self, x: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
         fused = self.fused.ready(x, step, cache)
         if fused:
             x = x.clone(memory_format=torch.contiguous_format)  # the fused layers update it in place
@@ -82,6 +85,21 @@ class Stage:
             if fused:
                 x = x.contiguous()
         return x
+
+    def forward_parts(self, parts: list[tuple[torch.Tensor, Step]], cache: KVCache) -> list[torch.Tensor]:
+        """Several passes of this stage at once (`forward` of each, in order: a chunk of a prompt,
+        then a decode step's rows, which read nothing the other writes): one fused pass where every
+        layer runs fused, the tokens of all one row of x each, so each layer's weights are read
+        once for all (`fused.py`); else each through `forward`. Their hidden states, each's shape."""
+        xs = [self.embed(x) if self.embed is not None else x for x, _ in parts]
+        if len(parts) == 1 or not (self.fused.ready_parts([(x, step) for x, (_, step) in zip(xs, parts, strict=True)],
+                                                          cache)
+                                   and self.fused.covers(self.layers, xs[0].dtype)):
+            return [self._layers(x, step, cache) for x, (_, step) in zip(xs, parts, strict=True)]
+        hidden = torch.cat([x.reshape(-1, x.shape[-1]) for x in xs])  # its own copy, updated in place
+        for slot, layer in enumerate(self.layers):
+            self.fused.run(layer, slot, hidden)
+        return [h.view(x.shape) for h, x in zip(hidden.split([x.shape[0] * x.shape[1] for x in xs]), xs, strict=True)]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states [N, H] -> float32 logits [N, vocab] (last stage)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from . import paged, paging
+from . import kernels, paged, paging
 from .attention import MASKED, additive, allowed_keys, first_columns, mask_kind
 from .config import ModelConfig
 
@@ -66,7 +66,9 @@ class Step:
 
     `masks`, per attention window: None, CAUSAL, or an additive device mask [N, 1, S, `length`]
     (see `attention_mask`). `firsts`: a decode step's first allowed column per row, on the host,
-    for the CPU kernels (see `first_columns`). A captured decode step (`Step.captured`) has no
+    for the CPU kernels (see `first_columns`); a step built `per_token` (a prompt chunk's, for the
+    C kernels and fused layers, which take each token at its own column): each token's [N, S], and
+    `cols` [N, S] each token's column. A captured decode step (`Step.captured`) has no
     host column: `column` [1] is a device tensor, the keys and values are written there
     and attention reads `length` columns, masked past the step's own.
 
@@ -97,6 +99,7 @@ class Step:
     floor: torch.Tensor | None = None
     blocks: dict[int | None, BlockMask] = field(default_factory=dict)
     block_inputs: dict[int | None, paged.MaskTensors] | None = None
+    cols: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.length = self.length or self.c1
@@ -110,7 +113,7 @@ class Step:
     def build(cls, r0: int, r1: int, c0: int, c1: int, pads: torch.Tensor, rotary: Rotary,
               windows: set[int | None], dtype: torch.dtype, device: torch.device,
               device_pads: torch.Tensor | None = None, tables: torch.Tensor | None = None,
-              starts: torch.Tensor | None = None) -> Step:
+              starts: torch.Tensor | None = None, per_token: bool = False) -> Step:
         """`pads`: every row's padding on the host (the decisions); `device_pads` the same on the
         device, if the caller keeps it there (else copied from `pads`). `tables` [rows, blocks]
         and `starts` [rows]: every row's block table and first own position, on the host (see
@@ -125,7 +128,11 @@ class Step:
             kind = mask_kind(rows, c0, c1, w)
             masks[w] = additive(allowed_keys(dev_rows, c0, c1 - c0, c1, w), dtype) if kind == MASKED else kind
         firsts = {w: first_columns(rows, c0, w) for w in windows} if c1 - c0 == 1 else None
-        step = cls(r0, r1, c0, c1, cos, sin, masks, firsts)
+        cols = None
+        if per_token and c1 - c0 > 1 and (r1 - r0) * (c1 - c0) <= kernels.MAX_TOKENS:
+            cols = torch.arange(c0, c1).expand(r1 - r0, c1 - c0)
+            firsts = {w: first_columns(rows.unsqueeze(1), cols, w) for w in windows}
+        step = cls(r0, r1, c0, c1, cos, sin, masks, firsts, cols=cols)
         columns = torch.arange(c0, c1, device=device).expand(r1 - r0, c1 - c0)
         if tables is not None:
             own = starts[r0:r1] if starts is not None else torch.zeros_like(rows)

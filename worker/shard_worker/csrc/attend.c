@@ -77,14 +77,60 @@ INLINE void softmax(float *sc, int64_t len) {
     for (c = 0; c < len; c++) sc[c] *= inv;
 }
 
+#define VB 16  /* V's columns made float32 at a time */
+
+/* one query's scores over 8 columns from kt (hd x 8: column l's values in lane l): 4 chains */
+INLINE f8 scores8(const float *q, const float *kt, int64_t hd) {
+    f8 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    int64_t d = 0;
+    for (; d + 4 <= hd; d += 4) {
+        s0 += q[d] * load8f(kt + d * 8);
+        s1 += q[d + 1] * load8f(kt + (d + 1) * 8);
+        s2 += q[d + 2] * load8f(kt + (d + 2) * 8);
+        s3 += q[d + 3] * load8f(kt + (d + 3) * 8);
+    }
+    for (; d < hd; d++) s0 += q[d] * load8f(kt + d * 8);
+    return (s0 + s1) + (s2 + s3);
+}
+
+/* acc[0 : hd] += p[c - p0] v[c - c0] for c in [from, to] (v: rows of hd floats), each lane summed
+ * in column order; 64 lanes at a time in registers */
+INLINE void add_columns(float *acc, const float *p, int64_t p0, const float *v, int64_t c0, int64_t from,
+                        int64_t to, int64_t hd) {
+    int64_t u = 0;
+    for (; u + 64 <= hd; u += 64) {
+        f8 a[8];
+        for (int r = 0; r < 8; r++) a[r] = load8f(acc + u + 8 * r);
+        for (int64_t c = from; c <= to; c++) {
+            const float w = p[c - p0];
+            const f8 pv = {w, w, w, w, w, w, w, w};
+            const float *row = v + (c - c0) * hd + u;
+            for (int r = 0; r < 8; r++) a[r] += pv * load8f(row + 8 * r);
+        }
+        for (int r = 0; r < 8; r++) memcpy(acc + u + 8 * r, &a[r], sizeof a[r]);
+    }
+    for (; u + 8 <= hd; u += 8) {
+        f8 a = load8f(acc + u);
+        for (int64_t c = from; c <= to; c++) {
+            const float w = p[c - p0];
+            const f8 pv = {w, w, w, w, w, w, w, w};
+            a += pv * load8f(v + (c - c0) * hd + u);
+        }
+        memcpy(acc + u, &a, sizeof a);
+    }
+    for (; u < hd; u++)
+        for (int64_t c = from; c <= to; c++) acc[u] += p[c - p0] * v[(c - c0) * hd + u];
+}
+
 /* Tokens [t0, t0 + G) (one sequence's, sharing its slots; or G = 1), KV head g: each token's
- * `group` query heads attend to its columns [first[t], col_t]: the scores of every column (each
- * column of K made float32 once for the span), their softmax in float32, then the values (each
- * column of V made float32 once). `work`: 2 (G group + 1) hd + G group `stride` floats, stride
- * >= every token's column count. */
+ * `group` query heads attend to its columns [first[t], col_t]: the scores of 8 columns at a time
+ * (K's columns made float32 once for the span, laid side by side: each query's 8 scores are
+ * vector products, no horizontal sums), their softmax in float32, then the values (VB columns of
+ * V made float32 once for the span, each query's sums in registers). `work`: (2 G group + 8 +
+ * VB) hd + G group `stride` floats, stride >= every token's column count. */
 INLINE void attend_span(const Attn *a, int64_t t0, int64_t G, int64_t g, float *work, int64_t stride) {
     const int64_t hd = a->hd, group = a->heads / a->kv_heads, width = (a->heads + 2 * a->kv_heads) * hd;
-    float *q = work, *acc = q + G * group * hd, *k = acc + G * group * hd, *v = k + hd, *score = v + hd;
+    float *q = work, *acc = q + G * group * hd, *kt = acc + G * group * hd, *vb = kt + 8 * hd, *score = vb + VB * hd;
     const int64_t head = head_of(a, t0, g);
     const int64_t *slot = slots_of(a, t0);
     int64_t lo = a->first[t0], hi = col_of(a, t0);
@@ -94,26 +140,35 @@ INLINE void attend_span(const Attn *a, int64_t t0, int64_t G, int64_t g, float *
         hi = col_of(a, t) > hi ? col_of(a, t) : hi;
         for (int64_t j = 0; j < group; j++) rope(q + (i * group + j) * hd, a, t, t * width + (g * group + j) * hd);
     }
-    for (int64_t c = lo; c <= hi; c++) {
-        to_float(k, a->xtype, a->kc, at_col(a, head, slot, c), hd);
+    for (int64_t c = lo; c <= hi; c += 8) {
+        const int64_t nc = hi + 1 - c < 8 ? hi + 1 - c : 8;
+        for (int64_t l = 0; l < 8; l++) {
+            if (l < nc) to_float(vb, a->xtype, a->kc, at_col(a, head, slot, c + l), hd);
+            for (int64_t d = 0; d < hd; d++) kt[d * 8 + l] = l < nc ? vb[d] : 0.0f;
+        }
         for (int64_t i = 0; i < G; i++) {
-            const int64_t first = a->first[t0 + i];
-            if (c < first || c > col_of(a, t0 + i)) continue;
-            for (int64_t j = 0; j < group; j++)
-                score[(i * group + j) * stride + c - first] = dot(q + (i * group + j) * hd, k, hd) * a->scale;
+            const int64_t first = a->first[t0 + i], last = col_of(a, t0 + i);
+            if (c + nc <= first || c > last) continue;
+            for (int64_t j = 0; j < group; j++) {
+                const f8 sc = scores8(q + (i * group + j) * hd, kt, hd) * a->scale;
+                for (int64_t l = 0; l < nc; l++)
+                    if (c + l >= first && c + l <= last) score[(i * group + j) * stride + c + l - first] = sc[l];
+            }
         }
     }
     for (int64_t i = 0; i < G; i++)
         for (int64_t j = 0; j < group; j++)
             softmax(score + (i * group + j) * stride, col_of(a, t0 + i) + 1 - a->first[t0 + i]);
     memset(acc, 0, (size_t)(G * group * hd) * sizeof(float));
-    for (int64_t c = lo; c <= hi; c++) {
-        to_float(v, a->xtype, a->vc, at_col(a, head, slot, c), hd);
+    for (int64_t c = lo; c <= hi; c += VB) {
+        const int64_t nc = hi + 1 - c < VB ? hi + 1 - c : VB;
+        for (int64_t l = 0; l < nc; l++) to_float(vb + l * hd, a->xtype, a->vc, at_col(a, head, slot, c + l), hd);
         for (int64_t i = 0; i < G; i++) {
-            const int64_t first = a->first[t0 + i];
-            if (c < first || c > col_of(a, t0 + i)) continue;
+            const int64_t first = a->first[t0 + i], last = col_of(a, t0 + i);
+            const int64_t from = c > first ? c : first, to = c + nc - 1 < last ? c + nc - 1 : last;
+            if (from > to) continue;
             for (int64_t j = 0; j < group; j++)
-                add_scaled(acc + (i * group + j) * hd, score[(i * group + j) * stride + c - first], v, hd);
+                add_columns(acc + (i * group + j) * hd, score + (i * group + j) * stride, first, vb, c, from, to, hd);
         }
     }
     for (int64_t i = 0; i < G; i++)
@@ -178,7 +233,7 @@ int attend_valid(const Attn *a, int64_t n) {
 /* A step's attention (see py_attend), split over `threads`; 0, or -1 when memory ran out */
 int attend_run(const Attn *a, int threads, int level) {
     const int64_t group = a->heads / a->kv_heads, stride = a->col + 1;
-    const int64_t per_thread = 2 * (SPAN * group + 1) * a->hd + SPAN * group * stride;
+    const int64_t per_thread = (2 * SPAN * group + 8 + VB) * a->hd + SPAN * group * stride;
     int64_t *spans = (int64_t *)malloc((size_t)(a->n + 1) * sizeof(int64_t)), count = 0;
     if (!spans) return -1;
     for (int64_t t = 0; t < a->n;) {  /* a sequence's consecutive tokens (`srow`), SPAN at most */

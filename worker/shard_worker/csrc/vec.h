@@ -1,6 +1,6 @@
 /* The 8-float vectors (GCC vector extensions) of a step's operators besides its matrix products,
  * shared by step.c (RMSNorm, SwiGLU, sums) and attend.c (attention): loads and stores in the
- * activation dtype with its roundings, dot products, e^x. Compiled for AVX2 + FMA or plain x86-64 / C
+ * activation dtype with its roundings, e^x. Compiled for AVX2 + FMA or plain x86-64 / C
  * by the functions that inline them. */
 #ifndef SHARD_GEMV_VEC_H
 #define SHARD_GEMV_VEC_H
@@ -61,34 +61,6 @@ INLINE f8 load8f(const float *p) {
     f8 v;
     memcpy(&v, p, sizeof v);
     return v;
-}
-
-/* four sums side by side: one chain of dependent FMAs waited on each one's latency */
-INLINE float dot(const float *a, const float *b, int64_t len) {
-    f8 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-    int64_t i = 0;
-    for (; i + 32 <= len; i += 32) {
-        s0 += load8f(a + i) * load8f(b + i);
-        s1 += load8f(a + i + 8) * load8f(b + i + 8);
-        s2 += load8f(a + i + 16) * load8f(b + i + 16);
-        s3 += load8f(a + i + 24) * load8f(b + i + 24);
-    }
-    for (; i + 8 <= len; i += 8) s0 += load8f(a + i) * load8f(b + i);
-    const f8 acc = (s0 + s1) + (s2 + s3);
-    float sum = HSUM8(acc);
-    for (; i < len; i++) sum += a[i] * b[i];
-    return sum;
-}
-
-/* acc += p * v */
-INLINE void add_scaled(float *acc, float p, const float *v, int64_t len) {
-    const f8 pv = {p, p, p, p, p, p, p, p};
-    int64_t i = 0;
-    for (; i + 8 <= len; i += 8) {
-        const f8 a = load8f(acc + i) + pv * load8f(v + i);
-        memcpy(acc + i, &a, sizeof a);
-    }
-    for (; i < len; i++) acc[i] += p * v[i];
 }
 
 /* e^x, 8 at a time (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-5 polynomial for e^r,

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from shard_contract.sharding import kv_pool_tokens, kv_sequence_tokens, kv_whole_blocks
+from shard_contract.sharding import KV_BLOCK_SIZE, kv_pool_tokens, kv_sequence_tokens, kv_whole_blocks
 from shard_contract.units import count
 
 from ..api import DEFAULT_GPU_FRACTION
@@ -87,12 +87,18 @@ def rank_tokens(policy: KvPolicy, free: int, per_token: int, request: Request) -
     """Tokens a rank's cache holds for sequences (whole blocks): `free` is its usable memory less
     its weights, activations, overhead and staging; `per_token` its bytes of one token's KV and of
     the block masks over it (`sizing.mask_token_bytes`). Its pool (these and the reserved blocks,
-    `kv_pool_tokens`) never takes more than the share of `free` the policy gives (a reservation is
-    what `fit_tokens` made room for)."""
+    `kv_pool_tokens`) is the share of `free` the policy gives in whole blocks: a quantity rounded
+    down (it is a cap), a fraction rounded up where `free` holds the block (so the cache holds at
+    least the fraction asked for; a reservation is what `fit_tokens` made room for)."""
     if policy.mode == "reserve" or per_token <= 0:
         return reserved_tokens(request)
-    budget = policy.bytes if policy.mode == "bytes" else int(policy.fraction * max(free, 0))
-    return kv_sequence_tokens(max(budget, 0) // per_token)
+    if policy.mode == "bytes":
+        return kv_sequence_tokens(max(policy.bytes, 0) // per_token)
+    free = max(free, 0)
+    pool = kv_whole_blocks(math.ceil(policy.fraction * free / per_token))
+    if pool * per_token > free:
+        pool -= KV_BLOCK_SIZE
+    return kv_sequence_tokens(pool)
 
 
 def describe_need(policy: KvPolicy, request: Request) -> str:

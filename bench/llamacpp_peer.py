@@ -7,7 +7,12 @@ cores. Set it up once, outside the repository:
     CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_RPC=ON -DLLAVA_BUILD=OFF" nice \\
         ~/.cache/shard-operator/llamacpp-venv/bin/pip install llama-cpp-python gguf numpy
 
-and, for the layer split over two processes (llama.cpp's RPC backend), its `ggml-rpc-server`:
+Where llama.cpp's own tree is already built with shared libraries (bench/serve_peer.py's
+llama-server build in ~/.cache/shard-operator/server-build is llama-cpp-python's vendored tree),
+the build can be skipped: install gguf and numpy, copy the sdist's `llama_cpp` package into the
+venv's site-packages and that build's `bin/*.so*` into `llama_cpp/lib` (seconds, not half an hour).
+
+And, for the layer split over two processes (llama.cpp's RPC backend), its `ggml-rpc-server`:
 
     cmake -S <llama-cpp-python sdist>/vendor/llama.cpp -B ~/.cache/shard-operator/rpc-build \\
         -DGGML_RPC=ON -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF

@@ -77,6 +77,21 @@ def test_in_place_is_the_gather(reference_kernel, heads, kv_heads, c0, c1, windo
     assert torch.all(got[~real] == 0)  # a padding query reads nothing
 
 
+def test_a_torch_that_cannot_skip_the_q_blocks_gives_the_same_mask(reference_kernel, monkeypatch):
+    """Where BlockMask.from_kv_blocks has no compute_q_blocks (older torch), the mask computes
+    them, and reads what it reads here."""
+    assert paged.SKIP_Q_BLOCKS == {"compute_q_blocks": False}  # this torch skips them
+    pads = torch.tensor([0, 3, 7])
+    k, v, tables, gen = case(5, 3, 4, 2)
+    q = torch.randn(3, 4, 7, 8, generator=gen)
+    want = paged_out(q, k, v, tables, pads, 30, 37, 5)
+    monkeypatch.setattr(paged, "SKIP_Q_BLOCKS", {})
+    positions = torch.arange(30, 37).expand(3, 7) - pads.unsqueeze(1)
+    mask = paged.paged_mask(tables, *paged.bounds(positions, 5), POOL)
+    assert mask.q_num_blocks is not None
+    torch.testing.assert_close(paged.attend(q, k, v, mask), want, rtol=0, atol=0)
+
+
 def test_bounds_and_tails():
     lo, hi = paged.bounds(torch.tensor([[-1, 0, 7]]), 3)
     assert lo.tolist() == [[0, 0, 5]] and hi.tolist() == [[-1, 0, 7]]
@@ -110,6 +125,26 @@ def test_the_compiled_kernel_reads_only_the_rows_blocks(dtype):
         got = paged_out(q, k, v, tables, pads, c0, c1, None)
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def test_cuda_kernel_tiles_divide_the_masks_blocks(monkeypatch):
+    """On CUDA the Triton template's key tile must divide the mask's 16-position KV blocks and its
+    query tile the 128-query blocks, or inductor refuses the lowering: the tile `kernel_options`
+    asks for, over every default forward config inductor has for an Ampere or Hopper card (its
+    tables read with the card's capability stubbed; without the options, BLOCK_N is 32-128)."""
+    options = paged.kernel_options(torch.device("cuda"))
+    assert options is not None and options["FORCE_USE_FLEX_ATTENTION"] is True
+    assert BLOCK_SIZE % options["BLOCK_N"] == 0 and options["BLOCK_N"] >= 16  # tl.dot takes 16 at least
+    assert paged.kernel_options(torch.device("cpu")) is None and paged.kernel_options(torch.device("meta")) is None
+    heuristics = pytest.importorskip("torch._inductor.template_heuristics.triton")
+    tiles = set()
+    for capability in ((8, 0), (9, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_, c=capability: c)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for head_dim in (16, 64, 128, 256):
+                for conf in heuristics.CUDAConfigHeuristic().get_flex_attn_fwd_configs(head_dim, dtype):
+                    tiles.add((options.get("BLOCK_M", conf.block_m), options.get("BLOCK_N", conf.block_n)))
+    assert tiles and all(paged.Q_BLOCK % m == 0 and BLOCK_SIZE % n == 0 for m, n in tiles), tiles
 
 
 def test_the_choice(monkeypatch):
@@ -199,8 +234,9 @@ def test_the_captured_step_in_place_does_no_host_synchronisation(checkpoint, mon
     for device in ("cpu", "meta"):
         calls = []
 
-        def kernel(q, k, v, block_mask, enable_gqa):
+        def kernel(q, k, v, block_mask, enable_gqa, kernel_options):
             calls.append(k.untyped_storage().data_ptr() == pools[0].untyped_storage().data_ptr())
+            assert kernel_options is None  # a CUDA rank's alone (`paged.kernel_options`)
             return torch.zeros_like(q)
 
         monkeypatch.setitem(paged._compiled, device, kernel)

@@ -36,8 +36,10 @@ row): see docs/architecture.md ("Paged attention on the torch path") and bench/p
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -114,7 +116,15 @@ def block_mask(tensors: MaskTensors, queries: int, pool_blocks: int, block_size:
         return (held >= 0) & (position >= lo[b, q]) & (position <= hi[b, q])
 
     return BlockMask.from_kv_blocks(count, indices, BLOCK_SIZE=(Q_BLOCK, block_size), mask_mod=within,
-                                    seq_lengths=(queries, pool_blocks * block_size), compute_q_blocks=False)
+                                    seq_lengths=(queries, pool_blocks * block_size), **SKIP_Q_BLOCKS)
+
+
+# The backward pass's transposed block lists, which inference never reads: not computed where
+# from_kv_blocks can skip them (a dense [query blocks, pool blocks] sort per step otherwise). Decided
+# by the signature: the GPU machines' torch (2.11 when last seen) is older than this repository's.
+SKIP_Q_BLOCKS: dict[str, Any] = (
+    {"compute_q_blocks": False} if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
+    else {})
 
 
 def bounds(positions: torch.Tensor, window: int | None, floor: torch.Tensor | None = None
@@ -145,9 +155,27 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Bloc
     slots, d] (this layer's, read in place: `KVCache.layer_k`, a tensor of its own) under `mask`
     (`paged_mask`) -> [N, heads, S, d]."""
     grouped = q.shape[1] != keys.shape[0]
-    out = _kernel(q.device)(q, keys.unsqueeze(0), values.unsqueeze(0), block_mask=mask, enable_gqa=grouped)
+    out = _kernel(q.device)(q, keys.unsqueeze(0), values.unsqueeze(0), block_mask=mask, enable_gqa=grouped,
+                            kernel_options=kernel_options(q.device, mask.BLOCK_SIZE[1]))
     assert isinstance(out, torch.Tensor)
     return out
+
+
+def kernel_options(device: torch.device, block_size: int = BLOCK_SIZE) -> dict[str, bool | int] | None:
+    """flex_attention's kernel options on `device` for a mask of `block_size`-position KV blocks.
+
+    On CUDA inductor's Triton template walks the keys BLOCK_N at a time and needs BLOCK_N to
+    divide the mask's KV block (its lowering raises "Q and KV block size must be divisible by
+    BLOCK_M and BLOCK_N" otherwise); its default tiles take 32-128 keys for heads of up to 128 on
+    Ampere and Hopper, so our 16-position blocks need BLOCK_N = 16, as vLLM's paged FlexAttention
+    sets it from the mask's block size. FORCE_USE_FLEX_ATTENTION keeps every shape on that template: the
+    flex_decoding one, taken for a query batch it knows statically, sizes its BLOCK_M from the
+    query columns times the group, and past the mask's 128-query block (one row's chunk of 33+
+    columns at 4 query heads per KV head) it has no config at all. Every default BLOCK_M (32-128)
+    divides the 128-query block. The CPU's C++ template has neither limit: None (its defaults)."""
+    if device.type != "cuda":
+        return None
+    return {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_N": block_size}
 
 
 def _kernel(device: torch.device) -> Attend:

@@ -58,3 +58,17 @@ def test_an_unknown_cuda_mode_is_refused(monkeypatch):
     monkeypatch.setenv(int8mm.ENV, "fast")
     with pytest.raises(RuntimeError, match="SHARD_INT8_CUDA='fast'"):
         int8mm.cuda_mode()
+
+
+def test_int8pack_answers_in_the_activations_dtype(monkeypatch):
+    """torch's CUDA _weight_int8pack_mm returned float32 whatever x's dtype (some versions): the
+    product comes back in x's, as the other paths' does (a stub stands in for that kernel here)."""
+    x, q, scale = case(2, 24, 128, torch.bfloat16, seed=3)
+
+    def cuda_like(x2, weight, scales):
+        return x2.float() @ (weight.float() * scales.unsqueeze(1)).T  # float32, as that kernel answered
+
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", cuda_like)
+    y = int8mm.int8pack(x, q, scale)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 24)
+    torch.testing.assert_close(y, cuda_like(fake_quantize_activations(x), q, scale).to(torch.bfloat16))

@@ -86,9 +86,12 @@ def compiled() -> Callable[..., torch.Tensor]:
 
 
 def int8pack(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """torch's int8 weight-only kernel with x quantized, in x's dtype (bfloat16 activations)."""
+    """torch's int8 weight-only kernel with x quantized, in x's dtype (bfloat16 activations).
+    torch's CUDA kernel computes in float32, and some versions return that float32 whatever x's
+    dtype (aten/src/ATen/native/cuda/int8mm.cu allocated `out` as kFloat; later ones convert it
+    back): cast, or a bfloat16 stage would meet float32 (the KV cache's index_copy_ refuses it)."""
     x2 = fake_quantize_activations(x).contiguous()
-    return torch.ops.aten._weight_int8pack_mm(x2, weight, scale)
+    return torch.ops.aten._weight_int8pack_mm(x2, weight, scale).to(x.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,

@@ -29,6 +29,7 @@ SHAPE = gpu_decode.SHAPES["tiny"]
 PROMPTS = [[(5 * i + 1) % SHAPE["vocab_size"] for i in range(12)],
            [(3 * i + 7) % SHAPE["vocab_size"] for i in range(5)]]
 NEW_TOKENS = 8
+MAX_LEN = 64
 LOGITS_TOLERANCE = 1e-4  # of the logits' largest magnitude: float32 sums in another order
 
 
@@ -68,10 +69,14 @@ def run_layout(device: str, model_dir: str, tp: int, pp: int, work: Path, timeou
     from safetensors.torch import load_file
 
     from shard_operator.local.launcher import free_port, plan_local
+    from shard_operator.planning.profile import profile_model
 
     world = tp * pp
-    plan = plan_local(model_dir, tp, pp, dtype="float32", max_model_len=64, max_batch_size=len(PROMPTS),
-                      devices=f"localhost:16GiB*{world}", device_kind="gpu" if device == "cuda" else "cpu")
+    # the KV cache the batch needs (not 0.9 of each rank's 16 GiB: two ranks share the one card)
+    kv = gpu_decode.kv_memory(profile_model(model_dir).kv_bytes_per_token("float32"), len(PROMPTS), MAX_LEN)
+    plan = plan_local(model_dir, tp, pp, dtype="float32", max_model_len=MAX_LEN, max_batch_size=len(PROMPTS),
+                      devices=f"localhost:16GiB*{world}", device_kind="gpu" if device == "cuda" else "cpu",
+                      kv_cache_memory=kv)
     plan_file, out = work / f"plan-{tp}x{pp}.json", work / f"logits-{tp}x{pp}.safetensors"
     plan_file.write_text(plan.to_json())
     port = free_port()

@@ -1,6 +1,7 @@
 """The device check (bench/gpu_check.sh) runs its whole flow in its dry mode on the CPU: every step
 passes, and what it measured is in its files -- decode rows with the planner's prediction beside
-the measured step, HF's peer, int8, and two ranks on one device equal to one."""
+the measured step, HF's peer, int8, and two ranks on one device equal to one -- and its test steps
+select the CUDA tests a device runs (collected here: a CPU would skip them)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,17 @@ def test_the_dry_run_passes_every_step_and_keeps_its_figures(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert proc.returncode == 0, f"{summary}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
     steps = summary.splitlines()[1:]
-    assert [line.split()[0] for line in steps] == ["ok"] * 6, summary
+    assert [line.split()[0] for line in steps] == ["ok"] * 7, summary
     assert "(cpu)" in summary.splitlines()[0]
+    # the device's selection (-m cuda, SHARD_TEST_DEVICES=cuda), and nothing the CPU runs anyway
+    graphs = (out / "tests-graphs.log").read_text()
+    for test in ("test_cuda_graph_replay_equals_eager_token_for_token[llama]", "test_cuda_replay_does_not_synchronise",
+                 "test_the_compiled_step_reads_in_place_what_the_eager_step_gathers[cuda]",
+                 "test_the_steps_host_copy_lands_in_pinned_memory"):
+        assert f"test_decode_graphs.py::{test}" in graphs, graphs
+    assert "[cpu]" not in graphs and "test_buckets" not in graphs
+    device = (out / "tests-device.log").read_text()
+    assert "test_float32_matches_hf_on_the_same_device[llama-cuda]" in device and "cpu]" not in device, device
 
     for model in ("tiny", "tiny-8b"):
         report = json.loads((out / f"gpu_bench-{model}.json").read_text())

@@ -46,7 +46,14 @@ from .conftest import make_plan
 from .pool import ContinuousJob, GenerateJob
 from .test_parallel import PROMPT, assert_matches_hf
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = [pytest.mark.cuda, NO_CUDA]  # what bench/gpu_check.sh runs on a lent GPU (-m cuda)
+
+
+def cuda(test):
+    return pytest.mark.cuda(NO_CUDA(test))
+
+
 PADS = [0, 3, 1]
 PROMPT_COLS, STEPS, MAX_LEN = 7, 6, 24
 
@@ -165,61 +172,6 @@ def test_the_compile_mode_replays_the_eager_steps(checkpoint):
         with torch.inference_mode():
             got = graphs.run(0, len(PADS), col, x, pads, compiled_cache.contiguous)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-
-
-def paged_batch(vocab: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Ids [3, 40], left paddings [0, 5, 2] and block tables [4, 3] (a fourth row no sequence holds:
-    all TRASH) over a pool of 12 blocks, shuffled (not the contiguous ones)."""
-    gen = torch.Generator().manual_seed(9)
-    ids = torch.randint(0, vocab, (3, 40), generator=gen)
-    tables = torch.full((4, 3), TRASH_BLOCK, dtype=torch.int64)
-    tables[:3] = (torch.randperm(12, generator=gen)[:9] + RESERVED_BLOCKS).view(3, 3)
-    return ids.to(device), torch.tensor([0, 5, 2, 0]), tables
-
-
-@pytest.mark.parametrize("device", [pytest.param(d, marks=[cuda] if d == "cuda" else []) for d in ("cpu", "cuda")
-                                    if d in os.environ.get("SHARD_TEST_DEVICES", "cpu,cuda").split(",")])
-def test_the_compiled_step_reads_in_place_what_the_eager_step_gathers(checkpoint, monkeypatch, device):
-    """SHARD_DECODE_GRAPHS=compile, whose step reads the pool in place (FlexAttention lowered inside
-    the compiled step), against the eager step gathering each row's context, greedy, token for
-    token (float32): three rows left-padded by 0, 5 and 2 over shuffled block tables, a 20-column
-    prompt and 20 steps, so that every row crosses into its third block; the step's bucket also
-    computes a fourth row that no sequence holds. Every slot but the ZERO block starts as NaN: a
-    read of a slot no row wrote, or of a key past a row's own, would show."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    stage = load(checkpoint("mistral"), device)  # two layers (each must read its own pool), a window, GQA
-    c = stage.config
-    ids, pads, tables = paged_batch(c.vocab_size, device)
-    caches = []
-    for _ in range(2):
-        cache = KVCache(c.num_layers, 4, stage.layout.kv_heads, 48, c.head_dim, torch.float32, stage.device)
-        cache.k[:, :, BLOCK_SIZE:], cache.v[:, :, BLOCK_SIZE:] = float("nan"), float("nan")
-        rotary = Rotary(c, 48, stage.device)
-        with torch.inference_mode(), torch_only():
-            step = Step.build(0, 3, 0, 20, pads, rotary, stage.windows, stage.dtype, stage.device, tables=tables)
-            stage.forward(ids[:, :20], step, cache)
-        caches.append(cache)
-    eager_cache, graph_cache = caches
-    torch._dynamo.reset()
-    graphs = DecodeGraphs(stage, graph_cache, rotary, Comm(Topology(0, 1, 1), Accounting()), "compile",
-                          min_length=48)
-    tokens = ids[:, 20:21]
-    for col in range(20, 40):
-        with monkeypatch.context() as env:
-            env.setenv(PAGED_ATTENTION_ENV, "gather")
-            want = eager_step(stage, eager_cache, rotary, tokens, pads, 0, 3, col, tables)
-        with monkeypatch.context() as env, torch.inference_mode():
-            env.setattr(KVCache, "gather", forbidden)  # the compiled step must not take the gather
-            env.setattr(DecodeGraphs, "_record", lambda *_: ())  # nor its eager run (TP=1: no collectives)
-            got = graphs.run(0, 3, col, tokens, pads, tables).clone()
-        assert torch.equal(got.argmax(-1), want.argmax(-1)), f"column {col}"
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        tokens = want.argmax(-1, keepdim=True)
-    assert graphs.captured == 1
-
-
-def forbidden(*args, **kwargs):
-    raise AssertionError("the compiled step gathered the rows' contexts")
 
 
 # ---------------------------------------------------------------- no host synchronisation
@@ -363,11 +315,15 @@ def test_cuda_replay_does_not_synchronise(checkpoint):
     graphs = DecodeGraphs(stage, cache, rotary, Comm(Topology(0, 1, 1), Accounting()), "cuda", min_length=8)
     x = ids[:, PROMPT_COLS:PROMPT_COLS + 1].cuda()
     with torch.inference_mode():
-        graphs.run(0, 3, PROMPT_COLS, x, pads, graphs.cache.contiguous)  # captures (and copies the padding in once)
+        # captures the 8- and 16-column buckets (a capture may synchronise: torch.cuda.graph does
+        # as it begins) and copies the padding in once; the steps after replay the 16-column one
+        for col in (PROMPT_COLS, PROMPT_COLS + 1):
+            x = graphs.run(0, 3, col, x, pads, graphs.cache.contiguous).argmax(-1, keepdim=True)
+        assert graphs.captured == 2
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            for col in range(PROMPT_COLS + 1, PROMPT_COLS + 4):
+            for col in range(PROMPT_COLS + 2, PROMPT_COLS + 5):
                 x = graphs.run(0, 3, col, x, pads, graphs.cache.contiguous).argmax(-1, keepdim=True)
         finally:
             torch.cuda.set_sync_debug_mode("default")
@@ -393,3 +349,60 @@ def test_the_steps_host_copy_lands_in_pinned_memory():
     on_device = sampled.to_host()
     assert on_device.tokens == on_host.tokens
     assert on_device.logprob == pytest.approx(on_host.logprob, abs=1e-5)
+
+
+# ---------------------------------------------------------------- the compiled step, CPU and CUDA
+# (last: on a device its compile is the longest of these, so the tests above run first)
+def paged_batch(vocab: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ids [3, 40], left paddings [0, 5, 2] and block tables [4, 3] (a fourth row no sequence holds:
+    all TRASH) over a pool of 12 blocks, shuffled (not the contiguous ones)."""
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, vocab, (3, 40), generator=gen)
+    tables = torch.full((4, 3), TRASH_BLOCK, dtype=torch.int64)
+    tables[:3] = (torch.randperm(12, generator=gen)[:9] + RESERVED_BLOCKS).view(3, 3)
+    return ids.to(device), torch.tensor([0, 5, 2, 0]), tables
+
+
+@pytest.mark.parametrize("device", [pytest.param(d, marks=CUDA if d == "cuda" else []) for d in ("cpu", "cuda")
+                                    if d in os.environ.get("SHARD_TEST_DEVICES", "cpu,cuda").split(",")])
+def test_the_compiled_step_reads_in_place_what_the_eager_step_gathers(checkpoint, monkeypatch, device):
+    """SHARD_DECODE_GRAPHS=compile, whose step reads the pool in place (FlexAttention lowered inside
+    the compiled step), against the eager step gathering each row's context, greedy, token for
+    token (float32): three rows left-padded by 0, 5 and 2 over shuffled block tables, a 20-column
+    prompt and 20 steps, so that every row crosses into its third block; the step's bucket also
+    computes a fourth row that no sequence holds. Every slot but the ZERO block starts as NaN: a
+    read of a slot no row wrote, or of a key past a row's own, would show."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    stage = load(checkpoint("mistral"), device)  # two layers (each must read its own pool), a window, GQA
+    c = stage.config
+    ids, pads, tables = paged_batch(c.vocab_size, device)
+    caches = []
+    for _ in range(2):
+        cache = KVCache(c.num_layers, 4, stage.layout.kv_heads, 48, c.head_dim, torch.float32, stage.device)
+        cache.k[:, :, BLOCK_SIZE:], cache.v[:, :, BLOCK_SIZE:] = float("nan"), float("nan")
+        rotary = Rotary(c, 48, stage.device)
+        with torch.inference_mode(), torch_only():
+            step = Step.build(0, 3, 0, 20, pads, rotary, stage.windows, stage.dtype, stage.device, tables=tables)
+            stage.forward(ids[:, :20], step, cache)
+        caches.append(cache)
+    eager_cache, graph_cache = caches
+    torch._dynamo.reset()
+    graphs = DecodeGraphs(stage, graph_cache, rotary, Comm(Topology(0, 1, 1), Accounting()), "compile",
+                          min_length=48)
+    tokens = ids[:, 20:21]
+    for col in range(20, 40):
+        with monkeypatch.context() as env:
+            env.setenv(PAGED_ATTENTION_ENV, "gather")
+            want = eager_step(stage, eager_cache, rotary, tokens, pads, 0, 3, col, tables)
+        with monkeypatch.context() as env, torch.inference_mode():
+            env.setattr(KVCache, "gather", forbidden)  # the compiled step must not take the gather
+            env.setattr(DecodeGraphs, "_record", lambda *_: ())  # nor its eager run (TP=1: no collectives)
+            got = graphs.run(0, 3, col, tokens, pads, tables).clone()
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), f"column {col}"
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        tokens = want.argmax(-1, keepdim=True)
+    assert graphs.captured == 1
+
+
+def forbidden(*args, **kwargs):
+    raise AssertionError("the compiled step gathered the rows' contexts")

@@ -41,7 +41,8 @@ from .test_parallel import PROMPT, assert_matches_hf, hf_logits
 
 WANTED = os.environ.get("SHARD_TEST_DEVICES", "cpu,cuda").split(",")
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device in this process")
-DEVICES = [pytest.param(d, marks=[NO_CUDA] if d == "cuda" else []) for d in ("cpu", "cuda") if d in WANTED]
+DEVICES = [pytest.param(d, marks=[NO_CUDA, pytest.mark.cuda] if d == "cuda" else []) for d in ("cpu", "cuda")
+           if d in WANTED]
 pytestmark = [pytest.mark.slow, pytest.mark.parametrize("device", DEVICES)]
 
 # A rank's device: one of its own (on a GPU the planner adds 2.5 GiB of CUDA context, cuBLAS and

@@ -127,15 +127,17 @@ summary() {
 bounded() {  # bounded SECONDS LOG COMMAND...: in a session of its own, output to LOG (printed after),
     # done within SECONDS: 4 s before, the session gets SIGINT (pytest then writes its report, a
     # Python bench its traceback), then whatever is left of it (rank processes too) is killed
-    local limit=$1 log=$2 rc=0 waited=0 grace=4
+    local limit=$1 log=$2 rc=0 waited=0 grace=4 stopped=0
     shift 2
     [ "$limit" -gt $((grace + 1)) ] || limit=$((grace + 1))
-    "${LAUNCH[@]}" "$@" > "$log" 2>&1 < /dev/null &
+    : > "$log"  # then appended to, by the command and by the note below alike (no write over another)
+    "${LAUNCH[@]}" "$@" >> "$log" 2>&1 < /dev/null &
     local pid=$!
     local group=$pid
     [ "${LAUNCH[0]}" = setsid ] && group=-$pid  # its session's process group
     while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt $((limit - grace)) ]; do sleep 1; waited=$((waited + 1)); done
     if kill -0 "$pid" 2>/dev/null; then
+        stopped=1
         echo "(stopped after $((limit - grace)) s)" >> "$log"
         kill -INT -- "$group" 2>/dev/null || true
         while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "$limit" ]; do sleep 1; waited=$((waited + 1)); done
@@ -144,6 +146,7 @@ bounded() {  # bounded SECONDS LOG COMMAND...: in a session of its own, output t
     wait "$pid" || rc=$?
     kill -KILL -- "$group" 2>/dev/null || true
     cat "$log"
+    [ "$stopped" = 0 ] || rc=124  # past its bound: failed, whatever its exit status (as timeout(1) says)
     return "$rc"
 }
 

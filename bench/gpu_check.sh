@@ -86,7 +86,7 @@ else
     PAGED=(--contexts 512,2048,8192 --rows 32 --rounds 5 --dtype bfloat16)
     RUN_TESTS=(-v -rfEs --tb=short)
     # 455 s in all, each bound with its waits inside (summary.txt shows what each step took)
-    LIMITS=(environment=30 graphs=95 bench-bench=50 bench-8b=130 paged=30 ranks=40 device=80)
+    LIMITS=(environment=30 graphs=95 bench-bench=50 bench-8b=130 paged=30 ranks=45 device=75)
     # the 853M model in bfloat16 alone (issue 25 asks its tokens/s); int8 and HF's peer on the 8B
     MODEL_ARGS=(bench="--precisions bfloat16 --hf none")
     TEST_TIMEOUT=60  # one test, at most (pytest-timeout, where installed)
@@ -268,7 +268,7 @@ paged() {  # decode attention over the paged KV cache: each row's context gather
 
 ranks() {
     bounded "$(limit ranks)" "$OUT/ranks.log" "$PY" bench/gpu_ranks.py --device "$DEVICE" \
-        --model-dir "$WORK/model-ranks" --out "$OUT/ranks.json" --timeout "$(( ($(limit ranks) - 5) / 3 ))"
+        --model-dir "$WORK/model-ranks" --out "$OUT/ranks.json" --timeout "$(( $(limit ranks) - 8 ))"
 }
 
 [ -n "${WHEELS:-}" ] && step "wheels from $WHEELS" wheels

@@ -7,7 +7,9 @@ sends staged through the host as gloo needs) runs at all (bench/gpu_check.sh).
     python bench/gpu_ranks.py [--device cuda|cpu] [--model-dir DIR] [--out FILE.json] [--timeout S]
 
 Each layout runs as its own processes (rank 0 generates a batch of two prompts, 8 new tokens, float32,
-and writes its logits; rank 1 follows); --out is rewritten after each layout.
+and writes its logits; rank 1 follows); --out is rewritten after each layout. --timeout bounds the
+three together: each layout may take what the ones before it left (the first, the reference, pays
+for the cold compiles), and one that would start with under MIN_LAYOUT_SECONDS left is not run.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ PROMPTS = [[(5 * i + 1) % SHAPE["vocab_size"] for i in range(12)],
 NEW_TOKENS = 8
 MAX_LEN = 64
 LOGITS_TOLERANCE = 1e-4  # of the logits' largest magnitude: float32 sums in another order
+MIN_LAYOUT_SECONDS = 5.0
 
 
 def child(rank: int, tp: int, pp: int, port: int, plan_file: str, model_dir: str, out: str) -> None:
@@ -105,7 +108,7 @@ def main() -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--model-dir", type=Path, default=decode.CACHE / "bench-gpu-ranks")
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--timeout", type=float, default=60, help="seconds a layout may take")
+    parser.add_argument("--timeout", type=float, default=180, help="seconds the three layouts may take")
     parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -118,11 +121,15 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     report: dict = {"device": args.device, "shape": SHAPE, "layouts": {}, "errors": []}
     reference = None
+    deadline = time.monotonic() + args.timeout
     for tp, pp in LAYOUTS:
         name = f"TP={tp} PP={pp}"
         started = time.perf_counter()
+        left = deadline - time.monotonic()
         try:
-            got = run_layout(args.device, model_dir, tp, pp, work, args.timeout)
+            if left < MIN_LAYOUT_SECONDS:
+                raise RuntimeError(f"{name}: not run, out of time ({left:.0f} s left)")
+            got = run_layout(args.device, model_dir, tp, pp, work, left)
         except Exception as err:  # noqa: BLE001 -- one failed layout must not lose the others
             report["layouts"][name] = {"error": str(err)[-2000:]}
             report["errors"].append(f"{name}: {str(err).splitlines()[0]}")

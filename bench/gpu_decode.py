@@ -45,6 +45,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -297,12 +298,34 @@ def step(name: str, errors: list[str], deadline: float, *args: str) -> dict:
                                  script=__file__)
     except Exception as err:  # noqa: BLE001 -- one failed measurement must not lose the others
         text = str(err).strip() or type(err).__name__
-        print(f"[{time.strftime('%H:%M:%S')}] {name} FAILED:\n{text}", file=sys.stderr, flush=True)
         errors.append(f"{name}: {text.splitlines()[-1]}")
-        return {"error": text[-2000:]}
+        said = getattr(err, "stderr", None)  # what a child past its time printed (subprocess.TimeoutExpired)
+        said = said.decode(errors="replace") if isinstance(said, bytes) else said or ""
+        if said:
+            text += "\n" + said[-3000:]
+        print(f"[{time.strftime('%H:%M:%S')}] {name} FAILED:\n{text}", file=sys.stderr, flush=True)
+        failed: dict = {"error": text[-2000:]}
+        done = finished_batches(said + "\n" + text)
+        if done:  # the batches it measured before it failed or ran out of time
+            failed["batches"] = done
+        return failed
     print(f"[{time.strftime('%H:%M:%S')}] {name}: {json.dumps(value)} ({time.perf_counter() - started:.1f} s)",
           file=sys.stderr, flush=True)
     return value
+
+
+def finished_batches(output: str) -> dict[str, dict]:
+    """The batches an `ours` child printed as it measured them ("batch N: {...}" on its stderr),
+    from the output of one that failed or ran out of time: what it measured stays in the report."""
+    done = {}
+    for line in output.splitlines():
+        match = re.match(r"^batch (\d+): (\{.*\})$", line.strip())
+        if match:
+            try:
+                done[match.group(1)] = json.loads(match.group(2))
+            except json.JSONDecodeError:  # a line cut off as the child was stopped
+                continue
+    return done
 
 
 def rows(report: dict) -> list[dict]:

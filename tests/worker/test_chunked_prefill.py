@@ -158,6 +158,32 @@ def test_a_joiner_beside_more_decodes_than_the_budget_gets_half_the_budget_a_ste
     assert out[4] == hf_greedy(hf_model(model_dir), PROMPT, 6)
 
 
+@pytest.mark.parametrize("tp,pp", [(1, 1), (1, 2)])
+def test_joiners_at_max_len_and_a_prefix_hit_of_all_but_the_last_token_answer_as_alone(pool, checkpoint, hf_model,
+                                                                                       tp, pp):
+    """The longest requests `Engine.check` admits join a running batch: a prompt of maxModelLen
+    tokens (three full KV blocks) for one new token (which waited forever: its decode column would
+    have been maxModelLen), one of maxModelLen - 1 for two; then a prompt of 33 tokens whose first
+    32 the prefix cache holds (its one computed token a chunk of its own). Each answers as alone
+    and as HF, and every KV block comes back."""
+    model_dir = checkpoint("llama-4layers")
+    plan = make_plan(model_dir, tp, pp, max_len=48, batch=3)
+    full = {"prompt_ids": prompt_of(48, 4), "max_new_tokens": 1, "ignore_eos": True}
+    edge = {"prompt_ids": prompt_of(47, 5), "max_new_tokens": 2, "ignore_eos": True}
+    tail = {"prompt_ids": full["prompt_ids"][:33], "max_new_tokens": 3, "ignore_eos": True}
+    job = ContinuousJob([RUNNING], arrivals={1: [full, edge], 12: [tail]}, env={"SHARD_STEP_TOKENS": "8"})
+    results = pool.run(plan, model_dir, job)
+    out = results[0]["output"].completions
+    requests = [RUNNING, full, edge, tail]
+    assert [c.token_ids for c in out] == [alone(pool, model_dir, plan, r) for r in requests]
+    model = hf_model(model_dir)
+    assert [c.token_ids for c in out[1:]] == [hf_greedy(model, r["prompt_ids"], r["max_new_tokens"])
+                                              for r in requests[1:]]
+    assert out[3].cached_tokens == 32
+    kv = results[0]["kv"]
+    assert kv["free"] == kv["blocks"]
+
+
 @cache
 def _hf(model_dir, prompt: tuple[int, ...], new: int, model) -> list[int]:
     return hf_greedy(model, list(prompt), new)

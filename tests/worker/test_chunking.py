@@ -44,6 +44,19 @@ def test_an_older_joiner_whose_last_token_cannot_be_framed_holds_it_and_the_youn
     assert col == 4 and pads == {1: 0, 2: 2}  # reframed down: the batch starts over at column 4
 
 
+def test_a_joiner_of_one_new_token_is_not_framed_so_a_prompt_of_max_len_tokens_ends():
+    """Its one token is its last chunk's: no decode column is its, so a prompt of maxModelLen
+    tokens (whose decode column would be maxModelLen: it waited forever) ends at once, beside
+    decodes or alone, and moves no padding; the decode unit computes its row past its padding."""
+    p = Prefill(row=1, length=32, done=24, new=1)
+    chunks, col, pads = plan_step([p], {0: (20, 5)}, col=20, budget=16, max_len=32)
+    assert [(c.row, c.start, c.end, c.last) for c in chunks] == [(1, 24, 32, True)]
+    assert (col, pads) == (20, {0: 0, 1: 21})
+    alone = Prefill(row=0, length=32, done=31, new=1)  # nothing decodes: its decode unit at column 0
+    chunks, col, pads = plan_step([alone], {}, col=31, budget=16, max_len=32)
+    assert [(c.row, c.last) for c in chunks] == [(0, True)] and (col, pads) == (0, {0: 1})
+
+
 def test_prompts_take_what_the_decodes_leave_and_at_least_half_the_budget():
     assert [prompt_tokens(32, d) for d in (0, 8, 16, 17, 31, 32, 64)] == [32, 24, 16, 16, 16, 16, 16]
     assert [prompt_tokens(b, 5) for b in (1, 2, 3)] == [1, 1, 1]
@@ -73,7 +86,7 @@ def batches(draw):
     decoding = {row: (q, draw(st.integers(1, max_len - col))) for row, q in enumerate(positions)}
     prefills = []
     for row in range(len(decoding), len(decoding) + draw(st.integers(1, 4))):
-        length = draw(st.integers(1, max_len - 1))
+        length = draw(st.integers(1, max_len))  # maxModelLen tokens too (then for one new token)
         new = draw(st.integers(1, max_len - length + 1))
         prefills.append(Prefill(row, length, draw(st.integers(0, length - 1)), new))
     return max_len, decoding, col, prefills, draw(st.integers(1, 9))
@@ -104,14 +117,19 @@ def test_every_step_keeps_the_budget_the_order_and_the_positions_and_every_promp
             assert col - new_pads[row] == q
         framed = {c.row for c in chunks if c.last}
         for p in waiting:
-            if p.row in framed:
+            if p.row in framed and p.new == 1:  # its one token is its last chunk's: it decodes in no step
+                assert new_pads[p.row] == col + 1 and p.done == p.length
+            elif p.row in framed:
                 assert new_pads[p.row] == col - p.length and p.done == p.length
-                decoding[p.row] = (p.length, max(1, p.new - 1))
+                decoding[p.row] = (p.length, p.new - 1)
         assert all(pad >= 0 for pad in new_pads.values())
         assert all(col + s - 1 <= max_len - 1 for _, s in decoding.values())
         held = any(p.remaining == 1 for p in waiting if p.row not in framed)  # a last token waits
         assert took == min(share, remaining) or held  # the prompts take all of their share
         waiting = [p for p in waiting if p.row not in framed]
+        if not (decoding or framed):
+            continue  # no decode step: the column stays
+        assert col <= max_len - 1  # every row a decode step computes has a position at its column
         # one decode step: each row's position moves on, the finished rows leave
         decoding = {row: (q + 1, s - 1) for row, (q, s) in decoding.items() if s > 1}
         col += 1

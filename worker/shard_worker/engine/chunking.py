@@ -22,7 +22,13 @@ largest next position of the rows that decode (theirs, and the joiner's prompt l
 decoding row's padding moves by the same amount. Positions do not change, so neither does any KV
 or any answer. A frame is feasible when every row's remaining decode steps still end before
 maxModelLen columns; when it is not, the joiner's last token waits (its prompt all but computed)
-until enough rows have finished, and no younger joiner starts decoding before it.
+until enough rows have finished, and no younger joiner starts decoding before it. A joiner that
+may generate one token only takes it from its last chunk and decodes in no step: it is not framed
+(a prompt of maxModelLen tokens could never be: its decode column would be maxModelLen); its
+padding is set past the decode column, so the step's decode unit, which computes its row before
+the sequence ends, writes TRASH and reads nothing but itself, as for a parked row. When no row
+decodes beside such joiners, that unit runs at column 0: the decode column of a step stays below
+maxModelLen (every row it computes has a position there), and does not creep up.
 """
 
 from __future__ import annotations
@@ -76,17 +82,20 @@ def plan_step(prefills: list[Prefill], decoding: dict[int, tuple[int, int]], col
     decoding rows (row -> (next position, decode steps left)) at decode column `col`. Advances each
     prefill's `done`. Returns the chunks, the decode column after the joiners whose prompts end now
     are framed in, and the decoding rows' new paddings (row -> pad; the joiners' included: their
-    prompts end at that column)."""
+    prompts end at that column, or, for those whose one token is their last chunk's, it lies past it)."""
     left = prompt_tokens(budget, len(decoding))
     decoding = dict(decoding)
     chunks: list[Chunk] = []
     blocked = False  # an older joiner's last token waits: no younger one starts decoding before it
+    done: list[int] = []  # joiners whose only token is their last chunk's: they decode in no step
     for p in prefills:
         if left <= 0:
             break
         n = min(p.remaining, left)
         last = n == p.remaining
-        if last:
+        if last and p.new <= 1:
+            done.append(p.row)
+        elif last:
             rows = {**decoding, p.row: (p.length, max(1, p.new - 1))}
             framed = None if blocked else frame([q for q, _ in rows.values()], [s for _, s in rows.values()],
                                                 max_len)
@@ -98,4 +107,7 @@ def plan_step(prefills: list[Prefill], decoding: dict[int, tuple[int, int]], col
             chunks.append(Chunk(p.row, p.done, p.done + n, last))
             p.done += n
             left -= n
-    return chunks, col, {row: col - position for row, (position, _) in decoding.items()}
+    if done and not decoding:  # only rows that end now are computed by the decode step: any column will do
+        col = 0
+    pads = {row: col - position for row, (position, _) in decoding.items()}
+    return chunks, col, pads | {row: col + 1 for row in done}

@@ -15,6 +15,7 @@ from shard_contract.env import DECODE_GRAPHS_ENV
 
 from .conftest import make_plan
 from .pool import ContinuousJob, GenerateJob
+from .test_logprobs import check
 from .test_parallel import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -133,3 +134,19 @@ def test_a_sequence_preempted_while_its_prompt_is_computed_in_chunks_rejoins_and
     first_of_joiner = next(step for _, step, indices in tokens if 1 in indices)
     last_of_first = max(step for _, step, indices in tokens if 0 in indices)
     assert first_of_joiner > last_of_first
+
+
+def test_an_echo_request_preempted_mid_prompt_answers_its_whole_prompts_logprobs(pool, checkpoint, hf_model):
+    """The scenario above with a joiner that asks for its prompt's log-probabilities: preempted
+    before its first token, it has none of them yet (they come with that token), so it computes
+    them again when it rejoins (it rejoined without them: an echo of no prompt)."""
+    model_dir = checkpoint("llama-4layers")
+    plan = make_plan(model_dir, 1, 1, max_len=64, batch=2)
+    first, joiner = _request(3, 8, 40), _request(11, 30, 8, prompt_logprobs=True, logprobs=1)
+    results = pool.run(_tiny_cache(plan, 4 * 16), model_dir,
+                       ContinuousJob([first], arrivals={1: [joiner]}, env={"SHARD_STEP_TOKENS": "2"}))
+    out = results[0]["output"].completions
+    kv = results[0]["kv"]
+    assert kv["preemptions"] >= 1 and kv["free"] == kv["blocks"]
+    check(out[1], joiner["prompt_ids"], hf_model(model_dir), 1, echo=True)
+

@@ -55,10 +55,12 @@ class SequenceState:
 
     def recompute(self) -> GenerateRequest:
         """What a preempted sequence rejoins as: its prompt and the tokens it generated, as one
-        prompt, for the new tokens it has left (its prompt's log-probabilities it has already)."""
+        prompt, for the new tokens it has left. Its prompt's log-probabilities (echo) came with its
+        first token: one preempted before it (mid-prompt) computes them again, from its prompt's
+        first token (no prefix-cache hit: `Blocks.reserve`)."""
         return self.request.model_copy(update={"prompt_ids": self.request.prompt_ids + self.tokens,
                                                "max_new_tokens": self.request.max_new_tokens - len(self.tokens),
-                                               "prompt_logprobs": False})
+                                               "prompt_logprobs": self.request.prompt_logprobs and not self.tokens})
 
     def fail(self, why: str) -> None:
         """This sequence ends with an error; the batch runs on. Every first-stage rank decides it

@@ -162,8 +162,8 @@ def _run_continuous(engine, job: ContinuousJob, texts) -> tuple[list, list[tuple
     def finished(seq, completion) -> None:
         events.append(("finished", steps[0], seq.index, seq.row))
 
-    def cancelled() -> list[int]:  # asked before admit() at each boundary
-        leaving = job.cancels.get(steps[0], [])
+    def cancelled() -> list[int]:  # asked before admit() at each boundary (a sequence not started: none)
+        leaving = [index for index in job.cancels.get(steps[0], []) if index < started[0]]
         events.extend(("cancel", steps[0], index) for index in leaving)
         return leaving
 

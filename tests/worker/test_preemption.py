@@ -150,3 +150,45 @@ def test_an_echo_request_preempted_mid_prompt_answers_its_whole_prompts_logprobs
     assert kv["preemptions"] >= 1 and kv["free"] == kv["blocks"]
     check(out[1], joiner["prompt_ids"], hf_model(model_dir), 1, echo=True)
 
+
+@pytest.mark.parametrize("seed", [31, 32, 33])
+def test_random_edge_requests_and_cancels_answer_as_alone_and_give_every_block_back(pool, checkpoint, seed):
+    """Seeded random arrivals of requests at the edges: a prompt of maxModelLen tokens for one new
+    token, prompts ending at a KV block boundary or one token past it, one new token, echo,
+    prompts sharing a prefix (up to all but their last token); clients leaving at random step
+    boundaries; a cache of eight blocks (preemptions, mid-prompt ones too) and a step budget of a
+    few tokens (chunks that ride with the decode steps). Every request that was not cancelled
+    answers as alone (its echo too), and every block comes back. (The harness runs one generate:
+    every arrival must join it, so the first two requests run long and the columns stay low.)"""
+    rng = random.Random(seed)
+    max_len = 64
+    model_dir = checkpoint("llama-4layers")
+    plan = make_plan(model_dir, 1, 1, max_len=max_len, batch=4)
+    shared = _request(rng.randrange(240), max_len, 1)["prompt_ids"]
+
+    def one() -> dict:
+        length, new = rng.choice([(max_len, 1), (48, 1), (16, 5), (32, 3), (17, 4), (33, 1),
+                                  (rng.randrange(2, 24), rng.randrange(1, 10))])
+        prompt = shared[:length] if rng.random() < 0.5 else _request(rng.randrange(240), length, 1)["prompt_ids"]
+        echo = {"prompt_logprobs": True, "logprobs": 1} if rng.random() < 0.3 else {}
+        return {"prompt_ids": prompt, "max_new_tokens": new, "ignore_eos": True, **echo}
+
+    first = [_request(rng.randrange(240), rng.randrange(2, 8), rng.randrange(40, 50)) for _ in range(2)]
+    arrivals: dict[int, list[dict]] = {}
+    for _ in range(6):
+        arrivals.setdefault(rng.randrange(0, 12), []).append(one())
+    cancels: dict[int, list[int]] = {}
+    for _ in range(2):  # a sequence index not started by then is not cancelled (pool.py)
+        cancels.setdefault(rng.randrange(1, 30), []).append(rng.randrange(8))
+    job = ContinuousJob(first, arrivals=arrivals, cancels=cancels, env={"SHARD_STEP_TOKENS": str(rng.randrange(2, 6))})
+    results = pool.run(_tiny_cache(plan, 8 * 16), model_dir, job)
+    kv = results[0]["kv"]
+    assert kv["free"] == kv["blocks"]
+    for done, request in zip(results[0]["output"].completions, results[0]["requests"], strict=True):
+        if done.finish_reason == "cancelled":
+            continue
+        [mine] = pool.run(plan, model_dir, GenerateJob([request], return_logits=False))[0]["output"].completions
+        assert done.token_ids == mine.token_ids
+        if request["prompt_logprobs"]:
+            assert done.prompt_logprobs[0] is None and mine.prompt_logprobs[0] is None
+            assert done.prompt_logprobs[1:] == pytest.approx(mine.prompt_logprobs[1:], abs=1e-4)

@@ -30,7 +30,8 @@
 #   6. the worker on CUDA (`-m cuda` of tests/worker/test_on_device.py: float32 = HF, bfloat16,
 #      memory vs plan, int8, offload, `shardctl run`), last: the longest and the oldest code.
 # Tests print each result as it comes (-v) and run under a per-test bound where pytest-timeout is
-# installed; a step past its bound gets SIGINT first (pytest then writes its junit XML and summary).
+# installed; a step past its bound gets SIGINT 4 s before its end (pytest then writes its failures,
+# summary and junit XML), then KILL, and fails (124). A bench child cut off keeps the batches it printed.
 # In $OUT: check.log (everything), env.log, tests-graphs.log/.xml, tests-device.log/.xml,
 # prepare-*.log, bench-*.log, gpu_bench-*.json (rewritten after each measurement), paged.log,
 # paged.json, ranks.log, ranks.json, summary.txt (rewritten after each step): a run cut off keeps
@@ -44,7 +45,17 @@
 #     (model/paged.py, kernel_options): the choice inductor's lowering requires, not yet seen
 #     compiled or timed on a GPU;
 #   - the device's image was seen with torch 2.11 (this repository is tested with 2.13): an API
-#     the worker uses that 2.11 lacks fails the step that calls it, with its traceback in the log.
+#     the worker uses that 2.11 lacks fails the step that calls it, with its traceback in the log;
+#   - a captured decode step (CUDA graphs) calls kernels compiled on their own (FlexAttention, the
+#     int8 product): each capture follows an uncaptured run of the same shapes, which compiles
+#     them, since a compile inside a capture fails (pytorch/pytorch#131782, #167639); a recompile
+#     that only the capture triggered would fail it. Those kernels are compiled with
+#     fullgraph=True, for which dynamo's recompile limit (8; 64 with int8) is a hard error (2.13): a
+#     process sees 3-4 variants of the attention kernel here (batch 1 and more, decode and chunks);
+#   - the worker tests come last and are the likeliest to be cut short (each test starts rank
+#     processes that compile and capture); each result is printed as it ends;
+#   - the benches' plans hold the KV cache their batches need, not 0.9 of the card (the GPU
+#     default): the step reads no unused block, but a pool that size is not exercised here.
 #
 # GPU_CHECK_DRY=1 runs the same steps on the CPU with tiny models, few tokens and batches and HF's
 # uncompiled cache; its test steps only collect the device's selection (-m cuda, which a CPU skips):

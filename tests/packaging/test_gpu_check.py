@@ -6,6 +6,7 @@ select the CUDA tests a device runs (collected here: a CPU would skip them)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -46,8 +47,10 @@ def test_the_dry_run_passes_every_step_and_keeps_its_figures(tmp_path):
         assert set(rows) == {(v, b) for v in ("bfloat16", "int8 compiled") for b in (1, 2)}
         for row in rows.values():
             assert row["measured_ms"] > 0 and row["predicted_ms"] > 0 and 0 < row["share_of_limit"]
-        # greedy from the same prompt: HF's peer gives our tokens
-        assert rows[("bfloat16", 1)]["hf_tokens_per_s"] > 0 and rows[("bfloat16", 1)]["same_first_tokens"] == 4
+        # greedy from the same prompt: HF's peer ran and gives our tokens (its figure is a difference
+        # of two timings of 4 and 1 tokens, which a busy CPU can make negative: not asserted)
+        assert math.isfinite(rows[("bfloat16", 1)]["hf_tokens_per_s"])
+        assert rows[("bfloat16", 1)]["same_first_tokens"] == 4
         assert report["results"]["int8 compiled"]["bytes"] < report["results"]["bfloat16"]["bytes"]
 
     ranks = json.loads((out / "ranks.json").read_text())

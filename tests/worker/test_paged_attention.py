@@ -147,6 +147,20 @@ def test_cuda_kernel_tiles_divide_the_masks_blocks(monkeypatch):
     assert tiles and all(paged.Q_BLOCK % m == 0 and BLOCK_SIZE % n == 0 for m, n in tiles), tiles
 
 
+def test_a_gpu_ranks_kernel_may_take_more_variants_than_dynamos_default(monkeypatch):
+    """Past dynamo's recompile limit a fullgraph=True kernel raises: a CUDA rank's (built here,
+    not run) raises the limit; a CPU rank's leaves it."""
+    import torch._dynamo.config as dynamo_config
+
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
+    monkeypatch.delitem(paged._compiled, "cpu", raising=False)
+    monkeypatch.delitem(paged._compiled, "cuda", raising=False)
+    paged._kernel(torch.device("cpu"))
+    assert dynamo_config.recompile_limit == 8
+    paged._kernel(torch.device("cuda"))
+    assert dynamo_config.recompile_limit >= paged.RECOMPILE_LIMIT
+
+
 def test_the_choice(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv(PAGED_ATTENTION_ENV, raising=False)

@@ -50,8 +50,9 @@
 #     int8 product): each capture follows an uncaptured run of the same shapes, which compiles
 #     them, since a compile inside a capture fails (pytorch/pytorch#131782, #167639); a recompile
 #     that only the capture triggered would fail it. Those kernels are compiled with
-#     fullgraph=True, for which dynamo's recompile limit (8; 64 with int8) is a hard error (2.13): a
-#     process sees 3-4 variants of the attention kernel here (batch 1 and more, decode and chunks);
+#     fullgraph=True, for which dynamo's recompile limit is a hard error (2.13; a CUDA rank raises
+#     it to 64): a process sees 3-4 variants of the attention kernel here (one row or more, decode
+#     step or chunk);
 #   - the worker tests come last and are the likeliest to be cut short (each test starts rank
 #     processes that compile and capture); each result is printed as it ends;
 #   - the benches' plans hold the KV cache their batches need, not 0.9 of the card (the GPU

@@ -152,13 +152,17 @@ def test_a_gpu_ranks_kernel_may_take_more_variants_than_dynamos_default(monkeypa
     not run) raises the limit; a CPU rank's leaves it."""
     import torch._dynamo.config as dynamo_config
 
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
     monkeypatch.delitem(paged._compiled, "cpu", raising=False)
     monkeypatch.delitem(paged._compiled, "cuda", raising=False)
-    paged._kernel(torch.device("cpu"))
-    assert dynamo_config.recompile_limit == 8
-    paged._kernel(torch.device("cuda"))
-    assert dynamo_config.recompile_limit >= paged.RECOMPILE_LIMIT
+    # config.patch, not monkeypatch: monkeypatch's undo deletes an attribute it found outside the
+    # module's __dict__, and dynamo's config lives there
+    before = dynamo_config.recompile_limit
+    with dynamo_config.patch(recompile_limit=8):
+        paged._kernel(torch.device("cpu"))
+        assert dynamo_config.recompile_limit == 8
+        paged._kernel(torch.device("cuda"))
+        assert dynamo_config.recompile_limit >= paged.RECOMPILE_LIMIT
+    assert dynamo_config.recompile_limit == before
 
 
 def test_the_choice(monkeypatch):

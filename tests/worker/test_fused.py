@@ -7,7 +7,9 @@ resident ones run fused, with logits that must be equal.
 
 Mixed steps too: a prompt chunk's tokens (each at its own position, crossing a KV block) fused on
 their own, and beside a decode step's rows in one pass (`Stage.forward_parts`), against the Python
-layers running the chunk and then the decode step.
+layers running the chunk and then the decode step; and random mixed passes as a continuous batch
+makes them (parked rows and rows past the column among the decoding ones, several chunks, after
+prefixes), bit for bit.
 
 And SwiGLU's product in C (`kernels.silu_mul`) against torch's F.silu(gate) * up."""
 
@@ -19,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shard_worker.model import fused, kernels
+from shard_worker.model import fused, kernels, paging
 from tests.support.checkpoints import write_checkpoint
 
 pytestmark = pytest.mark.skipif(kernels.LEVEL is None, reason="the decode kernels' extension is not built")
@@ -245,3 +247,66 @@ def test_silu_mul_keeps_nan_and_leaves_other_paths_to_torch():
     assert out[0, 0].isnan() and out[0, 1] == F.silu(torch.tensor(1.0)) * 3.0
     assert kernels.silu_mul(gate_up, level=None) is None
     assert kernels.silu_mul(gate_up.half()) is None
+
+
+def _random_pass(model_dir, dtype: torch.dtype, seed: int, together: bool):
+    """A random mixed pass as a continuous batch makes one: 1-3 decode rows (left-padded, or with
+    their padding past the column: a joiner whose one token came from its chunk) with the rows
+    between them parked, and chunks of 1-2 other rows' prompts after a prefix of 0-25 positions
+    (a prefix-cache hit's, or earlier chunks'), each crossing KV blocks or not. The prefixes are
+    computed by the Python layers; then the pass, fused in one (`together`), else each part
+    through the Python layers. The decoding rows' hidden states, the chunks', and the cache."""
+    import random
+
+    from shard_worker.engine.sequences import PARKED
+    from shard_worker.model.step import KVCache, Rotary, Step
+
+    rng = random.Random(seed)
+    stage, config, layout = _stage(model_dir, dtype, "none", False)
+    cpu, rows, length = torch.device("cpu"), 5, 80
+    cache = KVCache(config.num_layers, rows, layout.kv_heads, length, config.head_dim, dtype, cpu)
+    rotary, zero = Rotary(config, length, cpu), torch.zeros(rows, dtype=torch.int64)
+    generator = torch.Generator().manual_seed(seed)
+
+    def ids(n: int, s: int) -> torch.Tensor:
+        return torch.randint(0, SHAPE["vocab_size"], (n, s), generator=generator)
+
+    def step(r0, r1, c0, c1, pads, per_token=False):
+        return Step.build(r0, r1, c0, c1, pads, rotary, stage.windows, dtype, cpu, tables=cache.contiguous,
+                          starts=zero, per_token=per_token)
+
+    decoding = sorted(rng.sample(range(rows), rng.randint(1, 3)))
+    chunked = [r for r in range(rows) if r not in decoding][:rng.randint(1, 2)]
+    col = rng.randint(4, 30)
+    pads = torch.full((rows,), PARKED, dtype=torch.int64)
+    for r in decoding:
+        pads[r] = rng.randint(0, col - 1) if rng.random() < 0.75 else col + 1
+        stage.forward(ids(1, col), step(r, r + 1, 0, col, pads), cache)
+    spans = {}
+    for r in chunked:
+        start = rng.randint(0, 25)
+        if start:
+            stage.forward(ids(1, start), step(r, r + 1, 0, start, zero), cache)
+        spans[r] = (start, start + rng.randint(1, 20))
+    lo, hi = decoding[0], decoding[-1] + 1
+    parts = [(ids(1, b - a), step(r, r + 1, a, b, zero, per_token=True)) for r, (a, b) in spans.items()]
+    parts.append((ids(hi - lo, 1), step(lo, hi, col, col + 1, pads)))
+    stage.fused.enabled = together
+    outs = stage.forward_parts(parts, cache) if together else [stage.forward(x, s, cache) for x, s in parts]
+    return outs[:-1] + [outs[-1][[r - lo for r in decoding]]], cache, stage.ran
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(10))
+def test_random_mixed_passes_fused_in_one_compute_what_python_layers_do(model, dtype, seed):
+    """Random mixed passes (`_random_pass`), bit for bit: every part's hidden states (the decoding
+    rows'), and every KV block but the TRASH one (its slots are written by every row that has
+    nowhere else to write, in an order of no consequence)."""
+    ours, our_cache, ran = _random_pass(model, dtype, seed, together=True)
+    python, python_cache, _ = _random_pass(model, dtype, seed, together=False)
+    assert ran == SHAPE["num_layers"]  # one fused pass: each layer once for every part
+    for i, (a, b) in enumerate(zip(ours, python, strict=True)):
+        assert torch.equal(a, b), f"part {i}: hidden states differ (max {(a.float() - b.float()).abs().max()})"
+    kept = slice((paging.TRASH_BLOCK + 1) * paging.BLOCK_SIZE, None)
+    assert torch.equal(our_cache.k[..., kept, :], python_cache.k[..., kept, :])
+    assert torch.equal(our_cache.v[..., kept, :], python_cache.v[..., kept, :])

@@ -75,11 +75,11 @@ def test_a_failed_rank_or_an_unreachable_store_is_a_lost_group():
 def test_a_rank_whose_collective_failed_is_named_only_until_the_cause_shows():
     m = GroupMonitor(world_size=2, stale_seconds=5)
     m.observe({0: record(0, 1), 1: record(1, 1)}, now=0.0)
-    broken = record(0, 2, "broken", error="a collective failed: RuntimeError: Connection closed by peer")
+    broken = record(0, 2, "broken", error="RuntimeError: Connection closed by peer")
     m.observe({0: broken, 1: record(1, 1)}, now=1.0)  # rank 1 was killed at t=0+: its socket closed
     v = m.verdict(1.0)
     assert not v.alive
-    assert v.reason == "rank 0 lost its group: a collective failed: RuntimeError: Connection closed by peer"
+    assert v.reason == "rank 0 lost its group: RuntimeError: Connection closed by peer"
     m.observe({0: record(0, 7, "broken", error=broken.error), 1: record(1, 1)}, now=6.5)
     assert m.verdict(6.5).reason == "rank 1 has sent no heartbeat for 6.5 s (dead or hung)"
 

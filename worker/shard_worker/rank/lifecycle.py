@@ -179,7 +179,9 @@ class Rank:
                 worker.engine.follow()  # until the leader says shutdown
                 self._stop_serving(0)
         except Exception as err:  # noqa: BLE001 -- a collective failed, or this rank's engine raised: the group is lost
-            self.state, self.error = "broken", f"a collective failed: {first_line(err)}"
+            # the error as it is: a peer's death reads "RuntimeError: Connection closed by peer",
+            # this rank's own fault its own exception (it was worded "a collective failed" either way)
+            self.state, self.error = "broken", first_line(err)
             # the whole traceback, with the engine's note of the requests it held (`engine/diagnosis.py`):
             # a follower's own error is all the leader never sees
             log(rank, f"lost the group: {self.error}\n{traceback.format_exc().rstrip()}")

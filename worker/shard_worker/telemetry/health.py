@@ -87,7 +87,9 @@ class Record:
 
     rank: int
     seq: int  # rises by one each beat of the same incarnation
-    state: str  # loading | ready | failed (its own fault, e.g. a bad checkpoint) | broken (a collective failed)
+    # loading | ready | failed (its own fault, e.g. a bad checkpoint) | broken (the group is lost: a
+    # collective failed, or its engine raised)
+    state: str
     problems: list[str] = field(default_factory=list)
     error: str = ""
     report: dict[str, Any] | None = None

@@ -9,7 +9,8 @@ Mixed steps too: a prompt chunk's tokens (each at its own position, crossing a K
 their own, and beside a decode step's rows in one pass (`Stage.forward_parts`), against the Python
 layers running the chunk and then the decode step; and random mixed passes as a continuous batch
 makes them (parked rows and rows past the column among the decoding ones, several chunks, after
-prefixes), bit for bit.
+prefixes), bit for bit. A pass whose tables point outside the KV pool (or past their own rows and
+columns) raises before any C call (`fused.problem`).
 
 And SwiGLU's product in C (`kernels.silu_mul`) against torch's F.silu(gate) * up."""
 
@@ -310,3 +311,43 @@ def test_random_mixed_passes_fused_in_one_compute_what_python_layers_do(model, d
     kept = slice((paging.TRASH_BLOCK + 1) * paging.BLOCK_SIZE, None)
     assert torch.equal(our_cache.k[..., kept, :], python_cache.k[..., kept, :])
     assert torch.equal(our_cache.v[..., kept, :], python_cache.v[..., kept, :])
+
+
+def test_tables_that_point_outside_the_pool_or_their_rows_raise_before_any_c_call(model):
+    """The once-a-pass bounds check (`fused.problem`): a write or read slot outside the pool, a
+    token's row of reads past the table, a column past the read width, a first column past its
+    token's, tables of different lengths: each said, and a pass whose step has a write slot past
+    the pool raises in `ready` (the C layer, which checks none of the slots, never sees it)."""
+    import dataclasses
+
+    from shard_worker.model.step import KVCache, Rotary, Step
+
+    stage, config, layout = _stage(model, torch.float32, "none", True)
+    cpu = torch.device("cpu")
+    cache = KVCache(config.num_layers, 2, layout.kv_heads, 32, config.head_dim, torch.float32, cpu)
+    rotary, zeros = Rotary(config, 32, cpu), torch.zeros(2, dtype=torch.int64)
+
+    def decode() -> Step:
+        return Step.build(0, 2, 5, 6, zeros, rotary, stage.windows, torch.float32, cpu, tables=cache.contiguous,
+                          starts=zeros)
+
+    x, slots = torch.zeros(2, 1, SHAPE["hidden_size"]), cache.k.shape[-2]
+    assert stage.fused.ready(x, decode(), cache)
+    good = decode()
+    t = fused.tables([(2, 1, good, *cache.maps(good))])
+    assert fused.problem(t, slots) is None
+    width = t.reads.shape[1]
+    bad = {"write slot outside the pool": dataclasses.replace(t, writes=t.writes + slots - 1),
+           "read slot outside the pool": dataclasses.replace(t, reads=t.reads - int(t.reads.min()) - 1),
+           "reads row 2 of 2 rows": dataclasses.replace(t, srow=t.srow + 1),
+           "reads 6 wide": dataclasses.replace(t, cols=t.cols + 1, col=t.col + 1),
+           "past its token's column": dataclasses.replace(t, firsts={w: f + 6 for w, f in t.firsts.items()}),
+           "1 write slots": dataclasses.replace(t, writes=t.writes[:1])}
+    assert width == 6
+    for what, table in bad.items():
+        assert what in (fused.problem(table, slots) or ""), what
+    wrong = decode()
+    wrong.writes = cache.maps(wrong)[1] + slots  # an engine bug: a slot past the pool
+    with pytest.raises(ValueError, match="tables of this pass are wrong: a write slot outside the pool"):
+        stage.fused.ready(x, wrong, cache)
+    assert stage.ran == 0

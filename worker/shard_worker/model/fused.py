@@ -132,6 +132,33 @@ def tables(parts: list[tuple[int, int, StepTables, torch.Tensor, torch.Tensor]])
                   torch.tensor(ends, dtype=torch.int64))
 
 
+def problem(t: Tables, slots: int) -> str | None:
+    """What is wrong with a pass's tables for a pool of `slots` KV slots, or None. The C layer checks
+    each token's columns against `col` and the read width, but reads and writes a pool slot and a
+    row of `reads` where the tables say: an engine bug there would read or write outside the pool,
+    silently. Checked once a pass (not a layer), over the tables just built: O(their size)."""
+    n = t.tokens
+    rows, width = t.reads.shape
+    if not (t.cols.numel() == t.srow.numel() == t.writes.numel() == t.cos.shape[0] == t.sin.shape[0] == n
+            and all(f.numel() == n for f in t.firsts.values())):
+        return (f"{n} tokens, but {t.cols.numel()} columns, {t.srow.numel()} rows of reads, {t.writes.numel()} "
+                f"write slots, {t.cos.shape[0]} ropes, first columns {[f.numel() for f in t.firsts.values()]}")
+    for name, table in (("read", t.reads), ("write", t.writes)):
+        lo, hi = torch.aminmax(table)
+        if lo < 0 or hi >= slots:
+            return f"a {name} slot outside the pool of {slots} slots ({int(lo)} to {int(hi)})"
+    lo, hi = torch.aminmax(t.srow)
+    if lo < 0 or hi >= rows:
+        return f"a token reads row {int(lo) if lo < 0 else int(hi)} of {rows} rows of read slots"
+    lo, hi = torch.aminmax(t.cols)
+    if lo < 0 or hi >= width or hi != t.col:
+        return f"token columns {int(lo)} to {int(hi)} (the pass's column {t.col}) for reads {width} wide"
+    for window, first in t.firsts.items():
+        if bool(((first < 0) | (first > t.cols)).any()):
+            return f"a first column (window {window}) below 0 or past its token's column"
+    return None
+
+
 if kernels._gemv is not None and ctypes.sizeof(LayerPlan) != kernels._gemv.LAYER_PLAN_SIZE:
     raise ImportError(f"fused.LayerPlan ({ctypes.sizeof(LayerPlan)} bytes) does not mirror the C LayerPlan "
                       f"({kernels._gemv.LAYER_PLAN_SIZE}): rebuild shard_worker._gemv")
@@ -179,8 +206,12 @@ class FusedDecode:
         maps = [cache.maps(step) for _, step in parts]
         if any(reads.device.type != "cpu" for reads, _ in maps):
             return False
-        self._tables = tables([(x.shape[0], x.shape[1], step, reads, writes)
-                               for (x, step), (reads, writes) in zip(parts, maps, strict=True)])
+        t = tables([(x.shape[0], x.shape[1], step, reads, writes)
+                    for (x, step), (reads, writes) in zip(parts, maps, strict=True)])
+        wrong = problem(t, cache.k.shape[-2])  # the pool [layers, kv_heads, slots, head_dim]
+        if wrong is not None:
+            raise ValueError(f"the fused layers' tables of this pass are wrong: {wrong}")
+        self._tables = t
         return True
 
     def covers(self, layers: list[Any], dtype: torch.dtype) -> bool:

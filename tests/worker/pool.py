@@ -110,6 +110,7 @@ def _run(env_json: str, plan_json: str, job: Any) -> dict:
         else:
             worker.engine.follow()
         result["output"] = worker.engine.last_output
+        result["merged_passes"] = worker.stage.merged_passes  # chunks that rode with a decode step in one pass
         return result
     finally:
         worker.close()

@@ -66,6 +66,7 @@ class Stage:
                                           weight=shared)
         self.windows = {c.sliding_windows[i] for i in range(*layout.layers)}
         self.fused = FusedDecode(comm)
+        self.merged_passes = 0  # passes of several parts run as one fused pass (`forward_parts`)
 
     def forward(self, x: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
         """Token ids [N, S] (first stage) or hidden states [N, S, H] -> hidden states [N, S, H]."""
@@ -97,6 +98,7 @@ class Stage:
                                    and self.fused.covers(self.layers, xs[0].dtype)):
             return [self._layers(x, step, cache) for x, (_, step) in zip(xs, parts, strict=True)]
         hidden = torch.cat([x.reshape(-1, x.shape[-1]) for x in xs])  # its own copy, updated in place
+        self.merged_passes += 1
         for slot, layer in enumerate(self.layers):
             self.fused.run(layer, slot, hidden)
         return [h.view(x.shape) for h, x in zip(hidden.split([x.shape[0] * x.shape[1] for x in xs]), xs, strict=True)]

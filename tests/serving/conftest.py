@@ -194,9 +194,9 @@ KILLERS = [
 ]
 
 
-def answered_while_another_runs(server: Server, body: dict) -> httpx.Response:
-    """`body`'s answer, sent while a long streaming completion runs; that one completes after it,
-    and the group is the same processes, healthy."""
+def answered_while_another_runs(server: Server, body: dict, runs_on: bool = True) -> httpx.Response:
+    """`body`'s answer, sent while a long streaming completion runs; that one completes (after it,
+    with `runs_on`), and the group is the same processes, healthy."""
     ranks = server.ranks()
     stream = InFlight(server.url, max_tokens=100, headers=server.headers)
     stream.start()
@@ -204,7 +204,7 @@ def answered_while_another_runs(server: Server, body: dict) -> httpx.Response:
     response = server.post("/v1/completions", body)
     answered = time.monotonic()
     stream.join(120)
-    assert len(stream.token_ids()) == 100 and stream.ended > answered  # it ran on, and to its end
+    assert len(stream.token_ids()) == 100 and (stream.ended > answered or not runs_on)  # it ran on, to its end
     assert server.proc.poll() is None and server.ranks() == ranks, server.rank_logs()  # no rank restarted
     assert get(server.url + "/health").status_code == 200
     return response
@@ -220,3 +220,53 @@ def check_killer(server: Server, body: dict, status: int, param: str | None) -> 
     else:
         assert response.json()["error"]["type"] == "invalid_request_error"
         assert response.json()["error"]["param"] == param
+
+
+# Edge requests an adversarial review of the mixed step found (c12e9f8, a932f24): prompts of
+# maxModelLen and maxModelLen - 1 tokens for one token (the first hung its group beside a running
+# batch), maxModelLen - 1 for two (its second token is decoded at the last column, so no frame holds
+# it beside the stream's remaining tokens: its last token waits until the stream is at its end,
+# chunking.py, and is answered with it or after it), a prompt that ends at a KV block boundary (16
+# tokens), echo with logprobs of a long prompt, n > 1 of a long prompt. Each joins a running
+# stream, so the CPU's step budget (16 tokens) computes its prompt in chunks; each answers as it
+# does alone. Every prompt is its own (no prefix cache hit from another entry).
+EDGES = ["max-len-for-1", "max-len-less-1-for-1", "max-len-less-1-for-2", "block-boundary", "echo-logprobs",
+         "n-3"]
+
+
+def edge_body(name: str, max_len: int) -> dict:
+    salt = EDGES.index(name)
+
+    def prompt(length: int) -> list[int]:
+        return [(17 * i + 31 * salt + 5) % 500 + 3 for i in range(length)]
+
+    return {"temperature": 0, "ignore_eos": True, **{
+        "max-len-for-1": {"prompt": prompt(max_len), "max_tokens": 1},
+        "max-len-less-1-for-1": {"prompt": prompt(max_len - 1), "max_tokens": 1},
+        "max-len-less-1-for-2": {"prompt": prompt(max_len - 1), "max_tokens": 2},
+        "block-boundary": {"prompt": prompt(48), "max_tokens": 8},
+        "echo-logprobs": {"prompt": prompt(max_len // 2 + 7), "max_tokens": 4, "echo": True, "logprobs": 3},
+        "n-3": {"prompt": prompt(max_len // 2 + 3), "max_tokens": 6, "n": 3, "temperature": 0.8, "seed": 5},
+    }[name]}
+
+
+def check_edge(server: Server, name: str, max_len: int) -> None:
+    """The edge request `name` joins a running stream, is answered (the stream runs to its end, the
+    same ranks serve), and answers as it does alone (its log-probabilities within float32 rounding:
+    alone, the prefix cache holds its prompt's full blocks)."""
+    body = edge_body(name, max_len)
+    response = answered_while_another_runs(server, body, runs_on=name != "max-len-less-1-for-2")
+    assert response.status_code == 200, response.text
+    joined, alone = response.json()["choices"], server.complete(**body)["choices"]
+    assert len(joined) == body.get("n", 1)
+    for got, expected in zip(joined, alone, strict=True):
+        assert len(got["token_ids"]) == body["max_tokens"] and got["finish_reason"] == "length"
+        assert [got[k] for k in ("index", "token_ids", "text")] == [expected[k] for k in ("index", "token_ids", "text")]
+        if body.get("logprobs") is None:
+            continue
+        ours, theirs = got["logprobs"], expected["logprobs"]
+        assert len(ours["tokens"]) == len(body["prompt"]) + body["max_tokens"]  # echo: the prompt's too
+        assert (ours["tokens"], ours["text_offset"]) == (theirs["tokens"], theirs["text_offset"])
+        assert ours["token_logprobs"] == pytest.approx(theirs["token_logprobs"], abs=1e-4)
+        for a, b in zip(ours["top_logprobs"], theirs["top_logprobs"], strict=True):
+            assert (a is None and b is None) or (a.keys() == b.keys() and a == pytest.approx(b, abs=1e-4))

@@ -19,7 +19,7 @@ from shard_worker.telemetry.metrics import FAMILIES
 from shard_worker.telemetry.rankmetrics import LEADER_FAMILIES
 from tests.support.processes import alive, children, cmdline, rank_port
 
-from .conftest import KILLERS, check_killer, get, shardctl_run, sharded_model_yaml, wait_for
+from .conftest import EDGES, KILLERS, check_edge, check_killer, get, shardctl_run, sharded_model_yaml, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -235,6 +235,11 @@ def test_bad_input_is_refused_with_an_openai_error_and_the_server_keeps_serving(
 @pytest.mark.parametrize("body,status,param", KILLERS)
 def test_requests_that_once_failed_the_group_are_answered_while_another_runs(server, body, status, param):
     check_killer(server, body, status, param)
+
+
+@pytest.mark.parametrize("name", EDGES)
+def test_edge_requests_that_join_a_running_stream_answer_as_alone(server, name):
+    check_edge(server, name, 256)
 
 
 def test_models_and_shards(server):

@@ -18,7 +18,7 @@ from schemathesis.checks import not_a_server_error
 from shard_contract.wire import SEED_MAX, SEED_MIN, TEMPERATURE_MAX
 from tests.support.processes import rank_port
 
-from .conftest import KILLERS, check_killer, get, shardctl_run, sharded_model_yaml
+from .conftest import EDGES, KILLERS, check_edge, check_killer, get, shardctl_run, sharded_model_yaml
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +43,11 @@ def group(tiny_model, tmp_path_factory):
 @pytest.mark.parametrize("body,status,param", KILLERS)
 def test_requests_that_once_failed_the_group_are_answered_while_another_runs(group, body, status, param):
     check_killer(group, body, status, param)
+
+
+@pytest.mark.parametrize("name", EDGES)
+def test_edge_requests_that_join_a_running_stream_answer_as_alone(group, name):
+    check_edge(group, name, MAX_LEN)
 
 
 def test_the_openai_routes_need_the_key_and_the_probes_do_not(group):

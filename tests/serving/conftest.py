@@ -194,14 +194,15 @@ KILLERS = [
 ]
 
 
-def answered_while_another_runs(server: Server, body: dict, runs_on: bool = True) -> httpx.Response:
-    """`body`'s answer, sent while a long streaming completion runs; that one completes (after it,
-    with `runs_on`), and the group is the same processes, healthy."""
+def answered_while_another_runs(server: Server, body: dict, runs_on: bool = True,
+                                path: str = "/v1/completions") -> httpx.Response:
+    """`body`'s answer (at `path`), sent while a long streaming completion runs; that one completes
+    (after it, with `runs_on`), and the group is the same processes, healthy."""
     ranks = server.ranks()
     stream = InFlight(server.url, max_tokens=100, headers=server.headers)
     stream.start()
     assert stream.started.wait(60) and stream.ended is None
-    response = server.post("/v1/completions", body)
+    response = server.post(path, body)
     answered = time.monotonic()
     stream.join(120)
     assert len(stream.token_ids()) == 100 and (stream.ended > answered or not runs_on)  # it ran on, to its end
@@ -227,26 +228,38 @@ def check_killer(server: Server, body: dict, status: int, param: str | None) -> 
 # batch), maxModelLen - 1 for two (its second token is decoded at the last column, so no frame holds
 # it beside the stream's remaining tokens: its last token waits until the stream is at its end,
 # chunking.py, and is answered with it or after it), a prompt that ends at a KV block boundary (16
-# tokens), echo with logprobs of a long prompt, n > 1 of a long prompt. Each joins a running
-# stream, so the CPU's step budget (16 tokens) computes its prompt in chunks; each answers as it
-# does alone. Every prompt is its own (no prefix cache hit from another entry).
+# tokens), echo with logprobs of a long prompt, n > 1 of a long prompt, stop strings, and a chat
+# answer under a JSON schema (response_format). Each joins a running stream, so the CPU's step
+# budget (16 tokens) computes its prompt in chunks (on one stage, riding with the stream's decode
+# row in one pass); each answers as it does alone. Every prompt is its own (no prefix cache hit
+# from another entry).
 EDGES = ["max-len-for-1", "max-len-less-1-for-1", "max-len-less-1-for-2", "block-boundary", "echo-logprobs",
-         "n-3"]
+         "n-3", "stop-strings", "json-schema"]
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
 
 
-def edge_body(name: str, max_len: int) -> dict:
+def edge_request(name: str, max_len: int) -> tuple[str, dict]:
+    """The edge request `name` for a group of `max_len`: its route and body."""
     salt = EDGES.index(name)
 
     def prompt(length: int) -> list[int]:
         return [(17 * i + 31 * salt + 5) % 500 + 3 for i in range(length)]
 
-    return {"temperature": 0, "ignore_eos": True, **{
+    if name == "json-schema":
+        words = " ".join(f"item {i} of the long list," for i in range(max_len // 40))
+        return "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": f"Describe a person as JSON after reading {words}"}],
+            "max_tokens": 24, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}}
+    return "/v1/completions", {"temperature": 0, "ignore_eos": True, **{
         "max-len-for-1": {"prompt": prompt(max_len), "max_tokens": 1},
         "max-len-less-1-for-1": {"prompt": prompt(max_len - 1), "max_tokens": 1},
         "max-len-less-1-for-2": {"prompt": prompt(max_len - 1), "max_tokens": 2},
         "block-boundary": {"prompt": prompt(48), "max_tokens": 8},
         "echo-logprobs": {"prompt": prompt(max_len // 2 + 7), "max_tokens": 4, "echo": True, "logprobs": 3},
         "n-3": {"prompt": prompt(max_len // 2 + 3), "max_tokens": 6, "n": 3, "temperature": 0.8, "seed": 5},
+        "stop-strings": {"prompt": prompt(max_len // 2 + 5), "max_tokens": 12, "stop": ["e", "a"]},
     }[name]}
 
 
@@ -254,17 +267,24 @@ def check_edge(server: Server, name: str, max_len: int) -> None:
     """The edge request `name` joins a running stream, is answered (the stream runs to its end, the
     same ranks serve), and answers as it does alone (its log-probabilities within float32 rounding:
     alone, the prefix cache holds its prompt's full blocks)."""
-    body = edge_body(name, max_len)
-    response = answered_while_another_runs(server, body, runs_on=name != "max-len-less-1-for-2")
+    path, body = edge_request(name, max_len)
+    response = answered_while_another_runs(server, body, runs_on=name != "max-len-less-1-for-2", path=path)
     assert response.status_code == 200, response.text
-    joined, alone = response.json()["choices"], server.complete(**body)["choices"]
+    again = server.post(path, body)
+    assert again.status_code == 200, again.text
+    joined, alone = response.json()["choices"], again.json()["choices"]
     assert len(joined) == body.get("n", 1)
     for got, expected in zip(joined, alone, strict=True):
-        assert len(got["token_ids"]) == body["max_tokens"] and got["finish_reason"] == "length"
-        assert [got[k] for k in ("index", "token_ids", "text")] == [expected[k] for k in ("index", "token_ids", "text")]
+        ours, theirs = got.pop("logprobs", None), expected.pop("logprobs", None)
+        assert got == expected
+        if name == "stop-strings":  # met: the text ends before it
+            assert got["finish_reason"] == "stop" and not {"e", "a"} & set(got["text"])
+        elif name == "json-schema":  # the grammar held
+            assert got["message"]["content"].startswith("{")
+        else:
+            assert len(got["token_ids"]) == body["max_tokens"] and got["finish_reason"] == "length"
         if body.get("logprobs") is None:
             continue
-        ours, theirs = got["logprobs"], expected["logprobs"]
         assert len(ours["tokens"]) == len(body["prompt"]) + body["max_tokens"]  # echo: the prompt's too
         assert (ours["tokens"], ours["text_offset"]) == (theirs["tokens"], theirs["text_offset"])
         assert ours["token_logprobs"] == pytest.approx(theirs["token_logprobs"], abs=1e-4)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from shard_contract.plan import Plan
 from shard_operator.api import SpecError, parse_spec
-from shard_operator.planning import Costs, PlanError, plan, resolve_request
+from shard_operator.planning import Costs, PlanError, kvcache, plan, resolve_request
 from shard_operator.planning.inventory import (
     FILE_GBPS,
     HOST_GBPS,
@@ -26,6 +26,7 @@ from shard_operator.planning.offload import spread
 from shard_operator.planning.profile import profile_from_config
 from shard_operator.planning.replan import choose_plan
 from shard_operator.planning.sizing import (
+    kv_token_bytes,
     layer_copied_bytes,
     layer_read_bytes,
     layer_streamed_bytes,
@@ -269,7 +270,8 @@ def test_auto_streams_only_when_holding_every_layer_places_fewer_replicas(case):
 @given(case=cases(), policy=st.sampled_from(["auto", "always"]))
 def test_every_rank_fits_its_device_and_its_host_budget(case, policy):
     profile, inventory, parallelism, prefetch, host = case
-    result = _plan_or_none(profile, _spec(policy, parallelism, prefetch, host), inventory)
+    s = _spec(policy, parallelism, prefetch, host)
+    result = _plan_or_none(profile, s, inventory)
     if result is None:
         return
     assert [layer for r in result.group(0) if r.tp_rank == 0 for layer in range(*r.layers)] == \
@@ -289,9 +291,21 @@ def test_every_rank_fits_its_device_and_its_host_budget(case, policy):
         assert in_host == 0 if r.kind == "cpu" else (host is None or in_host <= host)
         if policy == "auto":  # it keeps every layer it can: one more resident would not fit its stage
             smallest = min(p.usable_bytes for p in result.group(r.replica) if p.stage == r.stage)
-            assert (len(o.layers) > o.prefetch or not copied) and r.predicted_bytes.total + layer > smallest
+            held = r.predicted_bytes.total - r.predicted_bytes.kv_cache + kv_room(profile, result, r, s)
+            assert (len(o.layers) > o.prefetch or not copied) and held + layer > smallest
         else:
             assert o.layers == list(range(*r.layers))
+
+
+def kv_room(profile, result, r, s) -> int:
+    """The KV cache a rank's stage must leave room for: on a GPU (0.9 of the free memory by
+    default) a whole sequence in that share, however little the group's smallest rank then gives
+    every rank; on a CPU the reservation it holds."""
+    if r.kind != "gpu":
+        return r.predicted_bytes.kv_cache
+    request = resolve_request(profile, s, "gpu")
+    per_token = kv_token_bytes(profile, result.tensor_parallel, r.layers[1] - r.layers[0], request.dtype)
+    return per_token * kvcache.fit_tokens(kvcache.kv_policy(request, "gpu"), request)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -30,15 +30,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from . import recompiles
 from .quant import fake_quantize_activations
 
 ENV = "SHARD_INT8_CUDA"
 MODES = ("compiled", "int8pack", "dequant")
 FUSED_ROWS = 8  # rows of x one compiled call takes (decode's batch buckets up to 8); more: dequant
 DEQUANT_CHUNK_BYTES = 8 * 2**20  # int8 rows dequantized at once on the reference path
-# Decode compiles one variant per (rows, weight shape): a model's four projection shapes times
-# the batch buckets up to 8, beyond dynamo's default of 8 recompiles of one function.
-RECOMPILE_LIMIT = 64
 
 
 def cuda_mode() -> str:
@@ -78,9 +76,7 @@ def compiled() -> Callable[..., torch.Tensor]:
     """`fused` compiled (once a process; a variant per shape, so decode's kernels are static)."""
     global _compiled
     if _compiled is None:
-        import torch._dynamo.config as dynamo_config
-
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+        recompiles.allow()  # a variant per (rows, weight shape)
         _compiled = torch.compile(fused, dynamic=False, fullgraph=True)
     return _compiled
 

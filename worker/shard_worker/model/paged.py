@@ -48,7 +48,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from shard_contract.env import PAGED_ATTENTION_ENV
 from shard_contract.sharding import MASK_QUERY_BLOCK
 
-from . import kernels
+from . import kernels, recompiles
 from .paging import BLOCK_SIZE, TRASH_BLOCK
 
 # query columns a mask block: a decode step's one, a chunk's in 128s (Triton's BLOCK_M divides it)
@@ -190,22 +190,9 @@ def _kernel(device: torch.device) -> Attend:
         # rows only); the block size and pool stay static
         _compiled[kind] = torch.compile(flex_attention, dynamic=True, fullgraph=True)
         if kind == "cuda":  # every attention pass of a GPU rank comes here (a CPU rank's rarely)
-            _allow_variants()
+            recompiles.allow()  # batches and chunk lengths vary as it serves
     return _compiled[kind]
 
-
-RECOMPILE_LIMIT = 64
-
-
-def _allow_variants() -> None:
-    """Dynamic shapes still specialise a size of 1 (a batch of one row, a decode step's one query
-    column) and size coincidences (rows = KV heads, say): a serving rank meets a few variants more
-    as its batches vary. Past dynamo's recompile_limit (8) a fullgraph=True function raises
-    (torch 2.13's convert_frame: FailOnRecompileLimitHit), which would end the rank's step loop;
-    int8mm raises the same limit for its products."""
-    import torch._dynamo.config as dynamo_config
-
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
 
 
 def in_place(device: torch.device) -> bool:
